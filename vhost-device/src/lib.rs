@@ -1,0 +1,28 @@
+//! vhost-user backend of the virtio-dmlc allreduce device.
+//!
+//! One process serves every member of a group: the VM on socket `i` is rank
+//! `i`. Requests popped from each member's virtqueues are matched into
+//! collectives by [`group::Group`], and the last member to arrive runs the
+//! collective straight over the members' guest memory ([`datapath`]).
+//!
+//! Module map:
+//! - [`reduce`]: element-wise reduction kernels over raw memory;
+//! - [`datapath`]: chunked single-copy reduce and copy over scatter-gather lists;
+//! - [`chain`]: parsing and checking one descriptor chain into a request;
+//! - [`group`]: matching, ordering, generations, timeouts, running collectives;
+//! - [`metrics`]: counters and their Prometheus text form;
+//! - [`backend`]: the `VhostUserBackend` of one member;
+//! - [`config`]: command-line options and the daemon's configuration;
+//! - [`daemon`]: the per-socket serve loops and the metrics endpoint.
+
+pub mod backend;
+pub mod chain;
+pub mod config;
+pub mod daemon;
+pub mod datapath;
+pub mod group;
+pub mod metrics;
+pub mod reduce;
+
+/// Guest memory as the backend sees it (no dirty-page bitmap).
+pub type GuestMem = vm_memory::GuestMemoryMmap<()>;
