@@ -1,1 +1,1052 @@
-//! (being written)
+//! Parsing and checking one descriptor chain into a request.
+//!
+//! The chain of one request is
+//! `[header (R)] [input segments (R)*] [output segments (W)*] [response (W)]`.
+//! [`parse`] walks it once, resolves every data segment to host memory
+//! (checking that each range lies inside guest memory), reads the header,
+//! and applies the checks in the order the spec gives: chain structure,
+//! opcode/dtype/op known, op valid for dtype, flags and root, size overflow,
+//! size limits, and finally the buffer lengths. A request that fails is
+//! returned as a [`Rejected`] that still knows where its response goes, if
+//! that could be found.
+
+use std::ptr::NonNull;
+
+use virtio_dmlc::{
+    bad, buffer_elems, too_big, unsupported, Dtype, Opcode, ReduceOp, Status, VirtioDmlcReq,
+    FLAGS_KNOWN, FLAG_IN_PLACE, REQ_HEADER_SIZE, RESP_SIZE,
+};
+use virtio_queue::desc::split::Descriptor;
+use virtio_queue::DescriptorChain;
+use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
+use zerocopy::FromBytes;
+
+use crate::datapath::HostSeg;
+use crate::GuestMem;
+
+/// Limits and group facts that the checks need.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    pub world_size: u32,
+    /// This member's rank.
+    pub rank: u32,
+    pub max_segments: u32,
+    pub max_bytes: u64,
+}
+
+/// Why a chain was rejected.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ChainError {
+    /// No writable response descriptor of the right size ends the chain,
+    /// so no status can be reported.
+    #[error("chain has no response descriptor")]
+    NoResponse,
+    /// `STATUS_BAD_REQUEST` with a `bad::*` reason.
+    #[error("malformed request: {}", bad::describe(*.0))]
+    BadRequest(u32),
+    /// `STATUS_UNSUPPORTED` with an `unsupported::*` reason.
+    #[error("unsupported request (reason {0})")]
+    Unsupported(u32),
+    /// `STATUS_TOO_BIG` with a `too_big::*` reason.
+    #[error("request too big (reason {0})")]
+    TooBig(u32),
+}
+
+impl ChainError {
+    /// The status and detail to report, or `None` when none can be.
+    pub fn status_detail(self) -> Option<(Status, u32)> {
+        match self {
+            ChainError::NoResponse => None,
+            ChainError::BadRequest(d) => Some((Status::BadRequest, d)),
+            ChainError::Unsupported(d) => Some((Status::Unsupported, d)),
+            ChainError::TooBig(d) => Some((Status::TooBig, d)),
+        }
+    }
+}
+
+/// A chain that failed its checks.
+#[derive(Clone, Copy, Debug, thiserror::Error)]
+#[error("request {head} rejected")]
+pub struct Rejected {
+    /// Head descriptor index, for the used ring.
+    pub head: u16,
+    /// Where the response goes, if the chain has a usable response descriptor.
+    pub response: Option<GuestAddress>,
+    /// Total length of the chain's device-writable descriptors: the used
+    /// length when a response is written.
+    pub writable_len: u32,
+    /// The opcode, if the header could be read and the opcode is known.
+    pub opcode: Option<Opcode>,
+    #[source]
+    pub error: ChainError,
+}
+
+/// A checked request of one member.
+#[derive(Debug)]
+pub struct Request {
+    /// Head descriptor index, for the used ring.
+    pub head: u16,
+    /// The header as read from guest memory (once).
+    pub header: VirtioDmlcReq,
+    pub opcode: Opcode,
+    /// `None` for barrier (which ignores it).
+    pub dtype: Option<Dtype>,
+    /// `None` for opcodes without a reduction.
+    pub op: Option<ReduceOp>,
+    pub root: u32,
+    pub count: u64,
+    /// Byte offset of this member's input inside the output buffer, when in place.
+    pub in_place_offset: Option<usize>,
+    /// Input segments (empty when in place), in chain order. Every segment
+    /// is a whole number of elements.
+    pub inputs: Vec<HostSeg>,
+    /// Output segments, in chain order, whole elements as for `inputs`.
+    pub outputs: Vec<HostSeg>,
+    /// Elements that a memory-region boundary cuts in two; the segment
+    /// lists point to their private copies.
+    pub bounces: Vec<Bounce>,
+    /// Total length of the chain's device-writable descriptors (outputs
+    /// and response): the used length whatever the status.
+    pub writable_len: u32,
+    /// Where the response goes.
+    pub response: GuestAddress,
+}
+
+impl Request {
+    /// Bytes of one element (0 for barrier).
+    pub fn elem_size(&self) -> usize {
+        self.dtype.map_or(0, Dtype::size)
+    }
+
+    /// `count` elements in bytes. Fits: checked against `max_bytes` at parse time.
+    pub fn count_bytes(&self) -> usize {
+        self.count as usize * self.elem_size()
+    }
+}
+
+/// Largest element size.
+const MAX_ELEM: usize = 8;
+
+/// A private copy of one element whose bytes lie in two (or more) guest
+/// memory regions, which are not adjacent in this process. The segment
+/// list holds the copy in the element's place; [`Bounce::fill`] loads it
+/// from the guest before the collective, [`Bounce::flush`] stores it back
+/// after.
+#[derive(Debug)]
+pub struct Bounce {
+    /// Owned heap buffer of `MAX_ELEM` bytes, only touched through raw
+    /// pointers (the data path writes it through its `HostSeg`).
+    buf: NonNull<[u8; MAX_ELEM]>,
+    /// The element's bytes in guest memory, in order.
+    pieces: Vec<HostSeg>,
+    /// Part of the output segments (to be stored back).
+    pub output: bool,
+}
+
+// SAFETY: the buffer is owned by the Bounce. The group engine fills it
+// before a collective's data movement starts, the data path then uses it
+// through its HostSeg like any guest segment, and the engine flushes it
+// after the movement has finished; those phases are ordered by the
+// engine's synchronisation, so sharing the handle between threads is sound.
+unsafe impl Send for Bounce {}
+// SAFETY: as above.
+unsafe impl Sync for Bounce {}
+
+impl Bounce {
+    fn new(output: bool) -> Self {
+        Bounce {
+            buf: NonNull::from(Box::leak(Box::new([0u8; MAX_ELEM]))),
+            pieces: Vec::with_capacity(2),
+            output,
+        }
+    }
+
+    fn filled(&self) -> usize {
+        self.pieces.iter().map(|p| p.len).sum()
+    }
+
+    /// Where the private copy is.
+    pub fn ptr(&self) -> *mut u8 {
+        self.buf.as_ptr().cast()
+    }
+
+    /// Copies the element from guest memory into the private copy.
+    ///
+    /// # Safety
+    /// The guest memory the element was resolved from must still be mapped,
+    /// and nothing else may use the private copy meanwhile.
+    pub unsafe fn fill(&self) {
+        let mut at = 0;
+        for p in &self.pieces {
+            // SAFETY: the piece lies in mapped guest memory (caller's
+            // promise) and the copy has room for the whole element; guest
+            // memory never overlaps our heap.
+            unsafe { std::ptr::copy_nonoverlapping(p.ptr, self.ptr().add(at), p.len) };
+            at += p.len;
+        }
+    }
+
+    /// Copies the private copy back into guest memory.
+    ///
+    /// # Safety
+    /// As for [`Bounce::fill`].
+    pub unsafe fn flush(&self) {
+        let mut at = 0;
+        for p in &self.pieces {
+            // SAFETY: as in `fill`, in the other direction.
+            unsafe { std::ptr::copy_nonoverlapping(self.ptr().add(at), p.ptr, p.len) };
+            at += p.len;
+        }
+    }
+}
+
+impl Drop for Bounce {
+    fn drop(&mut self) {
+        // SAFETY: `buf` came from Box::leak in `new` and is freed only here.
+        drop(unsafe { Box::from_raw(self.buf.as_ptr()) });
+    }
+}
+
+/// A data descriptor, resolved.
+struct Data {
+    writable: bool,
+    len: u32,
+    segs: std::ops::Range<usize>,
+}
+
+/// Parses and checks the chain of member `limits.rank`.
+pub fn parse(chain: DescriptorChain<&GuestMem>, limits: &Limits) -> Result<Request, Rejected> {
+    let head = chain.head_index();
+    let mem: &GuestMem = chain.memory();
+    let mut descs: Vec<Descriptor> = Vec::new();
+    for d in chain.clone() {
+        descs.push(d);
+    }
+    // The iterator stops silently on a broken chain (bad index, loop, bad
+    // indirect table); the last descriptor then still says it has a next.
+    let broken = descs.last().is_none_or(Descriptor::has_next);
+    // The iterator keeps a chain under 4 GiB in total, so this fits.
+    let writable_len: u64 = descs
+        .iter()
+        .filter(|d| d.is_write_only())
+        .map(|d| u64::from(d.len()))
+        .sum();
+
+    let mut reject = Rejected {
+        head,
+        response: None,
+        writable_len: u32::try_from(writable_len).unwrap_or(u32::MAX),
+        opcode: None,
+        error: ChainError::NoResponse,
+    };
+
+    // The response: the last descriptor, writable, exactly RESP_SIZE bytes,
+    // inside guest memory. Without it there is no way to report anything.
+    let Some(last) = descs.last() else {
+        return Err(reject);
+    };
+    if !last.is_write_only()
+        || last.len() as usize != RESP_SIZE
+        || !range_in_memory(mem, last.addr(), RESP_SIZE as u64)
+    {
+        return Err(reject);
+    }
+    reject.response = Some(last.addr());
+    let fail = |mut r: Rejected, e: ChainError| {
+        r.error = e;
+        Err(r)
+    };
+    if broken {
+        // The descriptors seen may repeat (a loop): count only the response.
+        reject.writable_len = RESP_SIZE as u32;
+        return fail(reject, ChainError::BadRequest(bad::CHAIN));
+    }
+
+    // The header: the first descriptor, readable, exactly REQ_HEADER_SIZE bytes.
+    let first = descs[0];
+    if descs.len() < 2 || first.is_write_only() || first.len() as usize != REQ_HEADER_SIZE {
+        return fail(reject, ChainError::BadRequest(bad::HEADER));
+    }
+
+    // Data descriptors: readable ones first, then writable ones.
+    let middle = &descs[1..descs.len() - 1];
+    let mut seen_writable = false;
+    for d in middle {
+        if d.is_write_only() {
+            seen_writable = true;
+        } else if seen_writable {
+            return fail(reject, ChainError::BadRequest(bad::ORDER));
+        }
+    }
+
+    let mut buf = [0u8; REQ_HEADER_SIZE];
+    if mem.read_slice(&mut buf, first.addr()).is_err() {
+        return fail(reject, ChainError::BadRequest(bad::ADDRESS));
+    }
+    let Ok(header) = VirtioDmlcReq::read_from_bytes(&buf[..]) else {
+        return fail(reject, ChainError::BadRequest(bad::HEADER));
+    };
+
+    let mut segs: Vec<HostSeg> = Vec::with_capacity(middle.len());
+    let mut data: Vec<Data> = Vec::with_capacity(middle.len());
+    for d in middle.iter().filter(|d| d.len() != 0) {
+        let start = segs.len();
+        if resolve(mem, d.addr(), u64::from(d.len()), &mut segs).is_err() {
+            return fail(reject, ChainError::BadRequest(bad::ADDRESS));
+        }
+        data.push(Data {
+            writable: d.is_write_only(),
+            len: d.len(),
+            segs: start..segs.len(),
+        });
+    }
+
+    // Opcode, dtype and op known; op defined for dtype.
+    let Some(opcode) = Opcode::from_raw(header.opcode.get()) else {
+        return fail(reject, ChainError::Unsupported(unsupported::OPCODE));
+    };
+    reject.opcode = Some(opcode);
+    let uses_dtype = opcode != Opcode::Barrier;
+    let uses_op = matches!(
+        opcode,
+        Opcode::Allreduce | Opcode::Reduce | Opcode::ReduceScatter
+    );
+    let dtype = if uses_dtype {
+        match Dtype::from_raw(header.dtype) {
+            Some(d) => Some(d),
+            None => return fail(reject, ChainError::Unsupported(unsupported::DTYPE)),
+        }
+    } else {
+        None
+    };
+    let op = if uses_op {
+        match ReduceOp::from_raw(header.op) {
+            Some(o) => Some(o),
+            None => return fail(reject, ChainError::Unsupported(unsupported::OP)),
+        }
+    } else {
+        None
+    };
+    if let (Some(d), Some(o)) = (dtype, op) {
+        if !o.supports(d) {
+            return fail(reject, ChainError::Unsupported(unsupported::OP_FOR_DTYPE));
+        }
+    }
+
+    // Flags and root.
+    let flags = header.flags.get();
+    if flags & !FLAGS_KNOWN != 0 {
+        return fail(reject, ChainError::BadRequest(bad::FLAGS));
+    }
+    let in_place = flags & FLAG_IN_PLACE != 0;
+    let root = header.root.get();
+    let has_root = matches!(opcode, Opcode::Broadcast | Opcode::Reduce);
+    if (has_root && root >= limits.world_size) || (!has_root && root != 0) {
+        return fail(reject, ChainError::BadRequest(bad::ROOT));
+    }
+    let count = header.count.get();
+
+    // Sizes the header asks for, in bytes, without overflow.
+    let esize = dtype.map_or(1, Dtype::size) as u64;
+    let Some(elems) = buffer_elems(
+        opcode,
+        limits.world_size,
+        limits.rank,
+        root,
+        count,
+        in_place,
+    ) else {
+        return fail(reject, ChainError::BadRequest(bad::OVERFLOW));
+    };
+    let bytes = |n: u64| n.checked_mul(esize);
+    let (Some(want_in), Some(want_out)) = (bytes(elems.input), bytes(elems.output)) else {
+        return fail(reject, ChainError::BadRequest(bad::OVERFLOW));
+    };
+    let in_place_input = match elems.in_place_input {
+        Some((off, n)) => match (bytes(off), bytes(n)) {
+            (Some(o), Some(_)) => Some(o),
+            _ => return fail(reject, ChainError::BadRequest(bad::OVERFLOW)),
+        },
+        None => None,
+    };
+
+    // Limits: sizes from the header, then the number of data segments.
+    if want_in.max(want_out) > limits.max_bytes {
+        return fail(reject, ChainError::TooBig(too_big::BYTES));
+    }
+    if data.len() as u64 > u64::from(limits.max_segments) {
+        return fail(reject, ChainError::TooBig(too_big::SEGMENTS));
+    }
+
+    // Lengths.
+    if opcode == Opcode::Barrier && (count != 0 || !data.is_empty()) {
+        return fail(reject, ChainError::BadRequest(bad::BARRIER_DATA));
+    }
+    let have_in: u64 = data
+        .iter()
+        .filter(|d| !d.writable)
+        .map(|d| u64::from(d.len))
+        .sum();
+    let have_out: u64 = data
+        .iter()
+        .filter(|d| d.writable)
+        .map(|d| u64::from(d.len))
+        .sum();
+    if in_place && have_in != 0 {
+        return fail(reject, ChainError::BadRequest(bad::IN_PLACE_INPUT));
+    }
+    if data.iter().any(|d| !u64::from(d.len).is_multiple_of(esize)) {
+        return fail(reject, ChainError::BadRequest(bad::SEGMENT_ALIGN));
+    }
+    if have_in != want_in {
+        return fail(reject, ChainError::BadRequest(bad::INPUT_LENGTH));
+    }
+    if have_out != want_out {
+        return fail(reject, ChainError::BadRequest(bad::OUTPUT_LENGTH));
+    }
+
+    let mut inputs = Vec::new();
+    let mut outputs = Vec::new();
+    let mut bounces = Vec::new();
+    for d in &data {
+        let dst = if d.writable {
+            &mut outputs
+        } else {
+            &mut inputs
+        };
+        whole_elements(
+            &segs[d.segs.clone()],
+            esize as usize,
+            d.writable,
+            dst,
+            &mut bounces,
+        );
+    }
+    Ok(Request {
+        head,
+        header,
+        opcode,
+        dtype,
+        op,
+        root,
+        count,
+        // Below max_bytes, which the config keeps within usize.
+        in_place_offset: in_place_input.map(|o| o as usize),
+        inputs,
+        outputs,
+        bounces,
+        writable_len: reject.writable_len,
+        response: last.addr(),
+    })
+}
+
+/// Appends the host segments of one descriptor (a whole number of
+/// elements) to `dst` so that every segment holds whole elements: an
+/// element cut by a memory-region boundary is replaced by a [`Bounce`].
+fn whole_elements(
+    segs: &[HostSeg],
+    esize: usize,
+    output: bool,
+    dst: &mut Vec<HostSeg>,
+    bounces: &mut Vec<Bounce>,
+) {
+    let mut open: Option<Bounce> = None;
+    for s in segs {
+        let (mut ptr, mut len) = (s.ptr, s.len);
+        if let Some(b) = open.as_mut() {
+            let take = (esize - b.filled()).min(len);
+            b.pieces.push(HostSeg { ptr, len: take });
+            ptr = ptr.wrapping_add(take);
+            len -= take;
+            if let Some(b) = open.take_if(|b| b.filled() == esize) {
+                dst.push(HostSeg {
+                    ptr: b.ptr(),
+                    len: esize,
+                });
+                bounces.push(b);
+            }
+        }
+        let whole = len - len % esize;
+        if whole > 0 {
+            dst.push(HostSeg { ptr, len: whole });
+        }
+        if whole < len {
+            let mut b = Bounce::new(output);
+            b.pieces.push(HostSeg {
+                ptr: ptr.wrapping_add(whole),
+                len: len - whole,
+            });
+            open = Some(b);
+        }
+    }
+}
+
+/// Whether `[addr, addr + len)` lies inside guest memory.
+pub fn range_in_memory(mem: &GuestMem, addr: GuestAddress, len: u64) -> bool {
+    let mut scratch = Vec::new();
+    resolve(mem, addr, len, &mut scratch).is_ok()
+}
+
+/// The address range is not inside guest memory, or it overflows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("address range {addr:#x}+{len:#x} is not inside guest memory")]
+pub struct OutOfMemory {
+    pub addr: u64,
+    pub len: u64,
+}
+
+/// Appends the host segments that back `[addr, addr + len)`, one per guest
+/// memory region the range touches.
+pub fn resolve(
+    mem: &GuestMem,
+    addr: GuestAddress,
+    len: u64,
+    out: &mut Vec<HostSeg>,
+) -> Result<(), OutOfMemory> {
+    let err = OutOfMemory {
+        addr: addr.raw_value(),
+        len,
+    };
+    if addr.raw_value().checked_add(len).is_none() {
+        return Err(err);
+    }
+    let mut cur = addr;
+    let mut left = len;
+    while left > 0 {
+        let (region, offset) = mem.to_region_addr(cur).ok_or(err)?;
+        let avail = region.len() - offset.raw_value();
+        let take = avail.min(left);
+        let ptr = region.get_host_address(offset).map_err(|_| err)?;
+        let take_usize = usize::try_from(take).map_err(|_| err)?;
+        out.push(HostSeg {
+            ptr,
+            len: take_usize,
+        });
+        left -= take;
+        // Cannot overflow: addr + len was checked above.
+        cur = GuestAddress(cur.raw_value() + take);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use virtio_bindings::bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+    use virtio_dmlc::{
+        bad, too_big, unsupported, Dtype, Opcode, ReduceOp, Status, VirtioDmlcReq, VirtioDmlcResp,
+        FLAG_IN_PLACE, NO_PEER, RESP_SIZE,
+    };
+
+    use super::{parse, Limits};
+    use crate::group::harness::{config, hdr, Desc, World};
+
+    const F32: u8 = Dtype::F32 as u8;
+    const SUM: u8 = ReduceOp::Sum as u8;
+
+    fn allreduce(count: u64) -> VirtioDmlcReq {
+        hdr(Opcode::Allreduce.raw(), F32, SUM, 0, count, 0, 0, 0)
+    }
+
+    /// A two-member world with small limits.
+    fn world() -> World {
+        let mut cfg = config(2);
+        cfg.max_segments = 8;
+        cfg.max_bytes = 4096;
+        World::new(cfg)
+    }
+
+    /// [header] [input of `inb` bytes] [output of `outb` bytes] [response]
+    /// for member 0, with the given header.
+    fn chain(w: &mut World, h: &VirtioDmlcReq, inb: usize, outb: usize) -> Vec<Desc> {
+        let m = &mut w.members[0];
+        let mut d = vec![m.header(h)];
+        if inb > 0 {
+            d.push(Desc::r(m.alloc(inb), inb as u32));
+        }
+        if outb > 0 {
+            d.push(Desc::w(m.alloc(outb), outb as u32));
+        }
+        d.push(m.response());
+        d
+    }
+
+    /// Submits on member 0 and expects an immediate rejection, with the
+    /// used length covering every writable descriptor.
+    fn rejected(w: &mut World, descs: &[Desc]) -> (Status, u32) {
+        let writable: u32 = descs.iter().filter(|d| d.write).map(|d| d.len).sum();
+        let p = w.submit(0, 0, descs);
+        let (written, r) = w
+            .wait_for(&p, std::time::Duration::ZERO)
+            .map(|d| {
+                let b = w.members[0].read(p.resp, RESP_SIZE);
+                (
+                    d.written,
+                    <VirtioDmlcResp as zerocopy::FromBytes>::read_from_bytes(&b).unwrap(),
+                )
+            })
+            .expect("rejected requests complete at once");
+        assert_eq!(written, writable);
+        assert_eq!(r.peer.get(), NO_PEER);
+        assert_eq!(r.generation.get(), 1);
+        (Status::from_raw(r.status.get()).unwrap(), r.detail.get())
+    }
+
+    fn bad(detail: u32) -> (Status, u32) {
+        (Status::BadRequest, detail)
+    }
+
+    /// Submits on member 0 and expects a completion with written length 0
+    /// and, if asked, the response buffer (filled with 0xee) untouched.
+    fn no_status(w: &mut World, descs: &[Desc], check_untouched: bool) {
+        let p = w.submit(0, 0, descs);
+        let d = w
+            .wait_for(&p, std::time::Duration::ZERO)
+            .expect("completes at once");
+        assert_eq!(d.written, 0);
+        if check_untouched {
+            assert!(w.members[0].read(p.resp, 8).iter().all(|&b| b == 0xee));
+        }
+    }
+
+    #[test]
+    fn well_formed_chain_parses() {
+        let mut w = world();
+        let d = chain(&mut w, &allreduce(4), 16, 16);
+        let m = &mut w.members[0];
+        let head = 0;
+        for (i, x) in d.iter().enumerate() {
+            let flags = if x.write {
+                VRING_DESC_F_WRITE as u16
+            } else {
+                0
+            } | if i + 1 < d.len() {
+                VRING_DESC_F_NEXT as u16
+            } else {
+                0
+            };
+            m.raw_desc(0, i as u16, x.addr, x.len, flags, i as u16 + 1);
+        }
+        let chain = m.pop(0, head);
+        let limits = Limits {
+            world_size: 2,
+            rank: 0,
+            max_segments: 8,
+            max_bytes: 4096,
+        };
+        let req = parse(chain, &limits).unwrap();
+        assert_eq!(req.head, 0);
+        assert_eq!(req.opcode, Opcode::Allreduce);
+        assert_eq!(req.dtype, Some(Dtype::F32));
+        assert_eq!(req.op, Some(ReduceOp::Sum));
+        assert_eq!((req.inputs.len(), req.outputs.len()), (1, 1));
+        assert_eq!((req.inputs[0].len, req.outputs[0].len), (16, 16));
+        assert_eq!(req.writable_len as usize, 16 + RESP_SIZE);
+        assert_eq!(req.count_bytes(), 16);
+        assert_eq!(req.response.0, d[3].addr);
+        assert_eq!(req.in_place_offset, None);
+    }
+
+    #[test]
+    fn segment_across_regions_is_split_in_two() {
+        let mut w = world();
+        let h = allreduce(4);
+        let m = &mut w.members[0];
+        let mut d = vec![m.header(&h)];
+        let inp = m.alloc_across_regions(8, 16);
+        d.push(Desc::r(inp, 16));
+        d.push(Desc::w(m.alloc(16), 16));
+        d.push(m.response());
+        for (i, x) in d.iter().enumerate() {
+            let flags = if x.write {
+                VRING_DESC_F_WRITE as u16
+            } else {
+                0
+            } | if i + 1 < d.len() {
+                VRING_DESC_F_NEXT as u16
+            } else {
+                0
+            };
+            m.raw_desc(0, 10 + i as u16, x.addr, x.len, flags, 11 + i as u16);
+        }
+        let limits = Limits {
+            world_size: 2,
+            rank: 0,
+            max_segments: 8,
+            max_bytes: 4096,
+        };
+        let req = parse(m.pop(0, 10), &limits).unwrap();
+        assert_eq!(req.head, 10);
+        assert_eq!(req.inputs.len(), 2);
+        assert_eq!((req.inputs[0].len, req.inputs[1].len), (8, 8));
+        // Two mappings: the halves are not adjacent in host memory.
+        assert_ne!(req.inputs[0].ptr.wrapping_add(8), req.inputs[1].ptr);
+    }
+
+    #[test]
+    fn element_cut_by_region_boundary_gets_a_private_copy() {
+        let mut w = world();
+        let h = hdr(0, Dtype::F64.raw(), SUM, 0, 4, 0, 0, 0);
+        let m = &mut w.members[0];
+        let mut d = vec![m.header(&h)];
+        d.push(Desc::r(m.alloc_across_regions(13, 32), 32));
+        d.push(Desc::w(m.alloc(32), 32));
+        d.push(m.response());
+        for (i, x) in d.iter().enumerate() {
+            let flags = if x.write {
+                VRING_DESC_F_WRITE as u16
+            } else {
+                0
+            } | if i + 1 < d.len() {
+                VRING_DESC_F_NEXT as u16
+            } else {
+                0
+            };
+            m.raw_desc(0, 50 + i as u16, x.addr, x.len, flags, 51 + i as u16);
+        }
+        let limits = Limits {
+            world_size: 2,
+            rank: 0,
+            max_segments: 8,
+            max_bytes: 4096,
+        };
+        let req = parse(m.pop(0, 50), &limits).unwrap();
+        // 13 bytes before the boundary: one whole element, a cut one, two
+        // whole ones after.
+        let lens: Vec<usize> = req.inputs.iter().map(|s| s.len).collect();
+        assert_eq!(lens, [8, 8, 16]);
+        assert_eq!(req.bounces.len(), 1);
+        assert!(!req.bounces[0].output);
+        assert_eq!(req.inputs[1].ptr, req.bounces[0].ptr());
+        assert_eq!(req.outputs.len(), 1);
+    }
+
+    #[test]
+    fn missing_response_gives_written_zero() {
+        let mut w = world();
+        // Ends with a readable descriptor.
+        let mut d = chain(&mut w, &allreduce(4), 16, 16);
+        d.pop();
+        d.pop();
+        no_status(&mut w, &d, false);
+        // Response too small, too big.
+        for len in [8, 32] {
+            let mut d = chain(&mut w, &allreduce(4), 16, 16);
+            d.last_mut().unwrap().len = len;
+            no_status(&mut w, &d, true);
+        }
+        // Response readable.
+        let mut d = chain(&mut w, &allreduce(4), 16, 16);
+        d.last_mut().unwrap().write = false;
+        no_status(&mut w, &d, true);
+        // Response outside guest memory, or only partly inside.
+        let end = 2 * w.members[0].region_size;
+        for addr in [end + 64, end - 8, u64::MAX - 7] {
+            let mut d = chain(&mut w, &allreduce(4), 16, 16);
+            d.last_mut().unwrap().addr = addr;
+            no_status(&mut w, &d, false);
+        }
+        assert_eq!(w.group.metrics().no_status_count(), 7);
+    }
+
+    #[test]
+    fn bad_header_descriptor() {
+        let mut w = world();
+        let mut d = chain(&mut w, &allreduce(4), 16, 16);
+        d[0].write = true;
+        // A writable header also puts writable before readable; HEADER wins.
+        assert_eq!(rejected(&mut w, &d), bad(bad::HEADER));
+        for len in [16, 33] {
+            let mut d = chain(&mut w, &allreduce(4), 16, 16);
+            d[0].len = len;
+            assert_eq!(rejected(&mut w, &d), bad(bad::HEADER));
+        }
+        let r = w.members[0].response();
+        assert_eq!(rejected(&mut w, &[r]), bad(bad::HEADER));
+    }
+
+    #[test]
+    fn readable_after_writable() {
+        let mut w = world();
+        let d = chain(&mut w, &allreduce(4), 16, 16);
+        let swapped = vec![d[0], d[2], d[1], d[3]];
+        assert_eq!(rejected(&mut w, &swapped), bad(bad::ORDER));
+    }
+
+    #[test]
+    fn addresses_outside_guest_memory() {
+        let mut w = world();
+        let end = 2 * w.members[0].region_size;
+        for (i, addr, len) in [
+            (1, end + 0x1000, 16),
+            (2, end - 8, 16),
+            (1, u64::MAX - 7, 16),
+            (0, end + 64, 32),
+            (0, u64::MAX - 15, 32),
+        ] {
+            let mut d = chain(&mut w, &allreduce(4), 16, 16);
+            d[i].addr = addr;
+            d[i].len = len;
+            assert_eq!(rejected(&mut w, &d), bad(bad::ADDRESS), "{addr:#x}");
+        }
+    }
+
+    #[test]
+    fn unsupported_opcode_dtype_op() {
+        let mut w = world();
+        let cases = [
+            (hdr(6, F32, SUM, 0, 4, 0, 0, 0), unsupported::OPCODE),
+            (hdr(0, 10, SUM, 0, 4, 0, 0, 0), unsupported::DTYPE),
+            (hdr(0, F32, 8, 0, 4, 0, 0, 0), unsupported::OP),
+            (
+                hdr(0, F32, ReduceOp::Bxor.raw(), 0, 4, 0, 0, 0),
+                unsupported::OP_FOR_DTYPE,
+            ),
+            (
+                hdr(4, Dtype::Bf16.raw(), ReduceOp::Band.raw(), 0, 4, 0, 0, 0),
+                unsupported::OP_FOR_DTYPE,
+            ),
+        ];
+        for (h, detail) in cases {
+            let d = chain(&mut w, &h, 16, 16);
+            assert_eq!(rejected(&mut w, &d), (Status::Unsupported, detail));
+        }
+        // Barrier ignores dtype and op entirely.
+        let d = chain(&mut w, &hdr(5, 200, 200, 0, 0, 0, 0, 0), 0, 0);
+        let p = w.submit(0, 0, &d);
+        assert!(w.is_pending(&p));
+    }
+
+    #[test]
+    fn flags_and_root() {
+        let mut w = world();
+        let cases = [
+            (hdr(0, F32, SUM, 0, 4, 0, 1 << 5, 0), bad::FLAGS),
+            (hdr(0, F32, SUM, 1, 4, 0, 0, 0), bad::ROOT),
+            (hdr(1, F32, SUM, 2, 4, 0, 0, 0), bad::ROOT),
+            (hdr(2, F32, SUM, 7, 4, 0, 0, 0), bad::ROOT),
+            (hdr(5, 0, 0, 0, 1, 0, 0, 0), bad::BARRIER_DATA),
+        ];
+        for (h, detail) in cases {
+            let d = chain(&mut w, &h, 16, 16);
+            assert_eq!(rejected(&mut w, &d), bad(detail), "{h:?}");
+        }
+    }
+
+    #[test]
+    fn count_overflow() {
+        let mut w = world();
+        let f64_ = Dtype::F64.raw();
+        for h in [
+            hdr(0, f64_, SUM, 0, 1 << 61, 0, 0, 0),
+            hdr(3, f64_, SUM, 0, u64::MAX / 2 + 1, 0, 0, 0),
+            hdr(4, Dtype::U8.raw(), SUM, 0, u64::MAX, 0, 0, 0),
+        ] {
+            let d = chain(&mut w, &h, 16, 16);
+            assert_eq!(rejected(&mut w, &d), bad(bad::OVERFLOW), "{h:?}");
+        }
+    }
+
+    #[test]
+    fn too_big() {
+        let mut w = world();
+        // The header asks for more than max_bytes.
+        let d = chain(&mut w, &allreduce(1025), 16, 16);
+        assert_eq!(rejected(&mut w, &d), (Status::TooBig, too_big::BYTES));
+        // Allgather output is world_size times count.
+        let d = chain(&mut w, &hdr(3, F32, SUM, 0, 513, 0, 0, 0), 16, 16);
+        assert_eq!(rejected(&mut w, &d), (Status::TooBig, too_big::BYTES));
+        // Only the sizes from the header count: a chain that supplies more
+        // than max_bytes has the wrong length.
+        let d = chain(&mut w, &allreduce(4), 4100, 16);
+        assert_eq!(rejected(&mut w, &d), bad(bad::INPUT_LENGTH));
+        // Nine data segments, eight allowed; zero-length ones do not count.
+        let m = &mut w.members[0];
+        let mut d = vec![m.header(&allreduce(5))];
+        for _ in 0..5 {
+            d.push(Desc::r(m.alloc(4), 4));
+        }
+        d.push(Desc::r(m.alloc(4), 0));
+        for _ in 0..4 {
+            d.push(Desc::w(m.alloc(4), 4));
+        }
+        d.push(Desc::w(m.alloc(4), 0));
+        d.push(m.response());
+        assert_eq!(rejected(&mut w, &d), (Status::TooBig, too_big::SEGMENTS));
+        // One less fits but the output is short.
+        d.remove(1);
+        assert_eq!(rejected(&mut w, &d), bad(bad::INPUT_LENGTH));
+    }
+
+    #[test]
+    fn lengths() {
+        let mut w = world();
+        let d = chain(&mut w, &allreduce(4), 12, 16);
+        assert_eq!(rejected(&mut w, &d), bad(bad::INPUT_LENGTH));
+        let d = chain(&mut w, &allreduce(4), 16, 20);
+        assert_eq!(rejected(&mut w, &d), bad(bad::OUTPUT_LENGTH));
+        let d = chain(&mut w, &allreduce(4), 0, 16);
+        assert_eq!(rejected(&mut w, &d), bad(bad::INPUT_LENGTH));
+        // Non-root reduce has no output.
+        let d = chain(&mut w, &hdr(2, F32, SUM, 1, 4, 0, 0, 0), 16, 16);
+        assert_eq!(rejected(&mut w, &d), bad(bad::OUTPUT_LENGTH));
+        // Segments of 6 and 10 bytes add up to 16 but split elements.
+        let m = &mut w.members[0];
+        let d = vec![
+            m.header(&allreduce(4)),
+            Desc::r(m.alloc(6), 6),
+            Desc::r(m.alloc(10), 10),
+            Desc::w(m.alloc(16), 16),
+            m.response(),
+        ];
+        assert_eq!(rejected(&mut w, &d), bad(bad::SEGMENT_ALIGN));
+        // Barrier with data segments.
+        let d = chain(&mut w, &hdr(5, 0, 0, 0, 0, 0, 0, 0), 0, 8);
+        assert_eq!(rejected(&mut w, &d), bad(bad::BARRIER_DATA));
+        // In place with input segments.
+        let d = chain(&mut w, &hdr(0, F32, SUM, 0, 4, 0, FLAG_IN_PLACE, 0), 16, 16);
+        assert_eq!(rejected(&mut w, &d), bad(bad::IN_PLACE_INPUT));
+        // In place, and the output is where the input goes.
+        let d = chain(&mut w, &hdr(0, F32, SUM, 0, 4, 0, FLAG_IN_PLACE, 0), 0, 12);
+        assert_eq!(rejected(&mut w, &d), bad(bad::OUTPUT_LENGTH));
+    }
+
+    #[test]
+    fn checks_come_in_spec_order() {
+        let mut w = world();
+        // Structure before unsupported.
+        let d = chain(&mut w, &hdr(9, F32, SUM, 0, 4, 0, 0, 0), 16, 16);
+        let swapped = vec![d[0], d[2], d[1], d[3]];
+        assert_eq!(rejected(&mut w, &swapped), bad(bad::ORDER));
+        let mut d = chain(&mut w, &hdr(9, F32, SUM, 0, 4, 0, 0, 0), 16, 16);
+        d[1].addr = u64::MAX - 3;
+        assert_eq!(rejected(&mut w, &d), bad(bad::ADDRESS));
+        // Opcode before dtype before op.
+        let d = chain(&mut w, &hdr(9, 99, 99, 0, 4, 0, 0, 0), 16, 16);
+        assert_eq!(
+            rejected(&mut w, &d),
+            (Status::Unsupported, unsupported::OPCODE)
+        );
+        let d = chain(&mut w, &hdr(0, 99, 99, 0, 4, 0, 0, 0), 16, 16);
+        assert_eq!(
+            rejected(&mut w, &d),
+            (Status::Unsupported, unsupported::DTYPE)
+        );
+        // Unsupported before flags and root.
+        let d = chain(&mut w, &hdr(0, F32, 99, 5, 4, 0, 1 << 7, 0), 16, 16);
+        assert_eq!(rejected(&mut w, &d), (Status::Unsupported, unsupported::OP));
+        let d = chain(&mut w, &hdr(0, F32, 7, 5, 4, 0, 1 << 7, 0), 16, 16);
+        assert_eq!(
+            rejected(&mut w, &d),
+            (Status::Unsupported, unsupported::OP_FOR_DTYPE)
+        );
+        // Flags before root, root before overflow.
+        let d = chain(&mut w, &hdr(0, F32, SUM, 5, u64::MAX, 0, 1 << 7, 0), 16, 16);
+        assert_eq!(rejected(&mut w, &d), bad(bad::FLAGS));
+        let d = chain(&mut w, &hdr(0, F32, SUM, 5, u64::MAX, 0, 0, 0), 16, 16);
+        assert_eq!(rejected(&mut w, &d), bad(bad::ROOT));
+        // Flags before barrier data; in place before segment alignment.
+        let d = chain(&mut w, &hdr(5, 0, 0, 0, 3, 0, 1 << 4, 0), 16, 0);
+        assert_eq!(rejected(&mut w, &d), bad(bad::FLAGS));
+        let d = chain(&mut w, &hdr(0, F32, SUM, 0, 4, 0, FLAG_IN_PLACE, 0), 3, 16);
+        assert_eq!(rejected(&mut w, &d), bad(bad::IN_PLACE_INPUT));
+        // Overflow before too big, too big before lengths.
+        let d = chain(&mut w, &hdr(0, F32, SUM, 0, u64::MAX, 0, 0, 0), 3, 16);
+        assert_eq!(rejected(&mut w, &d), bad(bad::OVERFLOW));
+        let d = chain(&mut w, &allreduce(2000), 3, 16);
+        assert_eq!(rejected(&mut w, &d), (Status::TooBig, too_big::BYTES));
+    }
+
+    #[test]
+    fn broken_chains() {
+        let mut w = world();
+        let d = chain(&mut w, &hdr(5, 0, 0, 0, 0, 0, 0, 0), 0, 0);
+        let m = &mut w.members[0];
+        let (h, r) = (d[0], d[1]);
+        let next = VRING_DESC_F_NEXT as u16;
+        let wr = VRING_DESC_F_WRITE as u16;
+        // A loop: header -> response -> header -> ...
+        m.raw_desc(0, 20, h.addr, h.len, next, 21);
+        m.raw_desc(0, 21, r.addr, r.len, wr | next, 20);
+        let p = w.submit_head(0, 0, 20, r.addr);
+        let (written, resp) = w.wait(&p);
+        assert_eq!(written as usize, RESP_SIZE);
+        assert_eq!(resp.status.get(), Status::BadRequest.raw());
+        assert_eq!(resp.detail.get(), bad::CHAIN);
+        // A next index beyond the queue.
+        let m = &mut w.members[0];
+        m.raw_desc(0, 30, h.addr, h.len, next, 31);
+        m.raw_desc(0, 31, r.addr, r.len, wr | next, 999);
+        let p = w.submit_head(0, 0, 30, r.addr);
+        assert_eq!(w.wait(&p).1.detail.get(), bad::CHAIN);
+        // A broken indirect table: nothing to report into.
+        let m = &mut w.members[0];
+        m.raw_desc(
+            0,
+            40,
+            0x8_0000,
+            24,
+            virtio_bindings::bindings::virtio_ring::VRING_DESC_F_INDIRECT as u16,
+            0,
+        );
+        let p = w.submit_head(0, 0, 40, 0);
+        assert_eq!(
+            w.wait_for(&p, std::time::Duration::ZERO).unwrap().written,
+            0
+        );
+    }
+
+    #[test]
+    fn indirect_chain_is_accepted() {
+        let mut w = world();
+        let h = hdr(
+            Opcode::Allreduce.raw(),
+            Dtype::I32.raw(),
+            SUM,
+            0,
+            2,
+            0,
+            0,
+            0,
+        );
+        let mut ps = Vec::new();
+        let mut outs = Vec::new();
+        for r in 0..2u32 {
+            let m = &mut w.members[r as usize];
+            let inp = m.alloc(8);
+            m.write(inp, &[1, 0, 0, 0, 2, 0, 0, 0].map(|x| x * (r as u8 + 1)));
+            let out = m.alloc(8);
+            let d = vec![m.header(&h), Desc::r(inp, 8), Desc::w(out, 8), m.response()];
+            outs.push(out);
+            ps.push(if r == 0 {
+                w.submit_indirect(r, 0, &d)
+            } else {
+                w.submit(r, 0, &d)
+            });
+        }
+        for (p, out) in ps.iter().zip(outs) {
+            let (written, resp) = w.wait(p);
+            assert_eq!(resp.status.get(), Status::Ok.raw());
+            assert_eq!(written as usize, RESP_SIZE + 8);
+            assert_eq!(
+                w.members[p.rank as usize].read(out, 8),
+                [3, 0, 0, 0, 6, 0, 0, 0]
+            );
+        }
+    }
+
+    #[test]
+    fn rejected_requests_take_no_sequence_number() {
+        let mut w = world();
+        let barrier = hdr(5, 0, 0, 0, 0, 0, 0, 0);
+        let d = chain(&mut w, &hdr(5, 0, 0, 0, 0, 0, 1 << 3, 0), 0, 0);
+        assert_eq!(rejected(&mut w, &d), bad(bad::FLAGS));
+        let d = chain(&mut w, &barrier, 0, 0);
+        let p0 = w.submit(0, 0, &d);
+        let m = &mut w.members[1];
+        let d = vec![m.header(&barrier), m.response()];
+        let p1 = w.submit(1, 0, &d);
+        assert_eq!(w.wait(&p0).1.status.get(), Status::Ok.raw());
+        assert_eq!(w.wait(&p1).1.status.get(), Status::Ok.raw());
+        assert_eq!(w.group.metrics().errors(Status::BadRequest), 1);
+    }
+}

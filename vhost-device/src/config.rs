@@ -1,1 +1,463 @@
-//! (being written)
+//! Command-line options and the daemon's checked configuration.
+
+use std::ffi::OsString;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use clap::{Parser, ValueEnum};
+use thiserror::Error;
+
+use crate::group::GroupConfig;
+
+/// Largest virtqueue size a split ring allows.
+pub const MAX_QUEUE_SIZE: u16 = 32768;
+
+/// Longest path a Unix socket address can hold (`sun_path` less its NUL).
+const MAX_SOCKET_PATH: usize = 107;
+
+/// Why the options do not make a valid configuration.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum ConfigError {
+    #[error("--socket-count must be at least 1")]
+    NoSockets,
+    #[error("socket path {0:?} is longer than the {MAX_SOCKET_PATH} bytes a Unix socket allows")]
+    SocketPathTooLong(PathBuf),
+    #[error("--queues must be between 1 and {max}, not {queues}")]
+    Queues { queues: u32, max: u32 },
+    #[error("--queue-size must be a power of two between 1 and {MAX_QUEUE_SIZE}, not {0}")]
+    QueueSize(u32),
+    #[error("--reduce-threads must be at least 1")]
+    NoReduceThreads,
+    #[error("--timeout-ms must be at least 1")]
+    NoTimeout,
+    #[error("--max-bytes must be at least 1")]
+    NoMaxBytes,
+    #[error("--max-segments must be at least 1")]
+    NoMaxSegments,
+    #[error("{0:?} is not a size: give a number of bytes with an optional K, M or G suffix")]
+    BadSize(String),
+    #[error("{0:?} is too large a size")]
+    SizeOverflow(String),
+    #[error("{0:?} is not an address: give IP:PORT, for example 127.0.0.1:9100")]
+    BadAddr(String),
+    #[error(
+        "--metrics-addr {0} is not a loopback address; the metrics endpoint listens only on \
+         127.0.0.0/8 or ::1"
+    )]
+    MetricsNotLoopback(SocketAddr),
+}
+
+/// How much the daemon logs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogLevel {
+    Error,
+    Warn,
+    Info,
+    Debug,
+    Trace,
+}
+
+impl From<LogLevel> for log::LevelFilter {
+    fn from(level: LogLevel) -> Self {
+        match level {
+            LogLevel::Error => log::LevelFilter::Error,
+            LogLevel::Warn => log::LevelFilter::Warn,
+            LogLevel::Info => log::LevelFilter::Info,
+            LogLevel::Debug => log::LevelFilter::Debug,
+            LogLevel::Trace => log::LevelFilter::Trace,
+        }
+    }
+}
+
+/// vhost-user backend of the virtio-dmlc allreduce device: one process
+/// serves every VM of a group, and the VM on socket i is rank i.
+#[derive(Clone, Debug, Parser)]
+#[command(name = "vhost-device-dmlc", version)]
+pub struct Args {
+    /// Base path of the vhost-user sockets; the daemon listens on PATH0 up to
+    /// PATH{N-1}.
+    #[arg(long, value_name = "PATH")]
+    pub socket_path: PathBuf,
+
+    /// Number of sockets, which is the group's world size N: the VM on
+    /// socket i is rank i.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub socket_count: u32,
+
+    /// Number of request queues each device offers (at most 64).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub queues: u32,
+
+    /// Largest virtqueue size the device accepts, a power of two.
+    #[arg(long, value_name = "N", default_value_t = 256)]
+    pub queue_size: u32,
+
+    /// Threads that share the work of large reductions [default: number of
+    /// CPUs].
+    #[arg(long, value_name = "N")]
+    pub reduce_threads: Option<usize>,
+
+    /// After handling a kick, keep polling the queue for new requests this
+    /// many microseconds before sleeping again; 0 wakes only on the guest's
+    /// notification.
+    #[arg(long, value_name = "US", default_value_t = 0)]
+    pub poll_us: u64,
+
+    /// How long a collective waits for missing members before it fails with
+    /// TIMEOUT, in milliseconds.
+    #[arg(long, value_name = "MS", default_value_t = 30_000)]
+    pub timeout_ms: u64,
+
+    /// Largest input or output of one request in bytes; accepts a K, M or G
+    /// suffix (powers of 1024).
+    #[arg(long, value_name = "BYTES", default_value = "1G", value_parser = parse_size)]
+    pub max_bytes: u64,
+
+    /// Largest number of data segments (inputs plus outputs) in one request.
+    #[arg(long, value_name = "N", default_value_t = 1024)]
+    pub max_segments: u32,
+
+    /// Group identifier that every member reads from config space; decimal
+    /// or 0x-prefixed hex [default: derived from the process id and the
+    /// time].
+    #[arg(long, value_name = "ID", value_parser = parse_u64)]
+    pub group_id: Option<u64>,
+
+    /// Serve Prometheus metrics over HTTP at this loopback address, for
+    /// example 127.0.0.1:9100.
+    #[arg(long, value_name = "ADDR:PORT", value_parser = parse_addr)]
+    pub metrics_addr: Option<SocketAddr>,
+
+    /// How much to log.
+    #[arg(long, value_name = "LEVEL", value_enum, default_value_t = LogLevel::Info)]
+    pub log_level: LogLevel,
+}
+
+/// The daemon's configuration, checked.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// `socket_paths[i]` is rank i's socket.
+    pub socket_paths: Vec<PathBuf>,
+    /// Settings of the group engine.
+    pub group: GroupConfig,
+    /// Largest virtqueue size offered to the frontend.
+    pub queue_size: u16,
+    /// How long to keep polling a queue after handling a kick.
+    pub poll: Duration,
+    /// Where to serve metrics, if anywhere.
+    pub metrics_addr: Option<SocketAddr>,
+    /// Log level.
+    pub log_level: LogLevel,
+}
+
+impl TryFrom<Args> for Config {
+    type Error = ConfigError;
+
+    fn try_from(args: Args) -> Result<Self, ConfigError> {
+        if args.socket_count == 0 {
+            return Err(ConfigError::NoSockets);
+        }
+        let socket_paths: Vec<PathBuf> = (0..args.socket_count)
+            .map(|i| socket_path(&args.socket_path, i))
+            .collect();
+        if let Some(long) = socket_paths
+            .iter()
+            .find(|p| p.as_os_str().len() > MAX_SOCKET_PATH)
+        {
+            return Err(ConfigError::SocketPathTooLong(long.clone()));
+        }
+        if args.queues == 0 || args.queues > virtio_dmlc::MAX_QUEUES {
+            return Err(ConfigError::Queues {
+                queues: args.queues,
+                max: virtio_dmlc::MAX_QUEUES,
+            });
+        }
+        if !args.queue_size.is_power_of_two() || args.queue_size > u32::from(MAX_QUEUE_SIZE) {
+            return Err(ConfigError::QueueSize(args.queue_size));
+        }
+        let reduce_threads = match args.reduce_threads {
+            Some(0) => return Err(ConfigError::NoReduceThreads),
+            Some(n) => n,
+            None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        };
+        if args.timeout_ms == 0 {
+            return Err(ConfigError::NoTimeout);
+        }
+        if args.max_bytes == 0 {
+            return Err(ConfigError::NoMaxBytes);
+        }
+        if args.max_segments == 0 {
+            return Err(ConfigError::NoMaxSegments);
+        }
+        if let Some(addr) = args.metrics_addr {
+            if !addr.ip().is_loopback() {
+                return Err(ConfigError::MetricsNotLoopback(addr));
+            }
+        }
+        Ok(Config {
+            socket_paths,
+            group: GroupConfig {
+                world_size: args.socket_count,
+                // Both checked above to fit.
+                num_queues: args.queues as u16,
+                max_segments: args.max_segments,
+                max_bytes: args.max_bytes,
+                timeout: Duration::from_millis(args.timeout_ms),
+                reduce_threads,
+                group_id: args.group_id.unwrap_or_else(default_group_id),
+            },
+            queue_size: args.queue_size as u16,
+            poll: Duration::from_micros(args.poll_us),
+            metrics_addr: args.metrics_addr,
+            log_level: args.log_level,
+        })
+    }
+}
+
+/// `base` with the decimal `index` appended: `/tmp/d.sock` -> `/tmp/d.sock0`.
+pub fn socket_path(base: &std::path::Path, index: u32) -> PathBuf {
+    let mut name = OsString::from(base.as_os_str());
+    name.push(index.to_string());
+    PathBuf::from(name)
+}
+
+/// A group id that differs between runs: the process id and the time,
+/// mixed by the standard library's randomly keyed hasher.
+fn default_group_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u32(std::process::id());
+    hasher.write_u128(nanos);
+    // 0 reads as "no group" too easily in a config dump.
+    hasher.finish().max(1)
+}
+
+/// Parses a byte count with an optional K, M or G suffix (powers of 1024).
+pub fn parse_size(text: &str) -> Result<u64, ConfigError> {
+    let trimmed = text.trim();
+    let (digits, shift) = match trimmed.char_indices().last() {
+        Some((i, 'k' | 'K')) => (&trimmed[..i], 10),
+        Some((i, 'm' | 'M')) => (&trimmed[..i], 20),
+        Some((i, 'g' | 'G')) => (&trimmed[..i], 30),
+        _ => (trimmed, 0),
+    };
+    let value: u64 = digits
+        .parse()
+        .map_err(|_| ConfigError::BadSize(text.to_owned()))?;
+    value
+        .checked_mul(1 << shift)
+        .ok_or_else(|| ConfigError::SizeOverflow(text.to_owned()))
+}
+
+/// Parses a decimal or `0x`-prefixed hexadecimal u64.
+fn parse_u64(text: &str) -> Result<u64, std::num::ParseIntError> {
+    match text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")) {
+        Some(hex) => u64::from_str_radix(hex, 16),
+        None => text.parse(),
+    }
+}
+
+/// Parses `IP:PORT`, or `localhost:PORT` as 127.0.0.1.
+fn parse_addr(text: &str) -> Result<SocketAddr, ConfigError> {
+    if let Ok(addr) = text.parse() {
+        return Ok(addr);
+    }
+    text.strip_prefix("localhost:")
+        .and_then(|port| port.parse().ok())
+        .map(|port| SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port))
+        .ok_or_else(|| ConfigError::BadAddr(text.to_owned()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(extra: &[&str]) -> Args {
+        let mut argv = vec!["vhost-device-dmlc", "--socket-path", "/tmp/dmlc.sock"];
+        argv.extend_from_slice(extra);
+        Args::try_parse_from(argv).expect("options parse")
+    }
+
+    fn config(extra: &[&str]) -> Result<Config, ConfigError> {
+        Config::try_from(args(extra))
+    }
+
+    #[test]
+    fn defaults() {
+        let c = config(&[]).unwrap();
+        assert_eq!(c.socket_paths, vec![PathBuf::from("/tmp/dmlc.sock0")]);
+        assert_eq!(c.group.world_size, 1);
+        assert_eq!(c.group.num_queues, 1);
+        assert_eq!(c.queue_size, 256);
+        assert!(c.group.reduce_threads >= 1);
+        assert_eq!(c.poll, Duration::ZERO);
+        assert_eq!(c.group.timeout, Duration::from_secs(30));
+        assert_eq!(c.group.max_bytes, 1 << 30);
+        assert_eq!(c.group.max_segments, 1024);
+        assert_ne!(c.group.group_id, 0);
+        assert_eq!(c.metrics_addr, None);
+        assert_eq!(c.log_level, LogLevel::Info);
+    }
+
+    #[test]
+    fn every_option_reaches_the_config() {
+        let c = config(&[
+            "--socket-count",
+            "3",
+            "--queues",
+            "4",
+            "--queue-size",
+            "1024",
+            "--reduce-threads",
+            "2",
+            "--poll-us",
+            "50",
+            "--timeout-ms",
+            "1500",
+            "--max-bytes",
+            "64M",
+            "--max-segments",
+            "16",
+            "--group-id",
+            "0x2a",
+            "--metrics-addr",
+            "127.0.0.1:9100",
+            "--log-level",
+            "debug",
+        ])
+        .unwrap();
+        let paths: Vec<_> = (0..3)
+            .map(|i| PathBuf::from(format!("/tmp/dmlc.sock{i}")))
+            .collect();
+        assert_eq!(c.socket_paths, paths);
+        assert_eq!(c.group.world_size, 3);
+        assert_eq!(c.group.num_queues, 4);
+        assert_eq!(c.queue_size, 1024);
+        assert_eq!(c.group.reduce_threads, 2);
+        assert_eq!(c.poll, Duration::from_micros(50));
+        assert_eq!(c.group.timeout, Duration::from_millis(1500));
+        assert_eq!(c.group.max_bytes, 64 << 20);
+        assert_eq!(c.group.max_segments, 16);
+        assert_eq!(c.group.group_id, 42);
+        assert_eq!(c.metrics_addr, Some("127.0.0.1:9100".parse().unwrap()));
+        assert_eq!(c.log_level, LogLevel::Debug);
+    }
+
+    #[test]
+    fn bad_values_are_refused() {
+        assert_eq!(
+            config(&["--socket-count", "0"]).unwrap_err(),
+            ConfigError::NoSockets
+        );
+        assert_eq!(
+            config(&["--queues", "0"]).unwrap_err(),
+            ConfigError::Queues { queues: 0, max: 64 }
+        );
+        assert_eq!(
+            config(&["--queues", "65"]).unwrap_err(),
+            ConfigError::Queues {
+                queues: 65,
+                max: 64
+            }
+        );
+        assert_eq!(
+            config(&["--queue-size", "100"]).unwrap_err(),
+            ConfigError::QueueSize(100)
+        );
+        assert_eq!(
+            config(&["--queue-size", "65536"]).unwrap_err(),
+            ConfigError::QueueSize(65536)
+        );
+        assert_eq!(
+            config(&["--reduce-threads", "0"]).unwrap_err(),
+            ConfigError::NoReduceThreads
+        );
+        assert_eq!(
+            config(&["--timeout-ms", "0"]).unwrap_err(),
+            ConfigError::NoTimeout
+        );
+        assert_eq!(
+            config(&["--max-bytes", "0"]).unwrap_err(),
+            ConfigError::NoMaxBytes
+        );
+        assert_eq!(
+            config(&["--max-segments", "0"]).unwrap_err(),
+            ConfigError::NoMaxSegments
+        );
+        let err = config(&["--metrics-addr", "8.8.8.8:1"]).unwrap_err();
+        assert_eq!(
+            err,
+            ConfigError::MetricsNotLoopback("8.8.8.8:1".parse().unwrap())
+        );
+        assert!(err.to_string().contains("not a loopback address"));
+    }
+
+    #[test]
+    fn long_socket_paths_are_refused() {
+        let base = format!("/tmp/{}", "x".repeat(101));
+        let a = Args::try_parse_from([
+            "vhost-device-dmlc",
+            "--socket-path",
+            &base,
+            "--socket-count",
+            "10",
+        ])
+        .unwrap();
+        // PATH0..PATH9 fit in 107 bytes; none is longer.
+        assert!(Config::try_from(a.clone()).is_ok());
+        let a = Args {
+            socket_count: 11,
+            ..a
+        };
+        assert_eq!(
+            Config::try_from(a).unwrap_err(),
+            ConfigError::SocketPathTooLong(PathBuf::from(format!("{base}10")))
+        );
+    }
+
+    #[test]
+    fn sizes_parse_with_suffixes() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("4k"), Ok(4096));
+        assert_eq!(parse_size("3M"), Ok(3 << 20));
+        assert_eq!(parse_size("2G"), Ok(2 << 30));
+        assert!(matches!(parse_size("1T"), Err(ConfigError::BadSize(_))));
+        assert!(matches!(parse_size("G"), Err(ConfigError::BadSize(_))));
+        assert!(matches!(parse_size("-1"), Err(ConfigError::BadSize(_))));
+        assert!(matches!(
+            parse_size("18446744073709551615G"),
+            Err(ConfigError::SizeOverflow(_))
+        ));
+    }
+
+    #[test]
+    fn addresses_parse() {
+        assert_eq!(
+            parse_addr("localhost:9100"),
+            Ok("127.0.0.1:9100".parse().unwrap())
+        );
+        assert_eq!(parse_addr("[::1]:80"), Ok("[::1]:80".parse().unwrap()));
+        assert!(matches!(
+            parse_addr("example.org:80"),
+            Err(ConfigError::BadAddr(_))
+        ));
+        let c = config(&["--metrics-addr", "[::1]:9100"]).unwrap();
+        assert!(c.metrics_addr.unwrap().ip().is_loopback());
+    }
+
+    #[test]
+    fn unknown_log_level_is_a_parse_error() {
+        let argv = [
+            "vhost-device-dmlc",
+            "--socket-path",
+            "/tmp/s",
+            "--log-level",
+            "loud",
+        ];
+        assert!(Args::try_parse_from(argv).is_err());
+    }
+}

@@ -1,8 +1,32 @@
 //! Single-copy data movement over scatter-gather lists of host memory.
 //!
-//! Skeleton: signatures agreed between the group engine and the data path.
+//! A collective's buffers are lists of segments of the members' guest
+//! memory, as mapped in this process. [`reduce_range`] reads every input
+//! once and writes every output once: one cache-sized chunk at a time, it
+//! folds the inputs into this thread's accumulator ([`crate::reduce`]) in
+//! rank order and then copies the result into each output. Each member's
+//! list is walked by its own cursor, so a segment boundary splits only that
+//! member's pass over the chunk, never the chunk itself.
+//!
+//! Because a chunk is read completely before any of it is written, an
+//! output may be the very same memory as an input (in-place collectives).
+//! [`copy_range`] (broadcast, allgather) likewise reads each source chunk
+//! once from memory for all of its destinations.
+//!
+//! All guest memory is touched through raw pointers only: a guest may
+//! change its memory at any time, and every bit pattern is valid data, so
+//! a misbehaving guest can spoil its own results but not this process.
+
+use std::cell::RefCell;
+use std::ptr;
 
 use virtio_dmlc::{Dtype, ReduceOp};
+
+use crate::reduce::{Kernel, Scratch, CHUNK_BYTES};
+
+/// Source bytes per step of a copy to several destinations: the chunk is
+/// read from memory once and from cache for the other destinations.
+pub const COPY_CHUNK_BYTES: usize = 64 << 10;
 
 /// One contiguous piece of a member's buffer, as mapped in this process.
 #[derive(Clone, Copy, Debug)]
@@ -24,8 +48,113 @@ pub struct SegRef<'a> {
     pub offset: usize,
 }
 
+/// A cursor in a segment list: segment index and byte offset in it. It
+/// always rests inside a non-empty segment, or past the last one.
+#[derive(Clone, Copy, Debug)]
+struct Pos {
+    seg: usize,
+    off: usize,
+}
+
+impl Pos {
+    fn start(r: &SegRef<'_>) -> Pos {
+        let mut pos = Pos {
+            seg: 0,
+            off: r.offset,
+        };
+        pos.settle(r.segs);
+        pos
+    }
+
+    /// Moves past used-up and empty segments.
+    fn settle(&mut self, segs: &[HostSeg]) {
+        while let Some(seg) = segs.get(self.seg) {
+            if self.off < seg.len {
+                break;
+            }
+            self.off -= seg.len;
+            self.seg += 1;
+        }
+    }
+
+    /// The contiguous bytes from here to the end of the segment.
+    fn piece(&self, segs: &[HostSeg]) -> (*mut u8, usize) {
+        let seg = segs
+            .get(self.seg)
+            .expect("range runs past the end of a segment list");
+        // Only an address computation; it is dereferenced under the
+        // caller's promise that the segment is valid.
+        (seg.ptr.wrapping_add(self.off), seg.len - self.off)
+    }
+
+    fn advance(&mut self, segs: &[HostSeg], n: usize) {
+        self.off += n;
+        self.settle(segs);
+    }
+}
+
+/// Calls `f(at, ptr, n)` for the contiguous pieces of the next `len` bytes
+/// of `segs`, `at` counting from the start of this walk.
+fn walk(segs: &[HostSeg], pos: &mut Pos, len: usize, mut f: impl FnMut(usize, *mut u8, usize)) {
+    let mut at = 0;
+    while at < len {
+        let (p, avail) = pos.piece(segs);
+        let n = avail.min(len - at);
+        f(at, p, n);
+        pos.advance(segs, n);
+        at += n;
+    }
+}
+
+/// As [`walk`], over two lists in lock-step: pieces end at the boundaries
+/// of either.
+fn walk2(
+    (a, a_pos): (&[HostSeg], &mut Pos),
+    (b, b_pos): (&[HostSeg], &mut Pos),
+    len: usize,
+    mut f: impl FnMut(usize, *mut u8, *mut u8, usize),
+) {
+    let mut at = 0;
+    while at < len {
+        let (pa, na) = a_pos.piece(a);
+        let (pb, nb) = b_pos.piece(b);
+        let n = na.min(nb).min(len - at);
+        f(at, pa, pb, n);
+        a_pos.advance(a, n);
+        b_pos.advance(b, n);
+        at += n;
+    }
+}
+
+/// Per-thread state of the data path, kept between calls so that a call
+/// allocates nothing once the thread has warmed up.
+struct State {
+    scratch: Scratch,
+    inputs: Vec<Pos>,
+    outputs: Vec<Pos>,
+}
+
+thread_local! {
+    static STATE: RefCell<State> = const {
+        RefCell::new(State {
+            scratch: Scratch::new(),
+            inputs: Vec::new(),
+            outputs: Vec::new(),
+        })
+    };
+}
+
 /// Reduces `len` bytes: for every output `o`, `o[..len] = reduce(inputs[0][..len], .., inputs[n-1][..len])`,
 /// inputs in the order given (rank order), moving through a cache-sized scratch.
+///
+/// `world` is the divisor of avg. An output may be the very same memory as
+/// an input at the same position (in place): each chunk is read fully
+/// before any of it is written.
+///
+/// # Panics
+/// If `op` is not defined for `dtype`, `inputs` is empty, `world` is 0, or
+/// the preconditions on lengths below do not hold (checked as the lists are
+/// walked, so outputs may be partly written).
 ///
 /// # Safety
 /// Every segment must be valid for reads (inputs) or writes (outputs) for
@@ -39,16 +168,555 @@ pub unsafe fn reduce_range(
     outputs: &[SegRef<'_>],
     len: usize,
 ) {
-    let _ = (dtype, op, world, inputs, outputs, len);
-    todo!("datapath::reduce_range")
+    // SAFETY: the caller's promises are those of `reduce_range_chunked`.
+    unsafe { reduce_range_chunked(dtype, op, world, inputs, outputs, len, CHUNK_BYTES) }
+}
+
+/// [`reduce_range`] with an accumulator of `chunk_bytes` bytes per chunk
+/// instead of [`CHUNK_BYTES`] (for tests and for measuring the choice).
+///
+/// # Panics
+/// As [`reduce_range`].
+///
+/// # Safety
+/// As [`reduce_range`].
+pub unsafe fn reduce_range_chunked(
+    dtype: Dtype,
+    op: ReduceOp,
+    world: u32,
+    inputs: &[SegRef<'_>],
+    outputs: &[SegRef<'_>],
+    len: usize,
+    chunk_bytes: usize,
+) {
+    let kernel =
+        Kernel::new(dtype, op).unwrap_or_else(|| panic!("{op} is not defined for {dtype}"));
+    let size = dtype.size();
+    assert!(!inputs.is_empty(), "reduction without inputs");
+    assert!(world > 0, "world size is zero");
+    assert_eq!(len % size, 0, "length is not a whole number of elements");
+    if len == 0 {
+        return;
+    }
+    let chunk_elems = (chunk_bytes / kernel.acc_size()).max(1);
+    let whole = |n: usize| {
+        assert_eq!(n % size, 0, "segment boundary inside an element");
+        n / size
+    };
+    STATE.with_borrow_mut(|st| {
+        st.scratch.reserve(chunk_elems * kernel.acc_size());
+        st.inputs.clear();
+        st.inputs.extend(inputs.iter().map(Pos::start));
+        st.outputs.clear();
+        st.outputs.extend(outputs.iter().map(Pos::start));
+        let scratch = &mut st.scratch;
+        let mut done = 0;
+        while done < len {
+            let bytes = (chunk_elems * size).min(len - done);
+            // Read the whole chunk from every input first.
+            if let [first, second, rest @ ..] = &mut st.inputs[..] {
+                let (a, b) = (inputs[0].segs, inputs[1].segs);
+                walk2((a, first), (b, second), bytes, |at, pa, pb, n| {
+                    // SAFETY: both pieces lie in input segments, which the
+                    // caller guarantees readable; the kernel reads them
+                    // through raw pointers only.
+                    unsafe { kernel.combine(scratch, whole(at), pa, pb, whole(n)) }
+                });
+                for (input, pos) in inputs[2..].iter().zip(rest) {
+                    walk(input.segs, pos, bytes, |at, p, n| {
+                        // SAFETY: as above.
+                        unsafe { kernel.accumulate(scratch, whole(at), p, whole(n)) }
+                    });
+                }
+            } else {
+                walk(inputs[0].segs, &mut st.inputs[0], bytes, |at, p, n| {
+                    // SAFETY: as above.
+                    unsafe { kernel.load(scratch, whole(at), p, whole(n)) }
+                });
+            }
+            // Then write it to every output.
+            let result = kernel.finish(scratch, bytes / size, world);
+            for (output, pos) in outputs.iter().zip(&mut st.outputs) {
+                walk(output.segs, pos, bytes, |at, p, n| {
+                    let src = &result[at..at + n];
+                    // SAFETY: the piece lies in an output segment, which the
+                    // caller guarantees writable; `src` is our scratch, so
+                    // the two cannot overlap.
+                    unsafe { ptr::copy_nonoverlapping(src.as_ptr(), p, n) }
+                });
+            }
+            done += bytes;
+        }
+    });
 }
 
 /// Copies `len` bytes from `src` into every destination in `dsts`.
 /// A destination that is the very same memory as the source is skipped.
 ///
+/// # Panics
+/// If a list ends before `len` bytes (checked as the lists are walked).
+///
 /// # Safety
 /// As for [`reduce_range`].
 pub unsafe fn copy_range(src: SegRef<'_>, dsts: &[SegRef<'_>], len: usize) {
-    let _ = (src, dsts, len);
-    todo!("datapath::copy_range")
+    if len == 0 {
+        return;
+    }
+    // With one destination there is nothing to keep in cache.
+    let step = if dsts.len() > 1 {
+        COPY_CHUNK_BYTES
+    } else {
+        len
+    };
+    STATE.with_borrow_mut(|st| {
+        let mut src_pos = Pos::start(&src);
+        st.outputs.clear();
+        st.outputs.extend(dsts.iter().map(Pos::start));
+        let mut done = 0;
+        while done < len {
+            let bytes = step.min(len - done);
+            for (dst, pos) in dsts.iter().zip(&mut st.outputs) {
+                let mut from = src_pos;
+                walk2(
+                    (src.segs, &mut from),
+                    (dst.segs, pos),
+                    bytes,
+                    |_, s, d, n| {
+                        if s != d {
+                            // SAFETY: `s` lies in a source segment
+                            // (readable) and `d` in a destination segment
+                            // (writable), by the caller's promise;
+                            // `ptr::copy` allows a guest's buffers to
+                            // overlap each other.
+                            unsafe { ptr::copy(s, d, n) }
+                        }
+                    },
+                );
+            }
+            walk(src.segs, &mut src_pos, bytes, |_, _, _| {});
+            done += bytes;
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reduce::reference::{self, Rng};
+
+    const CANARY: u8 = 0xcd;
+    const GAP: usize = 8;
+
+    /// A buffer scattered over host memory: its segments lie in reverse
+    /// order with canary bytes between them.
+    struct Buf {
+        _mem: Vec<u8>,
+        base: *mut u8,
+        size: usize,
+        segs: Vec<HostSeg>,
+    }
+
+    impl Buf {
+        /// A buffer of `lens` segments (in logical order).
+        fn new(lens: &[usize]) -> Buf {
+            let size = lens.iter().sum::<usize>() + GAP * (lens.len() + 1);
+            let mut mem = vec![CANARY; size];
+            let base = mem.as_mut_ptr();
+            let mut end = size - GAP;
+            let segs = lens
+                .iter()
+                .map(|&len| {
+                    end -= len;
+                    let seg = HostSeg {
+                        ptr: base.wrapping_add(end),
+                        len,
+                    };
+                    end -= GAP;
+                    seg
+                })
+                .collect();
+            Buf {
+                _mem: mem,
+                base,
+                size,
+                segs,
+            }
+        }
+
+        /// A buffer of `elems` elements of `size` bytes in random segments:
+        /// single elements, empty ones and longer runs.
+        fn random(rng: &mut Rng, elems: usize, size: usize) -> Buf {
+            let mut lens = Vec::new();
+            let mut left = elems;
+            while left > 0 {
+                let n = match rng.below(4) {
+                    0 => 1,
+                    1 => 0,
+                    2 => rng.below(8),
+                    _ => rng.below(400),
+                }
+                .min(left);
+                lens.push(n * size);
+                left -= n;
+            }
+            Buf::new(&lens)
+        }
+
+        fn whole(&self) -> SegRef<'_> {
+            self.at(0)
+        }
+
+        fn at(&self, offset: usize) -> SegRef<'_> {
+            SegRef {
+                segs: &self.segs,
+                offset,
+            }
+        }
+
+        /// The buffer's bytes in logical order.
+        fn read(&self) -> Vec<u8> {
+            let mut out = Vec::new();
+            for seg in &self.segs {
+                // SAFETY: the segment lies in `_mem`, which lives as long as
+                // `self`; nothing writes it meanwhile.
+                out.extend_from_slice(unsafe { std::slice::from_raw_parts(seg.ptr, seg.len) });
+            }
+            out
+        }
+
+        fn write(&self, data: &[u8]) {
+            let mut at = 0;
+            for seg in &self.segs {
+                // SAFETY: as in `read`; `data` is ours and disjoint.
+                unsafe { ptr::copy_nonoverlapping(data[at..].as_ptr(), seg.ptr, seg.len) };
+                at += seg.len;
+            }
+            assert_eq!(at, data.len());
+        }
+
+        /// Checks that nothing outside the segments was written.
+        fn assert_canaries(&self) {
+            // SAFETY: `base` addresses the `size` bytes of `_mem`.
+            let mem = unsafe { std::slice::from_raw_parts(self.base, self.size) };
+            let mut inside = vec![false; self.size];
+            for seg in &self.segs {
+                let start = seg.ptr as usize - self.base as usize;
+                inside[start..start + seg.len].fill(true);
+            }
+            for (i, (&b, &ins)) in mem.iter().zip(&inside).enumerate() {
+                assert!(ins || b == CANARY, "byte {i} outside the segments written");
+            }
+        }
+    }
+
+    fn pairs() -> Vec<(Dtype, ReduceOp)> {
+        Dtype::ALL
+            .iter()
+            .flat_map(|&d| ReduceOp::ALL.iter().map(move |&o| (d, o)))
+            .filter(|&(d, o)| o.supports(d))
+            .collect()
+    }
+
+    /// Inputs filled with random data, each member segmented its own way,
+    /// and outputs segmented differently again.
+    fn setup(rng: &mut Rng, dtype: Dtype, world: usize, elems: usize) -> (Vec<Buf>, Vec<Buf>) {
+        let size = dtype.size();
+        let inputs: Vec<Buf> = (0..world)
+            .map(|_| {
+                let buf = Buf::random(rng, elems, size);
+                buf.write(&rng.elems(dtype, elems));
+                buf
+            })
+            .collect();
+        let outputs = (0..world).map(|_| Buf::random(rng, elems, size)).collect();
+        (inputs, outputs)
+    }
+
+    fn want(dtype: Dtype, op: ReduceOp, inputs: &[Buf]) -> Vec<u8> {
+        let data: Vec<Vec<u8>> = inputs.iter().map(Buf::read).collect();
+        let refs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+        reference::reduce(dtype, op, inputs.len() as u32, &refs)
+    }
+
+    fn run(dtype: Dtype, op: ReduceOp, inputs: &[Buf], outputs: &[Buf], len: usize, chunk: usize) {
+        let ins: Vec<SegRef> = inputs.iter().map(Buf::whole).collect();
+        let outs: Vec<SegRef> = outputs.iter().map(Buf::whole).collect();
+        // SAFETY: every segment lies in a live Buf of at least `len` bytes.
+        unsafe { reduce_range_chunked(dtype, op, inputs.len() as u32, &ins, &outs, len, chunk) }
+    }
+
+    fn check_outputs(dtype: Dtype, outputs: &[Buf], want: &[u8], what: &str) {
+        for (r, out) in outputs.iter().enumerate() {
+            out.assert_canaries();
+            if let Err(e) = reference::check(dtype, &out.read(), want) {
+                panic!("{what}, output {r}: {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn reduce_matches_reference_for_every_dtype_op_and_world() {
+        let mut rng = Rng::new(7);
+        for (dtype, op) in pairs() {
+            for world in 1..=5 {
+                for elems in [1, 3, 7, 33, 1001] {
+                    let (inputs, outputs) = setup(&mut rng, dtype, world, elems);
+                    let want = want(dtype, op, &inputs);
+                    // Small chunks, so that 1001 elements take several
+                    // chunks and a tail.
+                    run(dtype, op, &inputs, &outputs, elems * dtype.size(), 448);
+                    let what = format!("{dtype} {op} N={world} elems={elems}");
+                    check_outputs(dtype, &outputs, &want, &what);
+                    for input in &inputs {
+                        input.assert_canaries();
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn reduce_over_several_default_chunks_and_a_tail() {
+        let mut rng = Rng::new(8);
+        let cases = [
+            (Dtype::F32, ReduceOp::Sum),
+            (Dtype::U8, ReduceOp::Bxor),
+            (Dtype::F16, ReduceOp::Avg),
+            (Dtype::Bf16, ReduceOp::Max),
+            (Dtype::I64, ReduceOp::Prod),
+        ];
+        for (dtype, op) in cases {
+            let chunk_elems = CHUNK_BYTES / Kernel::new(dtype, op).unwrap().acc_size();
+            let elems = 3 * chunk_elems + 17;
+            let (inputs, outputs) = setup(&mut rng, dtype, 3, elems);
+            let want = want(dtype, op, &inputs);
+            let ins: Vec<SegRef> = inputs.iter().map(Buf::whole).collect();
+            let outs: Vec<SegRef> = outputs.iter().map(Buf::whole).collect();
+            // SAFETY: every segment lies in a live Buf of `elems` elements.
+            unsafe { reduce_range(dtype, op, 3, &ins, &outs, elems * dtype.size()) };
+            check_outputs(dtype, &outputs, &want, &format!("{dtype} {op}"));
+        }
+    }
+
+    #[test]
+    fn chunk_size_does_not_change_the_result() {
+        let mut rng = Rng::new(9);
+        let dtype = Dtype::F16;
+        let (inputs, _) = setup(&mut rng, dtype, 4, 777);
+        let want = want(dtype, ReduceOp::Sum, &inputs);
+        for chunk in [1, 2, 4, 12, 100, 4096, 1 << 20] {
+            let outputs: Vec<Buf> = (0..2).map(|_| Buf::random(&mut rng, 777, 2)).collect();
+            run(dtype, ReduceOp::Sum, &inputs, &outputs, 777 * 2, chunk);
+            check_outputs(dtype, &outputs, &want, &format!("chunk {chunk}"));
+        }
+    }
+
+    #[test]
+    fn reduce_in_place() {
+        let mut rng = Rng::new(10);
+        for (dtype, op) in [
+            (Dtype::F32, ReduceOp::Sum),
+            (Dtype::I8, ReduceOp::Avg),
+            (Dtype::Bf16, ReduceOp::Prod),
+            (Dtype::U64, ReduceOp::Min),
+        ] {
+            for world in 1..=4 {
+                let elems = 1999;
+                let (inputs, _) = setup(&mut rng, dtype, world, elems);
+                let want = want(dtype, op, &inputs);
+                // Outputs: the inputs' own lists, and for rank 0 the same
+                // memory described by a different list (cut into pieces).
+                let mut recut: Vec<HostSeg> = Vec::new();
+                for seg in &inputs[0].segs {
+                    let cut = (seg.len / dtype.size() / 2) * dtype.size();
+                    recut.push(HostSeg {
+                        ptr: seg.ptr,
+                        len: cut,
+                    });
+                    recut.push(HostSeg {
+                        ptr: seg.ptr.wrapping_add(cut),
+                        len: seg.len - cut,
+                    });
+                }
+                let ins: Vec<SegRef> = inputs.iter().map(Buf::whole).collect();
+                let mut outs = ins.clone();
+                outs[0] = SegRef {
+                    segs: &recut,
+                    offset: 0,
+                };
+                let len = elems * dtype.size();
+                // SAFETY: every list addresses live Bufs of `len` bytes.
+                unsafe { reduce_range_chunked(dtype, op, world as u32, &ins, &outs, len, 1000) };
+                check_outputs(dtype, &inputs, &want, &format!("{dtype} {op} N={world}"));
+            }
+        }
+    }
+
+    #[test]
+    fn ranges_at_offsets_compose_into_the_whole() {
+        let mut rng = Rng::new(11);
+        let dtype = Dtype::I32;
+        let op = ReduceOp::Sum;
+        let elems = 2500;
+        let (inputs, outputs) = setup(&mut rng, dtype, 3, elems);
+        let want = want(dtype, op, &inputs);
+        // Ranges as the engine's reduction threads would take them.
+        let cuts = [0, 16, 1040, 1041, 2500];
+        for w in cuts.windows(2) {
+            let (offset, len) = (w[0] * 4, (w[1] - w[0]) * 4);
+            let ins: Vec<SegRef> = inputs.iter().map(|b| b.at(offset)).collect();
+            let outs: Vec<SegRef> = outputs.iter().map(|b| b.at(offset)).collect();
+            // SAFETY: each range lies within the live Bufs.
+            unsafe { reduce_range(dtype, op, 3, &ins, &outs, len) };
+        }
+        check_outputs(dtype, &outputs, &want, "ranges");
+    }
+
+    #[test]
+    fn nan_propagates_through_segmented_buffers() {
+        let mut rng = Rng::new(12);
+        for dtype in [Dtype::F32, Dtype::F64, Dtype::F16, Dtype::Bf16] {
+            for op in [ReduceOp::Min, ReduceOp::Max] {
+                let elems = 500;
+                let (inputs, outputs) = setup(&mut rng, dtype, 4, elems);
+                let size = dtype.size();
+                let mut nan_at = vec![false; elems];
+                for input in &inputs {
+                    let mut data = input.read();
+                    for _ in 0..20 {
+                        let i = rng.below(elems);
+                        nan_at[i] = true;
+                        let nan: &[u8] = match dtype {
+                            Dtype::F32 => &f32::NAN.to_ne_bytes(),
+                            Dtype::F64 => &f64::NAN.to_ne_bytes(),
+                            Dtype::F16 => &half::f16::NAN.to_ne_bytes(),
+                            _ => &half::bf16::NAN.to_ne_bytes(),
+                        };
+                        data[i * size..(i + 1) * size].copy_from_slice(nan);
+                    }
+                    input.write(&data);
+                }
+                let want = want(dtype, op, &inputs);
+                run(dtype, op, &inputs, &outputs, elems * size, CHUNK_BYTES);
+                check_outputs(dtype, &outputs, &want, &format!("{dtype} {op}"));
+                let got = outputs[0].read();
+                for (i, &nan) in nan_at.iter().enumerate() {
+                    let e = &got[i * size..(i + 1) * size];
+                    let is_nan = match dtype {
+                        Dtype::F32 => f32::from_ne_bytes(e.try_into().unwrap()).is_nan(),
+                        Dtype::F64 => f64::from_ne_bytes(e.try_into().unwrap()).is_nan(),
+                        Dtype::F16 => half::f16::from_ne_bytes(e.try_into().unwrap()).is_nan(),
+                        _ => half::bf16::from_ne_bytes(e.try_into().unwrap()).is_nan(),
+                    };
+                    assert_eq!(is_nan, nan, "{dtype} {op} element {i}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn empty_range_touches_nothing() {
+        let bufs = [Buf::new(&[]), Buf::new(&[0, 0])];
+        let refs: Vec<SegRef> = bufs.iter().map(Buf::whole).collect();
+        // SAFETY: nothing is addressed.
+        unsafe {
+            reduce_range(Dtype::F32, ReduceOp::Sum, 2, &refs, &refs, 0);
+            copy_range(refs[0], &refs, 0);
+        }
+        for b in &bufs {
+            b.assert_canaries();
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "segment boundary inside an element")]
+    fn segment_boundary_inside_an_element_is_refused() {
+        let a = Buf::new(&[6, 2]);
+        let b = Buf::new(&[8]);
+        let ins = [a.whole(), b.whole()];
+        // SAFETY: both lists hold 8 bytes.
+        unsafe { reduce_range(Dtype::F32, ReduceOp::Sum, 2, &ins, &ins[1..], 8) };
+    }
+
+    #[test]
+    #[should_panic(expected = "range runs past the end of a segment list")]
+    fn range_beyond_the_list_is_refused() {
+        let a = Buf::new(&[8]);
+        let ins = [a.whole()];
+        // SAFETY: the walk stops at the end of the list, before any access
+        // beyond it.
+        unsafe { reduce_range(Dtype::F32, ReduceOp::Sum, 1, &ins, &ins, 12) };
+    }
+
+    #[test]
+    #[should_panic(expected = "band is not defined for f32")]
+    fn bitwise_op_on_floats_is_refused() {
+        let a = Buf::new(&[8]);
+        let ins = [a.whole()];
+        // SAFETY: the list holds 8 bytes.
+        unsafe { reduce_range(Dtype::F32, ReduceOp::Band, 1, &ins, &ins, 8) };
+    }
+
+    #[test]
+    fn copy_to_destinations_segmented_differently() {
+        let mut rng = Rng::new(13);
+        for len in [1, 3, 7, 33, 1001, 3 * COPY_CHUNK_BYTES + 5] {
+            let src = Buf::random(&mut rng, len, 1);
+            let data = rng.elems(Dtype::U8, len);
+            src.write(&data);
+            for ndst in 1..=3 {
+                let dsts: Vec<Buf> = (0..ndst).map(|_| Buf::random(&mut rng, len, 1)).collect();
+                let refs: Vec<SegRef> = dsts.iter().map(Buf::whole).collect();
+                // SAFETY: all lists hold `len` bytes of live Bufs.
+                unsafe { copy_range(src.whole(), &refs, len) };
+                for d in &dsts {
+                    d.assert_canaries();
+                    assert!(d.read() == data, "len {len}, {ndst} destinations");
+                }
+                src.assert_canaries();
+            }
+        }
+    }
+
+    #[test]
+    fn copy_skips_the_source_and_honours_offsets() {
+        let mut rng = Rng::new(14);
+        let len = 5000;
+        let src = Buf::random(&mut rng, len, 1);
+        let data = rng.elems(Dtype::U8, len);
+        src.write(&data);
+        let other = Buf::random(&mut rng, len, 1);
+        // The source itself (as in-place allgather or broadcast at the
+        // root), and the same memory cut differently.
+        let mut recut = Vec::new();
+        for seg in &src.segs {
+            let cut = seg.len / 3;
+            recut.push(HostSeg {
+                ptr: seg.ptr,
+                len: cut,
+            });
+            recut.push(HostSeg {
+                ptr: seg.ptr.wrapping_add(cut),
+                len: seg.len - cut,
+            });
+        }
+        let (offset, part) = (1234, 2000);
+        let dsts = [
+            src.at(offset),
+            other.at(offset),
+            SegRef {
+                segs: &recut,
+                offset,
+            },
+        ];
+        // SAFETY: every list holds `offset + part` bytes of live memory.
+        unsafe { copy_range(src.at(offset), &dsts, part) };
+        assert!(src.read() == data);
+        let got = other.read();
+        assert!(got[offset..offset + part] == data[offset..offset + part]);
+        assert!(got[..offset].iter().all(|&b| b == CANARY));
+        assert!(got[offset + part..].iter().all(|&b| b == CANARY));
+        other.assert_canaries();
+        src.assert_canaries();
+    }
 }

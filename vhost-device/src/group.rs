@@ -1,21 +1,68 @@
-//! Skeleton: the interface between the vhost-user glue and the group engine.
+//! The group engine: matching, ordering, generations, timeouts, and running
+//! collectives.
+//!
+//! Every member's vring thread calls [`Group::submit`] with the chains it
+//! pops. A chain is parsed and checked at once ([`crate::chain`]); a bad one
+//! is completed with its status. A good one takes the member's next sequence
+//! number `k` on its queue `q` and is filed in the collective slot `(q, k)`.
+//! The member whose arrival fills the slot runs the collective: small ones
+//! on its own thread, big ones split into byte ranges over the reduction
+//! threads, with the arriving thread taking ranges too. Whichever thread
+//! finishes the last range writes every member's response and calls its
+//! [`Completion`].
+//!
+//! Members: a member is active from [`Group::member_ready`] until
+//! [`Group::member_lost`]; chains of an inactive member are dropped. A loss
+//! (or [`Group::reset`]) starts a new generation: pending collectives fail
+//! on the other members, and every sequence counter restarts at 0.
+//!
+//! Locks: one mutex guards the matching state and is never held while data
+//! moves or a completion runs. Each member also has a gate (a read-write
+//! lock): completions take it for reading, [`Group::member_lost`] for
+//! writing, so that once `member_lost` returns no completion for a request
+//! the member submitted before is made (its rings are gone).
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
 
+use virtio_dmlc::{
+    mismatch, Dtype, Opcode, ReduceOp, Status, VirtioDmlcConfig, VirtioDmlcResp, NO_PEER,
+    VIRTIO_DMLC_F_REQ_TIMEOUT,
+};
 use virtio_queue::DescriptorChain;
+use vm_memory::{Bytes, GuestAddress};
+use zerocopy::IntoBytes;
 
+use crate::chain::{self, Limits, Request};
+use crate::datapath::{self, SegRef};
 use crate::metrics::Metrics;
 use crate::GuestMem;
+
+/// Collectives that move at least this many bytes are split over the
+/// reduction threads; smaller ones run on the arriving thread.
+pub const SPLIT_THRESHOLD: usize = 1 << 20;
+/// Smallest byte range handed to one reduction thread.
+const MIN_PART: usize = 256 << 10;
+/// Byte ranges start on cache-line (and so element) boundaries.
+const PART_ALIGN: usize = 64;
 
 /// Settings of one group, fixed for the daemon's life.
 #[derive(Clone, Debug)]
 pub struct GroupConfig {
+    /// Number of members (at least 1).
     pub world_size: u32,
+    /// Request queues per member (at least 1).
     pub num_queues: u16,
     pub max_segments: u32,
+    /// Largest input or output of one request; must fit in `usize`.
     pub max_bytes: u64,
+    /// Default collective timeout.
     pub timeout: Duration,
+    /// Reduction worker threads; 0 runs every collective on the arriving thread.
     pub reduce_threads: usize,
     pub group_id: u64,
 }
@@ -29,42 +76,344 @@ pub trait Completion: Send + Sync {
 
 /// The collective state shared by every member of the group.
 pub struct Group {
-    _private: (),
+    shared: Arc<Shared>,
+    pool: Option<mpsc::Sender<Arc<Job>>>,
+    workers: Vec<JoinHandle<()>>,
+    timer: Option<JoinHandle<()>>,
+}
+
+/// Whether a member's requests may be completed: `epoch` changes every
+/// time the member is lost, and `accepting` is false from a loss until the
+/// member is ready again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Gate {
+    epoch: u64,
+    accepting: bool,
+}
+
+struct Shared {
+    world: u32,
+    num_queues: u16,
+    cfg: GroupConfig,
+    metrics: Metrics,
+    state: Mutex<State>,
+    /// Wakes the timer thread (new earlier deadline, or shutdown).
+    timer_cv: Condvar,
+    /// Per member; see [`Gate`]. Mirrored in `State::members` for checks
+    /// made under the state lock.
+    gates: Vec<RwLock<Gate>>,
+    /// Mirror of `State::generation` for lock-free config reads.
+    generation: AtomicU32,
+}
+
+struct Member {
+    gate: Gate,
+    connected: bool,
+    req_timeout: bool,
+    /// Next sequence number per queue.
+    seqs: Vec<u64>,
+}
+
+struct State {
+    generation: u32,
+    members: Vec<Member>,
+    slots: HashMap<(u16, u64), Slot>,
+    /// The deadline the timer thread sleeps until, if any.
+    timer_target: Option<Instant>,
+    shutdown: bool,
+}
+
+enum Slot {
+    Waiting(Waiting),
+    /// The collective timed out; members in `missing` that arrive late
+    /// fail with TIMEOUT too.
+    TimedOut(TimedOut),
+}
+
+struct Waiting {
+    /// Indexed by rank.
+    arrivals: Vec<Option<Arrival>>,
+    present: u32,
+    first: Instant,
+    deadline: Instant,
+}
+
+struct TimedOut {
+    missing: Vec<bool>,
+    left: u32,
+    peer: u32,
+}
+
+/// One member's request, filed in a collective slot.
+struct Arrival {
+    rank: u32,
+    queue: u16,
+    epoch: u64,
+    req: Request,
+    /// Keeps the member's mapping alive until the request completes.
+    mem: Arc<GuestMem>,
+    done: Arc<dyn Completion>,
+    at: Instant,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Outcome {
+    status: Status,
+    detail: u32,
+    peer: u32,
+}
+
+impl Outcome {
+    const OK: Outcome = Outcome {
+        status: Status::Ok,
+        detail: 0,
+        peer: NO_PEER,
+    };
+
+    fn fail(status: Status, detail: u32, peer: u32) -> Self {
+        Outcome {
+            status,
+            detail,
+            peer,
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn read<T>(m: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    m.read().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl Group {
+    /// Creates the group and starts its timer and reduction threads.
     pub fn new(config: GroupConfig) -> Arc<Group> {
-        let _ = config;
-        todo!("Group::new")
+        let world = config.world_size.max(1);
+        let num_queues = config.num_queues.max(1);
+        // Members are active only once the glue says they are ready.
+        let gate = Gate {
+            epoch: 0,
+            accepting: false,
+        };
+        let members = (0..world)
+            .map(|_| Member {
+                gate,
+                connected: false,
+                req_timeout: false,
+                seqs: vec![0; usize::from(num_queues)],
+            })
+            .collect();
+        let shared = Arc::new(Shared {
+            world,
+            num_queues,
+            metrics: Metrics::new(),
+            state: Mutex::new(State {
+                generation: 1,
+                members,
+                slots: HashMap::new(),
+                timer_target: None,
+                shutdown: false,
+            }),
+            timer_cv: Condvar::new(),
+            gates: (0..world).map(|_| RwLock::new(gate)).collect(),
+            generation: AtomicU32::new(1),
+            cfg: config,
+        });
+        shared.metrics.set_generation(1);
+
+        let timer = {
+            let shared = shared.clone();
+            thread::Builder::new()
+                .name("dmlc-timer".into())
+                .spawn(move || timer_loop(&shared))
+                .map_err(|e| log::error!("cannot start the timer thread: {e}"))
+                .ok()
+        };
+
+        let mut workers = Vec::new();
+        let mut pool = None;
+        if shared.cfg.reduce_threads > 0 {
+            let (tx, rx) = mpsc::channel::<Arc<Job>>();
+            let rx = Arc::new(Mutex::new(rx));
+            for i in 0..shared.cfg.reduce_threads {
+                let rx = rx.clone();
+                match thread::Builder::new()
+                    .name(format!("dmlc-reduce-{i}"))
+                    .spawn(move || worker_loop(&rx))
+                {
+                    Ok(h) => workers.push(h),
+                    Err(e) => log::error!("cannot start reduction thread {i}: {e}"),
+                }
+            }
+            if !workers.is_empty() {
+                pool = Some(tx);
+            }
+        }
+
+        Arc::new(Group {
+            shared,
+            pool,
+            workers,
+            timer,
+        })
     }
 
     /// The config space that member `rank` reads.
-    pub fn config_space(&self, rank: u32) -> virtio_dmlc::VirtioDmlcConfig {
-        let _ = rank;
-        todo!()
+    pub fn config_space(&self, rank: u32) -> VirtioDmlcConfig {
+        let sh = &self.shared;
+        VirtioDmlcConfig {
+            rank: rank.into(),
+            world_size: sh.world.into(),
+            num_queues: u32::from(sh.num_queues).into(),
+            max_segments: sh.cfg.max_segments.into(),
+            max_bytes: sh.cfg.max_bytes.into(),
+            dtypes: Dtype::all_mask().into(),
+            ops: ReduceOp::all_mask().into(),
+            opcodes: Opcode::all_mask().into(),
+            generation: sh.generation.load(Ordering::Acquire).into(),
+            group_id: sh.cfg.group_id.into(),
+        }
     }
 
+    /// The group's counters.
     pub fn metrics(&self) -> &Metrics {
-        todo!()
+        &self.shared.metrics
     }
 
-    /// Whether the driver negotiated `VIRTIO_DMLC_F_REQ_TIMEOUT`.
+    /// The current generation (1 at start, +1 on every member loss or reset).
+    pub fn generation(&self) -> u32 {
+        self.shared.generation.load(Ordering::Acquire)
+    }
+
+    /// Records the features member `rank`'s driver acknowledged: with
+    /// `VIRTIO_DMLC_F_REQ_TIMEOUT`, its requests' `timeout_ms` is honoured.
     pub fn set_member_features(&self, rank: u32, acked: u64) {
-        let _ = (rank, acked);
-        todo!()
+        if rank >= self.shared.world {
+            return;
+        }
+        let mut st = lock(&self.shared.state);
+        st.members[rank as usize].req_timeout = acked & (1 << VIRTIO_DMLC_F_REQ_TIMEOUT) != 0;
+    }
+
+    /// Member `rank` became active (its driver set DRIVER_OK, or its queues
+    /// became ready): its requests are accepted from now on. Chains a
+    /// member submits while it is not active (before its first
+    /// `member_ready`, or after [`Group::member_lost`] until the next) are
+    /// dropped without a completion. Does not change the generation.
+    pub fn member_ready(&self, rank: u32) {
+        let sh = &self.shared;
+        if rank >= sh.world {
+            return;
+        }
+        // State first, gate second (while holding the state lock): a submit
+        // that sees the open gate then finds the state agreeing with it.
+        let mut st = lock(&sh.state);
+        let gate = {
+            let mut g = sh.gates[rank as usize]
+                .write()
+                .unwrap_or_else(PoisonError::into_inner);
+            g.accepting = true;
+            *g
+        };
+        let m = &mut st.members[rank as usize];
+        m.gate = gate;
+        m.connected = true;
+        let connected = st.members.iter().filter(|m| m.connected).count();
+        sh.metrics.set_members_connected(connected as u32);
     }
 
     /// Member `rank` disconnected or reset its device: its own pending
     /// requests are dropped, the others' collectives that need it fail with
-    /// PEER_LOST, and the generation changes.
+    /// PEER_LOST, and the generation changes. Once this returns, no
+    /// completion is made for any request `rank` submitted before, and its
+    /// new submissions are dropped until [`Group::member_ready`]. Further
+    /// calls before `member_ready` are the same loss and change nothing, so
+    /// the glue may call this from every place that sees the loss.
+    ///
+    /// Waits for completions of `rank` under way: must not be called from
+    /// inside a [`Completion::complete`] or while holding a lock that one
+    /// takes.
     pub fn member_lost(&self, rank: u32) {
-        let _ = rank;
-        todo!()
+        let sh = &self.shared;
+        if rank >= sh.world {
+            return;
+        }
+        let gate = {
+            // Waits for completions of this member that are under way.
+            let mut g = sh.gates[rank as usize]
+                .write()
+                .unwrap_or_else(PoisonError::into_inner);
+            if !g.accepting {
+                // Already lost and not back yet: the same loss.
+                return;
+            }
+            g.epoch += 1;
+            g.accepting = false;
+            *g
+        };
+        self.bump(Some((rank, gate)));
+    }
+
+    /// Resets the group for a reason other than a lost member (an orderly
+    /// shutdown, an operator's request): the generation changes, every
+    /// pending collective fails with RESET on every member, and sequence
+    /// numbers restart. Members stay active.
+    pub fn reset(&self) {
+        self.bump(None);
+    }
+
+    /// A generation change: `lost` is the lost member and its new gate, or
+    /// `None` for a reset.
+    fn bump(&self, lost: Option<(u32, Gate)>) {
+        let sh = &self.shared;
+        let outcome = match lost {
+            Some((rank, _)) => Outcome::fail(Status::PeerLost, 0, rank),
+            None => Outcome::fail(Status::Reset, 0, NO_PEER),
+        };
+        let mut failed = Vec::new();
+        {
+            let mut st = lock(&sh.state);
+            st.generation = st.generation.wrapping_add(1).max(1);
+            sh.generation.store(st.generation, Ordering::Release);
+            sh.metrics.set_generation(st.generation);
+            for m in &mut st.members {
+                m.seqs.iter_mut().for_each(|s| *s = 0);
+            }
+            if let Some((rank, gate)) = lost {
+                let m = &mut st.members[rank as usize];
+                m.gate = gate;
+                m.connected = false;
+                let connected = st.members.iter().filter(|m| m.connected).count();
+                sh.metrics.set_members_connected(connected as u32);
+            }
+            for (_, slot) in st.slots.drain() {
+                if let Slot::Waiting(w) = slot {
+                    for a in w.arrivals.into_iter().flatten() {
+                        if lost.is_some_and(|(rank, _)| a.rank == rank) {
+                            sh.metrics.dropped();
+                        } else {
+                            failed.push(a);
+                        }
+                    }
+                }
+            }
+        }
+        for a in &failed {
+            sh.deliver(a, outcome);
+        }
     }
 
     /// Takes one chain popped from `queue` of member `rank`. Exactly one
     /// `done.complete(queue, head, len)` follows, now or later, from any
-    /// thread, unless the member is lost first.
+    /// thread, unless the member is not active (see [`Group::member_ready`])
+    /// or is lost first. `len` is 0 for a chain without a usable response
+    /// descriptor, else the total length of its writable descriptors.
+    ///
+    /// `chain` must come from `mem`. The caller must not hold a lock that a
+    /// [`Completion`] of any member takes: the collective may run, and every
+    /// member's completion may be called, on this thread.
     pub fn submit(
         &self,
         rank: u32,
@@ -73,7 +422,597 @@ impl Group {
         chain: DescriptorChain<&GuestMem>,
         done: &Arc<dyn Completion>,
     ) {
-        let _ = (rank, queue, mem, chain, done);
-        todo!()
+        let sh = &*self.shared;
+        let head = chain.head_index();
+        if rank >= sh.world || queue >= sh.num_queues {
+            log::error!("request from unknown member {rank} queue {queue}");
+            sh.metrics.no_status();
+            done.complete(queue, head, 0);
+            return;
+        }
+        let gate = *read(&sh.gates[rank as usize]);
+        if !gate.accepting {
+            sh.metrics.dropped();
+            return;
+        }
+        let limits = Limits {
+            world_size: sh.world,
+            rank,
+            max_segments: sh.cfg.max_segments,
+            max_bytes: sh.cfg.max_bytes,
+        };
+        let req = match chain::parse(chain, &limits) {
+            Ok(req) => req,
+            Err(rej) => {
+                if let Some(op) = rej.opcode {
+                    sh.metrics.request(op);
+                }
+                let response = match (rej.error.status_detail(), rej.response) {
+                    (Some((status, detail)), Some(addr)) => {
+                        Some((&**mem, addr, Outcome::fail(status, detail, NO_PEER)))
+                    }
+                    _ => None,
+                };
+                sh.finish(
+                    rank,
+                    gate.epoch,
+                    queue,
+                    head,
+                    done,
+                    response,
+                    rej.writable_len,
+                );
+                return;
+            }
+        };
+        sh.metrics.request(req.opcode);
+
+        let now = Instant::now();
+        let arrival = Arrival {
+            rank,
+            queue,
+            epoch: gate.epoch,
+            req,
+            mem: mem.clone(),
+            done: done.clone(),
+            at: now,
+        };
+        let mut st = lock(&sh.state);
+        let m = &mut st.members[rank as usize];
+        if m.gate != gate {
+            // Lost while parsing: this chain belongs to a ring that is gone.
+            drop(st);
+            sh.metrics.dropped();
+            return;
+        }
+        let timeout = match arrival.req.header.timeout_ms.get() {
+            ms if m.req_timeout && ms != 0 => Duration::from_millis(u64::from(ms)),
+            _ => sh.cfg.timeout,
+        };
+        // A timeout too large for Instant means no timeout in practice.
+        let deadline = now
+            .checked_add(timeout)
+            .or_else(|| now.checked_add(Duration::from_secs(1 << 30)))
+            .unwrap_or(now);
+        let seq = m.seqs[usize::from(queue)];
+        m.seqs[usize::from(queue)] = seq + 1;
+        let key = (queue, seq);
+
+        let mut waiting = match st.slots.remove(&key) {
+            Some(Slot::TimedOut(mut t)) => {
+                let peer = t.peer;
+                if t.missing[rank as usize] {
+                    t.missing[rank as usize] = false;
+                    t.left -= 1;
+                }
+                if t.left > 0 {
+                    st.slots.insert(key, Slot::TimedOut(t));
+                }
+                drop(st);
+                sh.deliver(&arrival, Outcome::fail(Status::Timeout, 0, peer));
+                return;
+            }
+            Some(Slot::Waiting(w)) => w,
+            None => Waiting {
+                arrivals: (0..sh.world).map(|_| None).collect(),
+                present: 0,
+                first: now,
+                deadline,
+            },
+        };
+        waiting.deadline = waiting.deadline.min(deadline);
+        if waiting.arrivals[rank as usize].is_none() {
+            waiting.present += 1;
+        }
+        waiting.arrivals[rank as usize] = Some(arrival);
+        if waiting.present < sh.world {
+            let deadline = waiting.deadline;
+            st.slots.insert(key, Slot::Waiting(waiting));
+            if st.timer_target.is_none_or(|t| deadline < t) {
+                st.timer_target = Some(deadline);
+                sh.timer_cv.notify_one();
+            }
+            return;
+        }
+        drop(st);
+        self.run(waiting);
+    }
+
+    /// Runs a collective whose members have all arrived.
+    fn run(&self, w: Waiting) {
+        let sh = &self.shared;
+        let arrivals: Vec<Arrival> = w.arrivals.into_iter().flatten().collect();
+        let last = arrivals.iter().map(|a| a.at).max().unwrap_or(w.first);
+        sh.metrics.skew(last.saturating_duration_since(w.first));
+
+        let reference = &arrivals[0].req;
+        let mut mask = 0;
+        let mut peer = NO_PEER;
+        for a in &arrivals[1..] {
+            let m = mismatch_mask(reference, &a.req);
+            if m != 0 && peer == NO_PEER {
+                peer = a.rank;
+            }
+            mask |= m;
+        }
+        if mask != 0 {
+            let out = Outcome::fail(Status::Mismatch, mask, peer);
+            for a in &arrivals {
+                sh.deliver(a, out);
+            }
+            return;
+        }
+        for b in arrivals.iter().flat_map(|a| &a.req.bounces) {
+            // SAFETY: the arrival keeps its guest memory mapped, and no data
+            // movement of this collective has started.
+            unsafe { b.fill() };
+        }
+
+        let pieces = plan(&arrivals);
+        let total: usize = pieces.iter().map(Piece::len).sum();
+        let reduce = reference.dtype.zip(reference.op);
+        let opcode = reference.opcode;
+        let mut job = Job {
+            shared: sh.clone(),
+            opcode,
+            reduce,
+            arrivals,
+            pieces,
+            parts: Vec::new(),
+            next: AtomicUsize::new(0),
+            left: AtomicUsize::new(0),
+        };
+        let threads = self.workers.len();
+        match &self.pool {
+            Some(pool) if total >= SPLIT_THRESHOLD => {
+                job.parts = split(&job.pieces, threads);
+                job.left = AtomicUsize::new(job.parts.len());
+                sh.metrics.split();
+                let helpers = threads.min(job.parts.len().saturating_sub(1));
+                let job = Arc::new(job);
+                for _ in 0..helpers {
+                    if pool.send(job.clone()).is_err() {
+                        break;
+                    }
+                }
+                job.work();
+            }
+            _ => {
+                for (i, p) in job.pieces.iter().enumerate() {
+                    job.run_part(i, 0, p.len());
+                }
+                job.finish();
+            }
+        }
     }
 }
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        lock(&self.shared.state).shutdown = true;
+        self.shared.timer_cv.notify_all();
+        let me = thread::current().id();
+        if let Some(t) = self.timer.take() {
+            if t.thread().id() != me {
+                let _ = t.join();
+            }
+        }
+        // Closing the channel ends the workers once they are idle.
+        self.pool = None;
+        for w in self.workers.drain(..) {
+            if w.thread().id() != me {
+                let _ = w.join();
+            }
+        }
+    }
+}
+
+impl Shared {
+    /// Completes an arrival with `out`.
+    fn deliver(&self, a: &Arrival, out: Outcome) {
+        self.finish(
+            a.rank,
+            a.epoch,
+            a.queue,
+            a.req.head,
+            &a.done,
+            Some((&a.mem, a.req.response, out)),
+            a.req.writable_len,
+        );
+    }
+
+    /// Writes the response (if any) and completes the chain, with used
+    /// length `writable_len` (or 0 without a response), unless the member
+    /// was lost since `epoch`. The response carries the current generation.
+    #[allow(clippy::too_many_arguments)]
+    fn finish(
+        &self,
+        rank: u32,
+        epoch: u64,
+        queue: u16,
+        head: u16,
+        done: &Arc<dyn Completion>,
+        response: Option<(&GuestMem, GuestAddress, Outcome)>,
+        writable_len: u32,
+    ) {
+        let gate = read(&self.gates[rank as usize]);
+        if gate.epoch != epoch || !gate.accepting {
+            self.metrics.dropped();
+            return;
+        }
+        let written = match response {
+            Some((mem, addr, out)) => {
+                let resp = VirtioDmlcResp {
+                    status: out.status.raw().into(),
+                    detail: out.detail.into(),
+                    peer: out.peer.into(),
+                    generation: self.generation.load(Ordering::Acquire).into(),
+                };
+                if out.status != Status::Ok {
+                    self.metrics.error(out.status);
+                }
+                match mem.write_slice(resp.as_bytes(), addr) {
+                    Ok(()) => writable_len,
+                    Err(e) => {
+                        // Checked at parse time; only a changed mapping gets here.
+                        log::warn!("member {rank}: cannot write response: {e}");
+                        self.metrics.no_status();
+                        0
+                    }
+                }
+            }
+            None => {
+                self.metrics.no_status();
+                0
+            }
+        };
+        done.complete(queue, head, written);
+    }
+}
+
+/// Fails the collectives whose deadline passed.
+fn timer_loop(sh: &Shared) {
+    let mut st = lock(&sh.state);
+    loop {
+        if st.shutdown {
+            return;
+        }
+        let now = Instant::now();
+        let mut next: Option<Instant> = None;
+        let mut expired = Vec::new();
+        for (key, slot) in &st.slots {
+            if let Slot::Waiting(w) = slot {
+                if w.deadline <= now {
+                    expired.push(*key);
+                } else if next.is_none_or(|n| w.deadline < n) {
+                    next = Some(w.deadline);
+                }
+            }
+        }
+        let mut failed = Vec::new();
+        for key in expired {
+            let Some(Slot::Waiting(w)) = st.slots.remove(&key) else {
+                continue;
+            };
+            let missing: Vec<bool> = w.arrivals.iter().map(Option::is_none).collect();
+            let peer = missing.iter().position(|m| *m).unwrap_or(0) as u32;
+            let left = sh.world - w.present;
+            st.slots.insert(
+                key,
+                Slot::TimedOut(TimedOut {
+                    missing,
+                    left,
+                    peer,
+                }),
+            );
+            let out = Outcome::fail(Status::Timeout, 0, peer);
+            failed.extend(w.arrivals.into_iter().flatten().map(|a| (a, out)));
+        }
+        st.timer_target = next;
+        if !failed.is_empty() {
+            drop(st);
+            for (a, out) in &failed {
+                sh.deliver(a, *out);
+            }
+            drop(failed);
+            st = lock(&sh.state);
+            continue;
+        }
+        st = match next {
+            Some(t) => {
+                sh.timer_cv
+                    .wait_timeout(st, t.saturating_duration_since(now))
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .0
+            }
+            None => sh.timer_cv.wait(st).unwrap_or_else(PoisonError::into_inner),
+        };
+    }
+}
+
+fn worker_loop(rx: &Mutex<mpsc::Receiver<Arc<Job>>>) {
+    loop {
+        let job = lock(rx).recv();
+        match job {
+            Ok(job) => job.work(),
+            Err(_) => return,
+        }
+    }
+}
+
+/// Fields in which `b`'s header differs from the reference `a`'s, as a
+/// `mismatch::*` mask: the fields that the reference's opcode uses.
+fn mismatch_mask(a: &Request, b: &Request) -> u32 {
+    let (ha, hb) = (&a.header, &b.header);
+    let uses_dtype = a.opcode != Opcode::Barrier;
+    let uses_op = matches!(
+        a.opcode,
+        Opcode::Allreduce | Opcode::Reduce | Opcode::ReduceScatter
+    );
+    let mut m = 0;
+    let mut differs = |field: u32, d: bool| {
+        if d {
+            m |= field;
+        }
+    };
+    differs(mismatch::OPCODE, ha.opcode != hb.opcode);
+    differs(mismatch::DTYPE, uses_dtype && ha.dtype != hb.dtype);
+    differs(mismatch::OP, uses_op && ha.op != hb.op);
+    differs(mismatch::COUNT, ha.count != hb.count);
+    differs(mismatch::ROOT, ha.root != hb.root);
+    differs(mismatch::TAG, ha.tag != hb.tag);
+    m
+}
+
+/// A place in one member's buffers.
+#[derive(Clone, Copy, Debug)]
+struct BufAt {
+    member: usize,
+    /// The output segments (else the input segments).
+    output: bool,
+    base: usize,
+}
+
+/// One step of a collective over `len` bytes.
+#[derive(Debug)]
+enum Piece {
+    /// Reduce `inputs` (in rank order) into every output.
+    Reduce {
+        inputs: Vec<BufAt>,
+        outputs: Vec<BufAt>,
+        len: usize,
+    },
+    /// Copy `src` into every destination.
+    Copy {
+        src: BufAt,
+        dsts: Vec<BufAt>,
+        len: usize,
+    },
+}
+
+impl Piece {
+    fn len(&self) -> usize {
+        match self {
+            Piece::Reduce { len, .. } | Piece::Copy { len, .. } => *len,
+        }
+    }
+}
+
+/// Where member `i`'s input is: its input segments, or its output buffer
+/// at the in-place offset.
+fn input_of(arrivals: &[Arrival], i: usize, extra: usize) -> BufAt {
+    match arrivals[i].req.in_place_offset {
+        Some(off) => BufAt {
+            member: i,
+            output: true,
+            base: off + extra,
+        },
+        None => BufAt {
+            member: i,
+            output: false,
+            base: extra,
+        },
+    }
+}
+
+fn output_of(i: usize, base: usize) -> BufAt {
+    BufAt {
+        member: i,
+        output: true,
+        base,
+    }
+}
+
+/// The steps of a collective whose members' headers agree.
+fn plan(arrivals: &[Arrival]) -> Vec<Piece> {
+    let req = &arrivals[0].req;
+    let b = req.count_bytes();
+    let n = arrivals.len();
+    let root = req.root as usize;
+    if b == 0 {
+        return Vec::new();
+    }
+    let inputs = |extra: usize| (0..n).map(|i| input_of(arrivals, i, extra)).collect();
+    let all_outputs = |base: usize| (0..n).map(|i| output_of(i, base)).collect();
+    match req.opcode {
+        Opcode::Allreduce => vec![Piece::Reduce {
+            inputs: inputs(0),
+            outputs: all_outputs(0),
+            len: b,
+        }],
+        Opcode::Reduce => vec![Piece::Reduce {
+            inputs: inputs(0),
+            outputs: vec![output_of(root, 0)],
+            len: b,
+        }],
+        // Block r of the reduction goes to member r; in place, into block r
+        // of its own buffer.
+        Opcode::ReduceScatter => (0..n)
+            .map(|r| {
+                let base = if arrivals[r].req.in_place_offset.is_some() {
+                    r * b
+                } else {
+                    0
+                };
+                Piece::Reduce {
+                    inputs: inputs(r * b),
+                    outputs: vec![output_of(r, base)],
+                    len: b,
+                }
+            })
+            .collect(),
+        Opcode::Broadcast => vec![Piece::Copy {
+            src: input_of(arrivals, root, 0),
+            dsts: all_outputs(0),
+            len: b,
+        }],
+        Opcode::Allgather => (0..n)
+            .map(|i| Piece::Copy {
+                src: input_of(arrivals, i, 0),
+                dsts: all_outputs(i * b),
+                len: b,
+            })
+            .collect(),
+        Opcode::Barrier => Vec::new(),
+    }
+}
+
+/// Cuts the pieces into byte ranges `(piece, start, len)` for the arriving
+/// thread and `threads` helpers.
+fn split(pieces: &[Piece], threads: usize) -> Vec<(usize, usize, usize)> {
+    let total: usize = pieces.iter().map(Piece::len).sum();
+    let part = total
+        .div_ceil(threads + 1)
+        .next_multiple_of(PART_ALIGN)
+        .max(MIN_PART);
+    let mut parts = Vec::new();
+    for (i, p) in pieces.iter().enumerate() {
+        let mut start = 0;
+        while start < p.len() {
+            let len = part.min(p.len() - start);
+            parts.push((i, start, len));
+            start += len;
+        }
+    }
+    parts
+}
+
+/// A collective being run: its members' requests and its steps.
+struct Job {
+    shared: Arc<Shared>,
+    opcode: Opcode,
+    reduce: Option<(Dtype, ReduceOp)>,
+    /// In rank order, all members.
+    arrivals: Vec<Arrival>,
+    pieces: Vec<Piece>,
+    /// Byte ranges when split; empty when run inline.
+    parts: Vec<(usize, usize, usize)>,
+    next: AtomicUsize,
+    left: AtomicUsize,
+}
+
+impl Job {
+    /// Takes byte ranges until none is left; the thread that finishes the
+    /// last one completes the collective.
+    fn work(&self) {
+        loop {
+            let i = self.next.fetch_add(1, Ordering::Relaxed);
+            let Some(&(piece, start, len)) = self.parts.get(i) else {
+                return;
+            };
+            self.run_part(piece, start, len);
+            if self.left.fetch_sub(1, Ordering::AcqRel) == 1 {
+                self.finish();
+            }
+        }
+    }
+
+    fn seg_ref(&self, at: BufAt, start: usize) -> SegRef<'_> {
+        let req = &self.arrivals[at.member].req;
+        SegRef {
+            segs: if at.output { &req.outputs } else { &req.inputs },
+            offset: at.base + start,
+        }
+    }
+
+    /// Runs bytes `start..start + len` of piece `piece`.
+    fn run_part(&self, piece: usize, start: usize, len: usize) {
+        match &self.pieces[piece] {
+            Piece::Reduce {
+                inputs, outputs, ..
+            } => {
+                let Some((dtype, op)) = self.reduce else {
+                    return;
+                };
+                let ins: Vec<SegRef<'_>> = inputs.iter().map(|b| self.seg_ref(*b, start)).collect();
+                let outs: Vec<SegRef<'_>> =
+                    outputs.iter().map(|b| self.seg_ref(*b, start)).collect();
+                // SAFETY: every segment was resolved from its member's guest
+                // memory, which `arrivals[_].mem` keeps mapped until the job
+                // is dropped. Each buffer was checked at parse time to hold
+                // exactly what the opcode needs, so base + start + len stays
+                // inside it; bases, starts and lengths are multiples of the
+                // element size, and every segment length is too (checked at
+                // parse time), so crossed boundaries fall between elements.
+                unsafe {
+                    datapath::reduce_range(dtype, op, self.shared.world, &ins, &outs, len);
+                }
+            }
+            Piece::Copy { src, dsts, .. } => {
+                let src = self.seg_ref(*src, start);
+                let dsts: Vec<SegRef<'_>> = dsts.iter().map(|b| self.seg_ref(*b, start)).collect();
+                // SAFETY: as for the reduction above.
+                unsafe {
+                    datapath::copy_range(src, &dsts, len);
+                }
+            }
+        }
+    }
+
+    /// Writes every member's OK response and completes its chain.
+    fn finish(&self) {
+        let sh = &self.shared;
+        for b in self.arrivals.iter().flat_map(|a| &a.req.bounces) {
+            if b.output {
+                // SAFETY: the arrival keeps its guest memory mapped, and all
+                // data movement of this collective has finished.
+                unsafe { b.flush() };
+            }
+        }
+        for p in &self.pieces {
+            match p {
+                Piece::Reduce { len, .. } => sh.metrics.reduced(*len as u64),
+                Piece::Copy { len, .. } => sh.metrics.copied(*len as u64),
+            }
+        }
+        sh.metrics.collective_done(self.opcode);
+        for a in &self.arrivals {
+            sh.deliver(a, Outcome::OK);
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod harness;
+#[cfg(test)]
+mod tests;

@@ -1,8 +1,364 @@
-//! Skeleton.
-pub struct Metrics {}
+//! Counters of the group engine and their Prometheus text form.
+//!
+//! Every counter is an atomic incremented at the point where its event
+//! happens (in [`crate::chain`] and [`crate::group`]); [`Metrics::render`]
+//! reads them without stopping the data path. Each metric is described by
+//! its `# HELP` line in the rendered text.
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use virtio_dmlc::{Opcode, Status};
+
+/// Upper bounds (seconds) of the straggler skew histogram buckets.
+pub const SKEW_BUCKETS: [f64; 16] = [
+    1e-6, 5e-6, 10e-6, 50e-6, 100e-6, 500e-6, 1e-3, 5e-3, 10e-3, 50e-3, 0.1, 0.5, 1.0, 5.0, 10.0,
+    60.0,
+];
+
+const OPCODES: usize = 6;
+const STATUSES: usize = 8;
+
+/// Counters of one group.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    /// Requests taken from the rings, per opcode (only those whose header
+    /// could be read and whose opcode is known).
+    requests: [AtomicU64; OPCODES],
+    /// Collectives completed with status OK, per opcode.
+    collectives: [AtomicU64; OPCODES],
+    /// Bytes of reduction result produced (one copy, not per member).
+    reduced_bytes: AtomicU64,
+    /// Bytes copied by broadcast and allgather (counted once per source).
+    copied_bytes: AtomicU64,
+    /// Collectives big enough to be split over the reduction threads.
+    split_collectives: AtomicU64,
+    /// Requests completed with a status other than OK, per status.
+    errors: [AtomicU64; STATUSES],
+    /// Chains returned with written length 0 (no response descriptor).
+    no_status: AtomicU64,
+    /// Requests dropped because their member was lost or not active.
+    dropped: AtomicU64,
+    /// Straggler skew: non-cumulative bucket counts, then the overflow bucket.
+    skew_buckets: [AtomicU64; SKEW_BUCKETS.len() + 1],
+    skew_sum_ns: AtomicU64,
+    skew_count: AtomicU64,
+    generation: AtomicU64,
+    members_connected: AtomicU64,
+}
+
 impl Metrics {
+    /// A set of counters, all zero.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A valid-looking request of `opcode` was taken from a ring.
+    pub fn request(&self, opcode: Opcode) {
+        self.requests[usize::from(opcode.raw())].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A collective of `opcode` completed with status OK.
+    pub fn collective_done(&self, opcode: Opcode) {
+        self.collectives[usize::from(opcode.raw())].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// `bytes` of reduction result were produced.
+    pub fn reduced(&self, bytes: u64) {
+        self.reduced_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// `bytes` were copied from a source buffer to its destinations.
+    pub fn copied(&self, bytes: u64) {
+        self.copied_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// A collective was split over the reduction threads.
+    pub fn split(&self) {
+        self.split_collectives.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A request was completed with `status` (not OK).
+    pub fn error(&self, status: Status) {
+        self.errors[status.raw() as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A chain without a usable response descriptor was returned with length 0.
+    pub fn no_status(&self) {
+        self.no_status.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A request of a lost or inactive member was dropped.
+    pub fn dropped(&self) {
+        self.dropped.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Time from a collective's first arrival to its last.
+    pub fn skew(&self, skew: Duration) {
+        let secs = skew.as_secs_f64();
+        let bucket = SKEW_BUCKETS
+            .iter()
+            .position(|&le| secs <= le)
+            .unwrap_or(SKEW_BUCKETS.len());
+        self.skew_buckets[bucket].fetch_add(1, Ordering::Relaxed);
+        let ns = u64::try_from(skew.as_nanos()).unwrap_or(u64::MAX);
+        self.skew_sum_ns.fetch_add(ns, Ordering::Relaxed);
+        self.skew_count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The group's generation is now `generation`.
+    pub fn set_generation(&self, generation: u32) {
+        self.generation
+            .store(u64::from(generation), Ordering::Relaxed);
+    }
+
+    /// `members` members are connected.
+    pub fn set_members_connected(&self, members: u32) {
+        self.members_connected
+            .store(u64::from(members), Ordering::Relaxed);
+    }
+
+    /// Collectives completed with status OK for `opcode`.
+    pub fn collectives_completed(&self, opcode: Opcode) -> u64 {
+        self.collectives[usize::from(opcode.raw())].load(Ordering::Relaxed)
+    }
+
+    /// Requests completed with `status`.
+    pub fn errors(&self, status: Status) -> u64 {
+        self.errors[status.raw() as usize].load(Ordering::Relaxed)
+    }
+
+    /// Chains returned without a status.
+    pub fn no_status_count(&self) -> u64 {
+        self.no_status.load(Ordering::Relaxed)
+    }
+
+    /// Pending or arriving requests dropped because their member was lost
+    /// or not active.
+    pub fn dropped_count(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
+    }
+
+    /// Collectives split over the reduction threads.
+    pub fn split_count(&self) -> u64 {
+        self.split_collectives.load(Ordering::Relaxed)
+    }
+
+    /// Number of skew observations.
+    pub fn skew_count(&self) -> u64 {
+        self.skew_count.load(Ordering::Relaxed)
+    }
+
     /// Prometheus text exposition of every counter.
     pub fn render(&self) -> String {
-        String::new()
+        let mut out = String::with_capacity(4096);
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+
+        header(
+            &mut out,
+            "dmlc_requests_total",
+            "Requests taken from the virtqueues, by opcode.",
+            "counter",
+        );
+        for op in Opcode::ALL {
+            let v = load(&self.requests[usize::from(op.raw())]);
+            let _ = writeln!(out, "dmlc_requests_total{{opcode=\"{op}\"}} {v}");
+        }
+
+        header(
+            &mut out,
+            "dmlc_collectives_total",
+            "Collectives completed with status ok, by opcode.",
+            "counter",
+        );
+        for op in Opcode::ALL {
+            let v = load(&self.collectives[usize::from(op.raw())]);
+            let _ = writeln!(out, "dmlc_collectives_total{{opcode=\"{op}\"}} {v}");
+        }
+
+        simple(
+            &mut out,
+            "dmlc_reduced_bytes_total",
+            "Bytes of reduction result produced (once per collective, not per member).",
+            "counter",
+            load(&self.reduced_bytes),
+        );
+        simple(
+            &mut out,
+            "dmlc_copied_bytes_total",
+            "Bytes copied by broadcast and allgather (once per source buffer).",
+            "counter",
+            load(&self.copied_bytes),
+        );
+        simple(
+            &mut out,
+            "dmlc_split_collectives_total",
+            "Collectives split over the reduction threads.",
+            "counter",
+            load(&self.split_collectives),
+        );
+
+        header(
+            &mut out,
+            "dmlc_errors_total",
+            "Requests completed with a status other than ok, by status.",
+            "counter",
+        );
+        for st in Status::ALL.iter().filter(|s| **s != Status::Ok) {
+            let v = load(&self.errors[st.raw() as usize]);
+            let _ = writeln!(out, "dmlc_errors_total{{status=\"{st}\"}} {v}");
+        }
+
+        simple(
+            &mut out,
+            "dmlc_malformed_no_status_total",
+            "Chains returned with written length 0 because no response descriptor was found.",
+            "counter",
+            load(&self.no_status),
+        );
+        simple(
+            &mut out,
+            "dmlc_dropped_requests_total",
+            "Requests dropped without completion because their member was lost or not active.",
+            "counter",
+            load(&self.dropped),
+        );
+
+        header(
+            &mut out,
+            "dmlc_straggler_skew_seconds",
+            "Time from the first member's arrival to the last member's arrival, per collective.",
+            "histogram",
+        );
+        let mut cumulative = 0u64;
+        for (i, le) in SKEW_BUCKETS.iter().enumerate() {
+            cumulative += load(&self.skew_buckets[i]);
+            let _ = writeln!(
+                out,
+                "dmlc_straggler_skew_seconds_bucket{{le=\"{le}\"}} {cumulative}"
+            );
+        }
+        cumulative += load(&self.skew_buckets[SKEW_BUCKETS.len()]);
+        let _ = writeln!(
+            out,
+            "dmlc_straggler_skew_seconds_bucket{{le=\"+Inf\"}} {cumulative}"
+        );
+        let sum = load(&self.skew_sum_ns) as f64 / 1e9;
+        let _ = writeln!(out, "dmlc_straggler_skew_seconds_sum {sum}");
+        let _ = writeln!(
+            out,
+            "dmlc_straggler_skew_seconds_count {}",
+            load(&self.skew_count)
+        );
+
+        simple(
+            &mut out,
+            "dmlc_generation",
+            "Current generation of the group.",
+            "gauge",
+            load(&self.generation),
+        );
+        simple(
+            &mut out,
+            "dmlc_members_connected",
+            "Members whose queues are ready.",
+            "gauge",
+            load(&self.members_connected),
+        );
+        out
+    }
+}
+
+fn header(out: &mut String, name: &str, help: &str, kind: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+}
+
+fn simple(out: &mut String, name: &str, help: &str, kind: &str, value: u64) {
+    header(out, name, help, kind);
+    let _ = writeln!(out, "{name} {value}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn value(text: &str, series: &str) -> String {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series).and_then(|r| r.strip_prefix(' ')))
+            .unwrap_or_else(|| panic!("{series} missing in\n{text}"))
+            .to_string()
+    }
+
+    #[test]
+    fn render_counts_events() {
+        let m = Metrics::new();
+        m.request(Opcode::Allreduce);
+        m.collective_done(Opcode::Allreduce);
+        m.collective_done(Opcode::Allreduce);
+        m.collective_done(Opcode::Barrier);
+        m.reduced(4096);
+        m.error(Status::Mismatch);
+        m.no_status();
+        m.set_generation(3);
+        m.set_members_connected(2);
+        let t = m.render();
+        assert_eq!(value(&t, "dmlc_requests_total{opcode=\"allreduce\"}"), "1");
+        assert_eq!(
+            value(&t, "dmlc_collectives_total{opcode=\"allreduce\"}"),
+            "2"
+        );
+        assert_eq!(value(&t, "dmlc_collectives_total{opcode=\"barrier\"}"), "1");
+        assert_eq!(
+            value(&t, "dmlc_collectives_total{opcode=\"broadcast\"}"),
+            "0"
+        );
+        assert_eq!(value(&t, "dmlc_reduced_bytes_total"), "4096");
+        assert_eq!(value(&t, "dmlc_errors_total{status=\"mismatch\"}"), "1");
+        assert_eq!(value(&t, "dmlc_errors_total{status=\"timeout\"}"), "0");
+        assert!(!t.contains("status=\"ok\""));
+        assert_eq!(value(&t, "dmlc_malformed_no_status_total"), "1");
+        assert_eq!(value(&t, "dmlc_generation"), "3");
+        assert_eq!(value(&t, "dmlc_members_connected"), "2");
+        // Every metric family has HELP and TYPE lines.
+        for name in ["dmlc_requests_total", "dmlc_straggler_skew_seconds"] {
+            assert!(t.contains(&format!("# HELP {name} ")));
+            assert!(t.contains(&format!("# TYPE {name} ")));
+        }
+    }
+
+    #[test]
+    fn skew_histogram_is_cumulative() {
+        let m = Metrics::new();
+        m.skew(Duration::from_micros(3));
+        m.skew(Duration::from_millis(2));
+        m.skew(Duration::from_secs(100));
+        let t = m.render();
+        assert_eq!(
+            value(&t, "dmlc_straggler_skew_seconds_bucket{le=\"0.000001\"}"),
+            "0"
+        );
+        assert_eq!(
+            value(&t, "dmlc_straggler_skew_seconds_bucket{le=\"0.000005\"}"),
+            "1"
+        );
+        assert_eq!(
+            value(&t, "dmlc_straggler_skew_seconds_bucket{le=\"0.005\"}"),
+            "2"
+        );
+        assert_eq!(
+            value(&t, "dmlc_straggler_skew_seconds_bucket{le=\"60\"}"),
+            "2"
+        );
+        assert_eq!(
+            value(&t, "dmlc_straggler_skew_seconds_bucket{le=\"+Inf\"}"),
+            "3"
+        );
+        assert_eq!(value(&t, "dmlc_straggler_skew_seconds_count"), "3");
+        let sum: f64 = value(&t, "dmlc_straggler_skew_seconds_sum")
+            .parse()
+            .unwrap();
+        assert!((sum - 100.002003).abs() < 1e-9);
     }
 }

@@ -1,1 +1,1446 @@
-//! (being written)
+//! Element-wise reduction kernels over raw memory.
+//!
+//! A reduction of N inputs runs through an accumulator in a [`Scratch`],
+//! one cache-sized chunk at a time: `acc = in0 op in1` ([`Kernel::combine`];
+//! [`Kernel::load`] when N is 1), then `acc = acc op in_r` for r = 2..N in
+//! rank order ([`Kernel::accumulate`]), then [`Kernel::finish`] turns the
+//! accumulator into result bytes (the avg division, the f16/bf16 rounding).
+//! [`crate::datapath`] drives these over scatter-gather lists.
+//!
+//! Semantics (docs/spec.md): integer sum and prod wrap; avg is the sum
+//! divided by the world size (integers: wrapping sum, then division
+//! truncating toward zero; floats: division in the accumulator type); f16 and
+//! bf16 accumulate in f32 and round to nearest-even once, at the end; float
+//! min and max give NaN if any input is NaN, and between equal values (such
+//! as -0 and +0) keep the lower rank's.
+//!
+//! Sources are guest memory that another process shares and may change at
+//! any time, so the kernels read them only through unaligned raw-pointer
+//! reads and never make a Rust reference to them. The loops are plain
+//! element loops that LLVM vectorises; on x86-64 each exists twice, for the
+//! baseline ISA and for AVX2, and [`Kernel::new`] takes the best one the CPU
+//! has.
+
+use std::marker::PhantomData;
+use std::slice;
+
+use virtio_dmlc::{Dtype, ReduceOp};
+
+/// Default accumulator size of one chunk, in bytes. 8 KiB keeps the
+/// accumulator in L1 next to the input lines streaming through it: on
+/// cache-resident data it beat 4, 12, 16 and 32 KiB by up to 25% (f32 and
+/// f16), and on data from DRAM no size stood out (docs/benchmarks.md).
+pub const CHUNK_BYTES: usize = 8 << 10;
+
+/// Arithmetic of an accumulator type.
+trait Num: Copy + Default + 'static {
+    fn add(self, x: Self) -> Self;
+    fn mul(self, x: Self) -> Self;
+    /// Minimum; keeps `self` on ties; NaN if either is NaN.
+    fn min_of(self, x: Self) -> Self;
+    /// Maximum; keeps `self` on ties; NaN if either is NaN.
+    fn max_of(self, x: Self) -> Self;
+    /// `self / world` (integers truncate toward zero).
+    fn div_world(self, world: u32) -> Self;
+}
+
+/// Bitwise operations of the integer accumulator types.
+trait Bits: Num {
+    fn and(self, x: Self) -> Self;
+    fn or(self, x: Self) -> Self;
+    fn xor(self, x: Self) -> Self;
+}
+
+macro_rules! float_num {
+    ($($t:ty),*) => {$(
+        impl Num for $t {
+            #[inline(always)]
+            fn add(self, x: Self) -> Self {
+                self + x
+            }
+            #[inline(always)]
+            fn mul(self, x: Self) -> Self {
+                self * x
+            }
+            #[inline(always)]
+            fn min_of(self, x: Self) -> Self {
+                // A NaN `x` fails the comparison and is taken; a NaN `self`
+                // is kept. Non-short-circuit `|` keeps the loop branch-free.
+                if self.is_nan() | (x >= self) { self } else { x }
+            }
+            #[inline(always)]
+            fn max_of(self, x: Self) -> Self {
+                if self.is_nan() | (x <= self) { self } else { x }
+            }
+            #[inline(always)]
+            fn div_world(self, world: u32) -> Self {
+                self / world as $t
+            }
+        }
+    )*};
+}
+float_num!(f32, f64);
+
+macro_rules! int_num {
+    ($($t:ty: $div:ident),*) => {$(
+        impl Num for $t {
+            #[inline(always)]
+            fn add(self, x: Self) -> Self {
+                self.wrapping_add(x)
+            }
+            #[inline(always)]
+            fn mul(self, x: Self) -> Self {
+                self.wrapping_mul(x)
+            }
+            #[inline(always)]
+            fn min_of(self, x: Self) -> Self {
+                Ord::min(self, x)
+            }
+            #[inline(always)]
+            fn max_of(self, x: Self) -> Self {
+                Ord::max(self, x)
+            }
+            #[inline(always)]
+            fn div_world(self, world: u32) -> Self {
+                $div!(self, world, $t)
+            }
+        }
+        impl Bits for $t {
+            #[inline(always)]
+            fn and(self, x: Self) -> Self {
+                self & x
+            }
+            #[inline(always)]
+            fn or(self, x: Self) -> Self {
+                self | x
+            }
+            #[inline(always)]
+            fn xor(self, x: Self) -> Self {
+                self ^ x
+            }
+        }
+    )*};
+}
+/// Integer avg division for types of up to 32 bits, through f64 because
+/// that vectorises and integer division does not. Exact: for |a| < 2^32
+/// the f64 quotient's rounding error, at most (|a|/b)·2^-53 < 2^-21/b,
+/// cannot carry a non-integer quotient (at least 1/b from the next
+/// integer) across it; `as` then truncates toward zero, and the quotient,
+/// no larger than `a`, fits the type.
+macro_rules! div_via_f64 {
+    ($a:expr, $world:expr, $t:ty) => {
+        (f64::from($a) / f64::from($world)) as $t
+    };
+}
+
+/// Integer avg division for 64-bit types (f64 would not be exact).
+macro_rules! div_int {
+    ($a:expr, $world:expr, $t:ty) => {
+        $a / <$t>::from($world)
+    };
+}
+
+int_num!(i8: div_via_f64, u8: div_via_f64, i32: div_via_f64, u32: div_via_f64, i64: div_int, u64: div_int);
+
+/// A dtype: how an element is stored and what it accumulates in.
+trait Elem: 'static {
+    /// The stored element (f16 and bf16 as their bits).
+    type Raw: Copy + Default + 'static;
+    /// The accumulator.
+    type Acc: Num;
+    /// `Raw` and `Acc` are one type and `widen`/`narrow` are the identity.
+    const SAME: bool;
+    fn widen(r: Self::Raw) -> Self::Acc;
+    fn narrow(a: Self::Acc) -> Self::Raw;
+    /// Narrows every accumulator into `out` (of the same length); a type
+    /// may do it in blocks where that is faster.
+    #[inline(always)]
+    fn narrow_all(acc: &[Self::Acc], out: &mut [Self::Raw]) {
+        for (o, &a) in out.iter_mut().zip(acc) {
+            *o = Self::narrow(a);
+        }
+    }
+}
+
+/// A dtype that accumulates in itself.
+struct Plain<T>(PhantomData<T>);
+
+impl<T: Num> Elem for Plain<T> {
+    type Raw = T;
+    type Acc = T;
+    const SAME: bool = true;
+    #[inline(always)]
+    fn widen(r: T) -> T {
+        r
+    }
+    #[inline(always)]
+    fn narrow(a: T) -> T {
+        a
+    }
+}
+
+/// IEEE binary16, accumulated in f32.
+struct F16;
+
+impl Elem for F16 {
+    type Raw = u16;
+    type Acc = f32;
+    const SAME: bool = false;
+    #[inline(always)]
+    fn widen(r: u16) -> f32 {
+        f16_to_f32(r)
+    }
+    #[inline(always)]
+    fn narrow(a: f32) -> u16 {
+        f32_to_f16(a)
+    }
+}
+
+/// bfloat16, accumulated in f32.
+struct Bf16;
+
+impl Elem for Bf16 {
+    type Raw = u16;
+    type Acc = f32;
+    const SAME: bool = false;
+    #[inline(always)]
+    fn widen(r: u16) -> f32 {
+        bf16_to_f32(r)
+    }
+    #[inline(always)]
+    fn narrow(a: f32) -> u16 {
+        f32_to_bf16(a)
+    }
+}
+
+/// IEEE binary16 through the F16C instructions, accumulated in f32. Only
+/// for kernels compiled with the `f16c` target feature (the AVX2 ones).
+#[cfg(target_arch = "x86_64")]
+struct F16c;
+
+#[cfg(target_arch = "x86_64")]
+impl Elem for F16c {
+    type Raw = u16;
+    type Acc = f32;
+    const SAME: bool = false;
+    #[inline(always)]
+    fn widen(r: u16) -> f32 {
+        use std::arch::x86_64::{_mm_cvtph_ps, _mm_cvtsi32_si128, _mm_cvtss_f32};
+        // SAFETY: F16c kernels exist only in code compiled with f16c, run
+        // when the CPU has it (`Isa::Avx2`). LLVM turns this one-lane
+        // conversion in a loop into 8-lane `vcvtph2ps`.
+        unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(r)))) }
+    }
+    #[inline(always)]
+    fn narrow(a: f32) -> u16 {
+        use std::arch::x86_64::_MM_FROUND_TO_NEAREST_INT as NEAREST;
+        use std::arch::x86_64::{_mm_cvtps_ph, _mm_cvtsi128_si32, _mm_set_ss};
+        // SAFETY: as in `widen`.
+        unsafe { _mm_cvtsi128_si32(_mm_cvtps_ph::<NEAREST>(_mm_set_ss(a))) as u16 }
+    }
+    #[inline(always)]
+    fn narrow_all(acc: &[f32], out: &mut [u16]) {
+        use std::arch::x86_64::_MM_FROUND_TO_NEAREST_INT as NEAREST;
+        use std::arch::x86_64::{__m128i, _mm256_cvtps_ph, _mm256_loadu_ps, _mm_storeu_si128};
+        // LLVM does not vectorise the one-lane form of this conversion.
+        let done = out.len() / 8 * 8;
+        let (head, tail) = out.split_at_mut(done);
+        for (o, a) in head.chunks_exact_mut(8).zip(acc.chunks_exact(8)) {
+            // SAFETY: as in `widen` (the CPU has f16c and AVX); `a` holds 8
+            // f32 and `o` room for 8 u16, both ours; unaligned accesses.
+            unsafe {
+                let h = _mm256_cvtps_ph::<NEAREST>(_mm256_loadu_ps(a.as_ptr()));
+                _mm_storeu_si128(o.as_mut_ptr().cast::<__m128i>(), h);
+            }
+        }
+        for (o, &a) in tail.iter_mut().zip(&acc[done..]) {
+            *o = Self::narrow(a);
+        }
+    }
+}
+
+/// f16 bits to f32 (exact). Every case is computed and one is selected, so
+/// that loops over it vectorise; `half`'s scalar conversion would not.
+#[inline(always)]
+fn f16_to_f32(h: u16) -> f32 {
+    const EXP: u32 = 0x1f << 23;
+    let h = u32::from(h);
+    let sign = (h & 0x8000) << 16;
+    // Exponent and mantissa moved to their f32 places.
+    let magnitude = (h & 0x7fff) << 13;
+    let exp = magnitude & EXP;
+    let normal = magnitude + ((127 - 15) << 23);
+    let inf_nan = magnitude | (0xff << 23);
+    // Subnormal m * 2^-24: build 2^-14 * (1 + m/1024) and subtract 2^-14,
+    // which is exact.
+    let subnormal =
+        (f32::from_bits(normal + (1 << 23)) - f32::from_bits((127 - 14) << 23)).to_bits();
+    let bits = if exp == EXP {
+        inf_nan
+    } else if exp == 0 {
+        subnormal
+    } else {
+        normal
+    };
+    f32::from_bits(bits | sign)
+}
+
+/// f32 to f16 bits, rounding to nearest-even (NaN gives a quiet NaN).
+/// Branch-free like [`f16_to_f32`]; every case uses wrapping arithmetic
+/// because all of them are computed for every input.
+#[inline(always)]
+fn f32_to_f16(f: f32) -> u16 {
+    let x = f.to_bits();
+    let sign = (x >> 16) & 0x8000;
+    let a = x & 0x7fff_ffff;
+    // |f| >= 2^16 is out of range even before rounding: Inf, or NaN.
+    let inf_nan = if a > 0x7f80_0000 { 0x7e00 } else { 0x7c00 };
+    // |f| < 2^-14 becomes subnormal: adding 0.5 lines the f16 subnormal
+    // step up with the f32 ulp, and the FPU rounds to nearest-even.
+    let half = 0.5f32.to_bits();
+    let subnormal = (f32::from_bits(a) + 0.5).to_bits().wrapping_sub(half);
+    // Normal: rebias the exponent, then add just under half an f16 ulp,
+    // plus one if the kept mantissa is odd (ties to even); a carry out of
+    // the mantissa bumps the exponent, up to Inf.
+    let normal = a
+        .wrapping_sub((127 - 15) << 23)
+        .wrapping_add(0xfff + ((a >> 13) & 1))
+        >> 13;
+    let h = if a >= (127 + 16) << 23 {
+        inf_nan
+    } else if a < (127 - 14) << 23 {
+        subnormal
+    } else {
+        normal
+    };
+    (h | sign) as u16
+}
+
+/// bf16 bits to f32 (exact).
+#[inline(always)]
+fn bf16_to_f32(b: u16) -> f32 {
+    f32::from_bits(u32::from(b) << 16)
+}
+
+/// f32 to bf16 bits, rounding to nearest-even (NaN stays a quiet NaN).
+#[inline(always)]
+fn f32_to_bf16(f: f32) -> u16 {
+    let x = f.to_bits();
+    let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
+    let nan = (x >> 16) | 0x40;
+    (if f.is_nan() { nan } else { rounded }) as u16
+}
+
+/// A reduce operation on accumulators.
+trait Op<A>: 'static {
+    /// The result is divided by the world size at the end.
+    const AVG: bool = false;
+    fn apply(acc: A, x: A) -> A;
+}
+
+struct Sum;
+struct Prod;
+struct Min;
+struct Max;
+struct Avg;
+struct Band;
+struct Bor;
+struct Bxor;
+
+macro_rules! op {
+    ($name:ident: $bound:ident, $method:ident $(, $avg:expr)?) => {
+        impl<A: $bound> Op<A> for $name {
+            $(const AVG: bool = $avg;)?
+            #[inline(always)]
+            fn apply(acc: A, x: A) -> A {
+                acc.$method(x)
+            }
+        }
+    };
+}
+op!(Sum: Num, add);
+op!(Prod: Num, mul);
+op!(Min: Num, min_of);
+op!(Max: Num, max_of);
+op!(Avg: Num, add, true);
+op!(Band: Bits, and);
+op!(Bor: Bits, or);
+op!(Bxor: Bits, xor);
+
+// The kernel bodies. Contract shared by all of them: `acc` points to `n`
+// initialised, aligned `E::Acc` in a scratch buffer of ours that nothing
+// else accesses meanwhile; each source is valid for reads of `n` `E::Raw`
+// (any alignment) and may be written by another process meanwhile; `stage`
+// points to room for `n` aligned `E::Raw` of ours.
+
+#[inline(always)]
+unsafe fn load_body<E: Elem>(acc: *mut u8, src: *const u8, n: usize) {
+    // SAFETY: `acc` is our scratch, aligned and holding `n` accumulators
+    // (contract above); any bit pattern is a valid number.
+    let acc = unsafe { slice::from_raw_parts_mut(acc.cast::<E::Acc>(), n) };
+    let src = src.cast::<E::Raw>();
+    for (i, a) in acc.iter_mut().enumerate() {
+        // SAFETY: `src` is readable for `n` elements (contract above);
+        // guest memory is only read through this unaligned raw read, never
+        // through a reference, and every bit pattern is a valid element.
+        *a = E::widen(unsafe { src.add(i).read_unaligned() });
+    }
+}
+
+#[inline(always)]
+unsafe fn combine_body<E: Elem, O: Op<E::Acc>>(acc: *mut u8, a: *const u8, b: *const u8, n: usize) {
+    // SAFETY: as in `load_body`.
+    let acc = unsafe { slice::from_raw_parts_mut(acc.cast::<E::Acc>(), n) };
+    let (a, b) = (a.cast::<E::Raw>(), b.cast::<E::Raw>());
+    for (i, r) in acc.iter_mut().enumerate() {
+        // SAFETY: both sources are readable for `n` elements; unaligned
+        // raw reads of plain numbers, as in `load_body`.
+        let (x, y) = unsafe { (a.add(i).read_unaligned(), b.add(i).read_unaligned()) };
+        *r = O::apply(E::widen(x), E::widen(y));
+    }
+}
+
+#[inline(always)]
+unsafe fn accumulate_body<E: Elem, O: Op<E::Acc>>(acc: *mut u8, src: *const u8, n: usize) {
+    // SAFETY: as in `load_body`.
+    let acc = unsafe { slice::from_raw_parts_mut(acc.cast::<E::Acc>(), n) };
+    let src = src.cast::<E::Raw>();
+    for (i, r) in acc.iter_mut().enumerate() {
+        // SAFETY: as in `load_body`.
+        let x = unsafe { src.add(i).read_unaligned() };
+        *r = O::apply(*r, E::widen(x));
+    }
+}
+
+/// Returns true if the result is in `stage`, false if it is in `acc`.
+#[inline(always)]
+unsafe fn finish_body<E: Elem, O: Op<E::Acc>>(
+    acc: *mut u8,
+    stage: *mut u8,
+    n: usize,
+    world: u32,
+) -> bool {
+    if E::SAME && !O::AVG {
+        return false;
+    }
+    // SAFETY: as in `load_body`.
+    let acc = unsafe { slice::from_raw_parts_mut(acc.cast::<E::Acc>(), n) };
+    if O::AVG {
+        for a in acc.iter_mut() {
+            *a = a.div_world(world);
+        }
+    }
+    if E::SAME {
+        return false;
+    }
+    // SAFETY: `stage` is our scratch with room for `n` aligned `E::Raw`,
+    // disjoint from `acc` (contract above).
+    let stage = unsafe { slice::from_raw_parts_mut(stage.cast::<E::Raw>(), n) };
+    E::narrow_all(acc, stage);
+    true
+}
+
+type LoadFn = unsafe fn(*mut u8, *const u8, usize);
+type CombineFn = unsafe fn(*mut u8, *const u8, *const u8, usize);
+type FinishFn = unsafe fn(*mut u8, *mut u8, usize, u32) -> bool;
+
+/// The four kernels of one dtype, op and ISA.
+#[derive(Clone, Copy)]
+struct Fns {
+    load: LoadFn,
+    combine: CombineFn,
+    accumulate: LoadFn,
+    finish: FinishFn,
+}
+
+/// One copy of the kernels compiled for an instruction set: the bodies are
+/// `inline(always)`, so they take on the wrapper's target features.
+macro_rules! isa_kernels {
+    ($module:ident $(, $features:literal)?) => {
+        mod $module {
+            use super::*;
+
+            $(#[target_feature(enable = $features)])?
+            pub(super) unsafe fn load<E: Elem>(acc: *mut u8, src: *const u8, n: usize) {
+                // SAFETY: the caller keeps the kernel contract.
+                unsafe { load_body::<E>(acc, src, n) }
+            }
+
+            $(#[target_feature(enable = $features)])?
+            pub(super) unsafe fn combine<E: Elem, O: Op<E::Acc>>(
+                acc: *mut u8,
+                a: *const u8,
+                b: *const u8,
+                n: usize,
+            ) {
+                // SAFETY: the caller keeps the kernel contract.
+                unsafe { combine_body::<E, O>(acc, a, b, n) }
+            }
+
+            $(#[target_feature(enable = $features)])?
+            pub(super) unsafe fn accumulate<E: Elem, O: Op<E::Acc>>(
+                acc: *mut u8,
+                src: *const u8,
+                n: usize,
+            ) {
+                // SAFETY: the caller keeps the kernel contract.
+                unsafe { accumulate_body::<E, O>(acc, src, n) }
+            }
+
+            $(#[target_feature(enable = $features)])?
+            pub(super) unsafe fn finish<E: Elem, O: Op<E::Acc>>(
+                acc: *mut u8,
+                stage: *mut u8,
+                n: usize,
+                world: u32,
+            ) -> bool {
+                // SAFETY: the caller keeps the kernel contract.
+                unsafe { finish_body::<E, O>(acc, stage, n, world) }
+            }
+
+            pub(super) fn fns<E: Elem, O: Op<E::Acc>>() -> Fns {
+                Fns {
+                    load: load::<E>,
+                    combine: combine::<E, O>,
+                    accumulate: accumulate::<E, O>,
+                    finish: finish::<E, O>,
+                }
+            }
+        }
+    };
+}
+
+isa_kernels!(baseline);
+#[cfg(target_arch = "x86_64")]
+isa_kernels!(avx2, "avx2,f16c");
+
+/// The kernels of one ISA, and the types it represents f16 with.
+trait IsaKernels {
+    type F16: Elem<Raw = u16, Acc = f32>;
+    fn fns<E: Elem, O: Op<E::Acc>>() -> Fns;
+}
+
+struct Baseline;
+
+impl IsaKernels for Baseline {
+    type F16 = F16;
+    fn fns<E: Elem, O: Op<E::Acc>>() -> Fns {
+        baseline::fns::<E, O>()
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+struct Avx2;
+
+#[cfg(target_arch = "x86_64")]
+impl IsaKernels for Avx2 {
+    type F16 = F16c;
+    fn fns<E: Elem, O: Op<E::Acc>>() -> Fns {
+        avx2::fns::<E, O>()
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx2() -> bool {
+    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c")
+}
+
+/// Instruction set the kernels are compiled for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// The target's baseline (SSE2 on x86-64).
+    Baseline,
+    /// AVX2 with F16C (x86-64 only).
+    Avx2,
+}
+
+impl Isa {
+    /// Every instruction set this CPU can run, baseline first.
+    pub fn available() -> Vec<Isa> {
+        let mut isas = vec![Isa::Baseline];
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            isas.push(Isa::Avx2);
+        }
+        isas
+    }
+
+    /// The fastest instruction set this CPU can run.
+    pub fn best() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            return Isa::Avx2;
+        }
+        Isa::Baseline
+    }
+}
+
+fn arith<I: IsaKernels, E: Elem>(op: ReduceOp) -> Option<Fns> {
+    Some(match op {
+        ReduceOp::Sum => I::fns::<E, Sum>(),
+        ReduceOp::Prod => I::fns::<E, Prod>(),
+        ReduceOp::Min => I::fns::<E, Min>(),
+        ReduceOp::Max => I::fns::<E, Max>(),
+        ReduceOp::Avg => I::fns::<E, Avg>(),
+        ReduceOp::Band | ReduceOp::Bor | ReduceOp::Bxor => return None,
+    })
+}
+
+fn integer<I: IsaKernels, E: Elem>(op: ReduceOp) -> Option<Fns>
+where
+    E::Acc: Bits,
+{
+    match op {
+        ReduceOp::Band => Some(I::fns::<E, Band>()),
+        ReduceOp::Bor => Some(I::fns::<E, Bor>()),
+        ReduceOp::Bxor => Some(I::fns::<E, Bxor>()),
+        _ => arith::<I, E>(op),
+    }
+}
+
+/// The kernels of `dtype` and `op` in ISA `I`.
+fn table<I: IsaKernels>(dtype: Dtype, op: ReduceOp) -> Option<Fns> {
+    match dtype {
+        Dtype::F32 => arith::<I, Plain<f32>>(op),
+        Dtype::F64 => arith::<I, Plain<f64>>(op),
+        Dtype::F16 => arith::<I, I::F16>(op),
+        Dtype::Bf16 => arith::<I, Bf16>(op),
+        Dtype::I8 => integer::<I, Plain<i8>>(op),
+        Dtype::U8 => integer::<I, Plain<u8>>(op),
+        Dtype::I32 => integer::<I, Plain<i32>>(op),
+        Dtype::U32 => integer::<I, Plain<u32>>(op),
+        Dtype::I64 => integer::<I, Plain<i64>>(op),
+        Dtype::U64 => integer::<I, Plain<u64>>(op),
+    }
+}
+
+/// One cache line; the unit in which scratch memory is allocated, so that
+/// accumulators are aligned for any element type and for vector loads.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct Line([u8; 64]);
+
+/// Per-thread working memory of a reduction: the accumulator of one chunk
+/// and a stage for results that differ in type from the accumulator.
+///
+/// Both start half a page past a page boundary. Guest buffers usually start
+/// on one, and a load that trails a store by a small distance modulo 4 KiB
+/// waits for it on x86 ("4K aliasing"): placed this way, the kernels'
+/// loads from the sources never alias their stores to the accumulator, nor
+/// the output copies' stores their loads from it. Measured up to 2x on
+/// cache-resident data.
+pub struct Scratch {
+    acc: Vec<Line>,
+    stage: Vec<Line>,
+    /// Usable lines in each buffer, after the skew.
+    lines: usize,
+    /// Lines skipped at the start of `acc` and `stage`.
+    acc_skew: usize,
+    stage_skew: usize,
+}
+
+/// Where in a page scratch buffers start.
+const SCRATCH_PAGE_OFFSET: usize = 2048;
+const PAGE_LINES: usize = 4096 / 64;
+
+impl Scratch {
+    /// An empty scratch; [`Scratch::reserve`] allocates.
+    pub const fn new() -> Scratch {
+        Scratch {
+            acc: Vec::new(),
+            stage: Vec::new(),
+            lines: 0,
+            acc_skew: 0,
+            stage_skew: 0,
+        }
+    }
+
+    /// A scratch whose accumulator holds `bytes` bytes (rounded up to a
+    /// cache line).
+    pub fn with_bytes(bytes: usize) -> Scratch {
+        let mut scratch = Scratch::new();
+        scratch.reserve(bytes);
+        scratch
+    }
+
+    /// Grows the accumulator to at least `bytes` bytes.
+    pub fn reserve(&mut self, bytes: usize) {
+        let lines = bytes.div_ceil(64).max(1);
+        if self.lines < lines {
+            let skew = |v: &Vec<Line>| {
+                let offset = v.as_ptr() as usize % 4096 / 64;
+                (SCRATCH_PAGE_OFFSET / 64 + PAGE_LINES - offset) % PAGE_LINES
+            };
+            self.acc = vec![Line([0; 64]); lines + PAGE_LINES];
+            self.stage = vec![Line([0; 64]); lines + PAGE_LINES];
+            self.acc_skew = skew(&self.acc);
+            self.stage_skew = skew(&self.stage);
+            self.lines = lines;
+        }
+    }
+
+    /// Size of the accumulator in bytes.
+    pub fn bytes(&self) -> usize {
+        self.lines * 64
+    }
+
+    fn acc_lines(&mut self) -> &mut [Line] {
+        &mut self.acc[self.acc_skew..self.acc_skew + self.lines]
+    }
+
+    fn stage_lines(&mut self) -> &mut [Line] {
+        &mut self.stage[self.stage_skew..self.stage_skew + self.lines]
+    }
+}
+
+impl Default for Scratch {
+    fn default() -> Self {
+        Scratch::new()
+    }
+}
+
+/// The kernels of one dtype and op, for one instruction set.
+#[derive(Clone, Copy)]
+pub struct Kernel {
+    dtype: Dtype,
+    op: ReduceOp,
+    acc_size: usize,
+    fns: Fns,
+}
+
+impl std::fmt::Debug for Kernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Kernel")
+            .field("dtype", &self.dtype)
+            .field("op", &self.op)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Kernel {
+    /// The kernels of `dtype` and `op` for the best ISA of this CPU, or
+    /// `None` if `op` is not defined for `dtype`.
+    pub fn new(dtype: Dtype, op: ReduceOp) -> Option<Kernel> {
+        Kernel::with_isa(dtype, op, Isa::best())
+    }
+
+    /// As [`Kernel::new`] for a given ISA; `None` also if the CPU lacks it.
+    pub fn with_isa(dtype: Dtype, op: ReduceOp, isa: Isa) -> Option<Kernel> {
+        let fns = match isa {
+            Isa::Baseline => table::<Baseline>(dtype, op),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 if has_avx2() => table::<Avx2>(dtype, op),
+            Isa::Avx2 => None,
+        }?;
+        let acc_size = match dtype {
+            Dtype::F16 | Dtype::Bf16 => 4,
+            _ => dtype.size(),
+        };
+        Some(Kernel {
+            dtype,
+            op,
+            acc_size,
+            fns,
+        })
+    }
+
+    /// Size of one element in memory, in bytes.
+    pub fn elem_size(&self) -> usize {
+        self.dtype.size()
+    }
+
+    /// Size of one accumulator element, in bytes (4 for f16 and bf16).
+    pub fn acc_size(&self) -> usize {
+        self.acc_size
+    }
+
+    /// How many elements one chunk of `scratch` holds.
+    pub fn chunk_elems(&self, scratch: &Scratch) -> usize {
+        scratch.bytes() / self.acc_size
+    }
+
+    /// Pointer to accumulator element `at`, after checking that `n`
+    /// elements from there fit.
+    fn acc_ptr(&self, scratch: &mut Scratch, at: usize, n: usize) -> *mut u8 {
+        let end = at.checked_add(n).expect("chunk range overflows");
+        assert!(
+            end <= self.chunk_elems(scratch),
+            "chunk exceeds the scratch"
+        );
+        // In bounds: checked just above.
+        let acc = scratch.acc_lines().as_mut_ptr().cast::<u8>();
+        acc.wrapping_add(at * self.acc_size)
+    }
+
+    /// `acc[at..at + n] = src[..n]`.
+    ///
+    /// # Safety
+    /// `src` must be valid for reads of `n` elements (any alignment); the
+    /// memory may be changed by another process meanwhile.
+    pub unsafe fn load(&self, scratch: &mut Scratch, at: usize, src: *const u8, n: usize) {
+        let acc = self.acc_ptr(scratch, at, n);
+        // SAFETY: `acc` addresses `n` accumulators of our scratch (checked
+        // by `acc_ptr`; the scratch is line-aligned and initialised);
+        // `src` is the caller's promise.
+        unsafe { (self.fns.load)(acc, src, n) }
+    }
+
+    /// `acc[at..at + n] = a[..n] op b[..n]`.
+    ///
+    /// # Safety
+    /// As for [`Kernel::load`], for both `a` and `b`.
+    pub unsafe fn combine(
+        &self,
+        scratch: &mut Scratch,
+        at: usize,
+        a: *const u8,
+        b: *const u8,
+        n: usize,
+    ) {
+        let acc = self.acc_ptr(scratch, at, n);
+        // SAFETY: as in `load`.
+        unsafe { (self.fns.combine)(acc, a, b, n) }
+    }
+
+    /// `acc[at..at + n] = acc[at..at + n] op src[..n]`.
+    ///
+    /// # Safety
+    /// As for [`Kernel::load`].
+    pub unsafe fn accumulate(&self, scratch: &mut Scratch, at: usize, src: *const u8, n: usize) {
+        let acc = self.acc_ptr(scratch, at, n);
+        // SAFETY: as in `load`.
+        unsafe { (self.fns.accumulate)(acc, src, n) }
+    }
+
+    /// Turns `acc[..n]` into the result, `n * elem_size()` bytes in memory
+    /// order: divides by `world` for avg and rounds f16/bf16.
+    pub fn finish<'s>(&self, scratch: &'s mut Scratch, n: usize, world: u32) -> &'s [u8] {
+        assert!(world > 0, "world size is zero");
+        let acc = self.acc_ptr(scratch, 0, n);
+        let stage = scratch.stage_lines().as_mut_ptr().cast::<u8>();
+        // SAFETY: `acc` holds `n` accumulators (checked by `acc_ptr`);
+        // `stage` is as large as the accumulator and elements are never
+        // larger than accumulators, so it has room for `n` elements; both
+        // are ours and line-aligned.
+        let in_stage = unsafe { (self.fns.finish)(acc, stage, n, world) };
+        let bytes = n * self.elem_size();
+        let lines = if in_stage {
+            scratch.stage_lines()
+        } else {
+            scratch.acc_lines()
+        };
+        // SAFETY: `bytes` is within the buffer (see above); the bytes are
+        // initialised (zeroed at allocation, then written as numbers) and
+        // borrowed from `scratch` for the returned lifetime.
+        unsafe { slice::from_raw_parts(lines.as_ptr().cast::<u8>(), bytes) }
+    }
+}
+
+/// A straightforward reduction over host buffers, written apart from the
+/// kernels (f64/i128 arithmetic, `half` conversions) to check them.
+#[cfg(test)]
+pub(crate) mod reference {
+    use half::{bf16, f16};
+    use virtio_dmlc::{Dtype, ReduceOp};
+
+    fn fold_float<F>(op: ReduceOp, xs: &[F], world: u32, avg: impl Fn(F, u32) -> F) -> F
+    where
+        F: Copy + PartialOrd + std::ops::Add<Output = F> + std::ops::Mul<Output = F>,
+    {
+        #[allow(clippy::eq_op)]
+        let is_nan = |v: F| v != v;
+        let mut acc = xs[0];
+        for &x in &xs[1..] {
+            acc = match op {
+                ReduceOp::Sum | ReduceOp::Avg => acc + x,
+                ReduceOp::Prod => acc * x,
+                ReduceOp::Min | ReduceOp::Max if is_nan(acc) => acc,
+                ReduceOp::Min | ReduceOp::Max if is_nan(x) => x,
+                ReduceOp::Min if x < acc => x,
+                ReduceOp::Max if x > acc => x,
+                ReduceOp::Min | ReduceOp::Max => acc,
+                _ => unreachable!("bitwise op on a float"),
+            };
+        }
+        if op == ReduceOp::Avg {
+            avg(acc, world)
+        } else {
+            acc
+        }
+    }
+
+    fn fold_int(op: ReduceOp, xs: &[i128], world: u32, wrap: impl Fn(i128) -> i128) -> i128 {
+        let v = match op {
+            ReduceOp::Sum => xs.iter().sum(),
+            ReduceOp::Prod => xs.iter().fold(1i128, |a, &x| a.wrapping_mul(x)),
+            ReduceOp::Min => *xs.iter().min().unwrap(),
+            ReduceOp::Max => *xs.iter().max().unwrap(),
+            ReduceOp::Avg => wrap(xs.iter().sum()) / i128::from(world),
+            ReduceOp::Band => xs.iter().fold(-1, |a, &x| a & x),
+            ReduceOp::Bor => xs.iter().fold(0, |a, &x| a | x),
+            ReduceOp::Bxor => xs.iter().fold(0, |a, &x| a ^ x),
+        };
+        wrap(v)
+    }
+
+    /// Element `i` of every input.
+    fn column<const W: usize>(inputs: &[&[u8]], i: usize) -> Vec<[u8; W]> {
+        inputs
+            .iter()
+            .map(|b| b[i * W..(i + 1) * W].try_into().unwrap())
+            .collect()
+    }
+
+    /// Reduces `inputs` (same length, whole elements) in order.
+    pub(crate) fn reduce(dtype: Dtype, op: ReduceOp, world: u32, inputs: &[&[u8]]) -> Vec<u8> {
+        let len = inputs[0].len();
+        let size = dtype.size();
+        let mut out = Vec::with_capacity(len);
+        for i in 0..len / size {
+            macro_rules! int {
+                ($t:ty, $w:literal) => {{
+                    let xs: Vec<i128> = column::<$w>(inputs, i)
+                        .into_iter()
+                        .map(|b| i128::from(<$t>::from_ne_bytes(b)))
+                        .collect();
+                    let v = fold_int(op, &xs, world, |v| i128::from(v as $t));
+                    out.extend_from_slice(&(v as $t).to_ne_bytes());
+                }};
+            }
+            match dtype {
+                Dtype::F32 => {
+                    let xs: Vec<f32> = column::<4>(inputs, i)
+                        .into_iter()
+                        .map(f32::from_ne_bytes)
+                        .collect();
+                    let v = fold_float(op, &xs, world, |s, w| s / w as f32);
+                    out.extend_from_slice(&v.to_ne_bytes());
+                }
+                Dtype::F64 => {
+                    let xs: Vec<f64> = column::<8>(inputs, i)
+                        .into_iter()
+                        .map(f64::from_ne_bytes)
+                        .collect();
+                    let v = fold_float(op, &xs, world, |s, w| s / f64::from(w));
+                    out.extend_from_slice(&v.to_ne_bytes());
+                }
+                Dtype::F16 => {
+                    let xs: Vec<f32> = column::<2>(inputs, i)
+                        .into_iter()
+                        .map(|b| f16::from_ne_bytes(b).to_f32())
+                        .collect();
+                    let v = fold_float(op, &xs, world, |s, w| s / w as f32);
+                    out.extend_from_slice(&f16::from_f32(v).to_ne_bytes());
+                }
+                Dtype::Bf16 => {
+                    let xs: Vec<f32> = column::<2>(inputs, i)
+                        .into_iter()
+                        .map(|b| bf16::from_ne_bytes(b).to_f32())
+                        .collect();
+                    let v = fold_float(op, &xs, world, |s, w| s / w as f32);
+                    out.extend_from_slice(&bf16::from_f32(v).to_ne_bytes());
+                }
+                Dtype::I8 => int!(i8, 1),
+                Dtype::U8 => int!(u8, 1),
+                Dtype::I32 => int!(i32, 4),
+                Dtype::U32 => int!(u32, 4),
+                Dtype::I64 => int!(i64, 8),
+                Dtype::U64 => int!(u64, 8),
+            }
+        }
+        out
+    }
+
+    /// Checks that `got` equals `want` element by element, any NaN
+    /// matching any NaN; names the first difference.
+    pub(crate) fn check(dtype: Dtype, got: &[u8], want: &[u8]) -> Result<(), String> {
+        assert_eq!(got.len(), want.len(), "result lengths differ");
+        let size = dtype.size();
+        for (i, (g, w)) in got.chunks(size).zip(want.chunks(size)).enumerate() {
+            let nan = |b: &[u8]| match dtype {
+                Dtype::F32 => f32::from_ne_bytes(b.try_into().unwrap()).is_nan(),
+                Dtype::F64 => f64::from_ne_bytes(b.try_into().unwrap()).is_nan(),
+                Dtype::F16 => f16::from_ne_bytes(b.try_into().unwrap()).is_nan(),
+                Dtype::Bf16 => bf16::from_ne_bytes(b.try_into().unwrap()).is_nan(),
+                _ => false,
+            };
+            let same = if nan(w) { nan(g) } else { g == w };
+            if !same {
+                return Err(format!("{dtype} element {i}: got {g:02x?}, want {w:02x?}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// A small deterministic generator (xorshift64*).
+    pub(crate) struct Rng(u64);
+
+    impl Rng {
+        pub(crate) fn new(seed: u64) -> Rng {
+            Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+        }
+
+        pub(crate) fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        }
+
+        pub(crate) fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+
+        /// `n` random finite elements of `dtype`: a mix of small values
+        /// (which meet often in sums, products and ties) and arbitrary
+        /// bit patterns.
+        pub(crate) fn elems(&mut self, dtype: Dtype, n: usize) -> Vec<u8> {
+            let mut out = Vec::with_capacity(n * dtype.size());
+            for _ in 0..n {
+                let bits = self.next();
+                let small = self.next() % 3 == 1;
+                let signed_small = (bits % 17) as i64 - 8;
+                match dtype {
+                    Dtype::F32 => {
+                        let mut v = f32::from_bits(bits as u32);
+                        if small || !v.is_finite() {
+                            v = signed_small as f32 * 0.375;
+                        }
+                        out.extend_from_slice(&v.to_ne_bytes());
+                    }
+                    Dtype::F64 => {
+                        let mut v = f64::from_bits(bits);
+                        if small || !v.is_finite() {
+                            v = signed_small as f64 * 0.375;
+                        }
+                        out.extend_from_slice(&v.to_ne_bytes());
+                    }
+                    Dtype::F16 => {
+                        let mut v = f16::from_bits(bits as u16);
+                        if small || !v.is_finite() {
+                            v = f16::from_f32(signed_small as f32 * 0.375);
+                        }
+                        out.extend_from_slice(&v.to_ne_bytes());
+                    }
+                    Dtype::Bf16 => {
+                        let mut v = bf16::from_bits(bits as u16);
+                        if small || !v.is_finite() {
+                            v = bf16::from_f32(signed_small as f32 * 0.375);
+                        }
+                        out.extend_from_slice(&v.to_ne_bytes());
+                    }
+                    _ => {
+                        let v = if small { signed_small as u64 } else { bits };
+                        out.extend_from_slice(&v.to_ne_bytes()[..dtype.size()]);
+                    }
+                }
+            }
+            out
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::reference::{self, Rng};
+    use super::*;
+    use half::{bf16, f16};
+
+    #[test]
+    fn f16_widening_is_exact_for_every_value() {
+        for h in 0..=u16::MAX {
+            let want = f16::from_bits(h).to_f32();
+            let got = f16_to_f32(h);
+            if want.is_nan() {
+                assert!(got.is_nan(), "{h:#06x}");
+                assert_eq!(got.to_bits() >> 31, u32::from(h >> 15), "sign of {h:#06x}");
+            } else {
+                assert_eq!(got.to_bits(), want.to_bits(), "{h:#06x}");
+            }
+        }
+    }
+
+    /// f32 values around every rounding decision of a 16-bit format whose
+    /// values widen to `widen(h)`: each value, the midpoints to its
+    /// neighbour (ties) and one f32 ulp either side of them.
+    fn rounding_probes(widen: impl Fn(u16) -> f32) -> Vec<f32> {
+        let mut probes = Vec::new();
+        for h in 0..0x7c00u16 {
+            let lo = f64::from(widen(h));
+            let hi = f64::from(widen(h + 1));
+            let mid = ((lo + hi) / 2.0) as f32;
+            for v in [lo as f32, mid, f32::from_bits(mid.to_bits() + 1)] {
+                probes.extend([v, -v]);
+            }
+            if mid.to_bits() > 0 {
+                probes.push(f32::from_bits(mid.to_bits() - 1));
+            }
+        }
+        // A sweep over all f32 bit patterns, NaNs, infinities and the
+        // largest values included.
+        probes.extend((0..=u32::MAX).step_by(65_521).map(f32::from_bits));
+        probes.extend([
+            f32::MAX,
+            f32::MIN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+        ]);
+        probes.extend([65_519.99, 65_520.0, 65_504.0, 1e-8, 5.96e-8, 2.98e-8]);
+        probes
+    }
+
+    #[test]
+    fn f16_narrowing_rounds_to_nearest_even() {
+        for v in rounding_probes(|h| f16::from_bits(h).to_f32()) {
+            let want = f16::from_f32(v);
+            let got = f32_to_f16(v);
+            if want.is_nan() {
+                assert!(f16::from_bits(got).is_nan(), "{v:e}");
+            } else {
+                assert_eq!(got, want.to_bits(), "{v:e} ({:#010x})", v.to_bits());
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_conversions_match_half() {
+        for h in 0..=u16::MAX {
+            let want = bf16::from_bits(h).to_f32();
+            let got = bf16_to_f32(h);
+            // `half` quiets signalling NaNs; we keep the bits.
+            if want.is_nan() {
+                assert!(got.is_nan(), "{h:#06x}");
+            } else {
+                assert_eq!(got.to_bits(), want.to_bits(), "{h:#06x}");
+            }
+        }
+        // bf16 neighbours are f32 values 2^16 bit patterns apart.
+        let mut probes = rounding_probes(|h| bf16::from_bits(h).to_f32());
+        probes.extend((0..0x7f80u32).flat_map(|h| {
+            let mid = (h << 16) | 0x8000;
+            [mid - 1, mid, mid + 1, mid | 0x8000_0000].map(f32::from_bits)
+        }));
+        for v in probes {
+            let want = bf16::from_f32(v);
+            let got = f32_to_bf16(v);
+            if want.is_nan() {
+                assert!(bf16::from_bits(got).is_nan(), "{v:e}");
+            } else {
+                assert_eq!(got, want.to_bits(), "{v:e} ({:#010x})", v.to_bits());
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn f16c_conversions_match_half() {
+        // The F16C kernels are only chosen where the CPU has F16C.
+        if !has_avx2() {
+            return;
+        }
+        for h in 0..=u16::MAX {
+            let want = f16::from_bits(h).to_f32();
+            let got = F16c::widen(h);
+            assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()));
+        }
+        let probes = rounding_probes(|h| f16::from_bits(h).to_f32());
+        // Blocks of 8 and a tail of 5.
+        let probes = &probes[..(probes.len() - 5) / 8 * 8 + 5];
+        let mut got = vec![0u16; probes.len()];
+        F16c::narrow_all(probes, &mut got);
+        for (&v, &g) in probes.iter().zip(&got) {
+            let want = f16::from_f32(v);
+            if want.is_nan() {
+                assert!(f16::from_bits(g).is_nan(), "{v:e}");
+            } else {
+                assert_eq!(g, want.to_bits(), "{v:e} ({:#010x})", v.to_bits());
+            }
+        }
+    }
+
+    fn pairs() -> Vec<(Dtype, ReduceOp)> {
+        Dtype::ALL
+            .iter()
+            .flat_map(|&d| ReduceOp::ALL.iter().map(move |&o| (d, o)))
+            .filter(|&(d, o)| o.supports(d))
+            .collect()
+    }
+
+    #[test]
+    fn bitwise_ops_on_floats_have_no_kernel() {
+        for &d in Dtype::ALL {
+            for &o in ReduceOp::ALL {
+                assert_eq!(Kernel::new(d, o).is_some(), o.supports(d), "{d} {o}");
+            }
+        }
+    }
+
+    /// Runs the kernels by hand over host buffers, at an odd byte offset
+    /// (unaligned sources) and into the middle of the accumulator.
+    fn run_kernels(k: &Kernel, inputs: &[Vec<u8>], world: u32) -> Vec<u8> {
+        let size = k.elem_size();
+        let n = inputs[0].len() / size;
+        let at = 5;
+        let mut scratch = Scratch::with_bytes((n + at) * k.acc_size());
+        let shifted: Vec<Vec<u8>> = inputs
+            .iter()
+            .map(|b| {
+                let mut v = vec![0xa5];
+                v.extend_from_slice(b);
+                v
+            })
+            .collect();
+        let ptr = |r: usize| shifted[r][1..].as_ptr();
+        // SAFETY: every pointer addresses `n` elements of a live Vec.
+        unsafe {
+            if inputs.len() == 1 {
+                k.load(&mut scratch, at, ptr(0), n);
+            } else {
+                k.combine(&mut scratch, at, ptr(0), ptr(1), n);
+                for r in 2..inputs.len() {
+                    k.accumulate(&mut scratch, at, ptr(r), n);
+                }
+            }
+        }
+        // `finish` works on the chunk from 0: move the result there first.
+        let acc_bytes = k.acc_size() * n;
+        let head = scratch.acc_lines().as_mut_ptr().cast::<u8>();
+        // SAFETY: both ranges lie in the accumulator (n + at elements).
+        unsafe { std::ptr::copy(head.add(at * k.acc_size()), head, acc_bytes) };
+        k.finish(&mut scratch, n, world).to_vec()
+    }
+
+    #[test]
+    fn kernels_match_reference_for_every_dtype_op_and_isa() {
+        let mut rng = Rng::new(1);
+        for isa in Isa::available() {
+            for (dtype, op) in pairs() {
+                let k = Kernel::with_isa(dtype, op, isa).unwrap();
+                for world in 1..=5u32 {
+                    for n in [1usize, 3, 7, 16, 33, 67] {
+                        let inputs: Vec<Vec<u8>> =
+                            (0..world).map(|_| rng.elems(dtype, n)).collect();
+                        let refs: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
+                        let want = reference::reduce(dtype, op, world, &refs);
+                        let got = run_kernels(&k, &inputs, world);
+                        if let Err(e) = reference::check(dtype, &got, &want) {
+                            panic!("{isa:?} {op} N={world} n={n}: {e}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn floats(dtype: Dtype, vals: &[f64]) -> Vec<u8> {
+        vals.iter()
+            .flat_map(|&v| match dtype {
+                Dtype::F32 => (v as f32).to_ne_bytes().to_vec(),
+                Dtype::F64 => v.to_ne_bytes().to_vec(),
+                Dtype::F16 => f16::from_f64(v).to_ne_bytes().to_vec(),
+                Dtype::Bf16 => bf16::from_f64(v).to_ne_bytes().to_vec(),
+                _ => unreachable!(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn nan_in_any_input_gives_nan_for_min_and_max() {
+        let nan = f64::NAN;
+        for isa in Isa::available() {
+            for dtype in [Dtype::F32, Dtype::F64, Dtype::F16, Dtype::Bf16] {
+                for op in [ReduceOp::Min, ReduceOp::Max, ReduceOp::Sum] {
+                    let k = Kernel::with_isa(dtype, op, isa).unwrap();
+                    // NaN first, in the middle, last, everywhere, nowhere.
+                    let inputs = vec![
+                        floats(dtype, &[nan, 1.0, 1.0, nan, 1.0]),
+                        floats(dtype, &[2.0, nan, 2.0, nan, -0.0]),
+                        floats(dtype, &[-3.0, 3.0, nan, nan, 0.0]),
+                    ];
+                    let out = run_kernels(&k, &inputs, 3);
+                    let want = floats(dtype, &[nan, nan, nan, nan, 0.0]);
+                    let size = dtype.size();
+                    let refs: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
+                    reference::check(dtype, &out[..4 * size], &want[..4 * size])
+                        .unwrap_or_else(|e| panic!("{isa:?} {op}: {e}"));
+                    reference::check(dtype, &out, &reference::reduce(dtype, op, 3, &refs))
+                        .unwrap_or_else(|e| panic!("{isa:?} {op}: {e}"));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn min_and_max_keep_the_lower_rank_on_ties() {
+        // IEEE minimum/maximum would order -0 below +0; we keep rank 0's.
+        for isa in Isa::available() {
+            let k = Kernel::with_isa(Dtype::F32, ReduceOp::Min, isa).unwrap();
+            let inputs = [floats(Dtype::F32, &[0.0]), floats(Dtype::F32, &[-0.0])];
+            assert_eq!(run_kernels(&k, &inputs, 2), 0.0f32.to_ne_bytes(), "{isa:?}");
+            let k = Kernel::with_isa(Dtype::F32, ReduceOp::Max, isa).unwrap();
+            let inputs = [floats(Dtype::F32, &[-0.0]), floats(Dtype::F32, &[0.0])];
+            assert_eq!(
+                run_kernels(&k, &inputs, 2),
+                (-0.0f32).to_ne_bytes(),
+                "{isa:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn half_types_round_once_at_the_end() {
+        // 1 + 2^-11 + 2^-11: rounding after each step would tie back to 1
+        // twice; f32 accumulation gives 1 + 2^-10, an f16 value.
+        let tiny = 2f64.powi(-11);
+        for isa in Isa::available() {
+            let k = Kernel::with_isa(Dtype::F16, ReduceOp::Sum, isa).unwrap();
+            let inputs: Vec<Vec<u8>> = [1.0, tiny, tiny]
+                .iter()
+                .map(|&v| floats(Dtype::F16, &[v]))
+                .collect();
+            let out = run_kernels(&k, &inputs, 3);
+            assert_eq!(
+                out,
+                f16::from_f64(1.0 + 2.0 * tiny).to_ne_bytes(),
+                "{isa:?}"
+            );
+            // bf16 has 8 significant bits: the same with 2^-8 steps.
+            let k = Kernel::with_isa(Dtype::Bf16, ReduceOp::Sum, isa).unwrap();
+            let tiny = 2f64.powi(-8);
+            let inputs: Vec<Vec<u8>> = [1.0, tiny, tiny]
+                .iter()
+                .map(|&v| floats(Dtype::Bf16, &[v]))
+                .collect();
+            let out = run_kernels(&k, &inputs, 3);
+            assert_eq!(
+                out,
+                bf16::from_f64(1.0 + 2.0 * tiny).to_ne_bytes(),
+                "{isa:?}"
+            );
+            // avg divides in f32 before the one rounding: (1 + 2 + 2^-11*3) / 3.
+            let k = Kernel::with_isa(Dtype::F16, ReduceOp::Avg, isa).unwrap();
+            let inputs: Vec<Vec<u8>> = [1.0, 2.0, 3.0 * 2f64.powi(-11)]
+                .iter()
+                .map(|&v| floats(Dtype::F16, &[v]))
+                .collect();
+            let out = run_kernels(&k, &inputs, 3);
+            let want = f16::from_f32((1.0 + 2.0 + 3.0 * 2f32.powi(-11)) / 3.0);
+            assert_eq!(out, want.to_ne_bytes(), "{isa:?}");
+        }
+    }
+
+    #[test]
+    fn integer_avg_truncates_toward_zero() {
+        for isa in Isa::available() {
+            let k = Kernel::with_isa(Dtype::I32, ReduceOp::Avg, isa).unwrap();
+            let input = |v: &[i32]| v.iter().flat_map(|x| x.to_ne_bytes()).collect::<Vec<u8>>();
+            let inputs = vec![input(&[-7, 7, -1, i32::MAX]), input(&[0, 0, 0, 1])];
+            let out = run_kernels(&k, &inputs, 2);
+            // -7/2 = -3, 7/2 = 3, -1/2 = 0, and MAX + 1 wraps to MIN: MIN/2.
+            assert_eq!(out, input(&[-3, 3, 0, i32::MIN / 2]), "{isa:?}");
+            let k = Kernel::with_isa(Dtype::I8, ReduceOp::Avg, isa).unwrap();
+            // A world larger than any i8: -128 / 200 truncates to 0, and
+            // the divisor is not narrowed to i8.
+            let inputs = vec![vec![(-128i8) as u8, 100], vec![0, 100]];
+            let out = run_kernels(&k, &inputs, 200);
+            // 100 + 100 wraps to -56; -56 / 200 = 0.
+            assert_eq!(out, vec![0, 0], "{isa:?}");
+            let out = run_kernels(&k, &[vec![(-128i8) as u8]], 128);
+            assert_eq!(out, vec![(-1i8) as u8], "{isa:?}");
+        }
+    }
+
+    #[test]
+    fn integer_avg_division_is_exact_at_the_extremes() {
+        let mut rng = Rng::new(3);
+        let worlds = [
+            1,
+            2,
+            3,
+            7,
+            128,
+            129,
+            1000,
+            65_537,
+            1 << 21,
+            (1 << 21) + 1,
+            u32::MAX,
+        ];
+        let edges = [
+            0i64,
+            1,
+            -1,
+            2,
+            127,
+            -128,
+            255,
+            i32::MAX as i64,
+            i32::MIN as i64,
+        ];
+        for &w in &worlds {
+            let mut values: Vec<i64> = edges.to_vec();
+            values.extend((0..2000).map(|_| rng.next() as i64));
+            // Multiples of the world size and their neighbours, where a
+            // rounding error would show.
+            values.extend((0..2000).flat_map(|_| {
+                let m =
+                    (rng.next() % (u64::from(u32::MAX) / u64::from(w) + 1)) as i64 * i64::from(w);
+                [m - 1, m, m + 1, -m - 1, -m, -m + 1]
+            }));
+            for &v in &values {
+                let want = |x: i64| x / i64::from(w);
+                assert_eq!(
+                    i64::from((v as i32).div_world(w)),
+                    want(i64::from(v as i32)),
+                    "{v} / {w}"
+                );
+                assert_eq!(
+                    i64::from((v as u32).div_world(w)),
+                    want(i64::from(v as u32)),
+                    "{v} / {w}"
+                );
+                assert_eq!(
+                    i64::from((v as i8).div_world(w)),
+                    want(i64::from(v as i8)),
+                    "{v} / {w}"
+                );
+                assert_eq!(
+                    i64::from((v as u8).div_world(w)),
+                    want(i64::from(v as u8)),
+                    "{v} / {w}"
+                );
+                assert_eq!(v.div_world(w), want(v), "{v} / {w}");
+                assert_eq!(
+                    (v as u64).div_world(w),
+                    v as u64 / u64::from(w),
+                    "{v} / {w}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn scratch_starts_half_a_page_in() {
+        for bytes in [1, 64, 4096, 32 << 10, 1 << 20] {
+            let mut s = Scratch::with_bytes(bytes);
+            assert!(s.bytes() >= bytes);
+            assert_eq!(s.acc_lines().as_ptr() as usize % 4096, SCRATCH_PAGE_OFFSET);
+            assert_eq!(
+                s.stage_lines().as_ptr() as usize % 4096,
+                SCRATCH_PAGE_OFFSET
+            );
+            assert_eq!(s.acc_lines().len() * 64, s.bytes());
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "chunk exceeds the scratch")]
+    fn kernels_refuse_ranges_beyond_the_scratch() {
+        let k = Kernel::new(Dtype::F32, ReduceOp::Sum).unwrap();
+        let mut scratch = Scratch::with_bytes(64);
+        let src = [0u8; 128];
+        // SAFETY: the source holds 32 f32; the kernel must refuse at 17.
+        unsafe { k.load(&mut scratch, 0, src.as_ptr(), 17) };
+    }
+}

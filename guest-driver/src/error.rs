@@ -1,0 +1,217 @@
+//! Errors of the collective API.
+//!
+//! One variant per device status (so callers can match on what the device
+//! said), plus the driver's own failures. Local checks before posting use
+//! the device's own reason codes (`BadRequest`, `Unsupported`, `TooBig`), so
+//! a mistake reads the same whether the driver or the device caught it.
+
+use std::fmt;
+
+use virtio_dmlc::{bad, mismatch, too_big, unsupported, NO_PEER};
+
+use crate::dma::DmaError;
+use crate::transport::TransportError;
+use crate::virtqueue::QueueError;
+
+/// Errors of [`crate::device::Device`].
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The request is malformed; `detail` is a `virtio_dmlc::bad` code.
+    #[error("bad request: {reason}")]
+    BadRequest { detail: u32, reason: &'static str },
+    /// The members disagree on this collective; `fields` names the header
+    /// fields that differ, `peer` the first member that differs.
+    #[error("collective mismatch: {}", MismatchText { fields, peer: *peer })]
+    Mismatch { fields: String, peer: u32 },
+    /// A member was lost while the collective waited or ran.
+    #[error("collective failed: {} was lost", Rank(*peer))]
+    PeerLost { peer: u32 },
+    /// Not every member arrived within the device's timeout.
+    #[error("collective timed out waiting for {}", Rank(*peer))]
+    Timeout { peer: u32 },
+    /// Opcode, dtype, op or their combination is not supported.
+    #[error("unsupported by the device: {}", unsupported_text(*detail))]
+    Unsupported { detail: u32 },
+    /// The request exceeds the device's `max_bytes` or `max_segments`.
+    #[error("request too big: {}", too_big_text(*detail))]
+    TooBig { detail: u32 },
+    /// The group was reset before the collective completed.
+    #[error("collective failed: the group was reset")]
+    Reset,
+    /// The device returned the chain without a status (used length 0): it
+    /// could not find the response descriptor.
+    #[error("device returned the request without a status (no valid response descriptor)")]
+    NoStatus,
+    /// The device answered with a status this driver does not know.
+    #[error("device returned unknown status {status}")]
+    UnknownStatus { status: u32 },
+    /// [`crate::device::Device::wait`] gave up before the request completed.
+    #[error("timed out waiting for the request to complete")]
+    WaitTimeout,
+    /// Not enough free descriptors in the queue right now.
+    #[error("queue is full")]
+    QueueFull,
+    /// The device-visible memory is exhausted.
+    #[error("out of device-visible memory")]
+    OutOfDmaMemory,
+    /// The handle was already waited for, or never existed.
+    #[error("unknown request handle (already completed or foreign)")]
+    UnknownHandle,
+    /// A caller mistake the device would never see (bad queue index, buffer
+    /// of another device, ...).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The device's config space makes no sense.
+    #[error("invalid device config: {0}")]
+    BadConfig(String),
+    /// The transport failed; the message says how (e.g. backend disconnected).
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// The virtqueue failed (a device that breaks the ring protocol).
+    #[error(transparent)]
+    Queue(QueueError),
+    /// Device-visible memory could not be set up.
+    #[error("device memory setup failed")]
+    Dma(#[source] DmaError),
+}
+
+/// Result of the collective API.
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl From<DmaError> for Error {
+    fn from(e: DmaError) -> Self {
+        match e {
+            DmaError::OutOfMemory { .. } => Error::OutOfDmaMemory,
+            e => Error::Dma(e),
+        }
+    }
+}
+
+impl From<QueueError> for Error {
+    fn from(e: QueueError) -> Self {
+        match e {
+            QueueError::Full { .. } => Error::QueueFull,
+            QueueError::Dma(e) => e.into(),
+            e => Error::Queue(e),
+        }
+    }
+}
+
+impl Error {
+    /// A `BadRequest` with the spec's text for `detail`.
+    pub fn bad_request(detail: u32) -> Self {
+        Error::BadRequest {
+            detail,
+            reason: bad::describe(detail),
+        }
+    }
+
+    /// A `Mismatch` naming the fields in `mask` (a `virtio_dmlc::mismatch` mask).
+    pub fn mismatch(mask: u32, peer: u32) -> Self {
+        let names: Vec<&str> = mismatch::fields(mask).collect();
+        Error::Mismatch {
+            fields: if names.is_empty() {
+                format!("unknown fields {mask:#x}")
+            } else {
+                names.join(", ")
+            },
+            peer,
+        }
+    }
+}
+
+struct Rank(u32);
+
+impl fmt::Display for Rank {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0 == NO_PEER {
+            f.write_str("an unknown rank")
+        } else {
+            write!(f, "rank {}", self.0)
+        }
+    }
+}
+
+struct MismatchText<'a> {
+    fields: &'a str,
+    peer: u32,
+}
+
+impl fmt::Display for MismatchText<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let verb = if self.fields.contains(", ") {
+            "differ"
+        } else {
+            "differs"
+        };
+        write!(f, "{} {verb} on {}", self.fields, Rank(self.peer))
+    }
+}
+
+fn unsupported_text(detail: u32) -> &'static str {
+    match detail {
+        unsupported::OPCODE => "opcode",
+        unsupported::DTYPE => "dtype",
+        unsupported::OP => "reduce op",
+        unsupported::OP_FOR_DTYPE => "reduce op for this dtype",
+        _ => "unknown reason",
+    }
+}
+
+fn too_big_text(detail: u32) -> &'static str {
+    match detail {
+        too_big::BYTES => "more bytes than the device's max_bytes",
+        too_big::SEGMENTS => "more segments than the device's max_segments",
+        _ => "unknown reason",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_name_what_went_wrong() {
+        assert_eq!(
+            Error::mismatch(mismatch::COUNT, 1).to_string(),
+            "collective mismatch: count differs on rank 1"
+        );
+        assert_eq!(
+            Error::mismatch(mismatch::DTYPE | mismatch::TAG, 3).to_string(),
+            "collective mismatch: dtype, tag differ on rank 3"
+        );
+        assert_eq!(
+            Error::PeerLost { peer: 2 }.to_string(),
+            "collective failed: rank 2 was lost"
+        );
+        assert_eq!(
+            Error::Timeout { peer: NO_PEER }.to_string(),
+            "collective timed out waiting for an unknown rank"
+        );
+        assert_eq!(
+            Error::bad_request(bad::INPUT_LENGTH).to_string(),
+            "bad request: input length does not match count"
+        );
+        assert_eq!(
+            Error::Unsupported {
+                detail: unsupported::OP_FOR_DTYPE
+            }
+            .to_string(),
+            "unsupported by the device: reduce op for this dtype"
+        );
+        let e = Error::from(TransportError::Disconnected {
+            during: "waiting for a completion",
+        });
+        assert_eq!(
+            e.to_string(),
+            "device backend disconnected (waiting for a completion)"
+        );
+        assert!(matches!(
+            Error::from(DmaError::OutOfMemory {
+                requested: 1,
+                largest_free: 0
+            }),
+            Error::OutOfDmaMemory
+        ));
+    }
+}

@@ -1,0 +1,361 @@
+#!/bin/bash
+# Build the virtio-dmlc guest image: Debian bookworm's cloud kernel and an
+# initramfs (cpio.gz) holding busybox-static, the kernel modules the guest
+# needs, tests/image/init as /init, and extra files.
+#
+# Usage: build-image.sh [--module NAME]... [--strip] [HOST:GUEST]...
+#   HOST:GUEST   copy file or directory HOST to GUEST in the image (GUEST
+#                ending in / means "into that directory"). Dynamically linked
+#                ELF files get the libraries `ldd` lists, at the same paths.
+#   --module N   also load kernel module N (and what it depends on).
+#   --strip      strip debug info from the extra ELF files (a debug build of
+#                dmlc-guest is ~40 MB; stripped, a few MB: faster boots).
+#
+# Output: progress on stderr; stdout's last two lines are
+#   DMLC_INITRD=/abs/path/initrd-KEY.cpio.gz
+#   DMLC_KERNEL=/abs/path/vmlinuz-VERSION
+# so `eval "$(build-image.sh ... | tail -n 2)"` sets both.
+#
+# Environment:
+#   DMLC_CACHE           cache root (default ~/.cache/virtio-dmlc); this
+#                        script uses $DMLC_CACHE/image
+#   DMLC_IMAGE_MODULES   more modules, space separated (like --module)
+#   DMLC_KERNEL_PKG      kernel package (default linux-image-cloud-amd64, a
+#                        metapackage resolved to the versioned one)
+#   DMLC_DEBIAN_MIRROR   Debian mirror URI (default: the machine's, else
+#                        http://deb.debian.org/debian)
+#   DMLC_IMAGE_REFRESH=1 download the packages again (new kernel version)
+#
+# The result is cached under a key over every input (packages, init, this
+# script, modules, extra files and their libraries): an unchanged rebuild
+# prints the same paths at once.
+set -euo pipefail
+shopt -s inherit_errexit
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+cache=${DMLC_CACHE:-$HOME/.cache/virtio-dmlc}/image
+kernel_pkg=${DMLC_KERNEL_PKG:-linux-image-cloud-amd64}
+default_modules="virtio_pci virtio_net uio_pci_generic qemu_fw_cfg"
+
+say() { echo "build-image: $*" >&2; }
+die() {
+    say "error: $*"
+    exit 1
+}
+
+usage() {
+    sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}" >&2
+    exit "$1"
+}
+
+modules=$default_modules
+strip=0
+for m in ${DMLC_IMAGE_MODULES:-}; do modules="$modules $m"; done
+extras=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+    -h | --help) usage 0 ;;
+    --strip)
+        strip=1
+        shift
+        ;;
+    --module)
+        [ $# -ge 2 ] || usage 2
+        modules="$modules $2"
+        shift 2
+        ;;
+    --module=*)
+        modules="$modules ${1#--module=}"
+        shift
+        ;;
+    -*) usage 2 ;;
+    *:*)
+        h=${1%%:*}
+        [ -e "$h" ] || die "extra file $h does not exist"
+        extras+=("$(realpath -s -- "$h"):${1#*:}")
+        shift
+        ;;
+    *) die "extra file '$1' is not HOST:GUEST" ;;
+    esac
+done
+
+# Host tools. busybox (from the package we unpack) provides cpio, so the
+# host needs only apt, dpkg and coreutils-level tools.
+need() {
+    command -v "$1" >/dev/null 2>&1 && return
+    say "installing $2 (for $1)"
+    [ "$(id -u)" = 0 ] || die "$1 is missing; install package $2"
+    apt-get install -y --no-install-recommends "$2" >&2 || die "cannot install $2"
+}
+need apt-get apt
+need dpkg-deb dpkg
+need gzip gzip
+need sha256sum coreutils
+need flock util-linux
+need ldd libc-bin
+[ "$strip" = 0 ] || need objcopy binutils
+
+mkdir -p "$cache/debs" "$cache/apt/lists/partial" "$cache/apt/cache/archives/partial" "$cache/tmp"
+exec 9>"$cache/.lock"
+flock 9
+
+keyring=/usr/share/keyrings/debian-archive-keyring.gpg
+if [ ! -f "$keyring" ]; then
+    [ "$(id -u)" = 0 ] || die "$keyring is missing; install debian-archive-keyring"
+    say "installing debian-archive-keyring"
+    apt-get install -y --no-install-recommends debian-archive-keyring >&2 ||
+        die "cannot install debian-archive-keyring"
+fi
+
+# A private apt configuration, so the machine's sources and state stay as
+# they are and the packages always come from Debian bookworm.
+mirror_uri() {
+    [ -n "${DMLC_DEBIAN_MIRROR:-}" ] && {
+        echo "$DMLC_DEBIAN_MIRROR"
+        return
+    }
+    local uri
+    # deb822 "URIs:" fields and one-line "deb URI" entries; not comments.
+    uri=$(cat /etc/apt/sources.list.d/*.sources /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null |
+        sed -nE 's/^URIs:[[:space:]]*//p; s/^deb[[:space:]]+(\[[^]]*\][[:space:]]+)?([^[:space:]]+).*/\2/p' |
+        tr ' ' '\n' | grep -E '/debian/?$' | head -n 1 || true)
+    if [ -n "$uri" ]; then
+        echo "${uri%/}"
+        return
+    fi
+    echo http://deb.debian.org/debian
+}
+mirror=$(mirror_uri)
+security=${mirror%/debian}/debian-security
+cat >"$cache/apt/sources.list" <<EOF
+deb [signed-by=$keyring] $mirror bookworm main
+deb [signed-by=$keyring] $mirror bookworm-updates main
+deb [signed-by=$keyring] $security bookworm-security main
+EOF
+apt_opts=(
+    -o "Dir::Etc::SourceList=$cache/apt/sources.list"
+    -o Dir::Etc::SourceParts=/dev/null
+    -o "Dir::State::Lists=$cache/apt/lists"
+    -o "Dir::Cache=$cache/apt/cache"
+    -o APT::Sandbox::User=root
+    -o Acquire::IndexTargets::deb::DEP-11::DefaultEnabled=false
+    -o Acquire::IndexTargets::deb::DEP-11-icons::DefaultEnabled=false
+    -o Acquire::IndexTargets::deb::DEP-11-icons-small::DefaultEnabled=false
+    -q
+)
+lists_fresh=0
+apt_update() {
+    [ "$lists_fresh" = 1 ] && return
+    say "apt-get update (private lists in $cache/apt)"
+    apt-get "${apt_opts[@]}" update >&2 || die "apt-get update failed"
+    lists_fresh=1
+}
+# Download package $1 into $cache/debs; print the .deb's path.
+download() {
+    local pkg=$1 out
+    [ -n "$(ls "$cache/apt/lists"/*_Packages* 2>/dev/null)" ] || apt_update
+    if ! out=$(cd "$cache/debs" && apt-get "${apt_opts[@]}" download "$pkg" 2>&1); then
+        # Stale lists: the mirror dropped the version they name.
+        apt_update
+        out=$(cd "$cache/debs" && apt-get "${apt_opts[@]}" download "$pkg" 2>&1) ||
+            die "cannot download $pkg: $out"
+    fi
+    # apt-get download names no file: take the newest of this package.
+    local deb
+    # shellcheck disable=SC2012 # Debian file names are plain.
+    deb=$(ls -t "$cache/debs/${pkg}_"*.deb 2>/dev/null | head -n 1)
+    [ -n "$deb" ] || die "downloaded $pkg but cannot find its .deb"
+    echo "$deb"
+}
+# The .deb for role $1 (a link in $cache/debs), downloading package $2 if
+# there is none yet or DMLC_IMAGE_REFRESH=1.
+fetch() {
+    local role=$1 pkg=$2 link="$cache/debs/$1.deb" deb
+    if [ "${DMLC_IMAGE_REFRESH:-0}" != 1 ] && [ -f "$link" ]; then
+        readlink -f "$link"
+        return
+    fi
+    say "downloading $pkg"
+    deb=$(download "$pkg")
+    if [ "$role" = kernel ] && [[ "$pkg" != linux-image-[0-9]* ]]; then
+        # A metapackage: follow its dependency to the versioned kernel.
+        local real
+        real=$(dpkg-deb -f "$deb" Depends | grep -oE 'linux-image-[0-9][^ ,(]*' | head -n 1)
+        [ -n "$real" ] || die "$pkg names no kernel package"
+        say "downloading $real"
+        deb=$(download "$real")
+    fi
+    ln -sfn "$(basename "$deb")" "$link"
+    echo "$deb"
+}
+kernel_deb=$(fetch kernel "$kernel_pkg")
+busybox_deb=$(fetch busybox busybox-static)
+kernel_sha=$(sha256sum "$kernel_deb" | cut -d' ' -f1)
+busybox_sha=$(sha256sum "$busybox_deb" | cut -d' ' -f1)
+
+# Unpack once per package version.
+unpack() {
+    local deb=$1 dir=$2
+    [ -f "$dir/.done" ] && return
+    rm -rf "$dir"
+    mkdir -p "$dir"
+    dpkg-deb -x "$deb" "$dir"
+    touch "$dir/.done"
+}
+kdir="$cache/kernel-${kernel_sha:0:16}"
+bbdir="$cache/busybox-${busybox_sha:0:16}"
+unpack "$kernel_deb" "$kdir"
+unpack "$busybox_deb" "$bbdir"
+busybox="$bbdir/bin/busybox"
+vmlinuz=$(find "$kdir/boot" -name 'vmlinuz-*' | head -n 1)
+[ -n "$vmlinuz" ] || die "no vmlinuz in $kernel_deb"
+kver=${vmlinuz##*/vmlinuz-}
+moddir="$kdir/lib/modules/$kver"
+
+# Module closure in dependency order (dependencies first). Module names use
+# '_' where file names may use '-'.
+declare -A modpath=() modstate=()
+while IFS= read -r f; do
+    n=${f##*/}
+    n=${n%%.ko*}
+    modpath[${n//-/_}]=${f#"$moddir"/}
+done < <(find "$moddir/kernel" -name '*.ko' -o -name '*.ko.xz' -o -name '*.ko.zst')
+ordered=()
+visit() {
+    local n=${1//-/_} f deps d
+    case "${modstate[$n]:-}" in
+    "done") return ;;
+    "active") die "module dependency cycle at $n" ;;
+    esac
+    f=${modpath[$n]:-}
+    [ -n "$f" ] || die "kernel $kver has no module $n"
+    modstate[$n]="active"
+    deps=$(modinfo_depends "$moddir/$f")
+    for d in ${deps//,/ }; do visit "$d"; done
+    modstate[$n]="done"
+    ordered+=("$f")
+}
+modinfo_depends() {
+    case "$1" in
+    *.xz) "$busybox" xzcat "$1" ;;
+    *.zst) zstd -dc "$1" ;;
+    *) cat "$1" ;;
+    esac | tr '\0' '\n' | sed -n 's/^depends=//p' | head -n 1
+}
+for m in $modules; do visit "$m"; done
+
+# Extra files, and the shared libraries of the ELF ones.
+declare -A libs=()
+is_elf() { [ "$(head -c 4 "$1" 2>/dev/null | od -An -c | tr -d ' ')" = '177ELF' ]; }
+scan_libs() {
+    local f=$1 line p
+    is_elf "$f" || return 0
+    local out
+    out=$(ldd "$f" 2>&1) || return 0 # static, or not an executable
+    while IFS= read -r line; do
+        case "$line" in
+        *"not found"*) die "$f needs a library ldd cannot find: ${line%% =>*}" ;;
+        *"=> /"*) p=${line#*=> } p=${p%% (*} ;;
+        [[:space:]]/*) p=${line#"${line%%[![:space:]]*}"} p=${p%% (*} ;;
+        *) continue ;;
+        esac
+        libs[$p]=1
+    done <<<"$out"
+}
+manifest() {
+    echo "script $(sha256sum "${BASH_SOURCE[0]}" | cut -d' ' -f1)"
+    echo "init $(sha256sum "$here/init" | cut -d' ' -f1)"
+    echo "kernel $kernel_sha"
+    echo "busybox $busybox_sha"
+    echo "modules ${ordered[*]}"
+    echo "strip $strip"
+    local e host guest f
+    for e in "${extras[@]}"; do
+        host=${e%%:*} guest=${e#*:}
+        [ -e "$host" ] || die "extra file $host does not exist"
+        echo "extra $guest"
+        while IFS= read -r f; do
+            echo "  $(sha256sum "$f" | cut -d' ' -f1) $(stat -L -c %a "$f") ${f#"$host"}"
+        done < <(find -L "$host" -type f | sort)
+    done
+    for f in $(printf '%s\n' "${!libs[@]}" | sort); do
+        echo "lib $f $(sha256sum "$f" | cut -d' ' -f1)"
+    done
+}
+# Process substitution runs in a subshell, so collect libs first.
+for e in "${extras[@]}"; do
+    host=${e%%:*}
+    [ -e "$host" ] || die "extra file $host does not exist"
+    while IFS= read -r f; do scan_libs "$f"; done < <(find -L "$host" -type f)
+done
+key=$(manifest | sha256sum | cut -c1-16)
+initrd="$cache/initrd-$key.cpio.gz"
+kernel_out="$cache/vmlinuz-$kver"
+if ! cmp -s "$vmlinuz" "$kernel_out" 2>/dev/null; then
+    cp "$vmlinuz" "$kernel_out"
+fi
+
+if [ -f "$initrd" ]; then
+    say "cached $initrd"
+    touch "$initrd"
+else
+    say "kernel $kver; modules: ${ordered[*]##*/}"
+    stage=$(mktemp -d "$cache/tmp/stage.XXXXXX")
+    trap 'rm -rf "$stage"' EXIT
+    cd "$stage"
+    mkdir -p bin sbin usr/bin usr/sbin etc/dmlc proc sys dev run tmp root mnt lib/modules
+    chmod 1777 tmp
+    chmod 700 root
+    cp "$busybox" bin/busybox
+    while IFS= read -r a; do
+        [ "$a" = bin/busybox ] && continue
+        mkdir -p "$(dirname "$a")"
+        ln -sf /bin/busybox "$a"
+    done < <("$busybox" --list-full)
+    install -m 755 "$here/init" init
+    printf 'root:x:0:0:root:/root:/bin/sh\n' >etc/passwd
+    printf 'root:x:0:\n' >etc/group
+    printf '127.0.0.1 localhost\n' >etc/hosts
+    for f in "${ordered[@]}"; do
+        mkdir -p "lib/modules/$kver/$(dirname "$f")"
+        case "$f" in
+        *.xz) "$busybox" xzcat "$moddir/$f" >"lib/modules/$kver/${f%.xz}" ;;
+        *.zst) zstd -qdc "$moddir/$f" >"lib/modules/$kver/${f%.zst}" ;;
+        *) cp "$moddir/$f" "lib/modules/$kver/$f" ;;
+        esac
+        f=${f%.xz} f=${f%.zst}
+        echo "$kver/$f" >>etc/dmlc/modules
+    done
+    for p in "${!libs[@]}"; do
+        mkdir -p ".$(dirname "$p")"
+        cp -L "$p" ".$p"
+    done
+    for e in "${extras[@]}"; do
+        host=${e%%:*} guest=${e#*:}
+        case "$guest" in
+        /*) ;;
+        *) die "guest path $guest is not absolute" ;;
+        esac
+        case "$guest" in */) guest=$guest$(basename "$host") ;; esac
+        mkdir -p ".$(dirname "$guest")"
+        rm -rf ".$guest"
+        cp -RL --preserve=mode "$host" ".$guest"
+        if [ "$strip" = 1 ]; then
+            while IFS= read -r f; do
+                is_elf "$f" && objcopy --strip-debug "$f"
+            done < <(find ".$guest" -type f)
+        fi
+    done
+    manifest >etc/dmlc/manifest
+    say "packing $(du -sh . | cut -f1) into $initrd"
+    find . -mindepth 1 | sed 's|^\./||' | sort | "$busybox" cpio -o -H newc -R 0:0 2>/dev/null |
+        gzip -6 >"$initrd.tmp"
+    mv "$initrd.tmp" "$initrd"
+    cd /
+    # Keep the eight newest images.
+    # shellcheck disable=SC2012 # our own plain file names
+    ls -t "$cache"/initrd-*.cpio.gz | tail -n +9 | xargs -r rm -f
+fi
+
+echo "DMLC_INITRD=$initrd"
+echo "DMLC_KERNEL=$kernel_out"

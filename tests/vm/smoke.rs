@@ -1,0 +1,137 @@
+//! Smoke tests of the guest image and the VM harness, with no dmlc device:
+//! the job runs and reports its status and output, the guest is set up
+//! (hugepages, sysfs PCI, modules, a dynamically linked Rust binary), long
+//! jobs go through fw_cfg, two VMs talk over virtio-net, and failures
+//! (a VM that dies, a job that hangs) are reported and every VM is killed.
+//!
+//! Wire it into a workspace crate that has `thiserror` as a dependency:
+//! `[[test]] name = "vm-smoke" path = "../tests/vm/smoke.rs"`.
+//! Needs QEMU (see tests/vm/README.md); boots seven TCG VMs in all.
+
+#[path = "harness.rs"]
+mod harness;
+
+use harness::{run_ok, Cluster, Error, Image, ImageOptions, Options, Qemu, VmSpec};
+use std::fs;
+use std::path::Path;
+use std::time::Duration;
+
+/// QEMU and an image holding this test binary as /usr/bin/vm-smoke (a
+/// dynamically linked Rust program: proves the ldd copy).
+fn setup() -> (Qemu, Image) {
+    let qemu = Qemu::from_env().unwrap_or_else(|e| panic!("qemu: {e}"));
+    let exe = std::env::current_exe().expect("current_exe");
+    let opts = ImageOptions {
+        strip: true,
+        ..ImageOptions::default()
+    };
+    let image = Image::build(&[(exe.as_path(), "/usr/bin/vm-smoke")], &opts)
+        .unwrap_or_else(|e| panic!("image: {e}"));
+    (qemu, image)
+}
+
+/// Processes whose command line mentions `needle`.
+fn processes_mentioning(needle: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for entry in fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(raw) = fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let cmd = String::from_utf8_lossy(&raw).replace('\0', " ");
+        if cmd.contains(needle) {
+            found.push(cmd);
+        }
+    }
+    found
+}
+
+#[test]
+fn job_runs_in_a_set_up_guest_and_reports_its_status() {
+    let (qemu, image) = setup();
+    let job = "echo hello; echo \"R=$RANK W=$WORDS\"; \
+               vm-smoke --list 2>&1 | grep -c '^job_runs_in_a_set_up_guest.*: test$'; \
+               grep HugePages_Total /proc/meminfo; mount | grep -c hugetlbfs; \
+               ls /sys/bus/pci/devices; \
+               for m in virtio_pci virtio_net uio_pci_generic qemu_fw_cfg; do \
+               grep -q \"^$m \" /proc/modules && echo \"mod $m\"; done; exit 3";
+    let spec = VmSpec::new(job).env("RANK", "7").env("WORDS", "two words");
+    let mut cluster = Cluster::start(&qemu, &image, &[spec], &Options::default()).unwrap();
+    let out = cluster.wait().unwrap().remove(0);
+    eprintln!("boot {:?}, exit {:?}", out.boot, out.total);
+    eprint!("{}", out.output);
+    assert_eq!(out.status, 3);
+    let lines: Vec<&str> = out.output.lines().collect();
+    assert_eq!(lines[0], "hello");
+    assert_eq!(lines[1], "R=7 W=two words");
+    assert_eq!(lines[2], "1", "vm-smoke --list should list this test");
+    assert_eq!(lines[3], "HugePages_Total:      16");
+    assert_eq!(lines[4], "1", "hugetlbfs mounted once");
+    assert!(out.output.contains("0000:00:00.0"), "sysfs PCI devices");
+    for m in ["virtio_pci", "virtio_net", "uio_pci_generic", "qemu_fw_cfg"] {
+        assert!(out.output.contains(&format!("mod {m}\n")), "module {m}");
+    }
+    assert!(out.boot <= out.total);
+}
+
+#[test]
+fn long_job_goes_through_fw_cfg() {
+    let (qemu, image) = setup();
+    // Far beyond the kernel command line's 2048 bytes.
+    let filler = "x".repeat(4000);
+    let spec = VmSpec::new(format!(
+        "f={filler}; echo \"len=${{#f}} env=${{#BIG}}\"; \
+         test -r /sys/firmware/qemu_fw_cfg/by_name/opt/dmlc/cmd/raw"
+    ))
+    .env("BIG", "y".repeat(1000));
+    let out = run_ok(&qemu, &image, &[spec], &Options::default()).unwrap();
+    assert_eq!(out[0].output, "len=4000 env=1000\n");
+}
+
+#[test]
+fn two_vms_talk_over_virtio_net() {
+    let (qemu, image) = setup();
+    let server = VmSpec::new("nc -l -p 5000 >/tmp/got; cat /tmp/got");
+    // The server may not listen yet: retry.
+    let client = VmSpec::new(
+        "for i in $(seq 150); do echo hello-over-net | nc 10.0.0.1 5000 && exit 0; \
+         sleep 0.2; done; exit 1",
+    );
+    let opts = Options {
+        net: true,
+        timeout: Duration::from_secs(180),
+        ..Options::default()
+    };
+    let out = run_ok(&qemu, &image, &[server, client], &opts).unwrap();
+    assert_eq!(out[0].output, "hello-over-net\n");
+}
+
+#[test]
+fn vm_that_dies_early_is_reported() {
+    let (qemu, image) = setup();
+    let spec = VmSpec::new("echo bye; poweroff -f");
+    let mut cluster = Cluster::start(&qemu, &image, &[spec], &Options::default()).unwrap();
+    let err = cluster.wait().unwrap_err();
+    assert!(matches!(err, Error::EarlyExit { vm: 0, .. }), "{err}");
+}
+
+#[test]
+fn timeout_is_reported_and_kills_every_vm() {
+    let (qemu, image) = setup();
+    let specs = [VmSpec::new("sleep 1000"), VmSpec::new("true")];
+    let opts = Options {
+        timeout: Duration::from_secs(30),
+        ..Options::default()
+    };
+    let mut cluster = Cluster::start(&qemu, &image, &specs, &opts).unwrap();
+    let dir = cluster.dir().to_string_lossy().into_owned();
+    let err = cluster.wait().unwrap_err();
+    // VM 1 finishes unless the machine is very slow; VM 0 never does.
+    assert!(
+        matches!(&err, Error::Timeout { vms, .. } if vms.first() == Some(&0)),
+        "{err}"
+    );
+    assert!(processes_mentioning(&dir).is_empty(), "VMs left running");
+    drop(cluster);
+    assert!(Path::new(&dir).exists(), "logs of a failed run are kept");
+    let _ = fs::remove_dir_all(&dir);
+}

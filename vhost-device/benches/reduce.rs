@@ -1,0 +1,551 @@
+//! Reduction micro-benchmark: an f32 sum allreduce of N members through
+//! `datapath::reduce_range`, against memcpy of the same memory traffic.
+//!
+//! ```text
+//! cargo bench -p vhost-device-dmlc --bench reduce -- [options]
+//!   --quick            fewer and shorter repeats
+//!   --members 2,4,8    member counts N
+//!   --sizes 4K-64M     sizes S per member: a list (4K,1M) or a range (x4 steps)
+//!   --reps R           repeats; the table shows the median (default 11, quick 5)
+//!   --threads T        threads for the multi-thread rows (default 2; 1: none)
+//!   --mt-from SIZE     smallest size with multi-thread rows (default 1M)
+//!   --chunks 16K,32K   accumulator chunk sizes to compare (default: the built-in one)
+//!   --seg SIZE         cut each member's buffer into segments of SIZE bytes
+//!   --pool-mib M       memory cycled through (default: twice the LLC, at least 1 GiB)
+//!   --kernels          also measure every dtype/op kernel in cache, per ISA
+//!   --json FILE        also write the results as JSON
+//! ```
+//!
+//! Each member has its own input and output buffer of S bytes, as the
+//! engine sees them. Every repeat moves on to the next set of buffers in a
+//! pool larger than the last-level cache, so large sizes are not cache-hot.
+//! Traffic is 2·N·S bytes (read every input once, write every output
+//! once); the memcpy baseline copies each member's input to its output, the
+//! same traffic. Reduce and memcpy repeats alternate, so that load from
+//! other processes hits both alike.
+
+use std::fmt::Write as _;
+use std::time::{Duration, Instant};
+
+use vhost_device_dmlc::datapath::{reduce_range_chunked, HostSeg, SegRef};
+use vhost_device_dmlc::reduce::{Isa, Kernel, Scratch, CHUNK_BYTES};
+use virtio_dmlc::{Dtype, ReduceOp};
+
+struct Opts {
+    members: Vec<usize>,
+    sizes: Vec<usize>,
+    reps: usize,
+    batch: Duration,
+    threads: usize,
+    mt_from: usize,
+    chunks: Vec<usize>,
+    seg: Option<usize>,
+    pool: usize,
+    kernels: bool,
+    json: Option<String>,
+}
+
+fn parse_size(s: &str) -> usize {
+    let (num, mul) = match s.as_bytes().last() {
+        Some(b'K' | b'k') => (&s[..s.len() - 1], 1 << 10),
+        Some(b'M' | b'm') => (&s[..s.len() - 1], 1 << 20),
+        Some(b'G' | b'g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>()
+        .unwrap_or_else(|_| panic!("bad size {s:?}"))
+        * mul
+}
+
+fn parse_sizes(s: &str) -> Vec<usize> {
+    if let Some((lo, hi)) = s.split_once('-') {
+        let (mut size, hi) = (parse_size(lo), parse_size(hi));
+        let mut sizes = Vec::new();
+        while size <= hi {
+            sizes.push(size);
+            size *= 4;
+        }
+        sizes
+    } else {
+        s.split(',').map(parse_size).collect()
+    }
+}
+
+fn llc_bytes() -> usize {
+    let mut best = 0;
+    for i in 0..8 {
+        let dir = format!("/sys/devices/system/cpu/cpu0/cache/index{i}");
+        let level = std::fs::read_to_string(format!("{dir}/level")).unwrap_or_default();
+        let size = std::fs::read_to_string(format!("{dir}/size")).unwrap_or_default();
+        if level.trim() == "3" {
+            best = best.max(parse_size(size.trim()));
+        }
+    }
+    best
+}
+
+fn parse_args() -> Opts {
+    let mut opts = Opts {
+        members: vec![2, 4, 8],
+        sizes: parse_sizes("4K-64M"),
+        reps: 11,
+        batch: Duration::from_millis(20),
+        threads: 2,
+        mt_from: 1 << 20,
+        chunks: vec![CHUNK_BYTES],
+        seg: None,
+        pool: (2 * llc_bytes()).max(1 << 30),
+        kernels: false,
+        json: None,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        let mut value = || args.next().unwrap_or_else(|| panic!("{arg} needs a value"));
+        match arg.as_str() {
+            // cargo bench passes --bench to harness-less benches.
+            "--bench" => {}
+            "--quick" => {
+                opts.reps = 5;
+                opts.batch = Duration::from_millis(5);
+            }
+            "--members" => opts.members = value().split(',').map(|v| v.parse().unwrap()).collect(),
+            "--sizes" => opts.sizes = parse_sizes(&value()),
+            "--reps" => opts.reps = value().parse().unwrap(),
+            "--threads" => opts.threads = value().parse().unwrap(),
+            "--mt-from" => opts.mt_from = parse_size(&value()),
+            "--chunks" => opts.chunks = value().split(',').map(parse_size).collect(),
+            "--seg" => opts.seg = Some(parse_size(&value())),
+            "--pool-mib" => opts.pool = value().parse::<usize>().unwrap() << 20,
+            "--kernels" => opts.kernels = true,
+            "--json" => opts.json = Some(value()),
+            other => {
+                panic!("unknown option {other:?} (see the comment at the top of benches/reduce.rs)")
+            }
+        }
+    }
+    opts
+}
+
+/// The buffers of one benchmark configuration: `sets` copies of N inputs
+/// and N outputs of `size` bytes each, laid out one after another in the pool.
+struct Layout {
+    base: *mut u8,
+    members: usize,
+    size: usize,
+    sets: usize,
+    /// Segments of every buffer of every set: set, then inputs then outputs.
+    segs: Vec<HostSeg>,
+    segs_per_buf: usize,
+}
+
+// SAFETY: the layout only describes the pool; threads that use it work on
+// disjoint byte ranges.
+unsafe impl Sync for Layout {}
+
+impl Layout {
+    fn new(pool: &mut [u8], members: usize, size: usize, seg: Option<usize>) -> Layout {
+        let set_bytes = 2 * members * size;
+        assert!(
+            set_bytes <= pool.len(),
+            "pool too small for N={members} S={size}"
+        );
+        let sets = pool.len() / set_bytes;
+        let base = pool.as_mut_ptr();
+        let seg = seg.unwrap_or(size).min(size);
+        let segs_per_buf = size.div_ceil(seg);
+        let mut segs = Vec::with_capacity(sets * 2 * members * segs_per_buf);
+        for b in 0..sets * 2 * members {
+            let start = b * size;
+            for s in 0..segs_per_buf {
+                let off = s * seg;
+                segs.push(HostSeg {
+                    ptr: base.wrapping_add(start + off),
+                    len: seg.min(size - off),
+                });
+            }
+        }
+        Layout {
+            base,
+            members,
+            size,
+            sets,
+            segs,
+            segs_per_buf,
+        }
+    }
+
+    /// Segments of buffer `b` (inputs 0..N, outputs N..2N) of set `set`.
+    fn buf(&self, set: usize, b: usize) -> &[HostSeg] {
+        let first = (set * 2 * self.members + b) * self.segs_per_buf;
+        &self.segs[first..first + self.segs_per_buf]
+    }
+
+    fn ptr(&self, set: usize, b: usize) -> *mut u8 {
+        self.base
+            .wrapping_add((set * 2 * self.members + b) * self.size)
+    }
+
+    /// Reduces bytes `[from, to)` of every member of `set`.
+    fn reduce(&self, set: usize, from: usize, to: usize, chunk: usize) {
+        let n = self.members;
+        let refs = |b: usize| SegRef {
+            segs: self.buf(set, b),
+            offset: from,
+        };
+        let mut ins = [SegRef {
+            segs: &[],
+            offset: 0,
+        }; 64];
+        let mut outs = ins;
+        for r in 0..n {
+            ins[r] = refs(r);
+            outs[r] = refs(n + r);
+        }
+        // SAFETY: every list describes `size` bytes of the pool, which
+        // lives for the whole run; `[from, to)` lies within them.
+        unsafe {
+            reduce_range_chunked(
+                Dtype::F32,
+                ReduceOp::Sum,
+                n as u32,
+                &ins[..n],
+                &outs[..n],
+                to - from,
+                chunk,
+            )
+        };
+    }
+
+    /// Copies bytes `[from, to)` of every member's input to its output.
+    fn memcpy(&self, set: usize, from: usize, to: usize) {
+        for r in 0..self.members {
+            // SAFETY: input and output are disjoint `size`-byte buffers of
+            // the pool; `[from, to)` lies within them.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.ptr(set, r).add(from),
+                    self.ptr(set, self.members + r).add(from),
+                    to - from,
+                )
+            };
+        }
+    }
+
+    /// Counts output elements of `set` that differ from the f32 sum of the
+    /// inputs in rank order.
+    fn wrong(&self, set: usize) -> usize {
+        let elems = self.size / 4;
+        let read = |b: usize, i: usize| {
+            // SAFETY: element `i` lies in buffer `b`; nothing writes meanwhile.
+            unsafe { self.ptr(set, b).cast::<f32>().add(i).read_unaligned() }
+        };
+        let mut wrong = 0;
+        for i in 0..elems {
+            let want = (1..self.members).fold(read(0, i), |acc, r| acc + read(r, i));
+            for r in 0..self.members {
+                if read(self.members + r, i).to_bits() != want.to_bits() {
+                    wrong += 1;
+                }
+            }
+        }
+        wrong
+    }
+}
+
+/// Splits `[0, size)` into `threads` ranges on 64-byte boundaries.
+fn split(size: usize, threads: usize) -> Vec<(usize, usize)> {
+    let step = (size / threads) & !63;
+    (0..threads)
+        .map(|t| {
+            let end = if t + 1 == threads {
+                size
+            } else {
+                (t + 1) * step
+            };
+            (t * step, end)
+        })
+        .collect()
+}
+
+/// Runs `op(set)` `count` times over consecutive sets from `*next` on,
+/// with `threads` threads each doing its part of every op.
+fn run_batch(
+    layout: &Layout,
+    next: &mut usize,
+    count: usize,
+    threads: usize,
+    op: &(dyn Fn(usize, usize, usize) + Sync),
+) -> Duration {
+    let first = *next;
+    *next = (first + count) % layout.sets;
+    let ranges = split(layout.size, threads);
+    let body = |(from, to): (usize, usize)| {
+        for i in 0..count {
+            op((first + i) % layout.sets, from, to);
+        }
+    };
+    let start = Instant::now();
+    if threads == 1 {
+        body(ranges[0]);
+    } else {
+        // Each thread works through its part of the whole batch; the ops
+        // are independent, so they need not wait for each other.
+        std::thread::scope(|s| {
+            for &range in &ranges[1..] {
+                s.spawn(move || body(range));
+            }
+            body(ranges[0]);
+        });
+    }
+    start.elapsed() / count as u32
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+struct Row {
+    members: usize,
+    size: usize,
+    threads: usize,
+    chunk: usize,
+    reduce_s: f64,
+    memcpy_s: f64,
+    /// Fastest repeats, which on a busy machine show what it can do.
+    reduce_best_s: f64,
+    memcpy_best_s: f64,
+    wrong: usize,
+}
+
+impl Row {
+    fn traffic(&self) -> f64 {
+        (2 * self.members * self.size) as f64
+    }
+}
+
+/// Measures memcpy and reduce (with each chunk size) on one layout:
+/// repeats alternate between them, each a batch of enough ops to last
+/// `opts.batch`; the rows hold the median time per op.
+fn measure(layout: &Layout, opts: &Opts, threads: usize) -> Vec<Row> {
+    type Op<'a> = Box<dyn Fn(usize, usize, usize) + Sync + 'a>;
+    let mut ops: Vec<Op> = vec![Box::new(|set, from, to| layout.memcpy(set, from, to))];
+    for &chunk in &opts.chunks {
+        ops.push(Box::new(move |set, from, to| {
+            layout.reduce(set, from, to, chunk)
+        }));
+    }
+    let mut next = 0;
+    // Warm up (page tables, thread-local scratch) and size the batches.
+    for op in &ops {
+        run_batch(layout, &mut next, 2, threads, op);
+    }
+    let once = run_batch(layout, &mut next, 1, threads, &ops[1]);
+    let count = (opts.batch.as_secs_f64() / once.as_secs_f64().max(1e-9)).ceil() as usize;
+    let count = count.clamp(1, 1 << 20);
+    let mut times = vec![Vec::new(); ops.len()];
+    for _ in 0..opts.reps {
+        for (op, t) in ops.iter().zip(&mut times) {
+            t.push(run_batch(layout, &mut next, count, threads, op).as_secs_f64());
+        }
+    }
+    let memcpy_s = median(times[0].clone());
+    let best = |t: &[f64]| t.iter().copied().fold(f64::MAX, f64::min);
+    let memcpy_best_s = best(&times[0]);
+    opts.chunks
+        .iter()
+        .zip(&times[1..])
+        .zip(&ops[1..])
+        .map(|((&chunk, t), op)| {
+            // Correctness of the code measured: reduce set 0 the same way
+            // and check it.
+            let mut zero = 0;
+            run_batch(layout, &mut zero, 1, threads, op);
+            Row {
+                members: layout.members,
+                size: layout.size,
+                threads,
+                chunk,
+                reduce_s: median(t.clone()),
+                memcpy_s,
+                reduce_best_s: best(t),
+                memcpy_best_s,
+                wrong: layout.wrong(0),
+            }
+        })
+        .collect()
+}
+
+fn human(bytes: usize) -> String {
+    match bytes {
+        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{}G", b >> 30),
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{}M", b >> 20),
+        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{}K", b >> 10),
+        b => format!("{b}"),
+    }
+}
+
+/// In-cache throughput of every kernel: N = 4 inputs of 16 KiB, reported
+/// as input bytes reduced per second, per ISA.
+fn kernels(opts: &Opts) -> String {
+    let isas = Isa::available();
+    let mut out = String::from("\n| dtype | op |");
+    for isa in &isas {
+        write!(out, " {isa:?} GB/s |").unwrap();
+    }
+    out.push_str("\n|---|---|");
+    out.push_str(&"---:|".repeat(isas.len()));
+    out.push('\n');
+    let bytes = 16 << 10;
+    for &dtype in Dtype::ALL {
+        // Ordinary values (no subnormals, whose arithmetic is slow).
+        let inputs: Vec<Vec<u8>> = (0..4u8)
+            .map(|r| {
+                let v = 1.0 + f32::from(r) / 4.0;
+                let elem = match dtype {
+                    Dtype::F32 => v.to_ne_bytes().to_vec(),
+                    Dtype::F64 => f64::from(v).to_ne_bytes().to_vec(),
+                    Dtype::F16 => half::f16::from_f32(v).to_ne_bytes().to_vec(),
+                    Dtype::Bf16 => half::bf16::from_f32(v).to_ne_bytes().to_vec(),
+                    _ => vec![r + 1; dtype.size()],
+                };
+                elem.repeat(bytes / dtype.size())
+            })
+            .collect();
+        for &op in ReduceOp::ALL {
+            if !op.supports(dtype) {
+                continue;
+            }
+            write!(out, "| {dtype} | {op} |").unwrap();
+            for &isa in &isas {
+                let k = Kernel::with_isa(dtype, op, isa).unwrap();
+                let n = bytes / dtype.size();
+                let mut scratch = Scratch::with_bytes(n * k.acc_size());
+                let mut sink = 0u8;
+                let mut pass = || {
+                    // SAFETY: every input holds `n` elements.
+                    unsafe {
+                        k.combine(&mut scratch, 0, inputs[0].as_ptr(), inputs[1].as_ptr(), n);
+                        k.accumulate(&mut scratch, 0, inputs[2].as_ptr(), n);
+                        k.accumulate(&mut scratch, 0, inputs[3].as_ptr(), n);
+                    }
+                    sink ^= k.finish(&mut scratch, n, 4)[0];
+                };
+                pass();
+                let count = 2000;
+                let times: Vec<f64> = (0..opts.reps)
+                    .map(|_| {
+                        let start = Instant::now();
+                        for _ in 0..count {
+                            pass();
+                        }
+                        start.elapsed().as_secs_f64() / count as f64
+                    })
+                    .collect();
+                std::hint::black_box(sink);
+                write!(out, " {:.1} |", (4 * bytes) as f64 / median(times) / 1e9).unwrap();
+            }
+            out.push('\n');
+        }
+    }
+    out
+}
+
+fn main() {
+    let opts = parse_args();
+    let started = Instant::now();
+    eprintln!(
+        "pool {} MiB (LLC {} MiB), {} repeats of >= {:?}, chunk(s) {:?}",
+        opts.pool >> 20,
+        llc_bytes() >> 20,
+        opts.reps,
+        opts.batch,
+        opts.chunks.iter().map(|&c| human(c)).collect::<Vec<_>>()
+    );
+    // Small integers: sums are exact and stay far from overflow.
+    let mut pool = vec![0u8; opts.pool];
+    for (i, e) in pool.chunks_exact_mut(4).enumerate() {
+        e.copy_from_slice(&((i % 13) as f32).to_ne_bytes());
+    }
+    let mut rows = Vec::new();
+    for &members in &opts.members {
+        for &size in &opts.sizes {
+            let layout = Layout::new(&mut pool, members, size, opts.seg);
+            let mut threads = vec![1];
+            if opts.threads > 1 && size >= opts.mt_from {
+                threads.push(opts.threads);
+            }
+            for &t in &threads {
+                for row in measure(&layout, &opts, t) {
+                    eprintln!(
+                        "N={members} S={} threads={t} chunk={}: {:.1} us, ratio {:.2}",
+                        human(size),
+                        human(row.chunk),
+                        row.reduce_s * 1e6,
+                        row.memcpy_s / row.reduce_s
+                    );
+                    rows.push(row);
+                }
+            }
+        }
+    }
+    let mut table = String::from(
+        "| N | size | threads | chunk | reduce us | reduce GB/s | memcpy us | memcpy GB/s | ratio | best ratio | #wrong |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for r in &rows {
+        writeln!(
+            table,
+            "| {} | {} | {} | {} | {:.2} | {:.1} | {:.2} | {:.1} | {:.2} | {:.2} | {} |",
+            r.members,
+            human(r.size),
+            r.threads,
+            human(r.chunk),
+            r.reduce_s * 1e6,
+            r.traffic() / r.reduce_s / 1e9,
+            r.memcpy_s * 1e6,
+            r.traffic() / r.memcpy_s / 1e9,
+            r.memcpy_s / r.reduce_s,
+            r.memcpy_best_s / r.reduce_best_s,
+            r.wrong
+        )
+        .unwrap();
+    }
+    println!("{table}");
+    if opts.kernels {
+        println!("{}", kernels(&opts));
+    }
+    if let Some(path) = &opts.json {
+        let mut json = String::from("[\n");
+        for (i, r) in rows.iter().enumerate() {
+            let sep = if i + 1 == rows.len() { "" } else { "," };
+            writeln!(
+                json,
+                "  {{\"members\": {}, \"size\": {}, \"threads\": {}, \"chunk\": {}, \
+                 \"reduce_s\": {:e}, \"memcpy_s\": {:e}, \"reduce_gbps\": {:.3}, \
+                 \"memcpy_gbps\": {:.3}, \"ratio\": {:.4}, \"reduce_best_s\": {:e}, \
+                 \"memcpy_best_s\": {:e}, \"wrong\": {}}}{sep}",
+                r.members,
+                r.size,
+                r.threads,
+                r.chunk,
+                r.reduce_s,
+                r.memcpy_s,
+                r.traffic() / r.reduce_s / 1e9,
+                r.traffic() / r.memcpy_s / 1e9,
+                r.memcpy_s / r.reduce_s,
+                r.reduce_best_s,
+                r.memcpy_best_s,
+                r.wrong
+            )
+            .unwrap();
+        }
+        json.push_str("]\n");
+        std::fs::write(path, json).unwrap_or_else(|e| panic!("cannot write {path}: {e}"));
+    }
+    eprintln!("done in {:.1} s", started.elapsed().as_secs_f64());
+    if rows.iter().any(|r| r.wrong > 0) {
+        eprintln!("wrong results");
+        std::process::exit(1);
+    }
+}

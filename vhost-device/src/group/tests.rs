@@ -1,0 +1,1286 @@
+//! Engine tests: collectives against a reference model, in-place buffers,
+//! arrival order, mismatch, member loss, timeouts and split reductions.
+
+use std::time::{Duration, Instant};
+
+use virtio_dmlc::{
+    buffer_elems, mismatch, Dtype, Opcode, ReduceOp, Status, VirtioDmlcReq, VirtioDmlcResp,
+    FLAG_IN_PLACE, NO_PEER, RESP_SIZE,
+};
+
+use super::harness::{config, hdr, Desc, Pending, Rng, World};
+use super::Group;
+
+const REDUCING: [Opcode; 3] = [Opcode::Allreduce, Opcode::Reduce, Opcode::ReduceScatter];
+const COPYING: [Opcode; 2] = [Opcode::Broadcast, Opcode::Allgather];
+
+fn reduces(op: Opcode) -> bool {
+    REDUCING.contains(&op)
+}
+
+fn has_root(op: Opcode) -> bool {
+    matches!(op, Opcode::Broadcast | Opcode::Reduce)
+}
+
+/// `count` elements: random bits for integers, non-zero multiples of 1/4
+/// up to 16 in magnitude for floats (exact in every float type).
+fn gen(rng: &mut Rng, dtype: Dtype, count: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(count * dtype.size());
+    for _ in 0..count {
+        let r = rng.next();
+        let v = ((r % 64) + 1) as f32 / 4.0 * if r & 0x100 != 0 { -1.0 } else { 1.0 };
+        match dtype {
+            Dtype::F32 => out.extend(v.to_le_bytes()),
+            Dtype::F64 => out.extend(f64::from(v).to_le_bytes()),
+            Dtype::F16 => out.extend(half::f16::from_f32(v).to_le_bytes()),
+            Dtype::Bf16 => out.extend(half::bf16::from_f32(v).to_le_bytes()),
+            _ => out.extend(&r.to_le_bytes()[..dtype.size()]),
+        }
+    }
+    out
+}
+
+/// f32 values with spread-out exponents, so that the order of a sum shows.
+fn gen_wide_f32(rng: &mut Rng, count: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(count * 4);
+    for _ in 0..count {
+        let r = rng.next();
+        let bits = (r as u32 & 0x807f_ffff) | ((110 + (r >> 40) as u32 % 30) << 23);
+        out.extend(f32::from_bits(bits).to_le_bytes());
+    }
+    out
+}
+
+macro_rules! int_fold {
+    ($t:ty, $ins:expr, $op:expr, $n:expr) => {{
+        const S: usize = std::mem::size_of::<$t>();
+        let get =
+            |b: &[u8], e: usize| <$t>::from_le_bytes(b[e * S..(e + 1) * S].try_into().unwrap());
+        let mut out = Vec::new();
+        for e in 0..$ins[0].len() / S {
+            let mut acc = get($ins[0], e);
+            for inp in &$ins[1..] {
+                let v = get(inp, e);
+                acc = match $op {
+                    ReduceOp::Sum | ReduceOp::Avg => acc.wrapping_add(v),
+                    ReduceOp::Prod => acc.wrapping_mul(v),
+                    ReduceOp::Min => acc.min(v),
+                    ReduceOp::Max => acc.max(v),
+                    ReduceOp::Band => acc & v,
+                    ReduceOp::Bor => acc | v,
+                    ReduceOp::Bxor => acc ^ v,
+                };
+            }
+            if $op == ReduceOp::Avg {
+                acc = acc.wrapping_div($n as $t);
+            }
+            out.extend(acc.to_le_bytes());
+        }
+        out
+    }};
+}
+
+macro_rules! float_fold {
+    ($acc:ty, $size:expr, $ins:expr, $op:expr, $n:expr, $dec:expr, $enc:expr) => {{
+        let mut out = Vec::new();
+        for e in 0..$ins[0].len() / $size {
+            let at = |b: &[u8]| -> $acc { $dec(&b[e * $size..(e + 1) * $size]) };
+            let mut acc = at($ins[0]);
+            for inp in &$ins[1..] {
+                let v = at(inp);
+                acc = match $op {
+                    ReduceOp::Sum | ReduceOp::Avg => acc + v,
+                    ReduceOp::Prod => acc * v,
+                    ReduceOp::Min if acc.is_nan() || v.is_nan() => <$acc>::NAN,
+                    ReduceOp::Max if acc.is_nan() || v.is_nan() => <$acc>::NAN,
+                    ReduceOp::Min => acc.min(v),
+                    ReduceOp::Max => acc.max(v),
+                    _ => unreachable!("bitwise op on a float"),
+                };
+            }
+            if $op == ReduceOp::Avg {
+                acc /= $n as $acc;
+            }
+            out.extend($enc(acc));
+        }
+        out
+    }};
+}
+
+/// The reduction of `ins` in the given order, as the spec defines it.
+fn reduce_ref(dtype: Dtype, op: ReduceOp, n: u32, ins: &[&[u8]]) -> Vec<u8> {
+    match dtype {
+        Dtype::I8 => int_fold!(i8, ins, op, n),
+        Dtype::U8 => int_fold!(u8, ins, op, n),
+        Dtype::I32 => int_fold!(i32, ins, op, n),
+        Dtype::U32 => int_fold!(u32, ins, op, n),
+        Dtype::I64 => int_fold!(i64, ins, op, n),
+        Dtype::U64 => int_fold!(u64, ins, op, n),
+        Dtype::F32 => float_fold!(
+            f32,
+            4,
+            ins,
+            op,
+            n,
+            |b: &[u8]| f32::from_le_bytes(b.try_into().unwrap()),
+            |a: f32| a.to_le_bytes()
+        ),
+        Dtype::F64 => float_fold!(
+            f64,
+            8,
+            ins,
+            op,
+            n,
+            |b: &[u8]| f64::from_le_bytes(b.try_into().unwrap()),
+            |a: f64| a.to_le_bytes()
+        ),
+        Dtype::F16 => float_fold!(
+            f32,
+            2,
+            ins,
+            op,
+            n,
+            |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32(),
+            |a: f32| half::f16::from_f32(a).to_le_bytes()
+        ),
+        Dtype::Bf16 => float_fold!(
+            f32,
+            2,
+            ins,
+            op,
+            n,
+            |b: &[u8]| half::bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+            |a: f32| half::bf16::from_f32(a).to_le_bytes()
+        ),
+    }
+}
+
+/// One collective as every member asks for it.
+#[derive(Clone, Copy, Debug)]
+struct Coll {
+    opcode: Opcode,
+    dtype: Dtype,
+    op: u8,
+    root: u32,
+    count: u64,
+    tag: u64,
+}
+
+impl Coll {
+    fn new(opcode: Opcode, dtype: Dtype, op: ReduceOp, count: u64) -> Self {
+        Coll {
+            opcode,
+            dtype,
+            op: op.raw(),
+            root: 0,
+            count,
+            tag: 42,
+        }
+    }
+
+    fn header(&self, in_place: bool) -> VirtioDmlcReq {
+        let flags = if in_place { FLAG_IN_PLACE } else { 0 };
+        hdr(
+            self.opcode.raw(),
+            self.dtype.raw(),
+            self.op,
+            self.root,
+            self.count,
+            self.tag,
+            flags,
+            0,
+        )
+    }
+
+    fn input_elems(&self, n: u32, rank: u32) -> usize {
+        buffer_elems(self.opcode, n, rank, self.root, self.count, false)
+            .unwrap()
+            .input as usize
+    }
+
+    /// Random inputs for every member.
+    fn inputs(&self, n: u32, rng: &mut Rng) -> Vec<Vec<u8>> {
+        (0..n)
+            .map(|r| gen(rng, self.dtype, self.input_elems(n, r)))
+            .collect()
+    }
+
+    /// Every member's output buffer after the collective.
+    fn expected(&self, inputs: &[Vec<u8>], in_place: &[bool]) -> Vec<Vec<u8>> {
+        let n = inputs.len() as u32;
+        let b = self.count as usize * self.dtype.size();
+        let op = ReduceOp::from_raw(self.op);
+        let red = |range: std::ops::Range<usize>| {
+            let ins: Vec<&[u8]> = inputs.iter().map(|i| &i[range.clone()]).collect();
+            reduce_ref(self.dtype, op.unwrap(), n, &ins)
+        };
+        (0..n as usize)
+            .map(|r| match self.opcode {
+                Opcode::Allreduce => red(0..b),
+                Opcode::Reduce if r == self.root as usize => red(0..b),
+                Opcode::Reduce if in_place[r] => inputs[r].clone(),
+                Opcode::Reduce => Vec::new(),
+                Opcode::ReduceScatter if in_place[r] => {
+                    let mut v = inputs[r].clone();
+                    v[r * b..(r + 1) * b].copy_from_slice(&red(r * b..(r + 1) * b));
+                    v
+                }
+                Opcode::ReduceScatter => red(r * b..(r + 1) * b),
+                Opcode::Broadcast => inputs[self.root as usize].clone(),
+                Opcode::Allgather => inputs.concat(),
+                Opcode::Barrier => Vec::new(),
+            })
+            .collect()
+    }
+}
+
+/// A member's chain, written into its memory but not yet submitted.
+struct Built {
+    descs: Vec<Desc>,
+    outputs: Vec<Desc>,
+}
+
+/// Builds member `r`'s chain for header `h` with `input` as its input (for
+/// in place, it is placed in the output buffer where the spec says), the
+/// data cut into segments of `cuts` elements.
+fn build(w: &mut World, r: u32, h: &VirtioDmlcReq, input: &[u8], cuts: &[usize]) -> Built {
+    let n = w.members.len() as u32;
+    let in_place = h.flags.get() & FLAG_IN_PLACE != 0;
+    let opcode = Opcode::from_raw(h.opcode.get()).unwrap();
+    let es = Dtype::from_raw(h.dtype).map_or(1, Dtype::size);
+    let el = buffer_elems(opcode, n, r, h.root.get(), h.count.get(), in_place).unwrap();
+    let cuts: Vec<usize> = cuts.iter().map(|c| c * es).collect();
+    let m = &mut w.members[r as usize];
+    let mut descs = vec![m.header(h)];
+    if !in_place {
+        descs.extend(m.segments(input, &cuts, false));
+    }
+    let mut out = vec![0x5a; el.output as usize * es];
+    if let Some((off, cnt)) = el.in_place_input {
+        let (off, cnt) = (off as usize * es, cnt as usize * es);
+        out[off..off + cnt].copy_from_slice(input);
+    }
+    let outputs = m.segments(&out, &cuts, true);
+    descs.extend(outputs.iter().copied());
+    descs.push(m.response());
+    Built { descs, outputs }
+}
+
+struct Result1 {
+    written: u32,
+    resp: VirtioDmlcResp,
+    output: Vec<u8>,
+}
+
+/// Runs one collective: builds every member's chain, submits them in
+/// `order`, and returns each member's completion and output.
+fn run(
+    w: &mut World,
+    q: u16,
+    hdrs: &[VirtioDmlcReq],
+    inputs: &[Vec<u8>],
+    cuts: &dyn Fn(u32) -> Vec<usize>,
+    order: &[u32],
+) -> Vec<Result1> {
+    let n = w.members.len() as u32;
+    let built: Vec<Built> = (0..n)
+        .map(|r| build(w, r, &hdrs[r as usize], &inputs[r as usize], &cuts(r)))
+        .collect();
+    let mut pend: Vec<Option<Pending>> = vec![None; n as usize];
+    for &r in order {
+        pend[r as usize] = Some(w.submit(r, q, &built[r as usize].descs));
+    }
+    (0..n as usize)
+        .map(|r| {
+            let (written, resp) = w.wait(pend[r].as_ref().unwrap());
+            Result1 {
+                written,
+                resp,
+                output: w.members[r].gather(&built[r].outputs),
+            }
+        })
+        .collect()
+}
+
+/// Different segmentation per member: rank 0 in pieces of 3 elements with
+/// a zero-length descriptor, rank 1 in pieces of 1 and 2, others whole.
+fn cuts_by_rank(r: u32) -> Vec<usize> {
+    match r {
+        0 => vec![3, 0, 3, 3],
+        1 => vec![1, 2, 1, 2, 1, 2],
+        _ => vec![],
+    }
+}
+
+fn ok_resp(generation: u32) -> VirtioDmlcResp {
+    VirtioDmlcResp {
+        status: Status::Ok.raw().into(),
+        detail: 0.into(),
+        peer: NO_PEER.into(),
+        generation: generation.into(),
+    }
+}
+
+fn resp(status: Status, detail: u32, peer: u32, generation: u32) -> VirtioDmlcResp {
+    VirtioDmlcResp {
+        status: status.raw().into(),
+        detail: detail.into(),
+        peer: peer.into(),
+        generation: generation.into(),
+    }
+}
+
+/// Runs `c` with every member in place or not as `in_place` says, and
+/// checks outputs and responses against the reference.
+fn check(w: &mut World, c: &Coll, in_place: &[bool], order: &[u32], rng: &mut Rng) {
+    let n = w.members.len() as u32;
+    let inputs = c.inputs(n, rng);
+    let hdrs: Vec<_> = in_place.iter().map(|&ip| c.header(ip)).collect();
+    let res = run(w, 0, &hdrs, &inputs, &cuts_by_rank, order);
+    let want = c.expected(&inputs, in_place);
+    for (r, got) in res.iter().enumerate() {
+        assert_eq!(got.resp, ok_resp(1), "{c:?} in_place {in_place:?} rank {r}");
+        assert_eq!(
+            got.written as usize,
+            RESP_SIZE + got.output.len(),
+            "{c:?} rank {r}"
+        );
+        assert_eq!(got.output, want[r], "{c:?} in_place {in_place:?} rank {r}");
+    }
+}
+
+#[test]
+fn every_opcode_dtype_op_matches_reference() {
+    for n in [2u32, 3] {
+        let mut w = World::new(config(n));
+        let mut rng = Rng::new(u64::from(n));
+        let order: Vec<u32> = (0..n).rev().collect();
+        let mut done = 0;
+        for opcode in REDUCING.into_iter().chain(COPYING) {
+            for &dtype in Dtype::ALL {
+                let ops: Vec<ReduceOp> = if reduces(opcode) {
+                    ReduceOp::ALL
+                        .iter()
+                        .copied()
+                        .filter(|o| o.supports(dtype))
+                        .collect()
+                } else {
+                    vec![ReduceOp::Sum]
+                };
+                for op in ops {
+                    for count in [1u64, 7] {
+                        let mut c = Coll::new(opcode, dtype, op, count);
+                        if has_root(opcode) {
+                            c.root = n - 1;
+                        }
+                        check(&mut w, &c, &vec![false; n as usize], &order, &mut rng);
+                        done += 1;
+                    }
+                }
+            }
+        }
+        let m = w.group.metrics();
+        assert_eq!(m.collectives_completed(Opcode::Allreduce), 2 * 68);
+        assert_eq!(m.collectives_completed(Opcode::Allgather), 2 * 10);
+        assert_eq!(done, 2 * (3 * 68 + 2 * 10));
+    }
+}
+
+#[test]
+fn in_place_for_every_opcode_that_allows_it() {
+    let n = 3;
+    let mut w = World::new(config(n));
+    let mut rng = Rng::new(7);
+    let patterns: [[bool; 3]; 3] = [[true; 3], [true, false, true], [false, true, false]];
+    for opcode in REDUCING.into_iter().chain(COPYING) {
+        for dtype in [Dtype::F32, Dtype::I32, Dtype::Bf16, Dtype::U8] {
+            for op in [ReduceOp::Sum, ReduceOp::Max] {
+                for root in [0, 2] {
+                    if !has_root(opcode) && root != 0 {
+                        continue;
+                    }
+                    for ip in &patterns {
+                        let mut c = Coll::new(opcode, dtype, op, 5);
+                        c.root = root;
+                        check(&mut w, &c, ip, &[1, 2, 0], &mut rng);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn arrival_order_gives_bitwise_same_result() {
+    let n = 3;
+    let mut w = World::new(config(n));
+    let mut rng = Rng::new(99);
+    let orders = [
+        [0, 1, 2],
+        [0, 2, 1],
+        [1, 0, 2],
+        [1, 2, 0],
+        [2, 0, 1],
+        [2, 1, 0],
+    ];
+    for opcode in [Opcode::Allreduce, Opcode::ReduceScatter] {
+        let c = Coll::new(opcode, Dtype::F32, ReduceOp::Sum, 33);
+        let inputs: Vec<Vec<u8>> = (0..n)
+            .map(|r| gen_wide_f32(&mut rng, c.input_elems(n, r)))
+            .collect();
+        let hdrs = vec![c.header(false); 3];
+        let want = c.expected(&inputs, &[false; 3]);
+        // The data are such that another summation order gives other bits.
+        let reversed: Vec<&[u8]> = inputs.iter().rev().map(|v| &v[..]).collect();
+        assert_ne!(
+            reduce_ref(Dtype::F32, ReduceOp::Sum, n, &reversed),
+            reduce_ref(
+                Dtype::F32,
+                ReduceOp::Sum,
+                n,
+                &inputs.iter().map(|v| &v[..]).collect::<Vec<_>>()
+            )
+        );
+        for order in &orders {
+            let res = run(&mut w, 1, &hdrs, &inputs, &cuts_by_rank, order);
+            for (r, got) in res.iter().enumerate() {
+                assert_eq!(got.resp, ok_resp(1));
+                assert_eq!(got.output, want[r], "{opcode} order {order:?} rank {r}");
+            }
+        }
+    }
+}
+
+#[test]
+fn float_min_max_propagate_nan() {
+    let n = 2;
+    let mut w = World::new(config(n));
+    for (dtype, op) in [
+        (Dtype::F32, ReduceOp::Min),
+        (Dtype::F64, ReduceOp::Max),
+        (Dtype::Bf16, ReduceOp::Max),
+        (Dtype::F16, ReduceOp::Min),
+    ] {
+        let c = Coll::new(Opcode::Allreduce, dtype, op, 3);
+        let es = dtype.size();
+        let enc = |v: f32| -> Vec<u8> {
+            match dtype {
+                Dtype::F32 => v.to_le_bytes().to_vec(),
+                Dtype::F64 => f64::from(v).to_le_bytes().to_vec(),
+                Dtype::F16 => half::f16::from_f32(v).to_le_bytes().to_vec(),
+                _ => half::bf16::from_f32(v).to_le_bytes().to_vec(),
+            }
+        };
+        let a: Vec<u8> = [1.0, f32::NAN, 2.0].iter().flat_map(|v| enc(*v)).collect();
+        let b: Vec<u8> = [f32::NAN, 5.0, -3.0].iter().flat_map(|v| enc(*v)).collect();
+        let res = run(
+            &mut w,
+            0,
+            &[c.header(false); 2],
+            &[a, b],
+            &|_| vec![],
+            &[0, 1],
+        );
+        for got in &res {
+            assert_eq!(got.resp, ok_resp(1));
+            let is_nan = |e: usize| {
+                let b = &got.output[e * es..(e + 1) * es];
+                match dtype {
+                    Dtype::F32 => f32::from_le_bytes(b.try_into().unwrap()).is_nan(),
+                    Dtype::F64 => f64::from_le_bytes(b.try_into().unwrap()).is_nan(),
+                    Dtype::F16 => half::f16::from_le_bytes([b[0], b[1]]).is_nan(),
+                    _ => half::bf16::from_le_bytes([b[0], b[1]]).is_nan(),
+                }
+            };
+            assert!(is_nan(0) && is_nan(1), "{dtype} {op}");
+            assert_eq!(
+                got.output[2 * es..],
+                enc(if op == ReduceOp::Min { -3.0 } else { 2.0 })[..]
+            );
+        }
+    }
+}
+
+#[test]
+fn barrier_completes_with_no_data_and_ignores_dtype_and_op() {
+    let n = 3;
+    let mut w = World::new(config(n));
+    let hdrs: Vec<_> = (0..n)
+        .map(|r| {
+            hdr(
+                Opcode::Barrier.raw(),
+                0xf0 + r as u8,
+                0xe0 + r as u8,
+                0,
+                0,
+                5,
+                0,
+                0,
+            )
+        })
+        .collect();
+    for order in [[2, 0, 1], [0, 1, 2]] {
+        let res = run(
+            &mut w,
+            2,
+            &hdrs,
+            &[vec![], vec![], vec![]],
+            &|_| vec![],
+            &order,
+        );
+        for got in &res {
+            assert_eq!(got.resp, ok_resp(1));
+            assert_eq!(got.written as usize, RESP_SIZE);
+        }
+    }
+    assert_eq!(w.group.metrics().collectives_completed(Opcode::Barrier), 2);
+    assert_eq!(w.group.metrics().skew_count(), 2);
+}
+
+#[test]
+fn broadcast_and_allgather_ignore_op() {
+    let n = 2;
+    let mut w = World::new(config(n));
+    let mut rng = Rng::new(3);
+    for opcode in COPYING {
+        let c = Coll::new(opcode, Dtype::F32, ReduceOp::Sum, 4);
+        let inputs = c.inputs(n, &mut rng);
+        let mut h1 = c.header(false);
+        h1.op = 0xee; // unknown, and would be invalid for f32 if it counted
+        let res = run(
+            &mut w,
+            0,
+            &[c.header(false), h1],
+            &inputs,
+            &|_| vec![],
+            &[1, 0],
+        );
+        let want = c.expected(&inputs, &[false, false]);
+        for (r, got) in res.iter().enumerate() {
+            assert_eq!(got.resp, ok_resp(1));
+            assert_eq!(got.output, want[r]);
+        }
+    }
+}
+
+#[test]
+fn single_member_group_completes_at_once() {
+    let mut w = World::new(config(1));
+    let mut rng = Rng::new(1);
+    for opcode in REDUCING.into_iter().chain(COPYING) {
+        let c = Coll::new(opcode, Dtype::I64, ReduceOp::Prod, 9);
+        check(&mut w, &c, &[false], &[0], &mut rng);
+        check(&mut w, &c, &[true], &[0], &mut rng);
+    }
+}
+
+#[test]
+fn queues_match_independently() {
+    let n = 2;
+    let mut w = World::new(config(n));
+    let mut rng = Rng::new(5);
+    let c0 = Coll::new(Opcode::Allreduce, Dtype::U32, ReduceOp::Sum, 6);
+    let c1 = Coll::new(Opcode::Allgather, Dtype::U8, ReduceOp::Sum, 3);
+    let in0 = c0.inputs(n, &mut rng);
+    let in1 = c1.inputs(n, &mut rng);
+    let b00 = build(&mut w, 0, &c0.header(false), &in0[0], &[]);
+    let b01 = build(&mut w, 1, &c0.header(false), &in0[1], &[]);
+    let b10 = build(&mut w, 0, &c1.header(false), &in1[0], &[]);
+    let b11 = build(&mut w, 1, &c1.header(false), &in1[1], &[]);
+    // Member 0 on queue 0 then 1; member 1 on queue 1 then 0.
+    let p00 = w.submit(0, 0, &b00.descs);
+    let p10 = w.submit(0, 1, &b10.descs);
+    let p11 = w.submit(1, 1, &b11.descs);
+    assert!(w.is_pending(&p00));
+    let p01 = w.submit(1, 0, &b01.descs);
+    let want0 = c0.expected(&in0, &[false; 2]);
+    let want1 = c1.expected(&in1, &[false; 2]);
+    for (p, b, want) in [
+        (p00, &b00, &want0[0]),
+        (p01, &b01, &want0[1]),
+        (p10, &b10, &want1[0]),
+        (p11, &b11, &want1[1]),
+    ] {
+        assert_eq!(w.wait(&p).1, ok_resp(1));
+        assert_eq!(&w.members[p.rank as usize].gather(&b.outputs), want);
+    }
+}
+
+/// Member `differs` asks for something else in one header field.
+#[test]
+fn mismatch_names_the_field_and_peer_on_every_member() {
+    let n = 3;
+    let mut w = World::new(config(n));
+    let mut rng = Rng::new(11);
+    type Change = fn(&mut VirtioDmlcReq);
+    let cases: [(u32, Opcode, Change); 6] = [
+        (mismatch::OPCODE, Opcode::Allreduce, |h| {
+            h.opcode = Opcode::Allgather.raw().into()
+        }),
+        (mismatch::DTYPE, Opcode::Allreduce, |h| {
+            h.dtype = Dtype::I32.raw()
+        }),
+        (mismatch::OP, Opcode::ReduceScatter, |h| {
+            h.op = ReduceOp::Max.raw()
+        }),
+        (mismatch::COUNT, Opcode::Allgather, |h| h.count = 5.into()),
+        (mismatch::ROOT, Opcode::Broadcast, |h| h.root = 2.into()),
+        (mismatch::TAG, Opcode::Reduce, |h| h.tag = 43.into()),
+    ];
+    let mut q_seq = 0u16;
+    for (mask, opcode, change) in cases {
+        for differs in 0..n {
+            let c = Coll::new(opcode, Dtype::F32, ReduceOp::Sum, 4);
+            let mut hdrs = vec![c.header(false); n as usize];
+            change(&mut hdrs[differs as usize]);
+            let inputs: Vec<Vec<u8>> = (0..n)
+                .map(|r| {
+                    let h = &hdrs[r as usize];
+                    let el = buffer_elems(
+                        Opcode::from_raw(h.opcode.get()).unwrap(),
+                        n,
+                        r,
+                        h.root.get(),
+                        h.count.get(),
+                        false,
+                    )
+                    .unwrap();
+                    gen(
+                        &mut rng,
+                        Dtype::from_raw(h.dtype).unwrap(),
+                        el.input as usize,
+                    )
+                })
+                .collect();
+            let q = q_seq % 4;
+            q_seq += 1;
+            let res = run(&mut w, q, &hdrs, &inputs, &|_| vec![], &[2, 1, 0]);
+            // Compared with rank 0: if rank 0 is the odd one, rank 1 differs first.
+            let peer = if differs == 0 { 1 } else { differs };
+            for (r, got) in res.iter().enumerate() {
+                assert_eq!(
+                    got.resp,
+                    resp(Status::Mismatch, mask, peer, 1),
+                    "field {:?} differs on {differs}, member {r}",
+                    mismatch::fields(mask).collect::<Vec<_>>()
+                );
+                assert_eq!(got.written as usize, RESP_SIZE + got.output.len());
+                assert!(got.output.iter().all(|&b| b == 0x5a), "output untouched");
+            }
+        }
+    }
+    assert_eq!(w.group.metrics().errors(Status::Mismatch), 6 * 3 * 3);
+}
+
+#[test]
+fn mismatch_mask_collects_every_differing_field() {
+    let n = 3;
+    let mut w = World::new(config(n));
+    let c = Coll::new(Opcode::Allreduce, Dtype::F32, ReduceOp::Sum, 4);
+    let mut hdrs = vec![c.header(false); 3];
+    hdrs[2].tag = 1.into();
+    hdrs[1].dtype = Dtype::F64.raw();
+    hdrs[1].count = 2.into();
+    let inputs = vec![vec![0; 16], vec![0; 16], vec![0; 16]];
+    let res = run(&mut w, 0, &hdrs, &inputs, &|_| vec![], &[0, 1, 2]);
+    let mask = mismatch::TAG | mismatch::DTYPE | mismatch::COUNT;
+    for got in &res {
+        assert_eq!(got.resp, resp(Status::Mismatch, mask, 1, 1));
+    }
+}
+
+#[test]
+fn in_place_flag_may_differ_per_member() {
+    let n = 2;
+    let mut w = World::new(config(n));
+    let mut rng = Rng::new(13);
+    let c = Coll::new(Opcode::Allgather, Dtype::I8, ReduceOp::Sum, 3);
+    check(&mut w, &c, &[true, false], &[0, 1], &mut rng);
+}
+
+fn barrier_descs(w: &mut World, r: u32) -> Vec<Desc> {
+    let m = &mut w.members[r as usize];
+    vec![
+        m.header(&hdr(Opcode::Barrier.raw(), 0, 0, 0, 0, 0, 0, 0)),
+        m.response(),
+    ]
+}
+
+#[test]
+fn member_lost_fails_waiting_peers_promptly_and_restarts_sequences() {
+    let n = 3;
+    let mut w = World::new(config(n));
+    let mut rng = Rng::new(17);
+    // Member 2 has a request of its own waiting on queue 1.
+    let d = barrier_descs(&mut w, 2);
+    let own = w.submit(2, 1, &d);
+    // Member 0 has two requests waiting on queue 0, member 1 one.
+    let mut waiting = Vec::new();
+    for r in [0, 0, 1] {
+        let d = barrier_descs(&mut w, r);
+        waiting.push(w.submit(r, 0, &d));
+    }
+    assert_eq!(w.completions(), 0);
+    assert_eq!(w.group.config_space(0).generation.get(), 1);
+
+    let t = Instant::now();
+    w.group.member_lost(2);
+    for p in &waiting {
+        let (written, r) = w.wait(p);
+        assert_eq!(r, resp(Status::PeerLost, 0, 2, 2));
+        assert_eq!(written as usize, RESP_SIZE);
+    }
+    assert!(t.elapsed() < Duration::from_secs(2), "not prompt");
+    assert_eq!(w.group.config_space(1).generation.get(), 2);
+    assert_eq!(w.group.metrics().errors(Status::PeerLost), 3);
+
+    // The lost member's own request is dropped, and so are its chains until
+    // it is ready again.
+    assert!(w.wait_for(&own, Duration::from_millis(100)).is_none());
+    let d = barrier_descs(&mut w, 2);
+    let stale = w.submit(2, 0, &d);
+    assert!(w.wait_for(&stale, Duration::from_millis(50)).is_none());
+    w.group.member_ready(2);
+
+    // Every member starts again at sequence 0 on every queue.
+    let c = Coll::new(Opcode::Allreduce, Dtype::I64, ReduceOp::Sum, 5);
+    let inputs = c.inputs(n, &mut rng);
+    for q in [0, 1] {
+        let res = run(
+            &mut w,
+            q,
+            &[c.header(false); 3],
+            &inputs,
+            &cuts_by_rank,
+            &[2, 0, 1],
+        );
+        let want = c.expected(&inputs, &[false; 3]);
+        for (r, got) in res.iter().enumerate() {
+            assert_eq!(got.resp, ok_resp(2));
+            assert_eq!(got.output, want[r]);
+        }
+    }
+    assert_eq!(w.completions(), 0);
+}
+
+#[test]
+fn member_lost_with_nothing_pending_still_bumps_generation() {
+    let mut w = World::new(config(2));
+    w.group.member_lost(1);
+    w.group.member_ready(1);
+    assert_eq!(w.group.generation(), 2);
+    let d0 = barrier_descs(&mut w, 0);
+    let d1 = barrier_descs(&mut w, 1);
+    let p0 = w.submit(0, 0, &d0);
+    let p1 = w.submit(1, 0, &d1);
+    assert_eq!(w.wait(&p0).1, ok_resp(2));
+    assert_eq!(w.wait(&p1).1, ok_resp(2));
+    assert!(w.group.metrics().render().contains("dmlc_generation 2"));
+}
+
+#[test]
+fn timeout_fails_present_members_and_late_arrivals() {
+    let n = 3;
+    let mut cfg = config(n);
+    cfg.timeout = Duration::from_millis(150);
+    let mut w = World::new(cfg);
+    let mut rng = Rng::new(19);
+    let c = Coll::new(Opcode::Allreduce, Dtype::F32, ReduceOp::Sum, 4);
+    let inputs = c.inputs(n, &mut rng);
+    let built: Vec<Built> = (0..n)
+        .map(|r| build(&mut w, r, &c.header(false), &inputs[r as usize], &[]))
+        .collect();
+    let t = Instant::now();
+    let p0 = w.submit(0, 0, &built[0].descs);
+    let p2 = w.submit(2, 0, &built[2].descs);
+    for (p, b) in [(p0, &built[0]), (p2, &built[2])] {
+        let (written, r) = w.wait(&p);
+        assert_eq!(r, resp(Status::Timeout, 0, 1, 1));
+        assert_eq!(written as usize, RESP_SIZE + 16);
+        assert!(w.members[p.rank as usize]
+            .gather(&b.outputs)
+            .iter()
+            .all(|&x| x == 0x5a));
+    }
+    let waited = t.elapsed();
+    assert!(waited >= Duration::from_millis(150), "{waited:?}");
+    assert!(waited < Duration::from_secs(5), "{waited:?}");
+
+    // The late member fails at once for the same collective.
+    let t = Instant::now();
+    let p1 = w.submit(1, 0, &built[1].descs);
+    assert_eq!(w.wait(&p1).1, resp(Status::Timeout, 0, 1, 1));
+    assert!(t.elapsed() < Duration::from_millis(100));
+    assert_eq!(w.group.metrics().errors(Status::Timeout), 3);
+
+    // The next collective matches normally.
+    let res = run(
+        &mut w,
+        0,
+        &[c.header(false); 3],
+        &inputs,
+        &|_| vec![],
+        &[1, 2, 0],
+    );
+    let want = c.expected(&inputs, &[false; 3]);
+    for (r, got) in res.iter().enumerate() {
+        assert_eq!(got.resp, ok_resp(1));
+        assert_eq!(got.output, want[r]);
+    }
+}
+
+#[test]
+fn request_timeout_needs_the_feature() {
+    let n = 2;
+    let mut w = World::new(config(n)); // 60 s default
+    let h = hdr(Opcode::Barrier.raw(), 0, 0, 0, 0, 0, 0, 100);
+    let mk = |w: &mut World, r: u32| {
+        let m = &mut w.members[r as usize];
+        vec![m.header(&h), m.response()]
+    };
+
+    w.group
+        .set_member_features(0, 1 << virtio_dmlc::VIRTIO_DMLC_F_REQ_TIMEOUT);
+    let d = mk(&mut w, 0);
+    let t = Instant::now();
+    let p = w.submit(0, 0, &d);
+    assert_eq!(w.wait(&p).1, resp(Status::Timeout, 0, 1, 1));
+    assert!(t.elapsed() >= Duration::from_millis(100));
+
+    // Without the feature timeout_ms is ignored.
+    w.group.set_member_features(0, 0);
+    let d = mk(&mut w, 0);
+    let p = w.submit(0, 0, &d);
+    assert!(w.wait_for(&p, Duration::from_millis(400)).is_none());
+    // Member 1 first fails for the timed-out (0, 0), then meets (0, 1).
+    let d = mk(&mut w, 1);
+    let late = w.submit(1, 0, &d);
+    assert_eq!(w.wait(&late).1, resp(Status::Timeout, 0, 1, 1));
+    let d = mk(&mut w, 1);
+    let p1 = w.submit(1, 0, &d);
+    assert_eq!(w.wait(&p1).1, ok_resp(1));
+    assert_eq!(w.wait(&p).1, ok_resp(1));
+}
+
+#[test]
+fn timer_handles_many_deadlines() {
+    let n = 2;
+    let mut cfg = config(n);
+    cfg.timeout = Duration::from_millis(300);
+    let mut w = World::new(cfg);
+    w.group.set_member_features(0, 1);
+    // Later submissions with earlier deadlines must still fire on time.
+    let mut ps = Vec::new();
+    for (q, ms) in [(0u16, 0u32), (1, 200), (2, 50)] {
+        let m = &mut w.members[0];
+        let d = vec![
+            m.header(&hdr(Opcode::Barrier.raw(), 0, 0, 0, 0, 0, 0, ms)),
+            m.response(),
+        ];
+        ps.push((
+            w.submit(0, q, &d),
+            Instant::now(),
+            if ms == 0 { 300 } else { ms },
+        ));
+    }
+    for (p, t, ms) in ps {
+        assert_eq!(w.wait(&p).1, resp(Status::Timeout, 0, 1, 1));
+        let took = t.elapsed();
+        assert!(
+            took >= Duration::from_millis(u64::from(ms)),
+            "{ms}: {took:?}"
+        );
+        assert!(
+            took < Duration::from_millis(u64::from(ms) + 2000),
+            "{ms}: {took:?}"
+        );
+    }
+}
+
+/// The same big collectives with reduction threads and without give the
+/// same bytes, and the reference ones.
+#[test]
+fn big_collectives_split_over_threads_match_inline() {
+    let n = 3;
+    let mut rng = Rng::new(23);
+    let count = 3 << 18; // 3 MiB of f32 per member
+    let cases = [
+        Coll::new(Opcode::Allreduce, Dtype::F32, ReduceOp::Sum, count),
+        Coll::new(Opcode::ReduceScatter, Dtype::Bf16, ReduceOp::Avg, count / 4),
+        Coll::new(Opcode::Allgather, Dtype::U8, ReduceOp::Sum, count),
+    ];
+    let inputs: Vec<Vec<Vec<u8>>> = cases
+        .iter()
+        .map(|c| {
+            (0..n)
+                .map(|r| {
+                    if c.dtype == Dtype::F32 {
+                        gen_wide_f32(&mut rng, c.input_elems(n, r))
+                    } else {
+                        gen(&mut rng, c.dtype, c.input_elems(n, r))
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    // Odd segment sizes, different per member.
+    let cuts = |r: u32| -> Vec<usize> {
+        let piece = [100_003usize, 65_537, 1_000_001][r as usize];
+        vec![piece; 40]
+    };
+    let mut outputs = Vec::new();
+    for threads in [3usize, 0] {
+        let mut cfg = config(n);
+        cfg.reduce_threads = threads;
+        cfg.max_segments = 1024;
+        let mut w = World::with_region(cfg, 24 << 20);
+        let mut outs = Vec::new();
+        for (c, ins) in cases.iter().zip(&inputs) {
+            for ip in [[false; 3], [true, false, true]] {
+                let hdrs: Vec<_> = ip.iter().map(|&p| c.header(p)).collect();
+                let res = run(&mut w, 0, &hdrs, ins, &cuts, &[2, 0, 1]);
+                let want = c.expected(ins, &ip);
+                for (r, got) in res.iter().enumerate() {
+                    assert_eq!(got.resp, ok_resp(1));
+                    assert!(got.output == want[r], "{c:?} threads {threads} rank {r}");
+                }
+                outs.push(res.into_iter().map(|g| g.output).collect::<Vec<_>>());
+            }
+        }
+        let splits = w.group.metrics().split_count();
+        assert_eq!(splits, if threads > 0 { 6 } else { 0 });
+        outputs.push(outs);
+    }
+    assert!(outputs[0] == outputs[1]);
+}
+
+#[test]
+fn config_space_reports_group() {
+    let w = World::new(config(3));
+    let c = w.group.config_space(2);
+    assert_eq!(c.rank.get(), 2);
+    assert_eq!(c.world_size.get(), 3);
+    assert_eq!(c.num_queues.get(), 4);
+    assert_eq!(c.max_segments.get(), 64);
+    assert_eq!(c.max_bytes.get(), 64 << 20);
+    assert_eq!(c.dtypes.get(), 0x3ff);
+    assert_eq!(c.ops.get(), 0xff);
+    assert_eq!(c.opcodes.get(), 0x3f);
+    assert_eq!(c.generation.get(), 1);
+    assert_eq!(c.group_id.get(), 0x1234);
+}
+
+#[test]
+fn dropping_the_group_stops_its_threads() {
+    let mut cfg = config(2);
+    cfg.reduce_threads = 2;
+    let mut w = World::new(cfg);
+    let d = barrier_descs(&mut w, 0);
+    let _pending = w.submit(0, 0, &d);
+    // Drop joins the timer and reduction threads; a hang here fails the test
+    // by timing out the test run.
+    drop(w);
+}
+
+#[test]
+fn repeated_member_lost_is_one_loss() {
+    let mut w = World::new(config(2));
+    w.group.member_lost(1);
+    w.group.member_lost(1);
+    assert_eq!(w.group.generation(), 2);
+    // Member 0 waits in the new generation; another call for the same loss
+    // does not fail it.
+    let d = barrier_descs(&mut w, 0);
+    let p = w.submit(0, 0, &d);
+    w.group.member_lost(1);
+    assert!(w.wait_for(&p, Duration::from_millis(50)).is_none());
+    w.group.member_ready(1);
+    w.group.member_lost(1);
+    assert_eq!(w.wait(&p).1, resp(Status::PeerLost, 0, 1, 3));
+    assert_eq!(w.group.generation(), 3);
+}
+
+/// Guests may hand buffers at any byte address.
+#[test]
+fn misaligned_buffers() {
+    let n = 2;
+    let mut w = World::new(config(n));
+    let mut rng = Rng::new(29);
+    for (dtype, op) in [(Dtype::F64, ReduceOp::Sum), (Dtype::I32, ReduceOp::Bxor)] {
+        let c = Coll::new(Opcode::Allreduce, dtype, op, 9);
+        let inputs = c.inputs(n, &mut rng);
+        let b = 9 * dtype.size();
+        let mut ps = Vec::new();
+        for r in 0..n {
+            let m = &mut w.members[r as usize];
+            let inp = m.alloc_misaligned(b, 1 + u64::from(r));
+            m.write(inp, &inputs[r as usize]);
+            let out = m.alloc_misaligned(b, 3);
+            let d = vec![
+                m.header(&c.header(false)),
+                Desc::r(inp, b as u32),
+                Desc::w(out, b as u32),
+                m.response(),
+            ];
+            ps.push((w.submit(r, 0, &d), out));
+        }
+        let want = c.expected(&inputs, &[false; 2]);
+        for (p, out) in ps {
+            assert_eq!(w.wait(&p).1, ok_resp(1));
+            assert_eq!(
+                w.members[p.rank as usize].read(out, b),
+                want[p.rank as usize]
+            );
+        }
+    }
+}
+
+/// Members on their own threads, two queues each, small and big
+/// collectives interleaved: every result is right.
+#[test]
+fn concurrent_members_get_right_results() {
+    let n = 3u32;
+    let mut cfg = config(n);
+    cfg.reduce_threads = 2;
+    let w = World::with_region(cfg, 16 << 20);
+    let (group, hub, parts) = w.into_parts();
+    let threads: Vec<_> = parts
+        .into_iter()
+        .enumerate()
+        .map(|(r, (mut m, done))| {
+            let group = group.clone();
+            let hub = hub.clone();
+            std::thread::spawn(move || {
+                let r = r as u32;
+                for iter in 0..120u32 {
+                    let big = iter % 40 == 7;
+                    let count: u64 = if big { 300_000 } else { 5 };
+                    let mut ps = Vec::new();
+                    for q in 0..2u16 {
+                        let c = Coll::new(Opcode::Allreduce, Dtype::I32, ReduceOp::Sum, count);
+                        let val = |rank: u32| (rank * 1000 + iter * 2 + u32::from(q)) as i32;
+                        let input: Vec<u8> =
+                            (0..count).flat_map(|_| val(r).to_le_bytes()).collect();
+                        let b = input.len();
+                        let inp = m.alloc(b);
+                        m.write(inp, &input);
+                        let out = m.alloc(b);
+                        let d = vec![
+                            m.header(&c.header(false)),
+                            Desc::r(inp, b as u32),
+                            Desc::w(out, b as u32),
+                            m.response(),
+                        ];
+                        let sum: i32 = (0..n).map(val).sum();
+                        ps.push((m.submit(&group, r, q, &d, &done), out, b, sum));
+                    }
+                    for (p, out, b, sum) in ps {
+                        let d = hub
+                            .wait_for(&p, Duration::from_secs(20))
+                            .unwrap_or_else(|| panic!("rank {r} iter {iter}: no completion"));
+                        assert_eq!(d.written as usize, RESP_SIZE + b);
+                        let got = m.read(out, b);
+                        assert!(
+                            got.chunks(4)
+                                .all(|x| i32::from_le_bytes(x.try_into().unwrap()) == sum),
+                            "rank {r} iter {iter}"
+                        );
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    assert_eq!(
+        group.metrics().collectives_completed(Opcode::Allreduce),
+        240
+    );
+    assert_eq!(group.metrics().split_count(), 6);
+}
+
+/// A member is lost and comes back again and again while the others keep
+/// submitting: nothing hangs, and the others' requests all complete with
+/// OK, PEER_LOST or TIMEOUT.
+#[test]
+fn losses_while_members_submit() {
+    let n = 3u32;
+    let mut cfg = config(n);
+    cfg.timeout = Duration::from_millis(500);
+    let w = World::new(cfg);
+    let (group, hub, parts) = w.into_parts();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let threads: Vec<_> = parts
+        .into_iter()
+        .enumerate()
+        .map(|(r, (mut m, done))| {
+            let group = group.clone();
+            let hub = hub.clone();
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let r = r as u32;
+                let mut seen = [0u32; 8];
+                let mut iter = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    iter += 1;
+                    let d = vec![
+                        m.header(&hdr(Opcode::Barrier.raw(), 0, 0, 0, 0, 0, 0, 0)),
+                        m.response(),
+                    ];
+                    let p = m.submit(&group, r, 0, &d, &done);
+                    // Member 2's chains are dropped while it is lost.
+                    let limit = if r == 2 { 300 } else { 5000 };
+                    match hub.wait_for(&p, Duration::from_millis(limit)) {
+                        Some(_) => {
+                            let b = m.read(p.resp, RESP_SIZE);
+                            let resp = <VirtioDmlcResp as zerocopy::FromBytes>::read_from_bytes(&b)
+                                .unwrap();
+                            let st = resp.status.get();
+                            assert!(
+                                [Status::Ok, Status::PeerLost, Status::Timeout]
+                                    .iter()
+                                    .any(|s| s.raw() == st),
+                                "rank {r}: status {st}"
+                            );
+                            seen[st as usize] += 1;
+                        }
+                        None => assert_eq!(r, 2, "rank {r} iter {iter}: no completion"),
+                    }
+                }
+                seen
+            })
+        })
+        .collect();
+    for _ in 0..5 {
+        std::thread::sleep(Duration::from_millis(30));
+        group.member_lost(2);
+        std::thread::sleep(Duration::from_millis(10));
+        group.member_ready(2);
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let seen: Vec<[u32; 8]> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    assert!(seen[0][Status::Ok.raw() as usize] > 0);
+    assert_eq!(group.generation(), 6);
+}
+
+/// Buffers whose elements are cut by the boundary of two guest memory
+/// regions give the same results as any others.
+#[test]
+fn elements_cut_by_a_region_boundary() {
+    let mut rng = Rng::new(31);
+    let cases = [
+        (Opcode::Allreduce, Dtype::F64, 13, false),
+        (Opcode::Allreduce, Dtype::F32, 3, true),
+        (Opcode::Allgather, Dtype::F64, 5, false),
+        (Opcode::Allgather, Dtype::I32, 6, true),
+        (Opcode::ReduceScatter, Dtype::I64, 9, true),
+        (Opcode::Broadcast, Dtype::Bf16, 1, false),
+    ];
+    for (opcode, dtype, before, in_place) in cases {
+        let n = 2;
+        let mut w = World::new(config(n));
+        let c = Coll::new(opcode, dtype, ReduceOp::Sum, 6);
+        let inputs = c.inputs(n, &mut rng);
+        let es = dtype.size();
+        let mut pend = Vec::new();
+        for r in 0..n {
+            // Member 0's input (or in-place buffer) and member 1's output
+            // straddle the boundary.
+            let ip = in_place && r == 0;
+            let el = buffer_elems(opcode, n, r, 0, 6, ip).unwrap();
+            let (ib, ob) = (el.input as usize * es, el.output as usize * es);
+            let m = &mut w.members[r as usize];
+            let mut d = vec![m.header(&c.header(ip))];
+            if ib > 0 {
+                let a = if r == 0 {
+                    m.alloc_across_regions(before, ib)
+                } else {
+                    m.alloc(ib)
+                };
+                m.write(a, &inputs[r as usize]);
+                d.push(Desc::r(a, ib as u32));
+            }
+            let mut out = vec![0x5a; ob];
+            if let Some((off, cnt)) = el.in_place_input {
+                let (off, cnt) = (off as usize * es, cnt as usize * es);
+                out[off..off + cnt].copy_from_slice(&inputs[r as usize]);
+            }
+            let a = if r == 1 || ip {
+                m.alloc_across_regions(before, ob)
+            } else {
+                m.alloc(ob)
+            };
+            m.write(a, &out);
+            d.push(Desc::w(a, ob as u32));
+            d.push(m.response());
+            pend.push((w.submit(r, 0, &d), a, ob));
+        }
+        let want = c.expected(&inputs, &[in_place, false]);
+        for (p, a, ob) in pend {
+            assert_eq!(w.wait(&p).1, ok_resp(1));
+            let got = w.members[p.rank as usize].read(a, ob);
+            assert_eq!(
+                got, want[p.rank as usize],
+                "{opcode} {dtype} rank {}",
+                p.rank
+            );
+        }
+    }
+}
+
+#[test]
+fn reset_fails_pending_collectives_with_reset() {
+    let mut w = World::new(config(3));
+    let d = barrier_descs(&mut w, 0);
+    let p0 = w.submit(0, 0, &d);
+    let d = barrier_descs(&mut w, 2);
+    let p2 = w.submit(2, 1, &d);
+    w.group.reset();
+    assert_eq!(w.wait(&p0).1, resp(Status::Reset, 0, NO_PEER, 2));
+    assert_eq!(w.wait(&p2).1, resp(Status::Reset, 0, NO_PEER, 2));
+    // Members stay active and start again at sequence 0.
+    let hdrs = vec![hdr(Opcode::Barrier.raw(), 0, 0, 0, 0, 0, 0, 0); 3];
+    let res = run(
+        &mut w,
+        1,
+        &hdrs,
+        &[vec![], vec![], vec![]],
+        &|_| vec![],
+        &[0, 1, 2],
+    );
+    for got in &res {
+        assert_eq!(got.resp, ok_resp(2));
+    }
+    assert_eq!(w.group.metrics().errors(Status::Reset), 2);
+}
+
+#[test]
+fn members_are_active_only_after_ready() {
+    let mut cfg = config(2);
+    cfg.num_queues = 1;
+    // Members with their memory and queues, and a fresh group that nobody
+    // has joined yet.
+    let (_, _, mut parts) = World::new(cfg.clone()).into_parts();
+    let group = Group::new(cfg);
+    let (m0, done0) = &mut parts[0];
+    let barrier = hdr(Opcode::Barrier.raw(), 0, 0, 0, 0, 0, 0, 0);
+    let d = vec![m0.header(&barrier), m0.response()];
+    m0.submit(&group, 0, 0, &d, done0);
+    assert_eq!(group.metrics().dropped_count(), 1);
+    // Losing a member that was never active is no loss.
+    group.member_lost(0);
+    assert_eq!(group.generation(), 1);
+    group.member_ready(0);
+    group.member_ready(1);
+    assert!(group
+        .metrics()
+        .render()
+        .contains("dmlc_members_connected 2"));
+    group.member_lost(1);
+    assert!(group
+        .metrics()
+        .render()
+        .contains("dmlc_members_connected 1"));
+    assert_eq!(group.generation(), 2);
+}

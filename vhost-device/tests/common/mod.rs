@@ -1,0 +1,553 @@
+//! Test harness: the daemon as a child process, and a minimal vhost-user
+//! frontend that plays a VM (guest memory in a memfd, split virtqueues).
+//!
+//! Each test file uses a different part of this module.
+#![allow(dead_code)]
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::FromRawFd;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::atomic::{fence, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserHeaderFlag};
+use vhost::vhost_user::{Frontend, VhostUserFrontend, VhostUserProtocolFeatures};
+use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
+use virtio_dmlc::{VirtioDmlcConfig, VirtioDmlcResp, CONFIG_SIZE};
+use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use zerocopy::{FromBytes, IntoBytes};
+
+/// How long any wait in these tests may take before the test fails.
+pub const PATIENCE: Duration = Duration::from_secs(10);
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_vhost-device-dmlc");
+
+/// A scratch directory, removed when dropped.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new() -> TempDir {
+        static COUNT: AtomicUsize = AtomicUsize::new(0);
+        // Short: socket paths must stay under 108 bytes.
+        let dir = PathBuf::from(format!(
+            "/tmp/dmlc-it-{}-{}",
+            std::process::id(),
+            COUNT.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create the test directory");
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Runs the binary to completion with `args`.
+pub fn run(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .output()
+        .expect("run vhost-device-dmlc")
+}
+
+/// A free TCP port on 127.0.0.1 (free when this returns).
+pub fn free_port() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+    l.local_addr().unwrap().port()
+}
+
+/// One HTTP/1.1 GET; returns the status line, the head and the body.
+pub fn http_get(port: u16, path: &str) -> (String, String, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect to the metrics port");
+    s.set_read_timeout(Some(PATIENCE)).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").unwrap();
+    let mut reply = String::new();
+    s.read_to_string(&mut reply).expect("read the reply");
+    let (head, body) = reply
+        .split_once("\r\n\r\n")
+        .expect("a reply with a head and a body");
+    let status = head.lines().next().unwrap_or("").to_owned();
+    (status, head.to_owned(), body.to_owned())
+}
+
+/// The daemon, running as a child process in its own scratch directory.
+pub struct Daemon {
+    child: Option<Child>,
+    pub count: u32,
+    base: PathBuf,
+    log: PathBuf,
+    // Last, so that the directory goes after the child is gone.
+    dir: TempDir,
+}
+
+impl Daemon {
+    /// Starts the daemon with `count` sockets and `extra` options and waits
+    /// until it listens on every socket.
+    pub fn start(count: u32, extra: &[&str]) -> Daemon {
+        Daemon::start_in(TempDir::new(), count, extra)
+    }
+
+    /// As [`Daemon::start`], in a prepared directory.
+    pub fn start_in(dir: TempDir, count: u32, extra: &[&str]) -> Daemon {
+        let base = dir.0.join("d.sock");
+        let log = dir.0.join("daemon.log");
+        let mut command = Command::new(BIN);
+        // SAFETY: prctl is async-signal-safe and touches no memory of ours.
+        // The daemon dies with the test even if the test is killed.
+        unsafe {
+            command.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let child = command
+            .arg("--socket-path")
+            .arg(&base)
+            .arg("--socket-count")
+            .arg(count.to_string())
+            .args(["--log-level", "debug"])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(File::create(&log).expect("create the daemon log"))
+            .spawn()
+            .expect("start vhost-device-dmlc");
+        let mut daemon = Daemon {
+            child: Some(child),
+            count,
+            base,
+            log,
+            dir,
+        };
+        let deadline = Instant::now() + PATIENCE;
+        // The log line comes after every socket is bound (a stale socket
+        // file may exist before).
+        while !(0..count).all(|i| daemon.socket(i).exists())
+            || !daemon.log().contains("listening on")
+        {
+            daemon.assert_running();
+            assert!(
+                Instant::now() < deadline,
+                "sockets did not appear\n{}",
+                daemon.log()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        daemon
+    }
+
+    pub fn socket(&self, rank: u32) -> PathBuf {
+        vhost_device_dmlc::config::socket_path(&self.base, rank)
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir.0
+    }
+
+    /// Everything the daemon logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Fails the test if the daemon has exited.
+    pub fn assert_running(&mut self) {
+        let child = self.child.as_mut().expect("daemon child");
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("daemon exited with {status}\n{}", self.log());
+        }
+    }
+
+    /// Waits until the log contains `text`.
+    pub fn wait_for_log(&mut self, text: &str) {
+        let deadline = Instant::now() + PATIENCE;
+        while !self.log().contains(text) {
+            self.assert_running();
+            assert!(
+                Instant::now() < deadline,
+                "log never said {text:?}\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Sends SIGTERM and waits for the exit.
+    pub fn terminate(&mut self) -> ExitStatus {
+        let mut child = self.child.take().expect("daemon child");
+        let pid = libc::pid_t::try_from(child.id()).unwrap();
+        // SAFETY: kill has no memory effects; pid is our own child.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                return status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("daemon ignored SIGTERM\n{}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if std::thread::panicking() {
+            eprintln!("--- daemon log ---\n{}--- end ---", self.log());
+        }
+    }
+}
+
+/// Guest memory size of a test member.
+pub const MEM_SIZE: usize = 4 << 20;
+/// Where the virtqueues live in guest memory: queue q at `q * QUEUE_STRIDE`.
+const QUEUE_STRIDE: u64 = 0x2000;
+/// Where data buffers start in guest memory.
+const DATA_START: u64 = 0x10_0000;
+
+/// One split virtqueue, driven from the test.
+pub struct TestQueue {
+    size: u16,
+    desc: u64,
+    avail: u64,
+    used: u64,
+    next_desc: u16,
+    next_avail: u16,
+    next_used: u16,
+    pub call: EventFd,
+    kick: EventFd,
+}
+
+/// A descriptor for [`Member::submit`]: guest address, length, device-writable.
+#[derive(Clone, Copy, Debug)]
+pub struct Desc {
+    pub addr: u64,
+    pub len: u32,
+    pub write: bool,
+}
+
+impl Desc {
+    pub fn r(addr: u64, len: usize) -> Desc {
+        Desc {
+            addr,
+            len: u32::try_from(len).unwrap(),
+            write: false,
+        }
+    }
+    pub fn w(addr: u64, len: usize) -> Desc {
+        Desc {
+            addr,
+            len: u32::try_from(len).unwrap(),
+            write: true,
+        }
+    }
+}
+
+const VRING_DESC_F_NEXT: u16 = 1;
+const VRING_DESC_F_WRITE: u16 = 2;
+
+/// A minimal frontend playing one VM on one socket.
+pub struct Member {
+    pub fe: Frontend,
+    pub features: u64,
+    pub protocol: VhostUserProtocolFeatures,
+    pub queue_num: u64,
+    pub mem: GuestMemoryMmap<()>,
+    pub queues: Vec<TestQueue>,
+    event_idx: bool,
+    next_data: u64,
+}
+
+impl Member {
+    /// Connects and negotiates the protocol features (not yet the virtio
+    /// features: see [`Member::start`]).
+    pub fn connect(path: &Path) -> Member {
+        let mut fe = Frontend::connect(path, 64).expect("connect to the backend");
+        fe.set_owner().expect("SET_OWNER");
+        let features = fe.get_features().expect("GET_FEATURES");
+        let offered = fe.get_protocol_features().expect("GET_PROTOCOL_FEATURES");
+        let wanted = VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::MQ
+            | VhostUserProtocolFeatures::REPLY_ACK
+            | VhostUserProtocolFeatures::RESET_DEVICE;
+        let protocol = offered & wanted;
+        fe.set_protocol_features(protocol)
+            .expect("SET_PROTOCOL_FEATURES");
+        // Every later message asks for an ack, so a refused one fails here.
+        fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
+        let queue_num = fe.get_queue_num().expect("GET_QUEUE_NUM");
+
+        // Guest RAM shared with the backend through a memfd, as QEMU does.
+        // SAFETY: the name is a valid C string; the result is checked.
+        let fd = unsafe { libc::memfd_create(c"dmlc-test".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+        // SAFETY: fd is a new descriptor that nothing else owns.
+        let file = unsafe { File::from_raw_fd(fd) };
+        file.set_len(MEM_SIZE as u64).unwrap();
+        let mem = GuestMemoryMmap::<()>::from_ranges_with_files([(
+            GuestAddress(0),
+            MEM_SIZE,
+            Some(FileOffset::new(file, 0)),
+        )])
+        .expect("map guest memory");
+        Member {
+            fe,
+            features,
+            protocol,
+            queue_num,
+            mem,
+            queues: Vec::new(),
+            event_idx: false,
+            next_data: DATA_START,
+        }
+    }
+
+    /// Reads `size` bytes of config space at `offset`.
+    pub fn config_bytes(&mut self, offset: u32, size: u32) -> vhost::Result<Vec<u8>> {
+        let buf = vec![0; size as usize];
+        self.fe
+            .get_config(offset, size, VhostUserConfigFlags::empty(), &buf)
+            .map(|(_, payload)| payload)
+    }
+
+    /// Reads the whole config space.
+    pub fn config(&mut self) -> VirtioDmlcConfig {
+        let bytes = self
+            .config_bytes(0, CONFIG_SIZE as u32)
+            .expect("GET_CONFIG");
+        VirtioDmlcConfig::read_from_bytes(&bytes).expect("48 bytes of config")
+    }
+
+    /// Acks `features` and sets up `queues` queues of `size` entries, as a
+    /// driver setting DRIVER_OK makes QEMU do.
+    pub fn start(&mut self, features: u64, queues: u16, size: u16) {
+        self.fe.set_features(features).expect("SET_FEATURES");
+        self.event_idx = features & (1 << virtio_dmlc::VIRTIO_RING_F_EVENT_IDX) != 0;
+        let regions: Vec<_> = self
+            .mem
+            .iter()
+            .map(|r| VhostUserMemoryRegionInfo::from_guest_region(r).unwrap())
+            .collect();
+        self.fe.set_mem_table(&regions).expect("SET_MEM_TABLE");
+        self.queues.clear();
+        for q in 0..queues {
+            let base = u64::from(q) * QUEUE_STRIDE;
+            let s = u64::from(size);
+            let queue = TestQueue {
+                size,
+                desc: base,
+                avail: base + 16 * s,
+                // The used ring must be 4-byte aligned.
+                used: (base + 16 * s + 6 + 2 * s + 3) & !3,
+                next_desc: 0,
+                next_avail: 0,
+                next_used: 0,
+                call: EventFd::new(EFD_NONBLOCK).unwrap(),
+                kick: EventFd::new(EFD_NONBLOCK).unwrap(),
+            };
+            assert!(queue.used + 6 + 8 * s <= base + QUEUE_STRIDE);
+            // Zero the rings: a reused member starts from clean indices.
+            self.mem
+                .write_slice(&vec![0; QUEUE_STRIDE as usize], GuestAddress(base))
+                .unwrap();
+            let host = |gpa: u64| self.mem.get_host_address(GuestAddress(gpa)).unwrap() as u64;
+            let i = usize::from(q);
+            self.fe.set_vring_num(i, size).expect("SET_VRING_NUM");
+            self.fe.set_vring_base(i, 0).expect("SET_VRING_BASE");
+            self.fe
+                .set_vring_addr(
+                    i,
+                    &VringConfigData {
+                        queue_max_size: size,
+                        queue_size: size,
+                        flags: 0,
+                        desc_table_addr: host(queue.desc),
+                        used_ring_addr: host(queue.used),
+                        avail_ring_addr: host(queue.avail),
+                        log_addr: None,
+                    },
+                )
+                .expect("SET_VRING_ADDR");
+            self.fe
+                .set_vring_kick(i, &queue.kick)
+                .expect("SET_VRING_KICK");
+            self.fe
+                .set_vring_call(i, &queue.call)
+                .expect("SET_VRING_CALL");
+            if self.protocol_features_acked() {
+                self.fe.set_vring_enable(i, true).expect("SET_VRING_ENABLE");
+            }
+            self.queues.push(queue);
+        }
+    }
+
+    fn protocol_features_acked(&self) -> bool {
+        self.features & vhost::vhost_user::VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0
+    }
+
+    /// Stops queue `q` as QEMU does when the driver resets the device.
+    pub fn stop_queue(&mut self, q: usize) -> u32 {
+        self.fe.get_vring_base(q).expect("GET_VRING_BASE")
+    }
+
+    /// A fresh guest buffer of `len` bytes (64-byte aligned).
+    pub fn alloc(&mut self, len: usize) -> u64 {
+        let addr = self.next_data;
+        self.next_data = (addr + len as u64 + 63) & !63;
+        assert!(self.next_data <= MEM_SIZE as u64, "test guest memory full");
+        addr
+    }
+
+    pub fn write<T: IntoBytes + zerocopy::Immutable + ?Sized>(&self, addr: u64, value: &T) {
+        self.mem
+            .write_slice(value.as_bytes(), GuestAddress(addr))
+            .unwrap();
+    }
+
+    pub fn read_bytes(&self, addr: u64, len: usize) -> Vec<u8> {
+        let mut buf = vec![0; len];
+        self.mem.read_slice(&mut buf, GuestAddress(addr)).unwrap();
+        buf
+    }
+
+    pub fn read_resp(&self, addr: u64) -> VirtioDmlcResp {
+        VirtioDmlcResp::read_from_bytes(&self.read_bytes(addr, virtio_dmlc::RESP_SIZE)).unwrap()
+    }
+
+    /// Makes the chain `descs` available on queue `q` and kicks. Returns
+    /// the head index.
+    pub fn submit(&mut self, q: usize, descs: &[Desc]) -> u16 {
+        self.publish(q, descs);
+        self.kick(q);
+        self.queues[q].next_desc.wrapping_sub(descs.len() as u16) % self.queues[q].size
+    }
+
+    /// Makes the chain available without kicking.
+    pub fn publish(&mut self, q: usize, descs: &[Desc]) {
+        let mem = &self.mem;
+        let queue = &mut self.queues[q];
+        let n = u16::try_from(descs.len()).unwrap();
+        assert!(n > 0 && n <= queue.size);
+        if queue.next_desc + n > queue.size {
+            queue.next_desc = 0;
+        }
+        let head = queue.next_desc;
+        for (i, d) in descs.iter().enumerate() {
+            let idx = head + i as u16;
+            let mut flags = if d.write { VRING_DESC_F_WRITE } else { 0 };
+            let next = if i + 1 < descs.len() {
+                flags |= VRING_DESC_F_NEXT;
+                idx + 1
+            } else {
+                0
+            };
+            let at = queue.desc + 16 * u64::from(idx);
+            mem.write_obj(d.addr.to_le(), GuestAddress(at)).unwrap();
+            mem.write_obj(d.len.to_le(), GuestAddress(at + 8)).unwrap();
+            mem.write_obj(flags.to_le(), GuestAddress(at + 12)).unwrap();
+            mem.write_obj(next.to_le(), GuestAddress(at + 14)).unwrap();
+        }
+        queue.next_desc = head + n;
+        let slot = queue.avail + 4 + 2 * u64::from(queue.next_avail % queue.size);
+        mem.write_obj(head.to_le(), GuestAddress(slot)).unwrap();
+        queue.next_avail = queue.next_avail.wrapping_add(1);
+        if self.event_idx {
+            // used_event: interrupt as soon as anything is used.
+            let used_event = queue.avail + 4 + 2 * u64::from(queue.size);
+            mem.write_obj(queue.next_used.to_le(), GuestAddress(used_event))
+                .unwrap();
+        }
+        fence(Ordering::SeqCst);
+        mem.store(
+            queue.next_avail.to_le(),
+            GuestAddress(queue.avail + 2),
+            Ordering::Release,
+        )
+        .unwrap();
+    }
+
+    pub fn kick(&self, q: usize) {
+        self.queues[q].kick.write(1).unwrap();
+    }
+
+    /// Puts a raw value in the avail ring's index (to break the ring).
+    pub fn set_avail_idx(&mut self, q: usize, idx: u16) {
+        let queue = &mut self.queues[q];
+        queue.next_avail = idx;
+        self.mem
+            .store(
+                idx.to_le(),
+                GuestAddress(queue.avail + 2),
+                Ordering::Release,
+            )
+            .unwrap();
+    }
+
+    /// The next used element of queue `q`, if the device returned one.
+    pub fn try_used(&mut self, q: usize) -> Option<(u16, u32)> {
+        let queue = &mut self.queues[q];
+        let idx: u16 = self
+            .mem
+            .load(GuestAddress(queue.used + 2), Ordering::Acquire)
+            .map(u16::from_le)
+            .unwrap();
+        if idx == queue.next_used {
+            return None;
+        }
+        let at = queue.used + 4 + 8 * u64::from(queue.next_used % queue.size);
+        let id: u32 = self.mem.read_obj(GuestAddress(at)).unwrap();
+        let len: u32 = self.mem.read_obj(GuestAddress(at + 4)).unwrap();
+        queue.next_used = queue.next_used.wrapping_add(1);
+        Some((u16::try_from(u32::from_le(id)).unwrap(), u32::from_le(len)))
+    }
+
+    /// Waits for the next used element of queue `q`.
+    pub fn wait_used(&mut self, q: usize) -> (u16, u32) {
+        self.wait_used_for(q, PATIENCE)
+            .unwrap_or_else(|| panic!("queue {q}: no completion within {PATIENCE:?}"))
+    }
+
+    pub fn wait_used_for(&mut self, q: usize, patience: Duration) -> Option<(u16, u32)> {
+        let deadline = Instant::now() + patience;
+        loop {
+            if let Some(used) = self.try_used(q) {
+                return Some(used);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    /// Whether the device signals queue `q`'s call eventfd (since the last
+    /// look) within `patience`. The device signals just after it updates
+    /// the used ring, so a driver that polls may see the update first.
+    pub fn wait_interrupt(&self, q: usize, patience: Duration) -> bool {
+        let deadline = Instant::now() + patience;
+        loop {
+            if self.queues[q].call.read().is_ok_and(|n| n > 0) {
+                return true;
+            }
+            if Instant::now() > deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+}
