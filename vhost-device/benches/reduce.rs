@@ -11,6 +11,8 @@
 //!   --mt-from SIZE     smallest size with multi-thread rows (default 1M)
 //!   --chunks 16K,32K   accumulator chunk sizes to compare (default: the built-in one)
 //!   --seg SIZE         cut each member's buffer into segments of SIZE bytes
+//!   --skew SIZE        put SIZE bytes between buffers (default 0: buffers
+//!                      S apart, the same alignment, a worst case for caches)
 //!   --pool-mib M       memory cycled through (default: twice the LLC, at least 1 GiB)
 //!   --kernels          also measure every dtype/op kernel in cache, per ISA
 //!   --json FILE        also write the results as JSON
@@ -40,6 +42,7 @@ struct Opts {
     mt_from: usize,
     chunks: Vec<usize>,
     seg: Option<usize>,
+    skew: usize,
     pool: usize,
     kernels: bool,
     json: Option<String>,
@@ -94,6 +97,7 @@ fn parse_args() -> Opts {
         mt_from: 1 << 20,
         chunks: vec![CHUNK_BYTES],
         seg: None,
+        skew: 0,
         pool: (2 * llc_bytes()).max(1 << 30),
         kernels: false,
         json: None,
@@ -115,6 +119,7 @@ fn parse_args() -> Opts {
             "--mt-from" => opts.mt_from = parse_size(&value()),
             "--chunks" => opts.chunks = value().split(',').map(parse_size).collect(),
             "--seg" => opts.seg = Some(parse_size(&value())),
+            "--skew" => opts.skew = parse_size(&value()),
             "--pool-mib" => opts.pool = value().parse::<usize>().unwrap() << 20,
             "--kernels" => opts.kernels = true,
             "--json" => opts.json = Some(value()),
@@ -132,6 +137,7 @@ struct Layout {
     base: *mut u8,
     members: usize,
     size: usize,
+    stride: usize,
     sets: usize,
     /// Segments of every buffer of every set: set, then inputs then outputs.
     segs: Vec<HostSeg>,
@@ -143,19 +149,21 @@ struct Layout {
 unsafe impl Sync for Layout {}
 
 impl Layout {
-    fn new(pool: &mut [u8], members: usize, size: usize, seg: Option<usize>) -> Layout {
-        let set_bytes = 2 * members * size;
+    fn new(pool: &mut [u8], members: usize, size: usize, opts: &Opts) -> Layout {
+        // Buffers lie `stride` bytes apart: `size` plus the skew, if any.
+        let stride = size + opts.skew;
+        let set_bytes = 2 * members * stride;
         assert!(
             set_bytes <= pool.len(),
             "pool too small for N={members} S={size}"
         );
         let sets = pool.len() / set_bytes;
         let base = pool.as_mut_ptr();
-        let seg = seg.unwrap_or(size).min(size);
+        let seg = opts.seg.unwrap_or(size).min(size);
         let segs_per_buf = size.div_ceil(seg);
         let mut segs = Vec::with_capacity(sets * 2 * members * segs_per_buf);
         for b in 0..sets * 2 * members {
-            let start = b * size;
+            let start = b * stride;
             for s in 0..segs_per_buf {
                 let off = s * seg;
                 segs.push(HostSeg {
@@ -168,6 +176,7 @@ impl Layout {
             base,
             members,
             size,
+            stride,
             sets,
             segs,
             segs_per_buf,
@@ -182,7 +191,7 @@ impl Layout {
 
     fn ptr(&self, set: usize, b: usize) -> *mut u8 {
         self.base
-            .wrapping_add((set * 2 * self.members + b) * self.size)
+            .wrapping_add((set * 2 * self.members + b) * self.stride)
     }
 
     /// Reduces bytes `[from, to)` of every member of `set`.
@@ -267,6 +276,26 @@ fn split(size: usize, threads: usize) -> Vec<(usize, usize)> {
         .collect()
 }
 
+/// CPU time of the calling thread, in seconds.
+fn thread_cpu_s() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec for the call to fill.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    assert_eq!(rc, 0, "clock_gettime failed");
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+/// Time per op of one batch: wall clock, and the CPU time of the busiest
+/// thread (which leaves out time spent waiting for a CPU on a busy machine).
+#[derive(Clone, Copy)]
+struct Sample {
+    wall: f64,
+    cpu: f64,
+}
+
 /// Runs `op(set)` `count` times over consecutive sets from `*next` on,
 /// with `threads` threads each doing its part of every op.
 fn run_batch(
@@ -275,29 +304,39 @@ fn run_batch(
     count: usize,
     threads: usize,
     op: &(dyn Fn(usize, usize, usize) + Sync),
-) -> Duration {
+) -> Sample {
     let first = *next;
     *next = (first + count) % layout.sets;
     let ranges = split(layout.size, threads);
     let body = |(from, to): (usize, usize)| {
+        let cpu = thread_cpu_s();
         for i in 0..count {
             op((first + i) % layout.sets, from, to);
         }
+        thread_cpu_s() - cpu
     };
     let start = Instant::now();
-    if threads == 1 {
-        body(ranges[0]);
+    let cpu = if threads == 1 {
+        body(ranges[0])
     } else {
         // Each thread works through its part of the whole batch; the ops
         // are independent, so they need not wait for each other.
         std::thread::scope(|s| {
-            for &range in &ranges[1..] {
-                s.spawn(move || body(range));
-            }
-            body(ranges[0]);
-        });
+            let others: Vec<_> = ranges[1..]
+                .iter()
+                .map(|&range| s.spawn(move || body(range)))
+                .collect();
+            let mine = body(ranges[0]);
+            others
+                .into_iter()
+                .map(|h| h.join().expect("benchmark thread panicked"))
+                .fold(mine, f64::max)
+        })
+    };
+    Sample {
+        wall: start.elapsed().as_secs_f64() / count as f64,
+        cpu: cpu / count as f64,
     }
-    start.elapsed() / count as u32
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -310,17 +349,31 @@ struct Row {
     size: usize,
     threads: usize,
     chunk: usize,
-    reduce_s: f64,
-    memcpy_s: f64,
-    /// Fastest repeats, which on a busy machine show what it can do.
-    reduce_best_s: f64,
-    memcpy_best_s: f64,
+    /// Medians of the repeats: wall clock and CPU time per op.
+    reduce: Sample,
+    memcpy: Sample,
     wrong: usize,
 }
 
 impl Row {
     fn traffic(&self) -> f64 {
         (2 * self.members * self.size) as f64
+    }
+
+    fn ratio(&self) -> f64 {
+        self.memcpy.wall / self.reduce.wall
+    }
+
+    fn cpu_ratio(&self) -> f64 {
+        self.memcpy.cpu / self.reduce.cpu
+    }
+}
+
+/// Medians of the wall and CPU times of `samples`.
+fn medians(samples: &[Sample]) -> Sample {
+    Sample {
+        wall: median(samples.iter().map(|s| s.wall).collect()),
+        cpu: median(samples.iter().map(|s| s.cpu).collect()),
     }
 }
 
@@ -340,23 +393,21 @@ fn measure(layout: &Layout, opts: &Opts, threads: usize) -> Vec<Row> {
     for op in &ops {
         run_batch(layout, &mut next, 2, threads, op);
     }
-    let once = run_batch(layout, &mut next, 1, threads, &ops[1]);
-    let count = (opts.batch.as_secs_f64() / once.as_secs_f64().max(1e-9)).ceil() as usize;
+    let once = run_batch(layout, &mut next, 1, threads, &ops[1]).wall;
+    let count = (opts.batch.as_secs_f64() / once.max(1e-9)).ceil() as usize;
     let count = count.clamp(1, 1 << 20);
-    let mut times = vec![Vec::new(); ops.len()];
+    let mut samples = vec![Vec::new(); ops.len()];
     for _ in 0..opts.reps {
-        for (op, t) in ops.iter().zip(&mut times) {
-            t.push(run_batch(layout, &mut next, count, threads, op).as_secs_f64());
+        for (op, s) in ops.iter().zip(&mut samples) {
+            s.push(run_batch(layout, &mut next, count, threads, op));
         }
     }
-    let memcpy_s = median(times[0].clone());
-    let best = |t: &[f64]| t.iter().copied().fold(f64::MAX, f64::min);
-    let memcpy_best_s = best(&times[0]);
+    let memcpy = medians(&samples[0]);
     opts.chunks
         .iter()
-        .zip(&times[1..])
+        .zip(&samples[1..])
         .zip(&ops[1..])
-        .map(|((&chunk, t), op)| {
+        .map(|((&chunk, s), op)| {
             // Correctness of the code measured: reduce set 0 the same way
             // and check it.
             let mut zero = 0;
@@ -366,10 +417,8 @@ fn measure(layout: &Layout, opts: &Opts, threads: usize) -> Vec<Row> {
                 size: layout.size,
                 threads,
                 chunk,
-                reduce_s: median(t.clone()),
-                memcpy_s,
-                reduce_best_s: best(t),
-                memcpy_best_s,
+                reduce: medians(s),
+                memcpy,
                 wrong: layout.wrong(0),
             }
         })
@@ -385,8 +434,8 @@ fn human(bytes: usize) -> String {
     }
 }
 
-/// In-cache throughput of every kernel: N = 4 inputs of 16 KiB, reported
-/// as input bytes reduced per second, per ISA.
+/// In-cache throughput of every kernel: N = 4 inputs of 16 KiB in one
+/// pass, reported as input bytes reduced per second, per ISA.
 fn kernels(opts: &Opts) -> String {
     let isas = Isa::available();
     let mut out = String::from("\n| dtype | op |");
@@ -421,13 +470,12 @@ fn kernels(opts: &Opts) -> String {
                 let k = Kernel::with_isa(dtype, op, isa).unwrap();
                 let n = bytes / dtype.size();
                 let mut scratch = Scratch::with_bytes(n * k.acc_size());
+                let srcs: Vec<*const u8> = inputs.iter().map(|b| b.as_ptr()).collect();
                 let mut sink = 0u8;
                 let mut pass = || {
                     // SAFETY: every input holds `n` elements.
                     unsafe {
-                        k.combine(&mut scratch, 0, inputs[0].as_ptr(), inputs[1].as_ptr(), n);
-                        k.accumulate(&mut scratch, 0, inputs[2].as_ptr(), n);
-                        k.accumulate(&mut scratch, 0, inputs[3].as_ptr(), n);
+                        k.first(&mut scratch, 0, &srcs, n);
                     }
                     sink ^= k.finish(&mut scratch, n, 4)[0];
                 };
@@ -470,7 +518,7 @@ fn main() {
     let mut rows = Vec::new();
     for &members in &opts.members {
         for &size in &opts.sizes {
-            let layout = Layout::new(&mut pool, members, size, opts.seg);
+            let layout = Layout::new(&mut pool, members, size, &opts);
             let mut threads = vec![1];
             if opts.threads > 1 && size >= opts.mt_from {
                 threads.push(opts.threads);
@@ -478,11 +526,12 @@ fn main() {
             for &t in &threads {
                 for row in measure(&layout, &opts, t) {
                     eprintln!(
-                        "N={members} S={} threads={t} chunk={}: {:.1} us, ratio {:.2}",
+                        "N={members} S={} threads={t} chunk={}: {:.1} us, ratio {:.2}, CPU-time ratio {:.2}",
                         human(size),
                         human(row.chunk),
-                        row.reduce_s * 1e6,
-                        row.memcpy_s / row.reduce_s
+                        row.reduce.wall * 1e6,
+                        row.ratio(),
+                        row.cpu_ratio()
                     );
                     rows.push(row);
                 }
@@ -490,7 +539,7 @@ fn main() {
         }
     }
     let mut table = String::from(
-        "| N | size | threads | chunk | reduce us | reduce GB/s | memcpy us | memcpy GB/s | ratio | best ratio | #wrong |\n\
+        "| N | size | threads | chunk | reduce us | reduce GB/s | memcpy us | memcpy GB/s | ratio | CPU-time ratio | #wrong |\n\
          |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in &rows {
@@ -501,12 +550,12 @@ fn main() {
             human(r.size),
             r.threads,
             human(r.chunk),
-            r.reduce_s * 1e6,
-            r.traffic() / r.reduce_s / 1e9,
-            r.memcpy_s * 1e6,
-            r.traffic() / r.memcpy_s / 1e9,
-            r.memcpy_s / r.reduce_s,
-            r.memcpy_best_s / r.reduce_best_s,
+            r.reduce.wall * 1e6,
+            r.traffic() / r.reduce.wall / 1e9,
+            r.memcpy.wall * 1e6,
+            r.traffic() / r.memcpy.wall / 1e9,
+            r.ratio(),
+            r.cpu_ratio(),
             r.wrong
         )
         .unwrap();
@@ -522,20 +571,21 @@ fn main() {
             writeln!(
                 json,
                 "  {{\"members\": {}, \"size\": {}, \"threads\": {}, \"chunk\": {}, \
-                 \"reduce_s\": {:e}, \"memcpy_s\": {:e}, \"reduce_gbps\": {:.3}, \
-                 \"memcpy_gbps\": {:.3}, \"ratio\": {:.4}, \"reduce_best_s\": {:e}, \
-                 \"memcpy_best_s\": {:e}, \"wrong\": {}}}{sep}",
+                 \"reduce_s\": {:e}, \"memcpy_s\": {:e}, \"reduce_cpu_s\": {:e}, \
+                 \"memcpy_cpu_s\": {:e}, \"reduce_gbps\": {:.3}, \"memcpy_gbps\": {:.3}, \
+                 \"ratio\": {:.4}, \"cpu_ratio\": {:.4}, \"wrong\": {}}}{sep}",
                 r.members,
                 r.size,
                 r.threads,
                 r.chunk,
-                r.reduce_s,
-                r.memcpy_s,
-                r.traffic() / r.reduce_s / 1e9,
-                r.traffic() / r.memcpy_s / 1e9,
-                r.memcpy_s / r.reduce_s,
-                r.reduce_best_s,
-                r.memcpy_best_s,
+                r.reduce.wall,
+                r.memcpy.wall,
+                r.reduce.cpu,
+                r.memcpy.cpu,
+                r.traffic() / r.reduce.wall / 1e9,
+                r.traffic() / r.memcpy.wall / 1e9,
+                r.ratio(),
+                r.cpu_ratio(),
                 r.wrong
             )
             .unwrap();

@@ -4,9 +4,11 @@
 //! memory, as mapped in this process. [`reduce_range`] reads every input
 //! once and writes every output once: one cache-sized chunk at a time, it
 //! folds the inputs into this thread's accumulator ([`crate::reduce`]) in
-//! rank order and then copies the result into each output. Each member's
-//! list is walked by its own cursor, so a segment boundary splits only that
-//! member's pass over the chunk, never the chunk itself.
+//! rank order, up to [`MAX_GROUP`] inputs per pass, and then copies the
+//! result into each output. Each list is walked by its own cursor: a
+//! segment boundary splits only the pass that reads it (the lists of one
+//! group of inputs are walked in lock-step) or that output's copy, never
+//! the chunk itself.
 //!
 //! Because a chunk is read completely before any of it is written, an
 //! output may be the very same memory as an input (in-place collectives).
@@ -22,7 +24,7 @@ use std::ptr;
 
 use virtio_dmlc::{Dtype, ReduceOp};
 
-use crate::reduce::{Kernel, Scratch, CHUNK_BYTES};
+use crate::reduce::{Kernel, Scratch, CHUNK_BYTES, MAX_GROUP};
 
 /// Source bytes per step of a copy to several destinations: the chunk is
 /// read from memory once and from cache for the other destinations.
@@ -126,6 +128,40 @@ fn walk2(
     }
 }
 
+/// As [`walk`], over the lists of a group of inputs in lock-step: pieces
+/// end at the boundaries of any of them.
+fn walk_group(
+    refs: &[SegRef<'_>],
+    pos: &mut [Pos],
+    len: usize,
+    mut f: impl FnMut(usize, &[*const u8], usize),
+) {
+    let mut ptrs = [ptr::null::<u8>(); MAX_GROUP];
+    let ptrs = &mut ptrs[..refs.len()];
+    let mut at = 0;
+    while at < len {
+        let mut n = len - at;
+        for ((r, p), ptr) in refs.iter().zip(pos.iter()).zip(ptrs.iter_mut()) {
+            let (piece, avail) = p.piece(r.segs);
+            *ptr = piece;
+            n = n.min(avail);
+        }
+        f(at, ptrs, n);
+        for (r, p) in refs.iter().zip(pos.iter_mut()) {
+            p.advance(r.segs, n);
+        }
+        at += n;
+    }
+}
+
+/// Splits `n` inputs into consecutive groups of at most [`MAX_GROUP`], as
+/// even as possible (7 is 4 + 3, not 4 + 2 + 1): fewest passes, each with
+/// as many streams as the others.
+fn groups(n: usize) -> impl Iterator<Item = usize> {
+    let count = n.div_ceil(MAX_GROUP);
+    (0..count).map(move |g| n / count + usize::from(g < n % count))
+}
+
 /// Per-thread state of the data path, kept between calls so that a call
 /// allocates nothing once the thread has warmed up.
 struct State {
@@ -213,26 +249,26 @@ pub unsafe fn reduce_range_chunked(
         let mut done = 0;
         while done < len {
             let bytes = (chunk_elems * size).min(len - done);
-            // Read the whole chunk from every input first.
-            if let [first, second, rest @ ..] = &mut st.inputs[..] {
-                let (a, b) = (inputs[0].segs, inputs[1].segs);
-                walk2((a, first), (b, second), bytes, |at, pa, pb, n| {
-                    // SAFETY: both pieces lie in input segments, which the
-                    // caller guarantees readable; the kernel reads them
-                    // through raw pointers only.
-                    unsafe { kernel.combine(scratch, whole(at), pa, pb, whole(n)) }
+            // Read the whole chunk from every input first, a group of
+            // inputs per pass, in rank order.
+            let mut start = 0;
+            for group in groups(inputs.len()) {
+                let end = start + group;
+                let pos = &mut st.inputs[start..end];
+                walk_group(&inputs[start..end], pos, bytes, |at, srcs, n| {
+                    let (at, n) = (whole(at), whole(n));
+                    // SAFETY: every piece lies in an input segment, which
+                    // the caller guarantees readable; the kernel reads
+                    // them through raw pointers only.
+                    unsafe {
+                        if start == 0 {
+                            kernel.first(scratch, at, srcs, n);
+                        } else {
+                            kernel.fold(scratch, at, srcs, n);
+                        }
+                    }
                 });
-                for (input, pos) in inputs[2..].iter().zip(rest) {
-                    walk(input.segs, pos, bytes, |at, p, n| {
-                        // SAFETY: as above.
-                        unsafe { kernel.accumulate(scratch, whole(at), p, whole(n)) }
-                    });
-                }
-            } else {
-                walk(inputs[0].segs, &mut st.inputs[0], bytes, |at, p, n| {
-                    // SAFETY: as above.
-                    unsafe { kernel.load(scratch, whole(at), p, whole(n)) }
-                });
+                start = end;
             }
             // Then write it to every output.
             let result = kernel.finish(scratch, bytes / size, world);
@@ -458,7 +494,7 @@ mod tests {
     fn reduce_matches_reference_for_every_dtype_op_and_world() {
         let mut rng = Rng::new(7);
         for (dtype, op) in pairs() {
-            for world in 1..=5 {
+            for world in [1, 2, 3, 4, 5, 8, 9] {
                 for elems in [1, 3, 7, 33, 1001] {
                     let (inputs, outputs) = setup(&mut rng, dtype, world, elems);
                     let want = want(dtype, op, &inputs);
@@ -611,6 +647,23 @@ mod tests {
                     assert_eq!(is_nan, nan, "{dtype} {op} element {i}");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn inputs_split_into_even_groups() {
+        let split = |n| groups(n).collect::<Vec<_>>();
+        assert_eq!(split(1), [1]);
+        assert_eq!(split(4), [4]);
+        assert_eq!(split(5), [3, 2]);
+        assert_eq!(split(7), [4, 3]);
+        assert_eq!(split(8), [4, 4]);
+        assert_eq!(split(9), [3, 3, 3]);
+        for n in 1..100 {
+            let g = split(n);
+            assert_eq!(g.iter().sum::<usize>(), n);
+            assert!(g.iter().all(|&k| (1..=MAX_GROUP).contains(&k)));
+            assert_eq!(g.len(), n.div_ceil(MAX_GROUP));
         }
     }
 

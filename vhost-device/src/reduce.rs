@@ -1,11 +1,13 @@
 //! Element-wise reduction kernels over raw memory.
 //!
 //! A reduction of N inputs runs through an accumulator in a [`Scratch`],
-//! one cache-sized chunk at a time: `acc = in0 op in1` ([`Kernel::combine`];
-//! [`Kernel::load`] when N is 1), then `acc = acc op in_r` for r = 2..N in
-//! rank order ([`Kernel::accumulate`]), then [`Kernel::finish`] turns the
-//! accumulator into result bytes (the avg division, the f16/bf16 rounding).
-//! [`crate::datapath`] drives these over scatter-gather lists.
+//! one cache-sized chunk at a time, reading up to [`MAX_GROUP`] inputs per
+//! pass in rank order: `acc = in0 op in1 op ..` ([`Kernel::first`]), then
+//! `acc = acc op in_k op ..` for the next groups ([`Kernel::fold`]), then
+//! [`Kernel::finish`] turns the accumulator into result bytes (the avg
+//! division, the f16/bf16 rounding). Each element is folded left to right
+//! in rank order whatever the grouping, so the result is the same bit for
+//! bit. [`crate::datapath`] drives these over scatter-gather lists.
 //!
 //! Semantics (docs/spec.md): integer sum and prod wrap; avg is the sum
 //! divided by the world size (integers: wrapping sum, then division
@@ -18,8 +20,8 @@
 //! any time, so the kernels read them only through unaligned raw-pointer
 //! reads and never make a Rust reference to them. The loops are plain
 //! element loops that LLVM vectorises; on x86-64 each exists twice, for the
-//! baseline ISA and for AVX2, and [`Kernel::new`] takes the best one the CPU
-//! has.
+//! baseline ISA and for AVX2 (with F16C for f16), and [`Kernel::new`] takes
+//! the best one the CPU has.
 
 use std::marker::PhantomData;
 use std::slice;
@@ -28,8 +30,9 @@ use virtio_dmlc::{Dtype, ReduceOp};
 
 /// Default accumulator size of one chunk, in bytes. 8 KiB keeps the
 /// accumulator in L1 next to the input lines streaming through it: on
-/// cache-resident data it beat 4, 12, 16 and 32 KiB by up to 25% (f32 and
-/// f16), and on data from DRAM no size stood out (docs/benchmarks.md).
+/// cache-resident data it was the fastest of 4 to 32 KiB or within 5% of
+/// it, where 32 KiB was up to 43% slower; from DRAM no size stood out
+/// (docs/benchmarks.md).
 pub const CHUNK_BYTES: usize = 8 << 10;
 
 /// Arithmetic of an accumulator type.
@@ -373,42 +376,76 @@ op!(Bxor: Bits, xor);
 // (any alignment) and may be written by another process meanwhile; `stage`
 // points to room for `n` aligned `E::Raw` of ours.
 
+/// The sources of one pass: `K` pointers read from `srcs`.
 #[inline(always)]
-unsafe fn load_body<E: Elem>(acc: *mut u8, src: *const u8, n: usize) {
+unsafe fn sources<E: Elem, const K: usize>(srcs: *const *const u8) -> [*const E::Raw; K] {
+    // SAFETY: the caller passes `K` pointers at `srcs`.
+    std::array::from_fn(|k| unsafe { srcs.add(k).read() }.cast::<E::Raw>())
+}
+
+/// Element `i` of a source, widened.
+#[inline(always)]
+unsafe fn read<E: Elem>(src: *const E::Raw, i: usize) -> E::Acc {
+    // SAFETY: the source is readable for `n > i` elements (contract
+    // above); guest memory is only read through this unaligned raw read,
+    // never through a reference, and every bit pattern is a valid element.
+    E::widen(unsafe { src.add(i).read_unaligned() })
+}
+
+/// `acc = src` (one source needs no op).
+#[inline(always)]
+unsafe fn load_body<E: Elem>(acc: *mut u8, srcs: *const *const u8, n: usize) {
     // SAFETY: `acc` is our scratch, aligned and holding `n` accumulators
     // (contract above); any bit pattern is a valid number.
     let acc = unsafe { slice::from_raw_parts_mut(acc.cast::<E::Acc>(), n) };
-    let src = src.cast::<E::Raw>();
+    // SAFETY: one source pointer (contract of `first`).
+    let [src] = unsafe { sources::<E, 1>(srcs) };
     for (i, a) in acc.iter_mut().enumerate() {
-        // SAFETY: `src` is readable for `n` elements (contract above);
-        // guest memory is only read through this unaligned raw read, never
-        // through a reference, and every bit pattern is a valid element.
-        *a = E::widen(unsafe { src.add(i).read_unaligned() });
+        // SAFETY: `i < n`.
+        *a = unsafe { read::<E>(src, i) };
     }
 }
 
+/// `acc = s0 op s1 op .. op s(K-1)`, left to right.
 #[inline(always)]
-unsafe fn combine_body<E: Elem, O: Op<E::Acc>>(acc: *mut u8, a: *const u8, b: *const u8, n: usize) {
+unsafe fn first_body<E: Elem, O: Op<E::Acc>, const K: usize>(
+    acc: *mut u8,
+    srcs: *const *const u8,
+    n: usize,
+) {
     // SAFETY: as in `load_body`.
     let acc = unsafe { slice::from_raw_parts_mut(acc.cast::<E::Acc>(), n) };
-    let (a, b) = (a.cast::<E::Raw>(), b.cast::<E::Raw>());
-    for (i, r) in acc.iter_mut().enumerate() {
-        // SAFETY: both sources are readable for `n` elements; unaligned
-        // raw reads of plain numbers, as in `load_body`.
-        let (x, y) = unsafe { (a.add(i).read_unaligned(), b.add(i).read_unaligned()) };
-        *r = O::apply(E::widen(x), E::widen(y));
+    // SAFETY: `K` source pointers (contract of `first`).
+    let s = unsafe { sources::<E, K>(srcs) };
+    for (i, a) in acc.iter_mut().enumerate() {
+        // SAFETY: `i < n` for every source.
+        let mut v = unsafe { read::<E>(s[0], i) };
+        for &src in &s[1..] {
+            // SAFETY: as above.
+            v = O::apply(v, unsafe { read::<E>(src, i) });
+        }
+        *a = v;
     }
 }
 
+/// `acc = acc op s0 op .. op s(K-1)`, left to right.
 #[inline(always)]
-unsafe fn accumulate_body<E: Elem, O: Op<E::Acc>>(acc: *mut u8, src: *const u8, n: usize) {
+unsafe fn fold_body<E: Elem, O: Op<E::Acc>, const K: usize>(
+    acc: *mut u8,
+    srcs: *const *const u8,
+    n: usize,
+) {
     // SAFETY: as in `load_body`.
     let acc = unsafe { slice::from_raw_parts_mut(acc.cast::<E::Acc>(), n) };
-    let src = src.cast::<E::Raw>();
-    for (i, r) in acc.iter_mut().enumerate() {
-        // SAFETY: as in `load_body`.
-        let x = unsafe { src.add(i).read_unaligned() };
-        *r = O::apply(*r, E::widen(x));
+    // SAFETY: `K` source pointers (contract of `fold`).
+    let s = unsafe { sources::<E, K>(srcs) };
+    for (i, a) in acc.iter_mut().enumerate() {
+        let mut v = *a;
+        for &src in &s {
+            // SAFETY: `i < n` for every source.
+            v = O::apply(v, unsafe { read::<E>(src, i) });
+        }
+        *a = v;
     }
 }
 
@@ -440,16 +477,20 @@ unsafe fn finish_body<E: Elem, O: Op<E::Acc>>(
     true
 }
 
-type LoadFn = unsafe fn(*mut u8, *const u8, usize);
-type CombineFn = unsafe fn(*mut u8, *const u8, *const u8, usize);
+/// The most sources one kernel pass reads. Reading several inputs per pass
+/// keeps more memory streams in flight and loads and stores the
+/// accumulator once for all of them.
+pub const MAX_GROUP: usize = 4;
+
+type GroupFn = unsafe fn(*mut u8, *const *const u8, usize);
 type FinishFn = unsafe fn(*mut u8, *mut u8, usize, u32) -> bool;
 
-/// The four kernels of one dtype, op and ISA.
+/// The kernels of one dtype, op and ISA; `first[k - 1]` and `fold[k - 1]`
+/// read `k` sources.
 #[derive(Clone, Copy)]
 struct Fns {
-    load: LoadFn,
-    combine: CombineFn,
-    accumulate: LoadFn,
+    first: [GroupFn; MAX_GROUP],
+    fold: [GroupFn; MAX_GROUP],
     finish: FinishFn,
 }
 
@@ -461,30 +502,29 @@ macro_rules! isa_kernels {
             use super::*;
 
             $(#[target_feature(enable = $features)])?
-            pub(super) unsafe fn load<E: Elem>(acc: *mut u8, src: *const u8, n: usize) {
+            pub(super) unsafe fn load<E: Elem>(acc: *mut u8, srcs: *const *const u8, n: usize) {
                 // SAFETY: the caller keeps the kernel contract.
-                unsafe { load_body::<E>(acc, src, n) }
+                unsafe { load_body::<E>(acc, srcs, n) }
             }
 
             $(#[target_feature(enable = $features)])?
-            pub(super) unsafe fn combine<E: Elem, O: Op<E::Acc>>(
+            pub(super) unsafe fn first<E: Elem, O: Op<E::Acc>, const K: usize>(
                 acc: *mut u8,
-                a: *const u8,
-                b: *const u8,
+                srcs: *const *const u8,
                 n: usize,
             ) {
                 // SAFETY: the caller keeps the kernel contract.
-                unsafe { combine_body::<E, O>(acc, a, b, n) }
+                unsafe { first_body::<E, O, K>(acc, srcs, n) }
             }
 
             $(#[target_feature(enable = $features)])?
-            pub(super) unsafe fn accumulate<E: Elem, O: Op<E::Acc>>(
+            pub(super) unsafe fn fold<E: Elem, O: Op<E::Acc>, const K: usize>(
                 acc: *mut u8,
-                src: *const u8,
+                srcs: *const *const u8,
                 n: usize,
             ) {
                 // SAFETY: the caller keeps the kernel contract.
-                unsafe { accumulate_body::<E, O>(acc, src, n) }
+                unsafe { fold_body::<E, O, K>(acc, srcs, n) }
             }
 
             $(#[target_feature(enable = $features)])?
@@ -500,9 +540,13 @@ macro_rules! isa_kernels {
 
             pub(super) fn fns<E: Elem, O: Op<E::Acc>>() -> Fns {
                 Fns {
-                    load: load::<E>,
-                    combine: combine::<E, O>,
-                    accumulate: accumulate::<E, O>,
+                    first: [load::<E>, first::<E, O, 2>, first::<E, O, 3>, first::<E, O, 4>],
+                    fold: [
+                        fold::<E, O, 1>,
+                        fold::<E, O, 2>,
+                        fold::<E, O, 3>,
+                        fold::<E, O, 4>,
+                    ],
                     finish: finish::<E, O>,
                 }
             }
@@ -772,44 +816,41 @@ impl Kernel {
         acc.wrapping_add(at * self.acc_size)
     }
 
-    /// `acc[at..at + n] = src[..n]`.
+    /// `acc[at..at + n] = srcs[0][..n] op srcs[1][..n] op ..`, left to
+    /// right, for 1 to [`MAX_GROUP`] sources.
     ///
     /// # Safety
-    /// `src` must be valid for reads of `n` elements (any alignment); the
-    /// memory may be changed by another process meanwhile.
-    pub unsafe fn load(&self, scratch: &mut Scratch, at: usize, src: *const u8, n: usize) {
+    /// Each source must be valid for reads of `n` elements (any alignment);
+    /// the memory may be changed by another process meanwhile.
+    pub unsafe fn first(&self, scratch: &mut Scratch, at: usize, srcs: &[*const u8], n: usize) {
+        let f = self.fns.first[Self::group(srcs)];
         let acc = self.acc_ptr(scratch, at, n);
         // SAFETY: `acc` addresses `n` accumulators of our scratch (checked
-        // by `acc_ptr`; the scratch is line-aligned and initialised);
-        // `src` is the caller's promise.
-        unsafe { (self.fns.load)(acc, src, n) }
+        // by `acc_ptr`; the scratch is line-aligned and initialised); `f`
+        // reads as many pointers as `srcs` holds; the sources are the
+        // caller's promise.
+        unsafe { f(acc, srcs.as_ptr(), n) }
     }
 
-    /// `acc[at..at + n] = a[..n] op b[..n]`.
+    /// `acc[at..at + n] = acc[at..at + n] op srcs[0][..n] op ..`, left to
+    /// right, for 1 to [`MAX_GROUP`] sources.
     ///
     /// # Safety
-    /// As for [`Kernel::load`], for both `a` and `b`.
-    pub unsafe fn combine(
-        &self,
-        scratch: &mut Scratch,
-        at: usize,
-        a: *const u8,
-        b: *const u8,
-        n: usize,
-    ) {
+    /// As for [`Kernel::first`].
+    pub unsafe fn fold(&self, scratch: &mut Scratch, at: usize, srcs: &[*const u8], n: usize) {
+        let f = self.fns.fold[Self::group(srcs)];
         let acc = self.acc_ptr(scratch, at, n);
-        // SAFETY: as in `load`.
-        unsafe { (self.fns.combine)(acc, a, b, n) }
+        // SAFETY: as in `first`.
+        unsafe { f(acc, srcs.as_ptr(), n) }
     }
 
-    /// `acc[at..at + n] = acc[at..at + n] op src[..n]`.
-    ///
-    /// # Safety
-    /// As for [`Kernel::load`].
-    pub unsafe fn accumulate(&self, scratch: &mut Scratch, at: usize, src: *const u8, n: usize) {
-        let acc = self.acc_ptr(scratch, at, n);
-        // SAFETY: as in `load`.
-        unsafe { (self.fns.accumulate)(acc, src, n) }
+    /// Index of the kernel for `srcs.len()` sources.
+    fn group(srcs: &[*const u8]) -> usize {
+        assert!(
+            (1..=MAX_GROUP).contains(&srcs.len()),
+            "a kernel pass reads 1 to {MAX_GROUP} sources"
+        );
+        srcs.len() - 1
     }
 
     /// Turns `acc[..n]` into the result, `n * elem_size()` bytes in memory
@@ -1177,8 +1218,10 @@ mod tests {
     }
 
     /// Runs the kernels by hand over host buffers, at an odd byte offset
-    /// (unaligned sources) and into the middle of the accumulator.
-    fn run_kernels(k: &Kernel, inputs: &[Vec<u8>], world: u32) -> Vec<u8> {
+    /// (unaligned sources) and into the middle of the accumulator, reading
+    /// the inputs in passes of `groups` sources.
+    fn run_grouped(k: &Kernel, inputs: &[Vec<u8>], world: u32, groups: &[usize]) -> Vec<u8> {
+        assert_eq!(groups.iter().sum::<usize>(), inputs.len());
         let size = k.elem_size();
         let n = inputs[0].len() / size;
         let at = 5;
@@ -1191,17 +1234,19 @@ mod tests {
                 v
             })
             .collect();
-        let ptr = |r: usize| shifted[r][1..].as_ptr();
-        // SAFETY: every pointer addresses `n` elements of a live Vec.
-        unsafe {
-            if inputs.len() == 1 {
-                k.load(&mut scratch, at, ptr(0), n);
-            } else {
-                k.combine(&mut scratch, at, ptr(0), ptr(1), n);
-                for r in 2..inputs.len() {
-                    k.accumulate(&mut scratch, at, ptr(r), n);
+        let ptrs: Vec<*const u8> = shifted.iter().map(|b| b[1..].as_ptr()).collect();
+        let mut next = 0;
+        for (g, &len) in groups.iter().enumerate() {
+            let srcs = &ptrs[next..next + len];
+            // SAFETY: every pointer addresses `n` elements of a live Vec.
+            unsafe {
+                if g == 0 {
+                    k.first(&mut scratch, at, srcs, n);
+                } else {
+                    k.fold(&mut scratch, at, srcs, n);
                 }
             }
+            next += len;
         }
         // `finish` works on the chunk from 0: move the result there first.
         let acc_bytes = k.acc_size() * n;
@@ -1211,21 +1256,45 @@ mod tests {
         k.finish(&mut scratch, n, world).to_vec()
     }
 
+    /// As `run_grouped`, in passes of as many sources as a kernel takes.
+    fn run_kernels(k: &Kernel, inputs: &[Vec<u8>], world: u32) -> Vec<u8> {
+        let groups: Vec<usize> = (0..inputs.len())
+            .step_by(MAX_GROUP)
+            .map(|r| (inputs.len() - r).min(MAX_GROUP))
+            .collect();
+        run_grouped(k, inputs, world, &groups)
+    }
+
     #[test]
-    fn kernels_match_reference_for_every_dtype_op_and_isa() {
+    fn kernels_match_reference_for_every_dtype_op_isa_and_grouping() {
         let mut rng = Rng::new(1);
         for isa in Isa::available() {
             for (dtype, op) in pairs() {
                 let k = Kernel::with_isa(dtype, op, isa).unwrap();
-                for world in 1..=5u32 {
-                    for n in [1usize, 3, 7, 16, 33, 67] {
-                        let inputs: Vec<Vec<u8>> =
-                            (0..world).map(|_| rng.elems(dtype, n)).collect();
-                        let refs: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
-                        let want = reference::reduce(dtype, op, world, &refs);
-                        let got = run_kernels(&k, &inputs, world);
-                        if let Err(e) = reference::check(dtype, &got, &want) {
-                            panic!("{isa:?} {op} N={world} n={n}: {e}");
+                for world in 1..=9usize {
+                    // One source per pass, the most per pass, and a random
+                    // split: every kernel of every group size runs.
+                    let mut random = Vec::new();
+                    let mut left = world;
+                    while left > 0 {
+                        let g = (1 + rng.below(MAX_GROUP)).min(left);
+                        random.push(g);
+                        left -= g;
+                    }
+                    let full: Vec<usize> = (0..world)
+                        .step_by(MAX_GROUP)
+                        .map(|r| (world - r).min(MAX_GROUP))
+                        .collect();
+                    for groups in [vec![1; world], full, random] {
+                        for n in [1usize, 7, 16, 33, 67] {
+                            let inputs: Vec<Vec<u8>> =
+                                (0..world).map(|_| rng.elems(dtype, n)).collect();
+                            let refs: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
+                            let want = reference::reduce(dtype, op, world as u32, &refs);
+                            let got = run_grouped(&k, &inputs, world as u32, &groups);
+                            if let Err(e) = reference::check(dtype, &got, &want) {
+                                panic!("{isa:?} {op} N={world} groups {groups:?} n={n}: {e}");
+                            }
                         }
                     }
                 }
@@ -1435,12 +1504,22 @@ mod tests {
     }
 
     #[test]
+    #[should_panic(expected = "a kernel pass reads 1 to 4 sources")]
+    fn kernels_refuse_too_many_sources() {
+        let k = Kernel::new(Dtype::U8, ReduceOp::Sum).unwrap();
+        let mut scratch = Scratch::with_bytes(64);
+        let src = [0u8; 8];
+        // SAFETY: every source holds 8 elements; the kernel must refuse 5.
+        unsafe { k.fold(&mut scratch, 0, &[src.as_ptr(); 5], 8) };
+    }
+
+    #[test]
     #[should_panic(expected = "chunk exceeds the scratch")]
     fn kernels_refuse_ranges_beyond_the_scratch() {
         let k = Kernel::new(Dtype::F32, ReduceOp::Sum).unwrap();
         let mut scratch = Scratch::with_bytes(64);
         let src = [0u8; 128];
         // SAFETY: the source holds 32 f32; the kernel must refuse at 17.
-        unsafe { k.load(&mut scratch, 0, src.as_ptr(), 17) };
+        unsafe { k.first(&mut scratch, 0, &[src.as_ptr()], 17) };
     }
 }
