@@ -25,3 +25,5 @@ pub mod virtqueue;
 pub use device::{BufSlice, Device, DmaBuf, Done, Element, Handle, OpenOptions, RawDesc, Request};
 pub use error::{Error, Result};
 pub use virtio_dmlc::{Dtype, Opcode, ReduceOp};
+pub mod hugepage;
+pub mod pci;
