@@ -3,11 +3,14 @@
 #
 # Installs what it needs, then runs, in order: rustfmt and clippy checks, the
 # unit and integration tests of every crate (backend, driver, C ABI) over
-# real vhost-user sockets.
+# real vhost-user sockets, and last the system tests, which boot QEMU VMs
+# with the virtio-dmlc device (tests/system/).
 #
 # Environment:
 #   CI=true            a test that cannot run on this machine fails instead of skipping
 #   DMLC_CACHE=DIR     where slow build steps are cached (default ~/.cache/virtio-dmlc)
+#   DMLC_ACCEL=kvm     run the system tests' VMs under KVM instead of TCG
+#   DMLC_QEMU=PATH     a patched qemu-system-x86_64 to use instead of building one
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,3 +40,29 @@ cargo build --workspace --locked --bins
 
 step "cargo test --workspace"
 cargo test --workspace --locked
+
+step "system tests: patched QEMU (built once, then cached)"
+stage_start=$SECONDS
+if qemu_env=$(qemu-patches/build-qemu.sh --env); then
+  eval "$qemu_env"
+  export DMLC_QEMU DMLC_QEMU_FIRMWARE
+  echo "QEMU: $DMLC_QEMU"
+elif [ "${CI:-}" = true ]; then
+  echo "error: cannot build the patched QEMU; the system tests cannot run" >&2
+  exit 1
+else
+  echo "SKIP system tests: cannot build the patched QEMU (set DMLC_QEMU to use your own)" >&2
+  exit 0
+fi
+
+step "system tests: release builds of the guest program and the backend"
+# The guests run dmlc-guest (stripped into the image) and pci_probe under
+# emulation, where a debug build is many times slower.
+cargo build --release --locked -p dmlc-guest -p vhost-device-dmlc --bins --example pci_probe
+export DMLC_GUEST_BIN=$PWD/target/release/dmlc-guest
+export DMLC_PCI_PROBE_BIN=$PWD/target/release/examples/pci_probe
+export DMLC_BACKEND_BIN=$PWD/target/release/vhost-device-dmlc
+
+step "system tests: VMs (${DMLC_ACCEL:-tcg}), one test at a time"
+cargo test --locked -p dmlc-system-tests --test system -- --test-threads=1
+echo "system tests: $((SECONDS - stage_start)) s"

@@ -25,5 +25,8 @@ pub mod virtqueue;
 pub use device::{BufSlice, Device, DmaBuf, Done, Element, Handle, OpenOptions, RawDesc, Request};
 pub use error::{Error, Result};
 pub use virtio_dmlc::{Dtype, Opcode, ReduceOp};
+pub mod comm;
 pub mod hugepage;
 pub mod pci;
+pub mod rabit;
+pub mod tcp;

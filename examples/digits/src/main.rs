@@ -1,0 +1,252 @@
+//! `dmlc-train-digits`: data-parallel softmax regression on the
+//! handwritten-digits data, one process per rank, gradients summed through
+//! the dmlc-guest rabit API (the device, or TCP, as the DMLC environment
+//! says).
+
+use std::fs;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::Parser;
+use thiserror::Error;
+
+use dmlc_example_digits::data::{self, DataError, DEFAULT_TEST_SIZE};
+use dmlc_example_digits::report::{median, Report};
+use dmlc_example_digits::train::{
+    check_identical, check_single, train, Collective, CommError, Settings, TrainError,
+    DEFAULT_TOLERANCE,
+};
+use dmlc_guest::rabit::{self, Op, RabitError};
+
+/// Trains softmax regression on the handwritten-digits data across the ranks
+/// of a DMLC job (rank and world size from DMLC_TASK_ID / DMLC_NUM_WORKER,
+/// transport from DMLC_TRANSPORT), then checks that all ranks hold bitwise
+/// identical weights and that they match a single-process run.
+#[derive(Debug, Parser)]
+#[command(name = "dmlc-train-digits", version)]
+struct Args {
+    /// The digits CSV (gzip-compressed or plain), as fetch-data.sh gets it.
+    #[arg(long, value_name = "PATH", default_value = "/data/digits.csv.gz")]
+    data: PathBuf,
+
+    /// Gradient-descent steps.
+    #[arg(long, value_name = "N", default_value_t = 100)]
+    steps: u32,
+
+    /// Learning rate.
+    #[arg(long, value_name = "RATE", default_value_t = 1.0)]
+    lr: f32,
+
+    /// L2 penalty on the weights.
+    #[arg(long, value_name = "LAMBDA", default_value_t = 1e-4)]
+    l2: f32,
+
+    /// Samples per step over all ranks; 0 uses the whole training set every
+    /// step.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    batch: usize,
+
+    /// Seed of the initial weights (drawn on rank 0 and broadcast).
+    #[arg(long, value_name = "N", default_value_t = 42)]
+    seed: u64,
+
+    /// The last this many samples are the test set.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_TEST_SIZE)]
+    test_size: usize,
+
+    /// Print a step line every this many steps (and the last step).
+    #[arg(long, value_name = "K", default_value_t = 10)]
+    print_every: u32,
+
+    /// Largest parameter difference to the single-process run that passes.
+    #[arg(long, value_name = "X", default_value_t = DEFAULT_TOLERANCE)]
+    tolerance: f32,
+
+    /// Write per-step times and the results as JSON here; "{rank}" in the
+    /// path is replaced by the rank.
+    #[arg(long, value_name = "FILE")]
+    json: Option<String>,
+}
+
+/// Errors of the program.
+#[derive(Debug, Error)]
+enum MainError {
+    #[error("cannot join the job")]
+    Init(#[source] RabitError),
+    #[error("cannot leave the job cleanly")]
+    Finalize(#[source] RabitError),
+    #[error("cannot load the data")]
+    Data(#[from] DataError),
+    #[error("training failed")]
+    Train(#[from] TrainError),
+    #[error("cannot write {path}")]
+    Json {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The process-wide rabit worker, as a [`Collective`]: the calls a program
+/// ported from rabit makes.
+struct RabitWorker;
+
+impl Collective for RabitWorker {
+    fn rank(&self) -> u32 {
+        rabit::get_rank()
+    }
+
+    fn world_size(&self) -> u32 {
+        rabit::get_world_size()
+    }
+
+    fn allreduce_sum_f32(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
+        Ok(rabit::allreduce(buf, Op::Sum)?)
+    }
+
+    fn allreduce_max_u64(&mut self, buf: &mut [u64]) -> Result<(), CommError> {
+        Ok(rabit::allreduce(buf, Op::Max)?)
+    }
+
+    fn broadcast_f32(&mut self, buf: &mut [f32], root: u32) -> Result<(), CommError> {
+        Ok(rabit::broadcast(buf, root)?)
+    }
+}
+
+/// Joins the job, trains, checks, and leaves; returns whether both checks
+/// passed.
+fn job(args: &Args) -> Result<bool, MainError> {
+    rabit::init().map_err(MainError::Init)?;
+    let transport = rabit::with(|r| r.transport()).map_err(MainError::Init)?;
+    let passed = run(&mut RabitWorker, transport, args)?;
+    // Waits for every rank, so none leaves while others still talk to it.
+    rabit::finalize().map_err(MainError::Finalize)?;
+    Ok(passed)
+}
+
+/// Runs the job on `comm`; returns whether both checks passed.
+fn run<C: Collective + ?Sized>(
+    comm: &mut C,
+    transport: &str,
+    args: &Args,
+) -> Result<bool, MainError> {
+    let rank = comm.rank();
+    let ranks = comm.world_size();
+    let all = data::load(&args.data)?;
+    let (train_set, test_set) = all.split(args.test_size)?;
+    let settings = Settings {
+        steps: args.steps,
+        lr: args.lr,
+        l2: args.l2,
+        batch: args.batch,
+        seed: args.seed,
+    };
+    let shard = (0..train_set.len())
+        .filter(|i| i % ranks as usize == rank as usize)
+        .count();
+    println!(
+        "rank {rank} of {ranks} transport {transport} train {} (shard {shard}) test {} steps {} lr {} l2 {} batch {}",
+        train_set.len(),
+        test_set.len(),
+        settings.steps,
+        settings.lr,
+        settings.l2,
+        if settings.batch == 0 { train_set.len() } else { settings.batch }
+    );
+
+    let last = settings.steps.saturating_sub(1);
+    let every = args.print_every.max(1);
+    let t0 = Instant::now();
+    let trained = train(comm, &settings, &train_set, |s| {
+        if s.step % every == 0 || s.step == last {
+            println!(
+                "step {} loss {:.6} compute_ms {:.3} exchange_ms {:.3}",
+                s.step, s.loss, s.compute_ms, s.exchange_ms
+            );
+        }
+    })?;
+    let total_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let steps = &trained.steps;
+    let compute: f64 = steps.iter().map(|s| s.compute_ms).sum();
+    let exchange: f64 = steps.iter().map(|s| s.exchange_ms).sum();
+    println!(
+        "time total_ms {total_ms:.1} compute_ms {compute:.1} exchange_ms {exchange:.1} \
+         median_step_compute_ms {:.3} median_step_exchange_ms {:.3}",
+        median(steps, |s| s.compute_ms),
+        median(steps, |s| s.exchange_ms)
+    );
+
+    let model = &trained.model;
+    let correct = model.correct(&test_set);
+    println!(
+        "test accuracy {:.4} ({correct}/{})",
+        correct as f64 / test_set.len() as f64,
+        test_set.len()
+    );
+
+    let identical = check_identical(comm, model)?;
+    if identical.passed() {
+        println!(
+            "PASS identical weights on all {ranks} ranks (fingerprint {:#018x})",
+            identical.fingerprint
+        );
+    } else {
+        println!(
+            "FAIL identical weights: fingerprints differ across ranks (min {:#018x} max {:#018x}, this rank {:#018x})",
+            identical.min, identical.max, identical.fingerprint
+        );
+    }
+
+    let reference = check_single(&settings, &train_set, model, args.tolerance)?;
+    // Not bitwise: the shards' partial sums are added in another order
+    // than one process's running sum, so the last bits differ.
+    println!(
+        "{} matches single-process run: max abs diff {:.3e} (tolerance {:.0e}; not bitwise: the summation order differs)",
+        if reference.passed() { "PASS" } else { "FAIL" },
+        reference.max_abs_diff,
+        reference.tolerance
+    );
+
+    let report = Report {
+        rank,
+        world_size: ranks,
+        transport,
+        settings: &settings,
+        train_samples: train_set.len(),
+        test_samples: test_set.len(),
+        steps: &trained.steps,
+        total_ms,
+        test_correct: correct,
+        identical,
+        reference: &reference,
+    };
+    if let Some(pattern) = &args.json {
+        let path = pattern.replace("{rank}", &rank.to_string());
+        fs::write(&path, report.to_json() + "\n")
+            .map_err(|source| MainError::Json { path, source })?;
+    }
+    Ok(report.passed())
+}
+
+/// Prints an error and its causes, one per line.
+fn print_error(e: &dyn std::error::Error) {
+    eprintln!("dmlc-train-digits: {e}");
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        eprintln!("  caused by: {c}");
+        cause = c.source();
+    }
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match job(&args) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(e) => {
+            print_error(&e);
+            ExitCode::from(2)
+        }
+    }
+}

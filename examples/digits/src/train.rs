@@ -1,0 +1,446 @@
+//! Data-parallel training over any [`Collective`], and the two end checks.
+//!
+//! Every rank holds the whole training set and uses the samples `i` with
+//! `i % N == rank` of each step's batch. Each step it sums its shard's
+//! gradient locally, the allreduce adds the shards (together with the loss
+//! and the sample count, in the same buffer), and every rank divides by the
+//! total count and applies the same f32 update. Since every rank receives
+//! the same sum, they stay bitwise identical; since the sum is over the same
+//! samples whatever N is, the model equals the single-process one up to the
+//! rounding of a different summation order.
+
+use std::time::Instant;
+
+use thiserror::Error;
+
+use crate::data::{Dataset, Fnv};
+use crate::model::Model;
+
+/// What a collective call returns on failure.
+pub type CommError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// The collectives training needs. Every rank must make the same calls in
+/// the same order with the same lengths.
+pub trait Collective {
+    /// This process's rank, 0..world_size.
+    fn rank(&self) -> u32;
+    /// Number of ranks.
+    fn world_size(&self) -> u32;
+    /// Element-wise sum over all ranks, in place; every rank gets bitwise
+    /// the same result.
+    fn allreduce_sum_f32(&mut self, buf: &mut [f32]) -> Result<(), CommError>;
+    /// Element-wise maximum over all ranks, in place.
+    fn allreduce_max_u64(&mut self, buf: &mut [u64]) -> Result<(), CommError>;
+    /// Copies `root`'s `buf` into every rank's `buf`.
+    fn broadcast_f32(&mut self, buf: &mut [f32], root: u32) -> Result<(), CommError>;
+}
+
+/// One process alone (N = 1): every collective leaves the data as it is.
+/// The single-process reference run trains through it.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Single;
+
+impl Collective for Single {
+    fn rank(&self) -> u32 {
+        0
+    }
+
+    fn world_size(&self) -> u32 {
+        1
+    }
+
+    fn allreduce_sum_f32(&mut self, _buf: &mut [f32]) -> Result<(), CommError> {
+        Ok(())
+    }
+
+    fn allreduce_max_u64(&mut self, _buf: &mut [u64]) -> Result<(), CommError> {
+        Ok(())
+    }
+
+    fn broadcast_f32(&mut self, _buf: &mut [f32], _root: u32) -> Result<(), CommError> {
+        Ok(())
+    }
+}
+
+/// Errors of training.
+#[derive(Debug, Error)]
+pub enum TrainError {
+    #[error("{what} failed")]
+    Comm {
+        what: &'static str,
+        #[source]
+        source: CommError,
+    },
+    #[error("ranks disagree on the training data or the settings")]
+    Inconsistent,
+    #[error("step {step}: the exchange summed {got} samples, expected {expected}")]
+    Count {
+        step: u32,
+        got: f32,
+        expected: usize,
+    },
+}
+
+fn comm(what: &'static str) -> impl FnOnce(CommError) -> TrainError {
+    move |source| TrainError::Comm { what, source }
+}
+
+/// Training settings; every rank must use the same.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Settings {
+    /// Gradient-descent steps.
+    pub steps: u32,
+    /// Learning rate.
+    pub lr: f32,
+    /// L2 penalty on the weights.
+    pub l2: f32,
+    /// Samples per step over all ranks; 0 (or at least the training set's
+    /// size) means the whole training set every step.
+    pub batch: usize,
+    /// Seed of rank 0's initial weights.
+    pub seed: u64,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            steps: 100,
+            lr: 1.0,
+            l2: 1e-4,
+            batch: 0,
+            seed: 42,
+        }
+    }
+}
+
+impl Settings {
+    /// Hash of the settings, for the consistency check at the start.
+    fn fingerprint(&self) -> u64 {
+        let mut h = Fnv::new();
+        h.write(&self.steps.to_le_bytes());
+        h.write(&self.lr.to_bits().to_le_bytes());
+        h.write(&self.l2.to_bits().to_le_bytes());
+        h.write(&(self.batch as u64).to_le_bytes());
+        h.write(&self.seed.to_le_bytes());
+        h.finish()
+    }
+}
+
+/// The global sample indices of step `step`: the whole set, or `batch`
+/// consecutive samples that wrap around the end.
+pub fn batch_indices(step: u32, batch: usize, n: usize) -> impl Iterator<Item = usize> + Clone {
+    let (start, len) = if batch == 0 || batch >= n {
+        (0, n)
+    } else {
+        ((step as usize % n) * batch % n, batch)
+    };
+    (0..len).map(move |j| (start + j) % n)
+}
+
+/// What one step measured.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepStats {
+    /// Step number, from 0.
+    pub step: u32,
+    /// The objective on this step's batch at the weights before the step.
+    pub loss: f64,
+    /// Milliseconds spent on the local gradient.
+    pub compute_ms: f64,
+    /// Milliseconds spent in the allreduce.
+    pub exchange_ms: f64,
+}
+
+/// A finished training run.
+#[derive(Clone, Debug)]
+pub struct Trained {
+    pub model: Model,
+    pub steps: Vec<StepStats>,
+}
+
+/// Trains on `data` (the whole training set, the same on every rank),
+/// calling `on_step` after every step.
+pub fn train<C: Collective + ?Sized>(
+    comm_: &mut C,
+    settings: &Settings,
+    data: &Dataset,
+    mut on_step: impl FnMut(&StepStats),
+) -> Result<Trained, TrainError> {
+    let rank = comm_.rank() as usize;
+    let ranks = comm_.world_size() as usize;
+
+    // A rank with other data or settings would silently train something
+    // else (or hang on a different step count): check first.
+    let fp = data.fingerprint() ^ settings.fingerprint().rotate_left(1);
+    let mut agree = [fp, !fp];
+    comm_
+        .allreduce_max_u64(&mut agree)
+        .map_err(comm("the consistency check"))?;
+    // max(fp) == fp and max(!fp) == !fp, i.e. min(fp) == fp, on every rank.
+    if agree != [fp, !fp] {
+        return Err(TrainError::Inconsistent);
+    }
+
+    let mut model = if rank == 0 {
+        Model::random(data.features, data.classes, settings.seed)
+    } else {
+        Model::zeros(data.features, data.classes)
+    };
+    comm_
+        .broadcast_f32(&mut model.params, 0)
+        .map_err(comm("broadcasting the initial weights"))?;
+
+    let np = model.params.len();
+    let mut grad = vec![0.0f64; np];
+    // Gradient, then the loss sum and the sample count.
+    let mut buf = vec![0.0f32; np + 2];
+    let mut steps = Vec::with_capacity(settings.steps as usize);
+    for step in 0..settings.steps {
+        let t0 = Instant::now();
+        let batch = batch_indices(step, settings.batch, data.len());
+        let expected = batch.clone().count();
+        let mine = batch.filter(|i| i % ranks == rank);
+        let count = mine.clone().count();
+        grad.fill(0.0);
+        let loss = model.accumulate_gradient(data, mine, &mut grad);
+        for (b, &g) in buf.iter_mut().zip(&grad) {
+            *b = g as f32;
+        }
+        buf[np] = loss as f32;
+        buf[np + 1] = count as f32;
+        let compute = t0.elapsed();
+
+        let t1 = Instant::now();
+        comm_
+            .allreduce_sum_f32(&mut buf)
+            .map_err(comm("the gradient allreduce"))?;
+        let exchange = t1.elapsed();
+
+        // Counts are small integers, exact in f32.
+        let total = buf[np + 1];
+        if total != expected as f32 {
+            return Err(TrainError::Count {
+                step,
+                got: total,
+                expected,
+            });
+        }
+        let stats = StepStats {
+            step,
+            loss: model.objective(f64::from(buf[np]), f64::from(total), settings.l2),
+            compute_ms: compute.as_secs_f64() * 1e3,
+            exchange_ms: exchange.as_secs_f64() * 1e3,
+        };
+        model.step(&buf[..np], total, settings.lr, settings.l2);
+        on_step(&stats);
+        steps.push(stats);
+    }
+    Ok(Trained { model, steps })
+}
+
+/// Whether all ranks hold bitwise the same model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Identical {
+    /// This rank's fingerprint.
+    pub fingerprint: u64,
+    /// Largest and smallest fingerprint over the ranks.
+    pub max: u64,
+    pub min: u64,
+}
+
+impl Identical {
+    pub fn passed(&self) -> bool {
+        self.max == self.min
+    }
+}
+
+/// Compares the models' fingerprints over all ranks: one Max allreduce of
+/// (fp, !fp) gives max(fp) and !min(fp).
+pub fn check_identical<C: Collective + ?Sized>(
+    comm_: &mut C,
+    model: &Model,
+) -> Result<Identical, TrainError> {
+    let fp = model.fingerprint();
+    let mut v = [fp, !fp];
+    comm_
+        .allreduce_max_u64(&mut v)
+        .map_err(comm("the identical-weights check"))?;
+    Ok(Identical {
+        fingerprint: fp,
+        max: v[0],
+        min: !v[1],
+    })
+}
+
+/// The single-process comparison.
+#[derive(Clone, Debug)]
+pub struct Reference {
+    /// The model trained by one process on all the data.
+    pub model: Model,
+    /// Largest absolute parameter difference to the distributed model.
+    pub max_abs_diff: f32,
+    /// Allowed difference.
+    pub tolerance: f32,
+}
+
+impl Reference {
+    pub fn passed(&self) -> bool {
+        // A NaN difference fails.
+        self.max_abs_diff <= self.tolerance
+    }
+}
+
+/// Default tolerance of the single-process comparison. The distributed sum
+/// adds per-rank partial sums (each rounded to f32) instead of one running
+/// sum over all samples, so results differ in the last bits of each step's
+/// gradient (relative 1e-7); over 100 steps of a contracting descent the
+/// parameters (of size about 1) drift apart by far less than this.
+pub const DEFAULT_TOLERANCE: f32 = 1e-4;
+
+/// Trains the same settings in this process alone on all of `data` and
+/// compares with `distributed`. Every rank runs it (in parallel, so no rank
+/// waits in a collective for another's reference run).
+pub fn check_single(
+    settings: &Settings,
+    data: &Dataset,
+    distributed: &Model,
+    tolerance: f32,
+) -> Result<Reference, TrainError> {
+    let single = train(&mut Single, settings, data, |_| {})?;
+    Ok(Reference {
+        max_abs_diff: single.model.max_abs_diff(distributed),
+        model: single.model,
+        tolerance,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::local::Threads;
+    use std::thread;
+
+    /// Ten well-separated blobs in 8 features.
+    fn blobs(n: usize) -> Dataset {
+        let features = 8;
+        let mut x = Vec::new();
+        let mut y = Vec::new();
+        for i in 0..n {
+            let c = (i * 7) % 10;
+            for f in 0..features {
+                let centre = if f == c % features { 0.8 } else { 0.1 };
+                let wobble = ((i * 31 + f * 17) % 13) as f32 / 13.0 * 0.2;
+                x.push(centre + wobble + if c >= 8 && f == 0 { 0.5 } else { 0.0 });
+            }
+            y.push(c as u8);
+        }
+        Dataset {
+            features,
+            classes: 10,
+            x,
+            y,
+        }
+    }
+
+    fn run_group(n: u32, settings: &Settings, data: &Dataset) -> Vec<Result<Trained, String>> {
+        let handles: Vec<_> = Threads::group(n)
+            .into_iter()
+            .map(|mut c| {
+                let s = settings.clone();
+                let d = data.clone();
+                thread::spawn(move || train(&mut c, &s, &d, |_| {}).map_err(|e| e.to_string()))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn ranks_agree_and_match_single_process() {
+        let data = blobs(203);
+        for batch in [0, 64] {
+            let settings = Settings {
+                steps: 60,
+                batch,
+                ..Settings::default()
+            };
+            let single = train(&mut Single, &settings, &data, |_| {}).unwrap();
+            for n in [1, 2, 3] {
+                let runs = run_group(n, &settings, &data);
+                let models: Vec<Model> = runs.into_iter().map(|r| r.unwrap().model).collect();
+                for m in &models[1..] {
+                    assert_eq!(m.fingerprint(), models[0].fingerprint(), "n={n}");
+                }
+                let diff = single.model.max_abs_diff(&models[0]);
+                assert!(diff <= DEFAULT_TOLERANCE, "n={n} batch={batch} diff={diff}");
+                if n == 1 {
+                    assert_eq!(diff, 0.0);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn training_lowers_the_loss_and_learns() {
+        let data = blobs(300);
+        let mut seen = Vec::new();
+        let t = train(&mut Single, &Settings::default(), &data, |s| seen.push(*s)).unwrap();
+        assert_eq!(seen.len(), 100);
+        assert_eq!(seen, t.steps);
+        assert!(seen[99].loss < seen[0].loss * 0.5, "{seen:?}");
+        assert!(t.model.correct(&data) >= 270, "{}", t.model.correct(&data));
+        let r = check_single(&Settings::default(), &data, &t.model, DEFAULT_TOLERANCE).unwrap();
+        assert!(r.passed());
+        assert_eq!(r.max_abs_diff, 0.0);
+    }
+
+    #[test]
+    fn disagreement_is_detected() {
+        let data = blobs(50);
+        let mut group = Threads::group(2);
+        let mut c1 = group.pop().unwrap();
+        let mut c0 = group.pop().unwrap();
+        let d1 = data.clone();
+        let h = thread::spawn(move || {
+            let s = Settings {
+                steps: 7,
+                ..Settings::default()
+            };
+            train(&mut c1, &s, &d1, |_| {}).map(|_| ())
+        });
+        let r0 = train(&mut c0, &Settings::default(), &data, |_| {}).map(|_| ());
+        assert!(matches!(r0, Err(TrainError::Inconsistent)), "{r0:?}");
+        assert!(matches!(h.join().unwrap(), Err(TrainError::Inconsistent)));
+    }
+
+    #[test]
+    fn identical_check_sees_a_different_rank() {
+        let mut group = Threads::group(2);
+        let mut c1 = group.pop().unwrap();
+        let mut c0 = group.pop().unwrap();
+        let a = Model::random(4, 3, 1);
+        let mut b = a.clone();
+        let h = thread::spawn(move || check_identical(&mut c1, &a).unwrap());
+        let same = check_identical(&mut c0, &b.clone()).unwrap();
+        assert!(same.passed() && h.join().unwrap().passed());
+        b.params[0] = f32::from_bits(b.params[0].to_bits() ^ 1);
+        let mut group = Threads::group(2);
+        let mut c1 = group.pop().unwrap();
+        let mut c0 = group.pop().unwrap();
+        let a = Model::random(4, 3, 1);
+        let h = thread::spawn(move || check_identical(&mut c1, &a).unwrap());
+        let differ = check_identical(&mut c0, &b).unwrap();
+        assert!(!differ.passed());
+        assert!(!h.join().unwrap().passed());
+    }
+
+    #[test]
+    fn batches_wrap_and_cover() {
+        let v: Vec<usize> = batch_indices(0, 0, 5).collect();
+        assert_eq!(v, vec![0, 1, 2, 3, 4]);
+        let v: Vec<usize> = batch_indices(1, 3, 5).collect();
+        assert_eq!(v, vec![3, 4, 0]);
+        let v: Vec<usize> = batch_indices(2, 3, 5).collect();
+        assert_eq!(v, vec![1, 2, 3]);
+        let v: Vec<usize> = batch_indices(9, 10, 5).collect();
+        assert_eq!(v, vec![0, 1, 2, 3, 4]);
+    }
+}

@@ -1,0 +1,285 @@
+//! Shared harness of the integration tests: locate the built binaries,
+//! start the backend and rank processes with captured output, wait with
+//! timeouts, and kill everything (printing its output) on failure.
+
+#![allow(dead_code)] // each test binary uses a different part
+
+use std::fs;
+use std::io::{BufRead, BufReader, Read};
+use std::os::unix::fs::FileTypeExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// The heavy tests run one at a time: the machine may have only two cores,
+/// and polling ranks of concurrent tests would starve each other.
+pub fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The `dmlc-guest` binary cargo built for this test.
+pub fn guest_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_dmlc-guest"))
+}
+
+/// The target profile folder (where the binaries and libraries are).
+pub fn target_dir() -> PathBuf {
+    guest_bin()
+        .parent()
+        .expect("binary has a folder")
+        .to_path_buf()
+}
+
+/// The backend daemon, built by the same cargo run (another crate).
+pub fn backend_bin() -> PathBuf {
+    let p = target_dir().join("vhost-device-dmlc");
+    assert!(
+        p.is_file(),
+        "backend binary {} is missing: run `cargo build --workspace` (or `cargo test --workspace`) first",
+        p.display()
+    );
+    p
+}
+
+/// A private temporary folder, removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> Self {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let p = std::env::temp_dir().join(format!("dmlc-test-{tag}-{}-{n}", std::process::id()));
+        let _ = fs::remove_dir_all(&p);
+        fs::create_dir_all(&p).expect("create temp dir");
+        TempDir(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Captured output lines with the time each arrived.
+type Lines = Arc<Mutex<Vec<(Instant, String)>>>;
+
+fn capture(src: impl Read + Send + 'static, lines: Lines) -> thread::JoinHandle<()> {
+    thread::spawn(move || {
+        for line in BufReader::new(src).lines() {
+            let Ok(line) = line else { break };
+            lines
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((Instant::now(), line));
+        }
+    })
+}
+
+/// A child process whose stdout and stderr are captured. Dropping it kills
+/// the process, and prints its output if the test is failing.
+pub struct Proc {
+    pub name: String,
+    child: Child,
+    out: Lines,
+    err: Lines,
+    readers: Vec<thread::JoinHandle<()>>,
+    status: Option<ExitStatus>,
+}
+
+impl Proc {
+    pub fn spawn(name: &str, cmd: &mut Command) -> Proc {
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {name} ({cmd:?}): {e}"));
+        let out: Lines = Arc::default();
+        let err: Lines = Arc::default();
+        let readers = vec![
+            capture(child.stdout.take().expect("piped"), Arc::clone(&out)),
+            capture(child.stderr.take().expect("piped"), Arc::clone(&err)),
+        ];
+        Proc {
+            name: name.to_string(),
+            child,
+            out,
+            err,
+            readers,
+            status: None,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits up to `limit` for the process to exit.
+    pub fn wait_timeout(&mut self, limit: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if self.status.is_none() {
+                self.status = self.child.try_wait().expect("try_wait");
+            }
+            if self.status.is_some() || Instant::now() >= deadline {
+                if self.status.is_some() {
+                    // Let the readers drain the pipes.
+                    for r in self.readers.drain(..) {
+                        let _ = r.join();
+                    }
+                }
+                return self.status;
+            }
+            thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Waits for exit and panics (with the output) if it takes longer.
+    pub fn finish(&mut self, limit: Duration) -> ExitStatus {
+        match self.wait_timeout(limit) {
+            Some(st) => st,
+            None => panic!("{} did not exit within {limit:?}", self.name),
+        }
+    }
+
+    /// Waits until a stdout line contains `needle`; returns when it arrived.
+    pub fn wait_stdout(&self, needle: &str, limit: Duration) -> Option<Instant> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(t) = self
+                .out
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .find(|(_, l)| l.contains(needle))
+                .map(|(t, _)| *t)
+            {
+                return Some(t);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        self.status = self.child.wait().ok();
+    }
+
+    pub fn stdout(&self) -> String {
+        join(&self.out)
+    }
+
+    pub fn stderr(&self) -> String {
+        join(&self.err)
+    }
+
+    /// Both streams, for failure messages.
+    pub fn dump(&self) -> String {
+        format!(
+            "---- {} stdout ----\n{}\n---- {} stderr ----\n{}",
+            self.name,
+            self.stdout(),
+            self.name,
+            self.stderr()
+        )
+    }
+}
+
+fn join(lines: &Lines) -> String {
+    lines
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .map(|(_, l)| l.as_str())
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if self.wait_timeout(Duration::ZERO).is_none() {
+            // SIGTERM first, so that `dmlc-guest local` can stop its own
+            // children; then SIGKILL.
+            if let Ok(pid) = libc::pid_t::try_from(self.child.id()) {
+                // SAFETY: kill(2) on our own child's pid; no memory involved.
+                unsafe { libc::kill(pid, libc::SIGTERM) };
+            }
+            if self.wait_timeout(Duration::from_secs(3)).is_none() {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+            }
+        }
+        if thread::panicking() {
+            eprintln!("{}", self.dump());
+        }
+    }
+}
+
+/// A backend daemon with N sockets in a private folder.
+pub struct Backend {
+    pub proc: Proc,
+    pub dir: TempDir,
+    base: PathBuf,
+}
+
+impl Backend {
+    pub fn start(tag: &str, ranks: u32, extra: &[&str]) -> Backend {
+        let dir = TempDir::new(tag);
+        let base = dir.0.join("dmlc.sock");
+        let mut cmd = Command::new(backend_bin());
+        cmd.arg("--socket-path")
+            .arg(&base)
+            .arg("--socket-count")
+            .arg(ranks.to_string())
+            .args(extra);
+        let mut proc = Proc::spawn("backend", &mut cmd);
+        let b = |i: u32| {
+            let mut s = base.clone().into_os_string();
+            s.push(i.to_string());
+            PathBuf::from(s)
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !(0..ranks).all(|i| is_socket(&b(i))) {
+            if let Some(st) = proc.wait_timeout(Duration::ZERO) {
+                panic!("backend exited early ({st}):\n{}", proc.dump());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "backend sockets did not appear:\n{}",
+                proc.dump()
+            );
+            thread::sleep(Duration::from_millis(5));
+        }
+        Backend { proc, dir, base }
+    }
+
+    pub fn socket(&self, rank: u32) -> PathBuf {
+        let mut s = self.base.clone().into_os_string();
+        s.push(rank.to_string());
+        PathBuf::from(s)
+    }
+
+    /// True if the daemon is still running.
+    pub fn alive(&mut self) -> bool {
+        self.proc.wait_timeout(Duration::ZERO).is_none()
+    }
+}
+
+fn is_socket(p: &Path) -> bool {
+    fs::metadata(p).is_ok_and(|m| m.file_type().is_socket())
+}
+
+/// Runs `dmlc-guest ARGS` to completion within `limit`; returns the process
+/// (exited) for inspection.
+pub fn run_guest(name: &str, args: &[&str], limit: Duration) -> Proc {
+    let mut p = Proc::spawn(name, Command::new(guest_bin()).args(args));
+    p.finish(limit);
+    p
+}

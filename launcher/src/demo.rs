@@ -1,0 +1,442 @@
+//! `dmlc-qemu demo`: trains the digits example across N VMs with the
+//! gradients going through the virtio-dmlc device, then the same job over
+//! TCP between the VMs, and prints the two side by side from the trainer's
+//! JSON reports.
+
+use std::fmt::Write as _;
+use std::io;
+use std::time::Duration;
+
+use crate::job::{Job, Outcome, Program, Transport};
+use crate::json::Value;
+use crate::vm;
+use crate::{
+    accel, backend_path, check_executable, job_error, prepare, progress, report, sibling,
+    usage_error, DemoArgs,
+};
+
+/// Where the data goes in the guest (the trainer's default).
+const GUEST_DATA: &str = "/data/digits.csv.gz";
+/// Where each rank writes its JSON report in the guest.
+const GUEST_REPORT: &str = "/root/dmlc-report.json";
+
+/// Errors of reading the trainer's reports.
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    #[error("rank {0} sent no JSON report back")]
+    Missing(usize),
+    #[error("rank {0}'s JSON report is not valid")]
+    Json(usize, #[source] crate::json::JsonError),
+    #[error("rank {0}'s JSON report lacks {1}")]
+    Field(usize, &'static str),
+}
+
+/// The numbers of one run, over all ranks.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Summary {
+    pub steps: usize,
+    /// Median over every step of every rank.
+    pub compute_ms: f64,
+    pub exchange_ms: f64,
+    /// Median over the steps of the smallest exchange time of the step:
+    /// that of the rank that arrived last, which waited for nobody, so
+    /// the cost of the exchange itself without the ranks' skew.
+    pub exchange_last_ms: f64,
+    /// Training time of the slowest rank: the sum of its steps' compute
+    /// and exchange times. (The trainer's own total_ms also counts the
+    /// initial broadcast, which waits for the last VM to boot.)
+    pub train_ms: f64,
+    /// Rank 0's loss at the last step.
+    pub final_loss: f64,
+    /// Rank 0's test accuracy, 0 to 1.
+    pub accuracy: f64,
+    /// Every rank passed its check and every fingerprint is the same.
+    pub identical: bool,
+    pub fingerprint: String,
+    /// Every rank matches the single-process run; the largest difference.
+    pub single: bool,
+    pub max_abs_diff: f64,
+    pub tolerance: f64,
+    /// Slowest VM boot, seconds.
+    pub boot_s: f64,
+    pub wall_s: f64,
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
+}
+
+impl Summary {
+    /// Reads the reports (one JSON text per rank, rank order).
+    pub fn from_reports(
+        texts: &[String],
+        boot_s: f64,
+        wall_s: f64,
+    ) -> Result<Summary, ReportError> {
+        let mut reports = Vec::new();
+        for (rank, text) in texts.iter().enumerate() {
+            reports.push(Value::parse(text).map_err(|e| ReportError::Json(rank, e))?);
+        }
+        let num = |rank: usize, v: &Value, key: &'static str| {
+            v.get(key)
+                .and_then(Value::as_f64)
+                .ok_or(ReportError::Field(rank, key))
+        };
+        let flag = |rank: usize, v: &Value, obj: &'static str| {
+            v.get(obj)
+                .and_then(|o| o.get("pass"))
+                .and_then(Value::as_bool)
+                .ok_or(ReportError::Field(rank, obj))
+        };
+        let (mut compute, mut exchange) = (Vec::new(), Vec::new());
+        // Per step, the smallest exchange time over the ranks.
+        let mut last_in: Vec<f64> = Vec::new();
+        let mut s = Summary {
+            steps: 0,
+            compute_ms: 0.0,
+            exchange_ms: 0.0,
+            exchange_last_ms: 0.0,
+            train_ms: 0.0,
+            final_loss: f64::NAN,
+            accuracy: f64::NAN,
+            identical: true,
+            fingerprint: String::new(),
+            single: true,
+            max_abs_diff: 0.0,
+            tolerance: 0.0,
+            boot_s,
+            wall_s,
+        };
+        for (rank, r) in reports.iter().enumerate() {
+            let steps = r
+                .get("steps")
+                .and_then(Value::as_array)
+                .ok_or(ReportError::Field(rank, "steps"))?;
+            let mut train_ms = 0.0;
+            for (i, st) in steps.iter().enumerate() {
+                // A non-finite number is written as null: count it as NaN.
+                let get = |k| st.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN);
+                compute.push(get("compute_ms"));
+                let x = get("exchange_ms");
+                train_ms += get("compute_ms") + x;
+                exchange.push(x);
+                match last_in.get_mut(i) {
+                    Some(m) => *m = m.min(x),
+                    None => last_in.push(x),
+                }
+            }
+            if rank == 0 {
+                s.steps = steps.len();
+                s.final_loss = steps
+                    .last()
+                    .and_then(|st| st.get("loss"))
+                    .and_then(Value::as_f64)
+                    .unwrap_or(f64::NAN);
+                s.accuracy = num(rank, r, "test_accuracy")?;
+            }
+            s.train_ms = s.train_ms.max(train_ms);
+            let fp = r
+                .get("identical_weights")
+                .and_then(|o| o.get("fingerprint"))
+                .and_then(Value::as_str)
+                .ok_or(ReportError::Field(rank, "identical_weights"))?;
+            if rank == 0 {
+                s.fingerprint = fp.to_owned();
+            }
+            s.identical &= flag(rank, r, "identical_weights")? && fp == s.fingerprint;
+            s.single &= flag(rank, r, "single_process")?;
+            let sp = r
+                .get("single_process")
+                .ok_or(ReportError::Field(rank, "single_process"))?;
+            s.max_abs_diff = s
+                .max_abs_diff
+                .max(num(rank, sp, "max_abs_diff").unwrap_or(f64::NAN));
+            s.tolerance = num(rank, sp, "tolerance").unwrap_or(f64::NAN);
+        }
+        s.compute_ms = median(&mut compute);
+        s.exchange_ms = median(&mut exchange);
+        s.exchange_last_ms = median(&mut last_in);
+        Ok(s)
+    }
+
+    pub fn passed(&self) -> bool {
+        self.identical && self.single
+    }
+}
+
+fn yes(b: bool) -> &'static str {
+    if b {
+        "yes"
+    } else {
+        "NO"
+    }
+}
+
+/// The side-by-side table.
+pub fn table(dev: &Summary, tcp: &Summary, n: usize) -> String {
+    let rows: Vec<(String, String, String)> = vec![
+        ("steps".into(), dev.steps.to_string(), tcp.steps.to_string()),
+        (
+            "compute per step (median)".into(),
+            format!("{:.3} ms", dev.compute_ms),
+            format!("{:.3} ms", tcp.compute_ms),
+        ),
+        (
+            "exchange per step (median)".into(),
+            format!("{:.3} ms", dev.exchange_ms),
+            format!("{:.3} ms", tcp.exchange_ms),
+        ),
+        (
+            "exchange, last rank to arrive (median)".into(),
+            format!("{:.3} ms", dev.exchange_last_ms),
+            format!("{:.3} ms", tcp.exchange_last_ms),
+        ),
+        (
+            "training steps, slowest rank (sum)".into(),
+            format!("{:.1} ms", dev.train_ms),
+            format!("{:.1} ms", tcp.train_ms),
+        ),
+        (
+            "final loss (rank 0)".into(),
+            format!("{:.6}", dev.final_loss),
+            format!("{:.6}", tcp.final_loss),
+        ),
+        (
+            "test accuracy".into(),
+            format!("{:.2} %", dev.accuracy * 100.0),
+            format!("{:.2} %", tcp.accuracy * 100.0),
+        ),
+        (
+            "identical weights on all ranks".into(),
+            yes(dev.identical).into(),
+            yes(tcp.identical).into(),
+        ),
+        (
+            "matches single process".into(),
+            format!("{} ({:.1e})", yes(dev.single), dev.max_abs_diff),
+            format!("{} ({:.1e})", yes(tcp.single), tcp.max_abs_diff),
+        ),
+        (
+            "VM boot (slowest)".into(),
+            format!("{:.1} s", dev.boot_s),
+            format!("{:.1} s", tcp.boot_s),
+        ),
+        (
+            "whole job (wall)".into(),
+            format!("{:.1} s", dev.wall_s),
+            format!("{:.1} s", tcp.wall_s),
+        ),
+    ];
+    let w0 = rows.iter().map(|r| r.0.len()).max().unwrap_or(0);
+    let w1 = rows.iter().map(|r| r.1.len()).max().unwrap_or(0).max(6);
+    let w2 = rows.iter().map(|r| r.2.len()).max().unwrap_or(0).max(3);
+    let mut t = String::new();
+    let _ = writeln!(t, "\n== digits, {n} VMs: device vs tcp ==");
+    let _ = writeln!(t, "{:w0$}  {:>w1$}  {:>w2$}", "", "device", "tcp");
+    for (name, d, c) in &rows {
+        let _ = writeln!(t, "{name:w0$}  {d:>w1$}  {c:>w2$}");
+    }
+    let _ = writeln!(
+        t,
+        "\nexchange time, tcp / device: {:.1}x for the last rank to arrive \
+         (the exchange itself), {:.1}x over all ranks (with waiting for the \
+         slowest); training steps {:.2}x",
+        tcp.exchange_last_ms / dev.exchange_last_ms,
+        tcp.exchange_ms / dev.exchange_ms,
+        tcp.train_ms / dev.train_ms
+    );
+    let _ = writeln!(
+        t,
+        "single-process tolerance {:.0e}; weight fingerprint device {} tcp {}",
+        dev.tolerance, dev.fingerprint, tcp.fingerprint
+    );
+    t
+}
+
+/// One run of the trainer; `None` when the demo must stop (the exit code
+/// is in the error).
+fn run_one(job: &Job, qemu: &vm::Qemu) -> Result<(Outcome, Summary), i32> {
+    let mut out = io::stdout();
+    let outcome = job.run_with(qemu, &mut out).map_err(|e| job_error(&e))?;
+    let code = report(&outcome);
+    if code != 0 {
+        return Err(code);
+    }
+    let texts: Result<Vec<String>, ReportError> = (0..job.num_workers)
+        .map(|rank| {
+            outcome
+                .fetched(rank, GUEST_REPORT)
+                .map(|d| String::from_utf8_lossy(d).into_owned())
+                .ok_or(ReportError::Missing(rank))
+        })
+        .collect();
+    if let (Some(dir), Ok(texts)) = (&job.log_dir, &texts) {
+        for (rank, text) in texts.iter().enumerate() {
+            let _ = std::fs::write(dir.join(format!("rank{rank}.json")), text);
+        }
+    }
+    let boot = outcome
+        .ranks
+        .iter()
+        .filter_map(|r| r.boot)
+        .max()
+        .unwrap_or(Duration::ZERO);
+    let summary = texts
+        .and_then(|t| Summary::from_reports(&t, boot.as_secs_f64(), outcome.wall.as_secs_f64()))
+        .map_err(|e| job_error(&e))?;
+    Ok((outcome, summary))
+}
+
+pub fn run(a: DemoArgs) -> i32 {
+    let trainer = a
+        .trainer
+        .clone()
+        .or_else(|| sibling("dmlc-train-digits"))
+        .unwrap_or_else(|| {
+            usage_error(
+                "cannot find dmlc-train-digits next to dmlc-qemu; build it with \
+                 `cargo build -p dmlc-example-digits` (same profile as dmlc-qemu) \
+                 or give --trainer PATH",
+            )
+        });
+    check_executable(&trainer, "trainer");
+    let trainer = std::path::absolute(&trainer).unwrap_or(trainer);
+    let m = &a.machine;
+    crate::check_dma(m);
+    let backend = backend_path(m.backend.as_deref());
+    let accel = accel(m.accel);
+    let data = match prepare::digits_data() {
+        Ok(d) => d,
+        Err(e) => return job_error(&e),
+    };
+    let qemu = match prepare::qemu() {
+        Ok(q) => q,
+        Err(e) => return job_error(&e),
+    };
+    let mut args = vec![
+        "--data".to_owned(),
+        GUEST_DATA.to_owned(),
+        "--steps".to_owned(),
+        a.steps.to_string(),
+        "--json".to_owned(),
+        GUEST_REPORT.to_owned(),
+    ];
+    args.extend(a.trainer_args.iter().cloned());
+    let n = usize::from(a.num_workers);
+    let mut summaries = Vec::new();
+    for (i, transport) in [Transport::Device, Transport::Tcp].into_iter().enumerate() {
+        let title = match transport {
+            Transport::Device => "gradients through the virtio-dmlc device",
+            Transport::Tcp => "gradients over TCP between the VMs (virtio-net)",
+        };
+        progress(&format!("run {}/2: {n} workers, {title}", i + 1));
+        let job = Job {
+            num_workers: n,
+            vcpus: m.vcpus,
+            memory_mib: m.memory,
+            dma_mib: m.dma,
+            accel,
+            transport,
+            files: vec![(data.clone(), GUEST_DATA.to_owned())],
+            timeout: (m.timeout > 0).then(|| Duration::from_secs(m.timeout)),
+            log_dir: m.log_dir.as_ref().map(|d| d.join(transport.as_str())),
+            backend: backend.clone(),
+            env: a.env.clone(),
+            program: Program::Host(trainer.clone()),
+            args: args.clone(),
+            fetch: vec![GUEST_REPORT.to_owned()],
+        };
+        match run_one(&job, &qemu) {
+            Ok((_, s)) => summaries.push(s),
+            Err(code) => {
+                progress(&format!(
+                    "the {} run failed; stopping the demo",
+                    transport.as_str()
+                ));
+                return code;
+            }
+        }
+    }
+    print!("{}", table(&summaries[0], &summaries[1], n));
+    if summaries.iter().all(Summary::passed) {
+        println!("demo: PASS");
+        0
+    } else {
+        println!("demo: FAIL (a check above says NO)");
+        1
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(rank: u32, fp: &str, exchange: [f64; 3]) -> String {
+        format!(
+            "{{\"rank\":{rank},\"world_size\":2,\"transport\":\"device\",\"steps\":[\
+             {{\"step\":0,\"loss\":2.3,\"compute_ms\":1,\"exchange_ms\":{}}},\
+             {{\"step\":1,\"loss\":1.0,\"compute_ms\":3,\"exchange_ms\":{}}},\
+             {{\"step\":2,\"loss\":0.5,\"compute_ms\":2,\"exchange_ms\":{}}}],\
+             \"total_ms\":{},\"test_accuracy\":0.9,\
+             \"identical_weights\":{{\"pass\":true,\"fingerprint\":\"{fp}\"}},\
+             \"single_process\":{{\"pass\":true,\"max_abs_diff\":1e-7,\"tolerance\":0.0001}},\
+             \"pass\":true}}",
+            exchange[0],
+            exchange[1],
+            exchange[2],
+            10 + rank
+        )
+    }
+
+    #[test]
+    fn summary_takes_medians_over_all_ranks() {
+        let texts = [
+            report(0, "0xab", [0.1, 0.2, 0.3]),
+            report(1, "0xab", [0.4, 0.5, 0.6]),
+        ];
+        let s = Summary::from_reports(&texts, 4.0, 9.0).unwrap();
+        assert_eq!(s.steps, 3);
+        assert_eq!(s.compute_ms, 2.0);
+        assert!((s.exchange_ms - 0.35).abs() < 1e-12);
+        // Per step min over the ranks: 0.1 0.2 0.3.
+        assert!((s.exchange_last_ms - 0.2).abs() < 1e-12);
+        // Rank 1: compute 1+3+2, exchange 0.4+0.5+0.6.
+        assert!((s.train_ms - 7.5).abs() < 1e-12);
+        assert_eq!(s.final_loss, 0.5);
+        assert_eq!(s.accuracy, 0.9);
+        assert!(s.identical && s.single && s.passed());
+        assert_eq!(s.max_abs_diff, 1e-7);
+        let t = table(&s, &s, 2);
+        assert!(t.contains("exchange per step (median)"));
+        assert!(t.contains("tcp / device: 1.0x for the last rank"));
+    }
+
+    #[test]
+    fn different_fingerprints_fail_the_identical_check() {
+        let texts = [report(0, "0xab", [0.1; 3]), report(1, "0xac", [0.1; 3])];
+        let s = Summary::from_reports(&texts, 0.0, 0.0).unwrap();
+        assert!(!s.identical);
+        assert!(!s.passed());
+    }
+
+    #[test]
+    fn broken_reports_are_errors() {
+        assert!(matches!(
+            Summary::from_reports(&["{".to_owned()], 0.0, 0.0),
+            Err(ReportError::Json(0, _))
+        ));
+        assert!(matches!(
+            Summary::from_reports(&["{}".to_owned()], 0.0, 0.0),
+            Err(ReportError::Field(0, "steps"))
+        ));
+    }
+}

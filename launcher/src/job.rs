@@ -1,0 +1,1099 @@
+//! One job: the backend, N VMs, the program in each with the DMLC
+//! environment, every rank's output streamed as it comes, and a teardown
+//! that leaves nothing behind whatever ends the job.
+//!
+//! The VM harness (tests/vm/harness.rs) boots the VMs and kills them when
+//! its `Cluster` is dropped; it reports output only at the end, so this
+//! module follows the consoles itself (`vmI.log` in the cluster's
+//! directory) and decides when the job is over.
+
+use std::fmt::Write as _;
+use std::fs::{self, File};
+use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::thread;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+use crate::prepare::{self, PrepareError};
+use crate::signals;
+use crate::vm;
+
+/// Port every rank listens on with `--transport tcp`.
+pub const TCP_PORT: u16 = 9091;
+
+/// Where a host program is put in the guest (and first on its PATH).
+pub const GUEST_BIN: &str = "/usr/local/bin";
+
+/// Hugepages reserved besides the DMA memory (the driver's queues), MiB.
+pub const DMA_SLACK_MIB: u32 = 8;
+
+/// How long the other workers get to finish after one failed.
+const GRACE: Duration = Duration::from_secs(5);
+
+/// How the workers exchange data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Transport {
+    /// The virtio-dmlc device (gradients reduced by the host backend).
+    Device,
+    /// TCP between the VMs over virtio-net.
+    Tcp,
+}
+
+impl Transport {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Transport::Device => "device",
+            Transport::Tcp => "tcp",
+        }
+    }
+}
+
+/// What each VM runs.
+#[derive(Debug, Clone)]
+pub enum Program {
+    /// A host file, copied into the image as `GUEST_BIN/NAME`.
+    Host(PathBuf),
+    /// A command already in the guest (a busybox applet, or a `--files` one).
+    Guest(String),
+}
+
+/// Everything a job needs.
+#[derive(Debug, Clone)]
+pub struct Job {
+    pub num_workers: usize,
+    pub vcpus: u32,
+    pub memory_mib: u32,
+    /// DMA memory for the driver (hugepages), MiB.
+    pub dma_mib: u32,
+    pub accel: vm::Accel,
+    pub transport: Transport,
+    /// Extra files for the image: (host path, absolute guest path).
+    pub files: Vec<(PathBuf, String)>,
+    pub timeout: Option<Duration>,
+    pub log_dir: Option<PathBuf>,
+    /// The vhost-device-dmlc binary.
+    pub backend: PathBuf,
+    /// Extra environment, after (so able to override) the launcher's.
+    pub env: Vec<(String, String)>,
+    pub program: Program,
+    pub args: Vec<String>,
+    /// Guest files each rank sends back over its console after the
+    /// program exits (the demo's JSON reports).
+    pub fetch: Vec<String>,
+}
+
+/// Errors of a job (what ends it before its workers can run).
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    #[error(transparent)]
+    Prepare(#[from] PrepareError),
+    #[error("cannot create {0}")]
+    Io(PathBuf, #[source] io::Error),
+    #[error("cannot start the backend {0}")]
+    BackendSpawn(PathBuf, #[source] io::Error),
+    #[error("the backend exited ({status}) before listening; its log:\n{log}")]
+    BackendExited { status: ExitStatus, log: String },
+    #[error("the backend did not create its sockets within 10 s; its log:\n{log}")]
+    BackendSlow { log: String },
+    #[error("cannot start the VMs")]
+    Cluster(#[source] vm::Error),
+}
+
+/// How a job ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum End {
+    /// Every worker exited (all with status 0, or see [`Outcome::exit_code`]).
+    Completed,
+    /// A worker exited non-zero; the others were stopped after a grace time.
+    Failed {
+        rank: usize,
+        status: i32,
+    },
+    Timeout(Duration),
+    Interrupted(i32),
+    /// A VM stopped without its job's exit line (QEMU error, guest panic).
+    VmDied {
+        rank: usize,
+    },
+    BackendDied(String),
+}
+
+/// What one rank did.
+#[derive(Debug, Clone, Default)]
+pub struct RankOutcome {
+    /// Exit status of the program; `None` if it was stopped.
+    pub status: Option<i32>,
+    /// QEMU start to program start.
+    pub boot: Option<Duration>,
+    /// QEMU start to program exit.
+    pub total: Option<Duration>,
+    /// Files sent back (guest path, contents).
+    pub fetched: Vec<(String, Vec<u8>)>,
+}
+
+/// The result of [`Job::run`].
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub end: End,
+    pub ranks: Vec<RankOutcome>,
+    pub wall: Duration,
+}
+
+impl Outcome {
+    /// The launcher's exit status: the first non-zero worker status, 124 on
+    /// a timeout, 125 when a VM or the backend died, 128+N on signal N.
+    pub fn exit_code(&self) -> i32 {
+        match &self.end {
+            End::Completed => self
+                .ranks
+                .iter()
+                .filter_map(|r| r.status)
+                .find(|&s| s != 0)
+                .unwrap_or(0),
+            End::Failed { status, .. } => (*status).clamp(1, 255),
+            End::Timeout(_) => 124,
+            End::VmDied { .. } | End::BackendDied(_) => 125,
+            End::Interrupted(sig) => 128 + sig,
+        }
+    }
+
+    /// The contents of guest file `path` from `rank`, if it came back.
+    pub fn fetched(&self, rank: usize, path: &str) -> Option<&[u8]> {
+        self.ranks
+            .get(rank)?
+            .fetched
+            .iter()
+            .find(|(p, _)| p == path)
+            .map(|(_, d)| d.as_slice())
+    }
+}
+
+/// Quotes a word for the guest's `sh`.
+pub fn shell_quote(word: &str) -> String {
+    if !word.is_empty()
+        && word
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c))
+    {
+        return word.to_owned();
+    }
+    format!("'{}'", word.replace('\'', "'\\''"))
+}
+
+/// A token unique to this process and moment.
+fn unique() -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.subsec_nanos() ^ (d.as_secs() as u32))
+        .unwrap_or(0);
+    format!("{}-{:08x}", std::process::id(), nanos)
+}
+
+impl Job {
+    /// Path of the program in the guest, as the command line names it.
+    fn guest_program(&self) -> String {
+        match &self.program {
+            Program::Host(p) => {
+                let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
+                format!("{GUEST_BIN}/{}", name.unwrap_or_default())
+            }
+            Program::Guest(cmd) => cmd.clone(),
+        }
+    }
+
+    /// Host files to put in the image.
+    fn image_files(&self) -> Vec<(PathBuf, String)> {
+        let mut files = Vec::new();
+        if let Program::Host(p) = &self.program {
+            files.push((p.clone(), self.guest_program()));
+        }
+        files.extend(self.files.iter().cloned());
+        files
+    }
+
+    /// The shell command line each VM runs. `token` marks the fetched files
+    /// on the console.
+    pub fn command_line(&self, token: &str) -> String {
+        let mut words = vec![shell_quote(&self.guest_program())];
+        words.extend(self.args.iter().map(|a| shell_quote(a)));
+        let run = words.join(" ");
+        if self.fetch.is_empty() {
+            return format!("exec {run}");
+        }
+        let files: Vec<String> = self.fetch.iter().map(|f| shell_quote(f)).collect();
+        format!(
+            "{run}\ns=$?\nfor f in {}; do if [ -f \"$f\" ]; then \
+             echo \"DMLC-FETCH {token} BEGIN $f\"; base64 \"$f\"; \
+             echo \"DMLC-FETCH {token} END\"; fi; done\nexit $s",
+            files.join(" ")
+        )
+    }
+
+    /// The environment of rank `rank`, the launcher's first.
+    pub fn environment(&self, rank: usize) -> Vec<(String, String)> {
+        let mut env: Vec<(String, String)> = [
+            ("DMLC_ROLE", "worker".to_owned()),
+            ("DMLC_NUM_WORKER", self.num_workers.to_string()),
+            ("DMLC_NUM_SERVER", "0".to_owned()),
+            ("DMLC_TASK_ID", rank.to_string()),
+            ("DMLC_JOB_CLUSTER", "qemu".to_owned()),
+            ("DMLC_TRANSPORT", self.transport.as_str().to_owned()),
+            ("DMLC_DEVICE", "pci".to_owned()),
+            ("DMLC_DMA_BYTES", format!("{}M", self.dma_mib)),
+            ("PATH", format!("{GUEST_BIN}:/usr/sbin:/usr/bin:/sbin:/bin")),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect();
+        if self.transport == Transport::Tcp {
+            let peers: Vec<String> = (0..self.num_workers)
+                .map(|i| format!("{}:{TCP_PORT}", vm::vm_ip(i)))
+                .collect();
+            env.push(("DMLC_TCP_PEERS".to_owned(), peers.join(",")));
+        }
+        env.extend(self.env.iter().cloned());
+        env
+    }
+
+    /// Runs the job: prepares QEMU and the image, starts the backend and
+    /// the VMs, streams output until the job ends, and tears everything
+    /// down. Output goes to `out`, progress to stderr.
+    pub fn run(&self, out: &mut dyn Write) -> Result<Outcome, JobError> {
+        let qemu = prepare::qemu()?;
+        self.run_with(&qemu, out)
+    }
+
+    /// [`Job::run`] with QEMU already prepared.
+    pub fn run_with(&self, qemu: &vm::Qemu, out: &mut dyn Write) -> Result<Outcome, JobError> {
+        let started = Instant::now();
+        let tmp = TempDir::new()?;
+        let image = prepare::image(&self.image_files())?;
+        if let Some(sig) = signals::received() {
+            return Err(PrepareError::Interrupted(sig).into());
+        }
+        if let Some(dir) = &self.log_dir {
+            fs::create_dir_all(dir).map_err(|e| JobError::Io(dir.clone(), e))?;
+        }
+        let backend_log = match &self.log_dir {
+            Some(dir) => dir.join("backend.log"),
+            None => tmp.path.join("backend.log"),
+        };
+        let sock = tmp.path.join("dmlc.sock");
+        let mut backend = Backend::start(&self.backend, &sock, self.num_workers, &backend_log)?;
+
+        let token = unique();
+        let specs: Vec<vm::VmSpec> = (0..self.num_workers)
+            .map(|i| {
+                let mut spec = vm::VmSpec::new(self.command_line(&token))
+                    .dmlc_socket(format!("{}{i}", sock.display()));
+                spec.mem_mib = self.memory_mib;
+                spec.hugepages = (self.dma_mib + DMA_SLACK_MIB) / 2;
+                spec.cpus = self.vcpus;
+                spec.env = self.environment(i);
+                spec
+            })
+            .collect();
+        let opts = vm::Options {
+            accel: self.accel,
+            net: self.transport == Transport::Tcp,
+            timeout: self
+                .timeout
+                .unwrap_or(Duration::from_secs(u64::from(u32::MAX))),
+        };
+        crate::progress(&format!(
+            "booting {} VM{} ({}, {} vCPU, {} MiB each; transport {})",
+            self.num_workers,
+            if self.num_workers == 1 { "" } else { "s" },
+            match self.accel {
+                vm::Accel::Tcg => "TCG",
+                vm::Accel::Kvm => "KVM",
+            },
+            self.vcpus,
+            self.memory_mib,
+            self.transport.as_str()
+        ));
+        let cluster = vm::Cluster::start(qemu, &image, &specs, &opts).map_err(JobError::Cluster)?;
+        let mut monitor = Monitor::new(&cluster, self.num_workers, &token, self.log_dir.as_deref());
+        let end = monitor.run(out, &mut backend, self.timeout);
+        monitor.flush(out);
+        if let Some(dir) = &self.log_dir {
+            save_logs(&cluster, self.num_workers, dir);
+        }
+        drop(cluster);
+        backend.stop();
+        drop(tmp);
+        let ranks = monitor.consoles.into_iter().map(|c| c.outcome).collect();
+        Ok(Outcome {
+            end,
+            ranks,
+            wall: started.elapsed(),
+        })
+    }
+}
+
+/// Copies each VM's console, QEMU output and command line into `dir`.
+fn save_logs(cluster: &vm::Cluster, n: usize, dir: &Path) {
+    for i in 0..n {
+        let _ = fs::copy(
+            cluster.dir().join(format!("vm{i}.log")),
+            dir.join(format!("rank{i}.console")),
+        );
+        let _ = fs::copy(
+            cluster.dir().join(format!("vm{i}.err")),
+            dir.join(format!("rank{i}.qemu.log")),
+        );
+        let _ = fs::write(
+            dir.join(format!("rank{i}.cmdline")),
+            cluster.command_line(i) + "\n",
+        );
+    }
+}
+
+/// A private directory for the backend's sockets and log, removed on drop.
+struct TempDir {
+    path: PathBuf,
+}
+
+impl TempDir {
+    fn new() -> Result<TempDir, JobError> {
+        let path = std::env::temp_dir().join(format!("dmlc-qemu-{}", unique()));
+        fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&path)
+            .map_err(|e| JobError::Io(path.clone(), e))?;
+        Ok(TempDir { path })
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.path);
+    }
+}
+
+/// The vhost-device-dmlc process.
+struct Backend {
+    child: Child,
+    log: PathBuf,
+    exited: Option<ExitStatus>,
+}
+
+impl Backend {
+    fn start(bin: &Path, sock: &Path, n: usize, log: &Path) -> Result<Backend, JobError> {
+        let file = File::create(log).map_err(|e| JobError::Io(log.to_owned(), e))?;
+        let file2 = file
+            .try_clone()
+            .map_err(|e| JobError::Io(log.to_owned(), e))?;
+        let mut cmd = Command::new(bin);
+        cmd.arg("--socket-path")
+            .arg(sock)
+            .arg("--socket-count")
+            .arg(n.to_string())
+            .stdin(Stdio::null())
+            .stdout(file)
+            .stderr(file2)
+            // Its own group: a Ctrl-C on the terminal reaches the launcher,
+            // which stops the VMs before the backend.
+            .process_group(0);
+        // SAFETY: the closure runs in the child between fork and exec and
+        // only makes one prctl system call, which is async-signal-safe.
+        unsafe {
+            cmd.pre_exec(|| {
+                // Dies with the launcher even if the launcher is SIGKILLed.
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = cmd
+            .spawn()
+            .map_err(|e| JobError::BackendSpawn(bin.to_owned(), e))?;
+        let mut backend = Backend {
+            child,
+            log: log.to_owned(),
+            exited: None,
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let socks: Vec<PathBuf> = (0..n)
+            .map(|i| PathBuf::from(format!("{}{i}", sock.display())))
+            .collect();
+        while !socks.iter().all(|s| s.exists()) {
+            if let Some(status) = backend.exited() {
+                return Err(JobError::BackendExited {
+                    status,
+                    log: backend.log_tail(),
+                });
+            }
+            if Instant::now() >= deadline || signals::received().is_some() {
+                let log = backend.log_tail();
+                backend.stop();
+                if let Some(sig) = signals::received() {
+                    return Err(PrepareError::Interrupted(sig).into());
+                }
+                return Err(JobError::BackendSlow { log });
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+        Ok(backend)
+    }
+
+    fn exited(&mut self) -> Option<ExitStatus> {
+        if self.exited.is_none() {
+            self.exited = self.child.try_wait().ok().flatten();
+        }
+        self.exited
+    }
+
+    /// The last lines of the backend's log.
+    fn log_tail(&self) -> String {
+        let text = fs::read_to_string(&self.log).unwrap_or_default();
+        tail(&text, 20)
+    }
+
+    /// SIGTERM (the backend removes its sockets), SIGKILL after 5 s.
+    fn stop(&mut self) {
+        if self.exited().is_some() {
+            return;
+        }
+        if let Ok(pid) = i32::try_from(self.child.id()) {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if self.exited().is_some() {
+                return;
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        self.exited = self.child.wait().ok();
+    }
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The last `n` lines of `text`.
+fn tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// Follows one VM's console.
+struct Console {
+    rank: usize,
+    log: PathBuf,
+    pos: u64,
+    /// A line not yet ended.
+    partial: Vec<u8>,
+    start_line: String,
+    exit_marker: String,
+    fetch_begin: String,
+    fetch_end: String,
+    /// Blank lines held back (the init prints one before its exit line).
+    blanks: usize,
+    /// A file being sent back: (guest path, base64 so far).
+    fetching: Option<(String, String)>,
+    /// Console lines before the program started (for diagnostics).
+    boot_tail: Vec<String>,
+    /// Job output lines (the last few, for diagnostics).
+    out_tail: Vec<String>,
+    /// Copy of the job's output in the log directory.
+    out_file: Option<File>,
+    /// The QEMU guard process of this VM (a child of the launcher).
+    guard: Option<i32>,
+    started_at: Instant,
+    outcome: RankOutcome,
+}
+
+const TAIL_LINES: usize = 30;
+
+fn push_tail(v: &mut Vec<String>, line: &str) {
+    if v.len() == TAIL_LINES {
+        v.remove(0);
+    }
+    v.push(line.to_owned());
+}
+
+impl Console {
+    /// Reads what the console gained and handles each complete line.
+    fn poll(&mut self, out: &mut dyn Write) {
+        let Ok(mut f) = File::open(&self.log) else {
+            return;
+        };
+        if f.seek(SeekFrom::Start(self.pos)).is_err() {
+            return;
+        }
+        let mut buf = Vec::new();
+        let Ok(n) = f.read_to_end(&mut buf) else {
+            return;
+        };
+        self.pos += n as u64;
+        self.partial.extend_from_slice(&buf);
+        while let Some(nl) = self.partial.iter().position(|&b| b == b'\n') {
+            let raw: Vec<u8> = self.partial.drain(..=nl).collect();
+            let line = String::from_utf8_lossy(&raw[..raw.len() - 1]);
+            self.line(line.trim_end_matches('\r'), out);
+        }
+    }
+
+    /// Handles a line left without its newline (at the end).
+    fn flush(&mut self, out: &mut dyn Write) {
+        if !self.partial.is_empty() {
+            let raw = std::mem::take(&mut self.partial);
+            let line = String::from_utf8_lossy(&raw).into_owned();
+            self.line(line.trim_end_matches('\r'), out);
+        }
+    }
+
+    fn emit(&mut self, line: &str, out: &mut dyn Write) {
+        let _ = writeln!(out, "[rank {}] {line}", self.rank);
+        if let Some(f) = &mut self.out_file {
+            let _ = writeln!(f, "{line}");
+        }
+        push_tail(&mut self.out_tail, line);
+    }
+
+    fn line(&mut self, line: &str, out: &mut dyn Write) {
+        if self.outcome.status.is_some() {
+            return;
+        }
+        if self.outcome.boot.is_none() {
+            if line.trim() == self.start_line {
+                self.outcome.boot = Some(self.started_at.elapsed());
+            } else if line.starts_with("dmlc-init:") {
+                // The image's init reports setup problems this way.
+                self.emit(line, out);
+            } else {
+                push_tail(&mut self.boot_tail, line);
+            }
+            return;
+        }
+        if let Some(pos) = line.find(&self.exit_marker) {
+            let rest = &line[pos + self.exit_marker.len()..];
+            let digits: String = rest
+                .chars()
+                .take_while(|c| c.is_ascii_digit() || *c == '-')
+                .collect();
+            if let Ok(status) = digits.parse() {
+                // Kernel messages may share the line.
+                if pos > 0 {
+                    self.emit(&line[..pos], out);
+                }
+                self.outcome.status = Some(status);
+                self.outcome.total = Some(self.started_at.elapsed());
+                return;
+            }
+        }
+        if let Some((path, mut data)) = self.fetching.take() {
+            if line.trim() == self.fetch_end {
+                self.outcome.fetched.push((path, decode_base64(&data)));
+            } else {
+                data.push_str(line.trim());
+                self.fetching = Some((path, data));
+            }
+            return;
+        }
+        if let Some(path) = line.trim().strip_prefix(&self.fetch_begin) {
+            self.fetching = Some((path.to_owned(), String::new()));
+            return;
+        }
+        if line.is_empty() {
+            self.blanks += 1;
+            return;
+        }
+        for _ in 0..std::mem::take(&mut self.blanks) {
+            self.emit("", out);
+        }
+        self.emit(line, out);
+    }
+}
+
+/// Decodes standard base64, skipping characters outside the alphabet
+/// (a stray kernel message cannot stop the rest from decoding).
+fn decode_base64(text: &str) -> Vec<u8> {
+    let mut out = Vec::with_capacity(text.len() / 4 * 3);
+    let mut acc = 0u32;
+    let mut bits = 0;
+    for c in text.bytes() {
+        let v = match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' => 62,
+            b'/' => 63,
+            _ => continue,
+        };
+        acc = (acc << 6) | u32::from(v);
+        bits += 6;
+        if bits >= 8 {
+            bits -= 8;
+            out.push((acc >> bits) as u8);
+            acc &= (1 << bits) - 1;
+        }
+    }
+    out
+}
+
+/// The state of a process in /proc: `None` if it is gone.
+fn proc_state(pid: i32) -> Option<char> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // "pid (comm) S ppid ...": comm may hold spaces and parentheses.
+    let after = &stat[stat.rfind(')')? + 1..];
+    after.trim_start().chars().next()
+}
+
+/// The launcher's child processes whose command line contains `needle`.
+fn children_mentioning(needle: &str) -> Vec<i32> {
+    let me = std::process::id().to_string();
+    let mut found = Vec::new();
+    for entry in fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(stat) = fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let Some(close) = stat.rfind(')') else {
+            continue;
+        };
+        let ppid = stat[close + 1..].split_whitespace().nth(1);
+        if ppid != Some(me.as_str()) {
+            continue;
+        }
+        let Ok(cmd) = fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        if String::from_utf8_lossy(&cmd).contains(needle) {
+            found.push(pid);
+        }
+    }
+    found
+}
+
+/// Follows every VM until the job ends.
+struct Monitor {
+    consoles: Vec<Console>,
+    cluster_dir: PathBuf,
+}
+
+impl Monitor {
+    fn new(cluster: &vm::Cluster, n: usize, token: &str, log_dir: Option<&Path>) -> Monitor {
+        let dir = cluster.dir().to_owned();
+        let consoles = (0..n)
+            .map(|i| {
+                let cmd = cluster.command_line(i);
+                let nonce = cmd
+                    .split_whitespace()
+                    .find_map(|w| w.strip_prefix("dmlc.nonce="))
+                    .unwrap_or_default()
+                    .to_owned();
+                let log = dir.join(format!("vm{i}.log"));
+                // The guard's command line names the console file (-serial).
+                let guard = children_mentioning(&format!("file:{}", log.display()))
+                    .first()
+                    .copied();
+                let out_file =
+                    log_dir.and_then(|d| File::create(d.join(format!("rank{i}.out"))).ok());
+                Console {
+                    rank: i,
+                    log,
+                    pos: 0,
+                    partial: Vec::new(),
+                    start_line: format!("DMLC-START {nonce}"),
+                    exit_marker: format!("DMLC-EXIT {nonce} "),
+                    fetch_begin: format!("DMLC-FETCH {token} BEGIN "),
+                    fetch_end: format!("DMLC-FETCH {token} END"),
+                    blanks: 0,
+                    fetching: None,
+                    boot_tail: Vec::new(),
+                    out_tail: Vec::new(),
+                    out_file,
+                    guard,
+                    started_at: Instant::now(),
+                    outcome: RankOutcome::default(),
+                }
+            })
+            .collect();
+        Monitor {
+            consoles,
+            cluster_dir: dir,
+        }
+    }
+
+    fn flush(&mut self, out: &mut dyn Write) {
+        for c in &mut self.consoles {
+            c.poll(out);
+            c.flush(out);
+        }
+        let _ = out.flush();
+    }
+
+    /// Polls the consoles, the VMs and the backend until the job ends.
+    fn run(
+        &mut self,
+        out: &mut dyn Write,
+        backend: &mut Backend,
+        timeout: Option<Duration>,
+    ) -> End {
+        let start = Instant::now();
+        let n = self.consoles.len();
+        let mut failed: Option<(usize, i32, Instant)> = None;
+        let mut all_running = false;
+        let mut next_note = start + Duration::from_secs(20);
+        loop {
+            if let Some(sig) = signals::received() {
+                crate::progress(&format!("{}: stopping every VM", signals::name(sig)));
+                return End::Interrupted(sig);
+            }
+            for c in &mut self.consoles {
+                c.poll(out);
+            }
+            let _ = out.flush();
+            if !all_running && self.consoles.iter().all(|c| c.outcome.boot.is_some()) {
+                all_running = true;
+                let boots: Vec<f64> = self
+                    .consoles
+                    .iter()
+                    .filter_map(|c| c.outcome.boot.map(|b| b.as_secs_f64()))
+                    .collect();
+                let lo = boots.iter().copied().fold(f64::INFINITY, f64::min);
+                let hi = boots.iter().copied().fold(0.0, f64::max);
+                let took = if hi - lo < 0.05 {
+                    format!("{hi:.1} s")
+                } else {
+                    format!("{lo:.1} to {hi:.1} s")
+                };
+                crate::progress(&format!(
+                    "{n} worker{} running (booted in {took})",
+                    if n == 1 { "" } else { "s" }
+                ));
+            }
+            for c in &self.consoles {
+                if let (Some(status), None) = (c.outcome.status, failed) {
+                    if status != 0 {
+                        if self.consoles.iter().any(|o| o.outcome.status.is_none()) {
+                            crate::progress(&format!(
+                                "rank {} exited with status {status}; stopping the others in {} s",
+                                c.rank,
+                                GRACE.as_secs()
+                            ));
+                        }
+                        failed = Some((c.rank, status, Instant::now()));
+                    }
+                }
+            }
+            if self.consoles.iter().all(|c| c.outcome.status.is_some()) {
+                return match failed {
+                    Some((rank, status, _)) => End::Failed { rank, status },
+                    None => End::Completed,
+                };
+            }
+            if let Some(rank) = self.dead_vm(out) {
+                return End::VmDied { rank };
+            }
+            if let Some(status) = backend.exited() {
+                crate::progress(&format!(
+                    "the backend exited ({status}); its log:\n{}",
+                    backend.log_tail()
+                ));
+                return End::BackendDied(status.to_string());
+            }
+            if let Some((rank, status, at)) = failed {
+                if at.elapsed() >= GRACE {
+                    return End::Failed { rank, status };
+                }
+            }
+            if let Some(t) = timeout {
+                if start.elapsed() >= t {
+                    let pending: Vec<String> = self
+                        .consoles
+                        .iter()
+                        .filter(|c| c.outcome.status.is_none())
+                        .map(|c| c.rank.to_string())
+                        .collect();
+                    crate::progress(&format!(
+                        "timeout after {} s (ranks still running: {}); stopping every VM",
+                        t.as_secs(),
+                        pending.join(" ")
+                    ));
+                    return End::Timeout(t);
+                }
+            }
+            if !all_running && Instant::now() >= next_note {
+                next_note += Duration::from_secs(20);
+                let booting: Vec<String> = self
+                    .consoles
+                    .iter()
+                    .filter(|c| c.outcome.boot.is_none())
+                    .map(|c| c.rank.to_string())
+                    .collect();
+                crate::progress(&format!(
+                    "still booting after {:.0} s: rank {}",
+                    start.elapsed().as_secs_f64(),
+                    booting.join(" ")
+                ));
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// A VM whose QEMU is gone although its job did not report an exit.
+    fn dead_vm(&mut self, out: &mut dyn Write) -> Option<usize> {
+        for c in &mut self.consoles {
+            if c.outcome.status.is_some() {
+                continue;
+            }
+            let Some(pid) = c.guard else { continue };
+            if matches!(proc_state(pid), None | Some('Z' | 'X')) {
+                // The exit line may have landed just before QEMU exited.
+                c.poll(out);
+                if c.outcome.status.is_some() {
+                    continue;
+                }
+                let qemu_err =
+                    fs::read_to_string(self.cluster_dir.join(format!("vm{}.err", c.rank)))
+                        .unwrap_or_default();
+                let mut msg = format!(
+                    "rank {}: the VM stopped without the job's exit line",
+                    c.rank
+                );
+                if !qemu_err.trim().is_empty() {
+                    let _ = write!(msg, "\nQEMU said:\n{}", tail(&qemu_err, 20));
+                }
+                let console = if c.outcome.boot.is_some() {
+                    &c.out_tail
+                } else {
+                    &c.boot_tail
+                };
+                if !console.is_empty() {
+                    let _ = write!(msg, "\nlast console lines:\n{}", console.join("\n"));
+                }
+                crate::progress(&msg);
+                return Some(c.rank);
+            }
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job() -> Job {
+        Job {
+            num_workers: 3,
+            vcpus: 1,
+            memory_mib: 512,
+            dma_mib: 64,
+            accel: vm::Accel::Tcg,
+            transport: Transport::Tcp,
+            files: vec![(PathBuf::from("/d/x.csv"), "/data/x.csv".to_owned())],
+            timeout: None,
+            log_dir: None,
+            backend: PathBuf::from("/bin/false"),
+            env: vec![("DMLC_DEVICE".to_owned(), "other".to_owned())],
+            program: Program::Host(PathBuf::from("/opt/build/train")),
+            args: vec!["--data".to_owned(), "it's here".to_owned()],
+            fetch: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn quotes_only_what_needs_it() {
+        assert_eq!(shell_quote("--steps=5"), "--steps=5");
+        assert_eq!(shell_quote(""), "''");
+        assert_eq!(shell_quote("a b"), "'a b'");
+        assert_eq!(shell_quote("it's"), "'it'\\''s'");
+        assert_eq!(shell_quote("$HOME"), "'$HOME'");
+    }
+
+    #[test]
+    fn command_runs_the_copied_program() {
+        let j = job();
+        assert_eq!(
+            j.command_line("t"),
+            "exec /usr/local/bin/train --data 'it'\\''s here'"
+        );
+        assert_eq!(
+            j.image_files(),
+            vec![
+                (
+                    PathBuf::from("/opt/build/train"),
+                    "/usr/local/bin/train".to_owned()
+                ),
+                (PathBuf::from("/d/x.csv"), "/data/x.csv".to_owned()),
+            ]
+        );
+        let mut g = job();
+        g.program = Program::Guest("sh".to_owned());
+        g.args = vec!["-c".to_owned(), "echo $DMLC_TASK_ID".to_owned()];
+        assert_eq!(g.command_line("t"), "exec sh -c 'echo $DMLC_TASK_ID'");
+        assert_eq!(g.image_files().len(), 1);
+    }
+
+    #[test]
+    fn fetching_keeps_the_program_status() {
+        let mut j = job();
+        j.args.clear();
+        j.fetch = vec!["/root/r.json".to_owned()];
+        let cmd = j.command_line("tok");
+        assert!(cmd.starts_with("/usr/local/bin/train\ns=$?\nfor f in /root/r.json; do"));
+        assert!(cmd.contains("echo \"DMLC-FETCH tok BEGIN $f\"; base64 \"$f\""));
+        assert!(cmd.ends_with("\nexit $s"));
+    }
+
+    #[test]
+    fn environment_names_rank_world_and_peers() {
+        let env = job().environment(2);
+        let get = |k: &str| {
+            env.iter()
+                .rev()
+                .find(|(key, _)| key == k)
+                .map(|(_, v)| v.as_str())
+        };
+        assert_eq!(get("DMLC_ROLE"), Some("worker"));
+        assert_eq!(get("DMLC_TASK_ID"), Some("2"));
+        assert_eq!(get("DMLC_NUM_WORKER"), Some("3"));
+        assert_eq!(get("DMLC_JOB_CLUSTER"), Some("qemu"));
+        assert_eq!(get("DMLC_DMA_BYTES"), Some("64M"));
+        assert_eq!(get("DMLC_TRANSPORT"), Some("tcp"));
+        assert_eq!(
+            get("DMLC_TCP_PEERS"),
+            Some("10.0.0.1:9091,10.0.0.2:9091,10.0.0.3:9091")
+        );
+        // --env comes last, so it wins in the guest's export loop.
+        assert_eq!(get("DMLC_DEVICE"), Some("other"));
+        let mut d = job();
+        d.transport = Transport::Device;
+        assert!(d.environment(0).iter().all(|(k, _)| k != "DMLC_TCP_PEERS"));
+    }
+
+    fn console(dir: &Path) -> Console {
+        Console {
+            rank: 1,
+            log: dir.join("vm1.log"),
+            pos: 0,
+            partial: Vec::new(),
+            start_line: "DMLC-START n".to_owned(),
+            exit_marker: "DMLC-EXIT n ".to_owned(),
+            fetch_begin: "DMLC-FETCH t BEGIN ".to_owned(),
+            fetch_end: "DMLC-FETCH t END".to_owned(),
+            blanks: 0,
+            fetching: None,
+            boot_tail: Vec::new(),
+            out_tail: Vec::new(),
+            out_file: None,
+            guard: None,
+            started_at: Instant::now(),
+            outcome: RankOutcome::default(),
+        }
+    }
+
+    #[test]
+    fn console_streams_job_lines_and_reads_the_exit() {
+        let dir = std::env::temp_dir().join(format!("dmlc-qemu-test-{}", unique()));
+        fs::create_dir_all(&dir).unwrap();
+        let mut c = console(&dir);
+        let mut out = Vec::new();
+        fs::write(
+            &c.log,
+            "boot noise\r\ndmlc-init: insmod x failed\r\nDMLC-START n\r\nhel",
+        )
+        .unwrap();
+        c.poll(&mut out);
+        assert!(c.outcome.boot.is_some());
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            "[rank 1] dmlc-init: insmod x failed\n"
+        );
+        let mut f = fs::OpenOptions::new().append(true).open(&c.log).unwrap();
+        write!(
+            f,
+            "lo\r\n\r\nworld\r\nDMLC-FETCH t BEGIN /r.json\r\neyJhIjox\r\nfQ==\r\nDMLC-FETCH t END\r\n\r\nDMLC-EXIT n 3\r\nafter\r\n"
+        )
+        .unwrap();
+        c.poll(&mut out);
+        c.flush(&mut out);
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            "[rank 1] dmlc-init: insmod x failed\n[rank 1] hello\n[rank 1] \n[rank 1] world\n"
+        );
+        assert_eq!(c.outcome.status, Some(3));
+        assert_eq!(
+            c.outcome.fetched,
+            vec![("/r.json".to_owned(), b"{\"a\":1}".to_vec())]
+        );
+        assert_eq!(c.boot_tail, vec!["boot noise".to_owned()]);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn base64_decodes_and_skips_noise() {
+        assert_eq!(decode_base64("Zm9vYmFy"), b"foobar");
+        assert_eq!(decode_base64("Zm9v\nYg=="), b"foob");
+        assert_eq!(decode_base64("Zm9vYmE="), b"fooba");
+        assert_eq!(decode_base64(""), b"");
+    }
+
+    #[test]
+    fn exit_code_is_the_first_failure() {
+        let rank = |s: Option<i32>| RankOutcome {
+            status: s,
+            ..RankOutcome::default()
+        };
+        let o = |end, ranks| Outcome {
+            end,
+            ranks,
+            wall: Duration::ZERO,
+        };
+        assert_eq!(
+            o(End::Completed, vec![rank(Some(0)), rank(Some(0))]).exit_code(),
+            0
+        );
+        assert_eq!(
+            o(End::Completed, vec![rank(Some(0)), rank(Some(4))]).exit_code(),
+            4
+        );
+        assert_eq!(
+            o(
+                End::Failed { rank: 1, status: 3 },
+                vec![rank(None), rank(Some(3))]
+            )
+            .exit_code(),
+            3
+        );
+        assert_eq!(o(End::Timeout(Duration::ZERO), vec![]).exit_code(), 124);
+        assert_eq!(o(End::VmDied { rank: 0 }, vec![]).exit_code(), 125);
+        assert_eq!(o(End::Interrupted(2), vec![]).exit_code(), 130);
+    }
+
+    #[test]
+    fn proc_state_sees_this_process() {
+        let me = i32::try_from(std::process::id()).unwrap();
+        assert!(matches!(proc_state(me), Some('R' | 'S')));
+        let mut child = Command::new("sleep").arg("5").spawn().unwrap();
+        let pid = i32::try_from(child.id()).unwrap();
+        assert_eq!(children_mentioning("sleep\u{0}5"), vec![pid]);
+        child.kill().unwrap();
+        // Killed but not reaped: a zombie, which the monitor counts as gone.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while proc_state(pid) != Some('Z') && Instant::now() < deadline {
+            thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(proc_state(pid), Some('Z'));
+        child.wait().unwrap();
+        assert_eq!(proc_state(pid), None);
+    }
+}

@@ -1,0 +1,508 @@
+//! `dmlc-qemu`: run a DMLC-style distributed job on N QEMU VMs, with the
+//! virtio-dmlc allreduce device (or TCP over virtio-net) between them, the
+//! way dmlc-submit runs one with its local, ssh or mpi backends.
+
+#[path = "../../tests/vm/harness.rs"]
+mod vm;
+
+mod demo;
+mod job;
+mod json;
+mod prepare;
+mod signals;
+
+use std::ffi::OsString;
+use std::fs::OpenOptions;
+use std::io::{self, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use clap::error::ErrorKind;
+use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
+
+use job::{Job, Outcome, Program, Transport};
+
+/// Prints a progress or status line of the launcher (on stderr, so that
+/// the workers' output on stdout stays clean).
+pub fn progress(msg: &str) {
+    eprintln!("dmlc-qemu: {msg}");
+}
+
+const ABOUT: &str = "Run a DMLC-style distributed job on N QEMU VMs, with gradients \
+    exchanged through the virtio-dmlc allreduce device (or TCP).";
+
+const AFTER_HELP: &str = "\
+Examples:
+  dmlc-qemu demo
+  dmlc-qemu submit --num-workers 2 -- sh -c 'echo rank $DMLC_TASK_ID of $DMLC_NUM_WORKER'
+  dmlc-qemu submit -n 2 --files ~/.cache/virtio-dmlc/data/digits.csv.gz:/data/digits.csv.gz \\
+      -- target/debug/dmlc-train-digits --steps 50
+
+See launcher/README.md for the environment inside the VMs and the logs.";
+
+#[derive(Debug, Parser)]
+#[command(name = "dmlc-qemu", version, about = ABOUT, after_help = AFTER_HELP)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Run PROGRAM in N VMs, one worker (rank) per VM.
+    #[command(
+        after_help = SUBMIT_AFTER_HELP,
+        override_usage = "dmlc-qemu submit --num-workers N [OPTIONS] [--] PROGRAM [ARGS]..."
+    )]
+    Submit(SubmitArgs),
+    /// Train the digits example across VMs through the device, then over
+    /// TCP, and compare the two.
+    #[command(
+        after_help = DEMO_AFTER_HELP,
+        override_usage = "dmlc-qemu demo [OPTIONS] [-- TRAINER_ARGS...]"
+    )]
+    Demo(DemoArgs),
+}
+
+const SUBMIT_AFTER_HELP: &str = "\
+PROGRAM with a '/' is a host file (a Linux x86_64 binary): it is copied into
+the guest image as /usr/local/bin/NAME, with the shared libraries it needs.
+A bare name is a command in the guest: a busybox applet such as sh, or a file
+added with --files. Put '--' before PROGRAM when it or its arguments start
+with '-' or follow --files/--env.
+
+Each worker's environment: DMLC_ROLE=worker DMLC_NUM_WORKER=N DMLC_TASK_ID=i
+DMLC_NUM_SERVER=0 DMLC_JOB_CLUSTER=qemu DMLC_TRANSPORT=device|tcp
+DMLC_DEVICE=pci, and with --transport tcp DMLC_TCP_PEERS=10.0.0.1:9091,...
+
+Exit status: the first non-zero status of the workers (0 if all succeed);
+124 on timeout; 125 if a VM or the backend failed or the job could not
+start; 128+N on signal N; 2 for bad options.";
+
+const DEMO_AFTER_HELP: &str = "\
+Needs target/*/dmlc-train-digits next to dmlc-qemu:
+  cargo build -p dmlc-example-digits -p vhost-device-dmlc -p dmlc-qemu
+Arguments after '--' go to dmlc-train-digits (e.g. -- --lr 0.5).";
+
+/// VM and job settings shared by `submit` and `demo`.
+#[derive(Debug, Args)]
+struct MachineArgs {
+    /// Virtual CPUs per VM.
+    #[arg(long, value_name = "C", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    vcpus: u32,
+
+    /// Guest RAM per VM: MiB, or a number with a K, M or G suffix.
+    #[arg(long, value_name = "M", default_value = "512M", value_parser = parse_memory)]
+    memory: u32,
+
+    /// Device-visible (DMA) memory per worker, taken from 2 MiB hugepages
+    /// reserved at boot (sets DMLC_DMA_BYTES): the largest buffers a
+    /// collective can use.
+    #[arg(long, value_name = "SIZE", default_value = "64M", value_parser = parse_dma)]
+    dma: u32,
+
+    /// CPU emulation: tcg (works everywhere) or kvm (needs /dev/kvm).
+    #[arg(long, value_enum, default_value_t = AccelArg::Tcg)]
+    accel: AccelArg,
+
+    /// Stop the job after this many seconds, boot included (0: never).
+    #[arg(long, value_name = "SECS", default_value_t = 600)]
+    timeout: u64,
+
+    /// Keep each VM's console, QEMU's messages and command line, each
+    /// worker's output and the backend's log in DIR.
+    #[arg(long, value_name = "DIR")]
+    log_dir: Option<PathBuf>,
+
+    /// The vhost-device-dmlc binary [default: $DMLC_BACKEND, else next to
+    /// dmlc-qemu].
+    #[arg(long, value_name = "PATH")]
+    backend: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum AccelArg {
+    Tcg,
+    Kvm,
+}
+
+#[derive(Debug, Args)]
+struct SubmitArgs {
+    /// Number of workers, one VM each (rank i runs in VM i).
+    #[arg(long, short = 'n', value_name = "N",
+          value_parser = clap::value_parser!(u16).range(1..=64))]
+    num_workers: u16,
+
+    #[command(flatten)]
+    machine: MachineArgs,
+
+    /// How the workers exchange data: the virtio-dmlc device, or TCP over
+    /// virtio-net (every VM gets the device either way).
+    #[arg(long, value_enum, default_value_t = Transport::Device)]
+    transport: Transport,
+
+    /// Extra files or directories for every VM (GUEST absolute; ending in
+    /// '/': copy into that directory).
+    #[arg(long, value_name = "HOST:GUEST", num_args = 1.., value_parser = parse_file)]
+    files: Vec<(PathBuf, String)>,
+
+    /// Extra environment variables for every worker (may override the
+    /// launcher's).
+    #[arg(long, value_name = "K=V", num_args = 1.., value_parser = parse_env)]
+    env: Vec<(String, String)>,
+
+    /// The program and its arguments.
+    #[arg(value_name = "PROGRAM", required = true, num_args = 1..,
+          trailing_var_arg = true)]
+    command: Vec<OsString>,
+}
+
+#[derive(Debug, Args)]
+struct DemoArgs {
+    /// Number of workers, one VM each.
+    #[arg(long, short = 'n', value_name = "N", default_value_t = 2,
+          value_parser = clap::value_parser!(u16).range(1..=64))]
+    num_workers: u16,
+
+    /// Gradient-descent steps of each run.
+    #[arg(long, value_name = "N", default_value_t = 100,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    steps: u32,
+
+    #[command(flatten)]
+    machine: MachineArgs,
+
+    /// Extra environment variables for every worker of both runs (e.g.
+    /// DMLC_POLL=0: the driver sleeps on interrupts instead of polling).
+    #[arg(long, value_name = "K=V", num_args = 1.., value_parser = parse_env)]
+    env: Vec<(String, String)>,
+
+    /// The trainer binary [default: dmlc-train-digits next to dmlc-qemu].
+    #[arg(long, value_name = "PATH")]
+    trainer: Option<PathBuf>,
+
+    /// More arguments for dmlc-train-digits.
+    #[arg(value_name = "TRAINER_ARGS", last = true)]
+    trainer_args: Vec<String>,
+}
+
+/// Parses guest RAM: a size in MiB (see [`parse_mib`]), 128M to 1024G.
+fn parse_memory(s: &str) -> Result<u32, String> {
+    let mib = parse_mib(s)?;
+    if !(128..=1 << 20).contains(&mib) {
+        return Err(format!("{s:?}: guest RAM must be 128M to 1024G"));
+    }
+    Ok(mib)
+}
+
+/// Parses the DMA size: a whole number of 2 MiB hugepages, 2M to 64G.
+fn parse_dma(s: &str) -> Result<u32, String> {
+    let mib = parse_mib(s)?;
+    if !(2..=64 << 10).contains(&mib) || mib % 2 != 0 {
+        return Err(format!(
+            "{s:?}: DMA memory must be a multiple of 2M from 2M to 64G"
+        ));
+    }
+    Ok(mib)
+}
+
+/// Parses a size: MiB by default, or with a K/M/G suffix (powers of 1024);
+/// a whole number of MiB.
+fn parse_mib(s: &str) -> Result<u32, String> {
+    let t = s.trim();
+    let (digits, unit) = match t.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+        Some((i, _)) => t.split_at(i),
+        None => (t, "M"),
+    };
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("expected a size such as 512M or 1G, got {s:?}"))?;
+    let kib = match unit.to_ascii_uppercase().trim_end_matches(['B', 'I']) {
+        "K" => n,
+        "M" => n * 1024,
+        "G" => n * 1024 * 1024,
+        _ => return Err(format!("unknown unit in {s:?} (use K, M or G)")),
+    };
+    if kib % 1024 != 0 {
+        return Err(format!("{s:?} is not a whole number of MiB"));
+    }
+    u32::try_from(kib / 1024).map_err(|_| format!("{s:?} is too large"))
+}
+
+/// Parses `HOST:GUEST` (split at the last ':'; GUEST absolute; HOST must
+/// exist).
+fn parse_file(s: &str) -> Result<(PathBuf, String), String> {
+    let (host, guest) = s
+        .rsplit_once(':')
+        .ok_or_else(|| format!("expected HOST:GUEST, got {s:?} (put '--' before PROGRAM)"))?;
+    if host.is_empty() || !guest.starts_with('/') {
+        return Err(format!(
+            "expected HOST:GUEST with an absolute GUEST path, got {s:?} \
+             (put '--' before PROGRAM)"
+        ));
+    }
+    let host = Path::new(host);
+    if !host.exists() {
+        return Err(format!("{} does not exist", host.display()));
+    }
+    let host = std::path::absolute(host).map_err(|e| format!("{}: {e}", host.display()))?;
+    Ok((host, guest.to_owned()))
+}
+
+/// Parses `KEY=VALUE` (KEY a shell variable name, VALUE on one line).
+fn parse_env(s: &str) -> Result<(String, String), String> {
+    let (k, v) = s
+        .split_once('=')
+        .ok_or_else(|| format!("expected KEY=VALUE, got {s:?} (put '--' before PROGRAM)"))?;
+    let valid = k
+        .chars()
+        .enumerate()
+        .all(|(i, c)| c == '_' || c.is_ascii_alphabetic() || (i > 0 && c.is_ascii_digit()));
+    if k.is_empty() || !valid {
+        return Err(format!("{k:?} is not a variable name"));
+    }
+    if v.contains('\n') || v.contains('\0') {
+        return Err(format!("the value of {k} must be one line"));
+    }
+    Ok((k.to_owned(), v.to_owned()))
+}
+
+/// The subcommand being run, for the usage line of errors.
+static SUBCOMMAND: OnceLock<&'static str> = OnceLock::new();
+
+/// A usage error in clap's format (exit status 2).
+fn usage_error(msg: impl std::fmt::Display) -> ! {
+    let mut cli = Cli::command();
+    if let Some(sub) = SUBCOMMAND
+        .get()
+        .and_then(|name| cli.find_subcommand_mut(name))
+    {
+        let mut sub = sub.clone();
+        sub.error(ErrorKind::ValueValidation, msg).exit()
+    }
+    cli.error(ErrorKind::ValueValidation, msg).exit()
+}
+
+/// A binary next to this one in the target directory.
+fn sibling(name: &str) -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let p = exe.parent()?.join(name);
+    p.is_file().then_some(p)
+}
+
+/// Checks that `path` is an executable regular file.
+fn check_executable(path: &Path, what: &str) {
+    match path.metadata() {
+        Ok(m) if m.is_file() && m.permissions().mode() & 0o111 != 0 => {}
+        Ok(_) => usage_error(format!(
+            "{what} {} is not an executable file",
+            path.display()
+        )),
+        Err(e) => usage_error(format!("{what} {}: {e}", path.display())),
+    }
+}
+
+/// The hugepages for --dma must leave the guest at least 256 MiB.
+fn check_dma(m: &MachineArgs) {
+    if u64::from(m.dma) + u64::from(job::DMA_SLACK_MIB) + 256 > u64::from(m.memory) {
+        usage_error(format!(
+            "--dma {}M does not fit in --memory {}M: the guest needs 256M besides \
+             its hugepages; give more --memory or less --dma",
+            m.dma, m.memory
+        ));
+    }
+}
+
+/// The backend binary: --backend, $DMLC_BACKEND, or next to dmlc-qemu.
+fn backend_path(arg: Option<&Path>) -> PathBuf {
+    let path = arg
+        .map(Path::to_path_buf)
+        .or_else(|| std::env::var_os("DMLC_BACKEND").map(PathBuf::from))
+        .or_else(|| sibling("vhost-device-dmlc"))
+        .unwrap_or_else(|| {
+            usage_error(
+                "cannot find vhost-device-dmlc next to dmlc-qemu; build it \
+                 (cargo build -p vhost-device-dmlc) or give --backend PATH",
+            )
+        });
+    check_executable(&path, "backend");
+    path
+}
+
+fn accel(arg: AccelArg) -> vm::Accel {
+    match arg {
+        AccelArg::Tcg => vm::Accel::Tcg,
+        AccelArg::Kvm => {
+            if let Err(e) = OpenOptions::new().read(true).write(true).open("/dev/kvm") {
+                usage_error(format!("--accel kvm: cannot open /dev/kvm: {e}"));
+            }
+            vm::Accel::Kvm
+        }
+    }
+}
+
+/// The job of `submit`, after checking what clap cannot.
+fn submit_job(a: SubmitArgs) -> Job {
+    check_dma(&a.machine);
+    let mut words = a.command.into_iter();
+    let program = words.next().expect("clap requires PROGRAM");
+    let program_str = program
+        .to_str()
+        .unwrap_or_else(|| usage_error("PROGRAM must be valid UTF-8"))
+        .to_owned();
+    let program = if program_str.contains('/') {
+        let path = Path::new(&program_str);
+        check_executable(path, "PROGRAM");
+        let abs = std::path::absolute(path)
+            .unwrap_or_else(|e| usage_error(format!("{}: {e}", path.display())));
+        Program::Host(abs)
+    } else {
+        Program::Guest(program_str)
+    };
+    let args = words
+        .map(|w| {
+            w.into_string()
+                .unwrap_or_else(|_| usage_error("program arguments must be valid UTF-8"))
+        })
+        .collect();
+    let m = a.machine;
+    Job {
+        num_workers: usize::from(a.num_workers),
+        vcpus: m.vcpus,
+        memory_mib: m.memory,
+        dma_mib: m.dma,
+        accel: accel(m.accel),
+        transport: a.transport,
+        files: a.files,
+        timeout: (m.timeout > 0).then(|| Duration::from_secs(m.timeout)),
+        log_dir: m.log_dir,
+        backend: backend_path(m.backend.as_deref()),
+        env: a.env,
+        program,
+        args,
+        fetch: Vec::new(),
+    }
+}
+
+/// Prints how a job ended and returns the launcher's exit status.
+fn report(outcome: &Outcome) -> i32 {
+    let statuses: Vec<String> = outcome
+        .ranks
+        .iter()
+        .enumerate()
+        .map(|(i, r)| match r.status {
+            Some(s) => format!("rank {i}: {s}"),
+            None => format!("rank {i}: stopped"),
+        })
+        .collect();
+    progress(&format!(
+        "{} after {:.1} s; exit status {}",
+        statuses.join(", "),
+        outcome.wall.as_secs_f64(),
+        outcome.exit_code()
+    ));
+    outcome.exit_code()
+}
+
+fn exit_code(code: i32) -> ExitCode {
+    ExitCode::from(u8::try_from(code.clamp(0, 255)).unwrap_or(1))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Err(e) = signals::install() {
+        progress(&format!("{e}"));
+        return ExitCode::from(125);
+    }
+    let _ = SUBCOMMAND.set(match cli.command {
+        Cmd::Submit(_) => "submit",
+        Cmd::Demo(_) => "demo",
+    });
+    let code = match cli.command {
+        Cmd::Submit(a) => {
+            let job = submit_job(a);
+            let mut out = io::stdout();
+            match job.run(&mut out) {
+                Ok(outcome) => report(&outcome),
+                Err(e) => job_error(&e),
+            }
+        }
+        Cmd::Demo(a) => demo::run(a),
+    };
+    let _ = io::stdout().flush();
+    exit_code(code)
+}
+
+/// Prints a job error with its causes; returns the exit status.
+fn job_error(e: &(dyn std::error::Error + 'static)) -> i32 {
+    let mut msg = format!("error: {e}");
+    let mut src = e.source();
+    while let Some(s) = src {
+        msg.push_str(&format!(": {s}"));
+        src = s.source();
+    }
+    progress(&msg);
+    let interrupted = match e.downcast_ref::<job::JobError>() {
+        Some(job::JobError::Prepare(p)) => Some(p),
+        _ => e.downcast_ref::<prepare::PrepareError>(),
+    };
+    match interrupted {
+        Some(prepare::PrepareError::Interrupted(sig)) => 128 + sig,
+        _ => 125,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_sizes() {
+        assert_eq!(parse_memory("512"), Ok(512));
+        assert_eq!(parse_memory("512M"), Ok(512));
+        assert_eq!(parse_memory("1G"), Ok(1024));
+        assert_eq!(parse_memory("2GiB"), Ok(2048));
+        assert_eq!(parse_memory("262144K"), Ok(256));
+        assert!(parse_memory("64M").is_err());
+        assert!(parse_memory("1.5G").is_err());
+        assert!(parse_memory("12X").is_err());
+        assert!(parse_memory("").is_err());
+        assert_eq!(parse_dma("64M"), Ok(64));
+        assert_eq!(parse_dma("1G"), Ok(1024));
+        assert!(parse_dma("3M").is_err());
+        assert!(parse_dma("0").is_err());
+    }
+
+    #[test]
+    fn file_maps() {
+        let (h, g) = parse_file("/etc/hostname:/etc/dmlc/h").unwrap();
+        assert_eq!(
+            (h.as_path(), g.as_str()),
+            (Path::new("/etc/hostname"), "/etc/dmlc/h")
+        );
+        assert!(parse_file("/etc/hostname").is_err());
+        assert!(parse_file("/etc/hostname:rel").is_err());
+        assert!(parse_file("/no/such/file:/x")
+            .unwrap_err()
+            .contains("does not exist"));
+    }
+
+    #[test]
+    fn env_pairs() {
+        assert_eq!(parse_env("A_1=x=y"), Ok(("A_1".into(), "x=y".into())));
+        assert_eq!(parse_env("E="), Ok(("E".into(), String::new())));
+        assert!(parse_env("1A=x").is_err());
+        assert!(parse_env("A-B=x").is_err());
+        assert!(parse_env("novalue").is_err());
+        assert!(parse_env("A=a\nb").is_err());
+    }
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+}

@@ -1,0 +1,167 @@
+//! Fast tests of `dmlc-qemu`'s command line: help texts and the errors for
+//! wrong flags. No VM is started: every case fails before QEMU is looked for.
+
+use std::process::{Command, Output};
+
+fn dmlc_qemu(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_dmlc-qemu"))
+        .args(args)
+        // A backend that exists, so that only the case's own mistake fails.
+        .env("DMLC_BACKEND", "/bin/true")
+        .output()
+        .expect("run dmlc-qemu")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+#[test]
+fn help_explains_every_flag() {
+    let top = dmlc_qemu(&["--help"]);
+    assert!(top.status.success());
+    let top = text(&top.stdout);
+    for needle in ["submit", "demo", "dmlc-qemu demo"] {
+        assert!(top.contains(needle), "{needle:?} not in --help:\n{top}");
+    }
+
+    let out = dmlc_qemu(&["submit", "--help"]);
+    assert!(out.status.success());
+    let help = text(&out.stdout);
+    for needle in [
+        "--num-workers <N>",
+        "--vcpus <C>",
+        "--memory <M>",
+        "--dma <SIZE>",
+        "--accel <ACCEL>",
+        "--transport <TRANSPORT>",
+        "--files <HOST:GUEST>",
+        "--timeout <SECS>",
+        "--log-dir <DIR>",
+        "--backend <PATH>",
+        "--env <K=V>",
+        "<PROGRAM>...",
+        "DMLC_TASK_ID=i",
+        "DMLC_TCP_PEERS",
+        "/usr/local/bin/NAME",
+        "Exit status",
+        "124 on timeout",
+    ] {
+        assert!(
+            help.contains(needle),
+            "{needle:?} not in submit --help:\n{help}"
+        );
+    }
+
+    let out = dmlc_qemu(&["demo", "--help"]);
+    assert!(out.status.success());
+    let help = text(&out.stdout);
+    for needle in [
+        "--steps <N>",
+        "--num-workers <N>",
+        "--trainer <PATH>",
+        "cargo build",
+    ] {
+        assert!(
+            help.contains(needle),
+            "{needle:?} not in demo --help:\n{help}"
+        );
+    }
+}
+
+#[test]
+fn wrong_flags_get_clear_errors() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["submit", "--", "sh"], "--num-workers <N>"),
+        (&["submit", "-n", "0", "--", "sh"], "0 is not in 1..=64"),
+        (&["submit", "-n", "2"], "<PROGRAM>"),
+        (
+            &["submit", "-n", "2", "--memory", "12X", "--", "sh"],
+            "unknown unit",
+        ),
+        (
+            &["submit", "-n", "2", "--memory", "64M", "--", "sh"],
+            "128M to 1024G",
+        ),
+        (
+            &["submit", "-n", "2", "--vcpus", "0", "--", "sh"],
+            "--vcpus <C>",
+        ),
+        (
+            &["submit", "-n", "2", "--accel", "xen", "--", "sh"],
+            "invalid value 'xen'",
+        ),
+        (
+            &["submit", "-n", "2", "--transport", "udp", "--", "sh"],
+            "invalid value 'udp'",
+        ),
+        (
+            &["submit", "-n", "2", "--timeout", "soon", "--", "sh"],
+            "invalid value 'soon'",
+        ),
+        (
+            &["submit", "-n", "2", "--files", "/no/such:/x", "--", "sh"],
+            "/no/such does not exist",
+        ),
+        (
+            &["submit", "-n", "2", "--files", "Cargo.toml", "--", "sh"],
+            "HOST:GUEST",
+        ),
+        (
+            &["submit", "-n", "2", "--files", "Cargo.toml:/c", "sh"],
+            "put '--' before PROGRAM",
+        ),
+        (
+            &["submit", "-n", "2", "--env", "1X=y", "--", "sh"],
+            "not a variable name",
+        ),
+        (
+            &["submit", "-n", "2", "--env", "X", "--", "sh"],
+            "expected KEY=VALUE",
+        ),
+        (
+            &["submit", "-n", "2", "--", "./no/such/prog"],
+            "PROGRAM ./no/such/prog",
+        ),
+        (
+            &["submit", "-n", "2", "--backend", "/no/such", "--", "sh"],
+            "backend /no/such",
+        ),
+        (&["submit", "--bogus"], "unexpected argument '--bogus'"),
+        (&["frobnicate"], "unrecognized subcommand 'frobnicate'"),
+        (&["demo", "--steps", "0"], "0 is not in 1.."),
+        (&["demo", "--trainer", "/no/such"], "trainer /no/such"),
+    ];
+    for (args, needle) in cases {
+        let out = dmlc_qemu(args);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {needle:?} not in:\n{err}");
+        assert!(err.starts_with("error: "), "{args:?}: {err}");
+        assert!(out.stdout.is_empty(), "{args:?} printed on stdout");
+    }
+}
+
+#[test]
+fn a_program_that_is_not_executable_is_refused() {
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("not-executable");
+    std::fs::write(&path, "data").unwrap();
+    let out = dmlc_qemu(&["submit", "-n", "2", "--", path.to_str().unwrap()]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("is not an executable file"), "{err}");
+}
+
+#[test]
+fn program_arguments_are_not_parsed_as_flags() {
+    // `--help` after PROGRAM belongs to the program: the launcher goes on
+    // (and stops at the missing backend) instead of printing its help.
+    let out = Command::new(env!("CARGO_BIN_EXE_dmlc-qemu"))
+        .args(["submit", "-n", "1", "--backend", "/no/such", "sh", "--help"])
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("backend /no/such"), "{err}");
+    assert!(out.stdout.is_empty());
+}

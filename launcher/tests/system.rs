@@ -1,0 +1,367 @@
+//! System tests of `dmlc-qemu submit`: real TCG VMs with the patched QEMU.
+//!
+//! - the digits example trains on 2 VMs with its gradients through the
+//!   device and passes its checks (identical weights, single-process match);
+//! - a failed worker, Ctrl-C and a timeout each stop every VM and the
+//!   backend and leave no process and no temporary file behind.
+//!
+//! Run: `cargo test -p dmlc-qemu --test system -- --test-threads=1` after
+//! `cargo build --bins -p dmlc-qemu -p vhost-device-dmlc -p dmlc-example-digits`.
+//! Without QEMU the tests fail under `CI=true` and otherwise print a SKIP
+//! line. `DMLC_BACKEND_BIN` and `DMLC_TRAINER_BIN` choose other builds of
+//! the backend and the trainer (e.g. release ones).
+
+#[path = "../../tests/vm/harness.rs"]
+mod vm;
+
+use std::fs;
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+/// Progress on the real stderr (past the test harness's capture).
+fn progress(line: &str) {
+    let _ = writeln!(io::stderr().lock(), "    [launcher] {line}");
+}
+
+fn under_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "false" && v != "0")
+}
+
+/// What a test needs: QEMU, the binaries, and a private TMPDIR for the
+/// launcher (empty again when the launcher has cleaned up).
+struct Env {
+    qemu: vm::Qemu,
+    backend: PathBuf,
+    tmp: PathBuf,
+    _turn: MutexGuard<'static, ()>,
+}
+
+/// A binary of the workspace: `$var`, else next to dmlc-qemu.
+fn workspace_bin(var: &str, name: &str, package: &str) -> PathBuf {
+    let path = std::env::var_os(var)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_BIN_EXE_dmlc-qemu")).with_file_name(name));
+    assert!(
+        path.is_file(),
+        "{} is missing: build it first (`cargo build -p {package} --bins`, \
+         or set {var})",
+        path.display()
+    );
+    path
+}
+
+/// One VM test at a time (two cores), QEMU found or built, the backend.
+/// `None` (with a SKIP line) when QEMU cannot be had, except under CI.
+fn setup(test: &str) -> Option<Env> {
+    static TURN: Mutex<()> = Mutex::new(());
+    let turn = TURN.lock().unwrap_or_else(PoisonError::into_inner);
+    let qemu = match vm::Qemu::from_env() {
+        Ok(q) => q,
+        Err(e) => {
+            let what =
+                format!("no patched QEMU ({e}; set DMLC_QEMU or run qemu-patches/build-qemu.sh)");
+            if under_ci() {
+                panic!("{test}: cannot run under CI=true: {what}");
+            }
+            progress(&format!("SKIP {test}: {what}"));
+            return None;
+        }
+    };
+    let backend = workspace_bin("DMLC_BACKEND_BIN", "vhost-device-dmlc", "vhost-device-dmlc");
+    let tmp = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("launcher-{test}"));
+    let _ = fs::remove_dir_all(&tmp);
+    fs::create_dir_all(&tmp).unwrap();
+    Some(Env {
+        qemu,
+        backend,
+        tmp,
+        _turn: turn,
+    })
+}
+
+impl Env {
+    /// `dmlc-qemu ARGS` with QEMU, the backend and TMPDIR set.
+    fn command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_dmlc-qemu"));
+        let firmware = std::env::join_paths(&self.qemu.firmware).unwrap();
+        cmd.args(args)
+            .env("DMLC_QEMU", &self.qemu.binary)
+            .env("DMLC_QEMU_FIRMWARE", firmware)
+            .env("DMLC_BACKEND", &self.backend)
+            .env("TMPDIR", &self.tmp)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        cmd
+    }
+
+    /// Checks that the launcher left nothing: TMPDIR is empty and no
+    /// process mentions it (QEMU's console and socket paths, the
+    /// backend's socket path all lie under it).
+    fn assert_nothing_left(&self) {
+        let left: Vec<_> = fs::read_dir(&self.tmp)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        assert!(left.is_empty(), "files left behind: {left:?}");
+        let needle = self.tmp.to_string_lossy().into_owned();
+        let procs = processes_mentioning(&needle);
+        assert!(procs.is_empty(), "processes left behind: {procs:?}");
+    }
+}
+
+/// Command lines of the processes that mention `needle`.
+fn processes_mentioning(needle: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for entry in fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(raw) = fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let cmd = String::from_utf8_lossy(&raw).replace('\0', " ");
+        if cmd.contains(needle) {
+            found.push(cmd);
+        }
+    }
+    found
+}
+
+/// A running launcher whose stdout and stderr are collected as they come.
+struct Running {
+    child: Child,
+    stdout: Arc<Mutex<String>>,
+    stderr: Arc<Mutex<String>>,
+    readers: Vec<thread::JoinHandle<()>>,
+    started: Instant,
+}
+
+fn collect(mut r: impl Read + Send + 'static) -> (Arc<Mutex<String>>, thread::JoinHandle<()>) {
+    let buf = Arc::new(Mutex::new(String::new()));
+    let b = Arc::clone(&buf);
+    let h = thread::spawn(move || {
+        let mut lines = BufReader::new(&mut r);
+        let mut line = String::new();
+        while lines.read_line(&mut line).unwrap_or(0) > 0 {
+            b.lock().unwrap().push_str(&line);
+            line.clear();
+        }
+    });
+    (buf, h)
+}
+
+impl Running {
+    fn start(mut cmd: Command) -> Running {
+        let mut child = cmd.spawn().expect("start dmlc-qemu");
+        let (stdout, h1) = collect(child.stdout.take().unwrap());
+        let (stderr, h2) = collect(child.stderr.take().unwrap());
+        Running {
+            child,
+            stdout,
+            stderr,
+            readers: vec![h1, h2],
+            started: Instant::now(),
+        }
+    }
+
+    /// Waits until stdout holds every needle (or fails after `limit`).
+    fn wait_for(&mut self, needles: &[&str], limit: Duration) {
+        let deadline = Instant::now() + limit;
+        loop {
+            let out = self.stdout.lock().unwrap().clone();
+            if needles.iter().all(|n| out.contains(n)) {
+                return;
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!(
+                    "dmlc-qemu exited ({status}) before printing {needles:?}:\n{out}\n{}",
+                    self.stderr.lock().unwrap()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no {needles:?} within {limit:?}:\n{out}\n{}",
+                self.stderr.lock().unwrap()
+            );
+            thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Waits for the exit (at most `limit`, then kills it and fails).
+    /// Returns (exit code, stdout, stderr, time since start).
+    fn finish(mut self, limit: Duration) -> (Option<i32>, String, String, Duration) {
+        let deadline = Instant::now() + limit;
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() >= deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                panic!(
+                    "dmlc-qemu still running after {limit:?}:\n{}\n{}",
+                    self.stdout.lock().unwrap(),
+                    self.stderr.lock().unwrap()
+                );
+            }
+            thread::sleep(Duration::from_millis(50));
+        };
+        let elapsed = self.started.elapsed();
+        for h in self.readers.drain(..) {
+            let _ = h.join();
+        }
+        let out = self.stdout.lock().unwrap().clone();
+        let err = self.stderr.lock().unwrap().clone();
+        // Shown when the test fails.
+        eprintln!("----- stdout\n{out}----- stderr\n{err}");
+        (status.code(), out, err, elapsed)
+    }
+}
+
+#[test]
+fn digits_trains_on_two_vms_through_the_device() {
+    let Some(env) = setup("digits") else { return };
+    let trainer = workspace_bin(
+        "DMLC_TRAINER_BIN",
+        "dmlc-train-digits",
+        "dmlc-example-digits",
+    );
+    let fetch = vm::repo_root()
+        .unwrap()
+        .join("examples/digits/fetch-data.sh");
+    let out = Command::new("bash").arg(&fetch).output().unwrap();
+    assert!(
+        out.status.success(),
+        "fetch-data.sh: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let data = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    let logs = env.tmp.with_file_name("launcher-digits-logs");
+    let _ = fs::remove_dir_all(&logs);
+    let files = format!("{data}:/data/digits.csv.gz");
+    let args = [
+        "submit",
+        "--num-workers",
+        "2",
+        "--timeout",
+        "400",
+        "--log-dir",
+        logs.to_str().unwrap(),
+        "--files",
+        &files,
+        "--",
+        trainer.to_str().unwrap(),
+        "--steps",
+        "20",
+        "--print-every",
+        "5",
+    ];
+    let (code, out, err, took) =
+        Running::start(env.command(&args)).finish(Duration::from_secs(500));
+    progress(&format!("digits on 2 VMs (device) in {took:.1?}"));
+    assert_eq!(code, Some(0), "dmlc-qemu failed");
+    for rank in 0..2 {
+        for needle in [
+            format!("[rank {rank}] rank {rank} of 2 transport device"),
+            format!("[rank {rank}] step 5 loss"),
+            format!("[rank {rank}] step 19 loss"),
+            format!("[rank {rank}] test accuracy"),
+            format!("[rank {rank}] PASS identical weights on all 2 ranks"),
+            format!("[rank {rank}] PASS matches single-process run"),
+        ] {
+            assert!(out.contains(&needle), "{needle:?} not in the output");
+        }
+    }
+    assert!(!out.contains("FAIL"), "a check failed");
+    assert!(err.contains("2 workers running"), "no boot progress line");
+    assert!(
+        err.contains("rank 0: 0, rank 1: 0 after"),
+        "no summary line"
+    );
+    // --log-dir keeps the consoles, the workers' output and the backend log.
+    for name in [
+        "rank0.console",
+        "rank1.console",
+        "rank1.qemu.log",
+        "rank0.cmdline",
+    ] {
+        assert!(logs.join(name).is_file(), "{name} not in the log dir");
+    }
+    let rank1 = fs::read_to_string(logs.join("rank1.out")).unwrap();
+    assert!(
+        rank1.contains("PASS identical weights"),
+        "rank1.out: {rank1}"
+    );
+    let backend = fs::read_to_string(logs.join("backend.log")).unwrap();
+    assert!(
+        backend.contains("rank 1: frontend connected"),
+        "backend.log: {backend}"
+    );
+    env.assert_nothing_left();
+    fs::remove_dir_all(&logs).unwrap();
+}
+
+#[test]
+fn a_failed_worker_stops_the_others_and_leaves_nothing_behind() {
+    let Some(env) = setup("failed-worker") else {
+        return;
+    };
+    let job =
+        "if [ \"$DMLC_TASK_ID\" = 1 ]; then echo failing; exit 3; fi; echo waiting; sleep 300";
+    let args = ["submit", "-n", "2", "--", "sh", "-c", job];
+    let (code, out, err, took) =
+        Running::start(env.command(&args)).finish(Duration::from_secs(120));
+    progress(&format!("failed worker stopped the job in {took:.1?}"));
+    assert_eq!(code, Some(3), "the exit status is the failed worker's");
+    assert!(out.contains("[rank 1] failing"));
+    assert!(out.contains("[rank 0] waiting"));
+    assert!(err.contains("rank 1 exited with status 3; stopping the others in 5 s"));
+    assert!(err.contains("rank 0: stopped, rank 1: 3 after"));
+    assert!(took < Duration::from_secs(90), "rank 0 was not stopped");
+    env.assert_nothing_left();
+}
+
+#[test]
+fn ctrl_c_stops_every_vm_and_leaves_nothing_behind() {
+    let Some(env) = setup("interrupt") else {
+        return;
+    };
+    let args = ["submit", "-n", "2", "--", "sh", "-c", "echo up; sleep 300"];
+    let mut run = Running::start(env.command(&args));
+    run.wait_for(&["[rank 0] up", "[rank 1] up"], Duration::from_secs(120));
+    let pid = Pid::from_raw(i32::try_from(run.child.id()).unwrap());
+    kill(pid, Signal::SIGINT).unwrap();
+    let t = Instant::now();
+    let (code, _, err, _) = run.finish(Duration::from_secs(60));
+    progress(&format!("SIGINT stopped the job in {:.1?}", t.elapsed()));
+    assert_eq!(code, Some(130), "128 + SIGINT");
+    assert!(err.contains("SIGINT: stopping every VM"));
+    env.assert_nothing_left();
+}
+
+#[test]
+fn a_timeout_stops_the_job() {
+    let Some(env) = setup("timeout") else { return };
+    let args = [
+        "submit",
+        "-n",
+        "1",
+        "--timeout",
+        "20",
+        "--",
+        "sh",
+        "-c",
+        "echo up; sleep 300",
+    ];
+    let (code, out, err, took) = Running::start(env.command(&args)).finish(Duration::from_secs(90));
+    progress(&format!("the 20 s timeout stopped the job in {took:.1?}"));
+    assert_eq!(code, Some(124));
+    assert!(out.contains("[rank 0] up"));
+    assert!(err.contains("timeout after 20 s (ranks still running: 0)"));
+    env.assert_nothing_left();
+}

@@ -1,0 +1,32 @@
+//! System tests of virtio-dmlc: real QEMU VMs (the patched build, TCG by
+//! default, KVM with `DMLC_ACCEL=kvm`) with the `vhost-user-dmlc-pci`
+//! device, one `vhost-device-dmlc` daemon, and `dmlc-guest` in every guest.
+//!
+//! Run them one at a time (two cores cannot boot two groups of VMs at once;
+//! the tests also take turns by themselves):
+//!
+//! ```text
+//! cargo build -p dmlc-guest -p vhost-device-dmlc --bins --example pci_probe
+//! cargo test -p dmlc-system-tests --test system -- --test-threads=1
+//! ```
+//!
+//! The binaries come from the test's own profile directory (target/debug);
+//! `DMLC_GUEST_BIN`, `DMLC_PCI_PROBE_BIN` and `DMLC_BACKEND_BIN` pick other
+//! builds (tests/run.sh uses release builds: the guests run under
+//! emulation). `CI=true` turns a missing QEMU or KVM into a failure instead
+//! of a SKIP line. Each test prints its timings past the output capture.
+//!
+//! - `plumbing`: the device in sysfs, the backend's connections, `info`.
+//! - `collectives`: `selftest --quick` on 2 VMs (polling) and 4 VMs
+//!   (interrupts).
+//! - `faults`: a VM killed in a collective (peer lost, a new VM rejoins);
+//!   the backend killed and restarted, with the same group id (the guests
+//!   never notice) and as a new group (the guests reopen the device).
+
+#[path = "../vm/harness.rs"]
+mod harness;
+
+mod collectives;
+mod common;
+mod faults;
+mod plumbing;

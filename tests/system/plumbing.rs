@@ -1,0 +1,69 @@
+//! The plumbing under every other test: QEMU plugs the device into each
+//! guest and connects to the backend's socket for its rank, and the driver
+//! reads the backend's config space over PCI.
+
+use std::time::{Duration, Instant};
+
+use crate::common::{guest, progress, setup, vm, Backend, Vms};
+use crate::harness::VmSpec;
+
+#[test]
+fn two_vms_see_the_device_and_the_backend_sees_both() {
+    let Some(env) = setup("two_vms_see_the_device_and_the_backend_sees_both") else {
+        return;
+    };
+    let group = "0x00d1c0ffee";
+    let backend = Backend::start(&env, "plumb", 2, &["--group-id", group]);
+    // Vendor, device and class of every PCI function, one line each, before
+    // any driver touches the device; then the driver's view of it.
+    let job = format!(
+        "cd /sys/bus/pci/devices && for d in *; do \
+         echo \"pci $d $(cat $d/vendor) $(cat $d/device) $(cat $d/class) \
+         override=$(cat $d/driver_override)\"; done; {}",
+        guest("info")
+    );
+    let specs: Vec<VmSpec> = (0..2).map(|r| vm(&job, &backend.socket(r))).collect();
+    let t = Instant::now();
+    let mut vms = Vms::start(&env, &specs, &env.opts);
+    let out = vms.wait_ok("2 VMs");
+    progress(&format!("plumbing: 2 VMs in {:.1?}", t.elapsed()));
+    for (i, o) in out.iter().enumerate() {
+        let dev: Vec<&str> = o
+            .output
+            .lines()
+            .filter(|l| l.starts_with("pci ") && l.contains(" 0x1af4 0x107f "))
+            .collect();
+        assert_eq!(
+            dev.len(),
+            1,
+            "vm {i}: one virtio-dmlc function:\n{}",
+            o.output
+        );
+        // Class "other" (0x00ff00), and no kernel driver may claim it.
+        assert!(dev[0].contains(" 0x00ff00 "), "vm {i}: class: {}", dev[0]);
+        assert!(dev[0].ends_with("override=none"), "vm {i}: {}", dev[0]);
+        for want in [
+            "transport     virtio-pci".to_owned(),
+            format!("rank          {i}\n"),
+            "world size    2\n".to_owned(),
+            "group id      0x00000000d1c0ffee\n".to_owned(),
+        ] {
+            assert!(
+                o.output.contains(&want),
+                "vm {i}: no {want:?}:\n{}",
+                o.output
+            );
+        }
+    }
+    for r in 0..2 {
+        let line = format!(
+            "rank {r}: frontend connected on {}",
+            backend.socket(r).display()
+        );
+        assert!(
+            backend.wait_log(&line, 1, Duration::from_secs(5)),
+            "backend log lacks {line:?}:\n{}",
+            backend.log_text()
+        );
+    }
+}
