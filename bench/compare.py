@@ -95,9 +95,11 @@ def memcpy_probe(exe, threads):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--guest", required=True, help="dmlc-guest binary (release)")
-    ap.add_argument("--mpi", required=True, help="mpi_allreduce binary")
-    ap.add_argument("--memcpy", required=True, help="memcpy_bw binary")
+    ap.add_argument("--guest", help="dmlc-guest binary (release)")
+    ap.add_argument("--mpi", help="mpi_allreduce binary")
+    ap.add_argument("--memcpy", help="memcpy_bw binary")
+    ap.add_argument("--replot", metavar="JSON",
+                    help="only redraw the SVG from a device-vs-mpi.json written earlier")
     ap.add_argument("--ranks", default="2,4", help="comma-separated N values")
     ap.add_argument("--minbytes", default="4")
     ap.add_argument("--maxbytes", default="64M")
@@ -112,6 +114,16 @@ def main():
                     help="backend --poll-us for the device runs (default: the backend's)")
     args = ap.parse_args()
 
+    if args.replot:
+        with open(args.replot) as f:
+            doc = json.load(f)
+        runs = {(r["config"], r["world"]): r["result"] for r in doc["runs"]}
+        ranks = sorted({n for _, n in runs})
+        with open(os.path.join(args.out, "device-vs-mpi.svg"), "w") as f:
+            f.write(svg(runs, ranks, doc["meta"]["memcpy"]))
+        return
+    if not (args.guest and args.mpi and args.memcpy):
+        ap.error("--guest, --mpi and --memcpy are required (bench/compare.sh passes them)")
     ranks = [int(n) for n in args.ranks.split(",")]
     modes = [m for m in args.modes.split(",") if m]
     minb, maxb = parse_size(args.minbytes), parse_size(args.maxbytes)
@@ -372,7 +384,7 @@ def svg(runs, ranks, memcpy):
                 y = ly(m["best_gbps"])
                 out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + pw}" y2="{y:.1f}" stroke="#777" '
                            f'stroke-dasharray="1,3"/>')
-                out.append(f'<text x="{left + 4 + 230 * i}" y="{y - 3:.1f}" fill="#555">memcpy, {m["threads"]} '
+                out.append(f'<text x="{left + 4 + 230 * i}" y="{y + 12:.1f}" fill="#555">memcpy, {m["threads"]} '
                            f'thread(s): {m["best_gbps"]:.1f} GB/s</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"

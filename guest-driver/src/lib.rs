@@ -18,6 +18,7 @@ pub mod device;
 pub mod dma;
 pub mod error;
 pub mod ffi;
+pub mod ffi_rabit;
 pub mod host;
 pub mod transport;
 pub mod virtqueue;

@@ -322,7 +322,10 @@ fn no_socket_is_explained() {
     let st = p.finish(Duration::from_secs(30));
     assert!(!st.success());
     assert!(
-        p.stderr().contains("give --socket PATH or set DMLC_SOCKET"),
+        {
+            let err = p.stderr();
+            err.contains("no device: give --socket PATH") && err.contains("DMLC_SOCKET")
+        },
         "{}",
         p.dump()
     );

@@ -30,3 +30,4 @@ mod collectives;
 mod common;
 mod faults;
 mod plumbing;
+mod tcp_vs_device;

@@ -8,14 +8,31 @@
 //! twice the last-level cache), so large sizes are not cache-hot. Time is the median of the per-iteration
 //! times on rank 0. `#wrong` counts wrong elements of the last out-of-place
 //! iteration and of one extra in-place run on fresh data, summed over ranks.
+//!
+//! One loop, two paths ([`Engine`]):
+//!
+//! - `--transport device` (the default): requests go straight to the device
+//!   on device-visible buffers ([`DmaBuf`]), zero-copy, so the time is the
+//!   device's own.
+//! - `--transport tcp`: the same collectives through the TCP
+//!   [`Communicator`] between the same members, on ordinary memory, so that
+//!   the device and the network path are measured by one tool. The
+//!   Communicator works in place: there the out-of-place columns time a copy
+//!   of the input into the output followed by the in-place collective (what
+//!   a caller of an in-place API pays for out-of-place). Allgather is out of
+//!   place in the Communicator; its in-place column copies the member's
+//!   block aside first. Reduce and reduce-scatter have no TCP counterpart.
 
 use std::fmt::Write as _;
 use std::io::Write as _;
+use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use dmlc_guest::comm::{CommError, Communicator};
 use dmlc_guest::device::{Device, DmaBuf, Request};
-use virtio_dmlc::{buffer_elems, BufferElems, Dtype, Opcode, ReduceOp, VirtioDmlcConfig};
+use dmlc_guest::tcp::{self, TcpComm, TcpError};
+use virtio_dmlc::{buffer_elems, BufferElems, Dtype, Opcode, ReduceOp};
 
 use super::data::{self, Gen};
 use super::reference::Case;
@@ -26,6 +43,17 @@ use super::{CliError, Ctx, Setup};
 const ROTATE_CAP: u64 = 512 << 20;
 /// Slot alignment inside the pools.
 const SLOT_ALIGN: u64 = 64;
+/// Environment variable with this member's rank for `--transport tcp`.
+const RANK_ENV: &str = "DMLC_TASK_ID";
+
+/// The path a bench measures.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Via {
+    /// The virtio-dmlc device, zero-copy on device-visible buffers.
+    Device,
+    /// The TCP Communicator between the members (see --peers).
+    Tcp,
+}
 
 /// Options of `dmlc-guest bench`.
 #[derive(clap::Args, Debug)]
@@ -47,7 +75,8 @@ pub struct BenchArgs {
     #[arg(short = 'o', long, default_value = "sum", value_parser = parse_op)]
     pub op: ReduceOp,
     /// Collective to measure: allreduce broadcast reduce allgather
-    /// reduce_scatter barrier.
+    /// reduce_scatter barrier (over tcp: allreduce broadcast allgather
+    /// barrier).
     #[arg(long, default_value = "allreduce", value_parser = parse_opcode)]
     pub opcode: Opcode,
     /// Root rank of broadcast and reduce.
@@ -59,7 +88,7 @@ pub struct BenchArgs {
     /// Untimed warm-up iterations per size.
     #[arg(short = 'w', long, default_value_t = 5)]
     pub warmup: u32,
-    /// Request queue to use.
+    /// Request queue to use (device).
     #[arg(long, default_value_t = 0)]
     pub queue: u16,
     /// Bytes of buffers to rotate through per direction [default: 2 x LLC
@@ -69,6 +98,21 @@ pub struct BenchArgs {
     /// Also write the results as JSON to FILE (rank 0).
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+    /// Path to measure: the device, or the TCP Communicator between the
+    /// members (no device is opened).
+    #[arg(long, value_enum, default_value_t = Via::Device)]
+    pub transport: Via,
+    /// This member's rank, with --transport tcp [default: env DMLC_TASK_ID].
+    #[arg(long, value_name = "RANK")]
+    pub rank: Option<u32>,
+    /// Every member's address in rank order, with --transport tcp; this
+    /// member listens on its own entry [default: env DMLC_TCP_PEERS].
+    #[arg(long, value_name = "IP:PORT,...")]
+    pub peers: Option<String>,
+    /// Seconds to wait for the other members to connect, with --transport
+    /// tcp.
+    #[arg(long, default_value_t = 60, value_name = "SECS")]
+    pub connect_timeout: u64,
 }
 
 impl BenchArgs {
@@ -79,6 +123,31 @@ impl BenchArgs {
         let pool = self.rotate.unwrap_or(ROTATE_CAP).max(self.maxbytes) + SLOT_ALIGN;
         2 * pool + (4 << 20)
     }
+}
+
+/// Errors of the TCP bench.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error("no rank: give --rank or set {RANK_ENV}")]
+    NoRank,
+    #[error("invalid {RANK_ENV}={0:?}: not a non-negative integer")]
+    BadRank(String),
+    #[error("no peers: give --peers IP:PORT,... or set {}", tcp::PEERS_ENV)]
+    NoPeers,
+    #[error("cannot use the peer list")]
+    Peers(#[source] TcpError),
+    #[error("cannot join the TCP group as rank {rank}")]
+    Connect {
+        rank: u32,
+        #[source]
+        source: TcpError,
+    },
+    #[error("{what} over TCP failed")]
+    Comm {
+        what: &'static str,
+        #[source]
+        source: CommError,
+    },
 }
 
 /// nccl-tests' busbw factor for `opcode` among `n` members.
@@ -113,13 +182,39 @@ struct Side {
     wrong: u64,
 }
 
-/// Runs the sweep. Ok(true) if no wrong value was seen.
-pub fn run(dev: &Device, args: &BenchArgs, setup: &Setup) -> Result<bool, CliError> {
-    let world = dev.world_size();
-    let rank = dev.rank();
-    let cfg = dev.config();
+/// What the sweep needs from a path. Both pools are `pool_bytes` long;
+/// slot `s` of a size starts at `s * in_slot` (input) and `s * out_slot`
+/// (output).
+trait Engine {
+    fn rank(&self) -> u32;
+    fn world(&self) -> u32;
+    /// The input and output pools.
+    fn pools(&mut self) -> (&mut [u8], &mut [u8]);
+    fn out_pool(&self) -> &[u8];
+    /// Makes every page of both pools resident where the collectives will
+    /// touch them, so that first-touch faults stay out of the timings.
+    fn touch(&mut self) -> Result<(), CliError>;
+    fn barrier(&mut self) -> Result<(), CliError>;
+    /// One collective of `sh` on slot `slot`.
+    fn run(&mut self, sh: &Shape, slot: u64, in_place: bool) -> Result<(), CliError>;
+    /// Both counts summed over the members.
+    fn sum(&mut self, counts: [u64; 2]) -> Result<[u64; 2], CliError>;
+    /// Header lines that describe the path (rank 0 prints them).
+    fn describe(&self) -> Vec<String>;
+    /// The path's member of the JSON document, `"key": {...}`.
+    fn json(&self) -> String;
+}
+
+/// The sizes and pools of a sweep, which depend only on the arguments, the
+/// world size and the largest message the path takes.
+struct Plan {
+    sizes: Vec<(u64, u64)>,
+    rotate: u64,
+    pool_bytes: u64,
+}
+
+fn plan(args: &BenchArgs, world: u32, max_bytes: u64) -> Result<Plan, CliError> {
     let dtype = args.dtype;
-    let elem = dtype.size() as u64;
     if args.opcode != Opcode::Barrier && !args.op.supports(dtype) {
         return Err(CliError::Usage(format!(
             "op {} is not defined for {dtype}",
@@ -132,15 +227,10 @@ pub fn run(dev: &Device, args: &BenchArgs, setup: &Setup) -> Result<bool, CliErr
             args.root
         )));
     }
-    let root = match args.opcode {
-        Opcode::Broadcast | Opcode::Reduce => args.root,
-        _ => 0,
-    };
     let rotate = args
         .rotate
         .unwrap_or_else(|| (2 * llc_bytes() / u64::from(world)).min(ROTATE_CAP))
         .max(SLOT_ALIGN);
-
     // Sizes, as nccl-tests steps them.
     let mut sizes = Vec::new();
     if args.opcode == Opcode::Barrier {
@@ -149,7 +239,7 @@ pub fn run(dev: &Device, args: &BenchArgs, setup: &Setup) -> Result<bool, CliErr
         let mut s = args.minbytes.max(1);
         while s <= args.maxbytes {
             if let Some(sh) = shape(args.opcode, dtype, world, s) {
-                if sizes.last() != Some(&sh) && sh.1 <= cfg.max_bytes.get() {
+                if sizes.last() != Some(&sh) && sh.1 <= max_bytes {
                     sizes.push(sh);
                 }
             }
@@ -157,13 +247,96 @@ pub fn run(dev: &Device, args: &BenchArgs, setup: &Setup) -> Result<bool, CliErr
         }
     }
     let pool_bytes = rotate.max(sizes.iter().map(|s| s.1).max().unwrap_or(0)) + SLOT_ALIGN;
-    let mut inpool = dev
-        .alloc(pool_bytes as usize)
-        .ctx("allocating the input pool")?;
-    let mut outpool = dev
-        .alloc(pool_bytes as usize)
-        .ctx("allocating the output pool")?;
-    let mut wrongbuf = dev.alloc(16).ctx("allocating a buffer")?;
+    Ok(Plan {
+        sizes,
+        rotate,
+        pool_bytes,
+    })
+}
+
+/// Runs the sweep on the device. Ok(true) if no wrong value was seen.
+pub fn run(dev: &Device, args: &BenchArgs, setup: &Setup) -> Result<bool, CliError> {
+    if args.rank.is_some() || args.peers.is_some() {
+        return Err(CliError::Usage(
+            "--rank and --peers are for --transport tcp (the device knows its rank)".into(),
+        ));
+    }
+    let plan = plan(args, dev.world_size(), dev.config().max_bytes.get())?;
+    let mut engine = DeviceEngine::new(dev, args.queue, plan.pool_bytes)?;
+    sweep(&mut engine, args, &plan, setup)
+}
+
+/// Runs the sweep over TCP between the members of `--peers`. Ok(true) if
+/// no wrong value was seen.
+pub fn run_tcp(args: &BenchArgs) -> Result<bool, CliError> {
+    if matches!(args.opcode, Opcode::Reduce | Opcode::ReduceScatter) {
+        return Err(CliError::Usage(format!(
+            "{} has no TCP counterpart (over tcp: allreduce broadcast allgather barrier)",
+            args.opcode
+        )));
+    }
+    let rank = match args.rank {
+        Some(r) => r,
+        None => {
+            let v = std::env::var(RANK_ENV).map_err(|_| BenchError::NoRank)?;
+            v.trim().parse().map_err(|_| BenchError::BadRank(v))?
+        }
+    };
+    let peers = match &args.peers {
+        Some(list) => tcp::parse_peers(list),
+        None if std::env::var_os(tcp::PEERS_ENV).is_none() => {
+            return Err(BenchError::NoPeers.into())
+        }
+        None => tcp::peers_from_env(),
+    }
+    .map_err(BenchError::Peers)?;
+    let world = u32::try_from(peers.len()).unwrap_or(u32::MAX);
+    // Check the arguments before waiting for the others.
+    let plan = plan(args, world, u64::MAX)?;
+    let t = Instant::now();
+    let comm = TcpComm::connect(rank, &peers, Duration::from_secs(args.connect_timeout))
+        .map_err(|source| BenchError::Connect { rank, source })?;
+    tcp_sweep(comm, peers, t.elapsed(), args, &plan)
+}
+
+fn tcp_sweep(
+    comm: TcpComm,
+    peers: Vec<SocketAddr>,
+    connected_in: Duration,
+    args: &BenchArgs,
+    plan: &Plan,
+) -> Result<bool, CliError> {
+    let pool = usize::try_from(plan.pool_bytes)
+        .map_err(|_| CliError::Usage("the buffer pools do not fit in memory".into()))?;
+    let mut engine = TcpEngine {
+        comm,
+        peers,
+        connected_in,
+        opcode: args.opcode,
+        inpool: vec![0; pool],
+        outpool: vec![0; pool],
+        scratch: Vec::new(),
+    };
+    let setup = Setup {
+        transport: "tcp".into(),
+        mode: "in-place communicator",
+    };
+    sweep(&mut engine, args, plan, &setup)
+}
+
+fn sweep(
+    e: &mut impl Engine,
+    args: &BenchArgs,
+    plan: &Plan,
+    setup: &Setup,
+) -> Result<bool, CliError> {
+    let (world, rank) = (e.world(), e.rank());
+    let dtype = args.dtype;
+    let elem = dtype.size() as u64;
+    let root = match args.opcode {
+        Opcode::Broadcast | Opcode::Reduce => args.root,
+        _ => 0,
+    };
     let gen = Gen {
         dtype,
         op: args.op,
@@ -172,55 +345,28 @@ pub fn run(dev: &Device, args: &BenchArgs, setup: &Setup) -> Result<bool, CliErr
         nans: false,
     };
     {
-        let b = inpool.as_mut_slice();
-        for p in 0..(pool_bytes / elem) as usize {
-            data::write(b, elem as usize, p, gen.value(rank, p as u64));
+        let (inp, out) = e.pools();
+        for p in 0..(plan.pool_bytes / elem) as usize {
+            data::write(inp, elem as usize, p, gen.value(rank, p as u64));
         }
-        outpool.as_mut_slice().fill(0);
+        out.fill(0);
     }
-    // One untimed allreduce over both whole pools, so that the backend has
-    // mapped every page before timing starts (otherwise first-touch page
-    // faults in the backend land in the first iterations that use a slot).
-    let chunk = pool_bytes.min(cfg.max_bytes.get()).max(1);
-    let mut off = 0;
-    while off < pool_bytes {
-        let len = chunk.min(pool_bytes - off);
-        let prefault = Request {
-            tag: u64::MAX,
-            ..Request::new(Opcode::Allreduce, Dtype::U8, ReduceOp::Bxor, len)
-        };
-        let (o, l) = (off as usize, len as usize);
-        let h = dev
-            .submit(
-                args.queue,
-                &prefault,
-                &[inpool.slice(o, l)],
-                &[outpool.slice(o, l)],
-            )
-            .ctx("submit")?;
-        dev.wait(h, None).ctx("touching the buffers")?;
-        off += len;
-    }
+    e.touch()?;
 
     if rank == 0 {
         println!(
             "# dmlc-guest bench: {} {dtype} {}, transport {}, mode {}, N {world}",
             args.opcode, args.op, setup.transport, setup.mode
         );
-        println!(
-            "# device: rank {rank} of {world}, queues {}, max_segments {}, max_bytes {}, generation {}, group {:#x}",
-            cfg.num_queues.get(),
-            cfg.max_segments.get(),
-            show_size(cfg.max_bytes.get()),
-            cfg.generation.get(),
-            cfg.group_id.get()
-        );
+        for line in e.describe() {
+            println!("{line}");
+        }
         println!(
             "# iters {}, warmup {}, queue {}, data rotated over {} per direction (LLC {}), time = median of rank 0",
             args.iters,
             args.warmup,
             args.queue,
-            show_size(rotate),
+            show_size(plan.rotate),
             show_size(llc_bytes())
         );
         print_header();
@@ -228,53 +374,48 @@ pub fn run(dev: &Device, args: &BenchArgs, setup: &Setup) -> Result<bool, CliErr
 
     let mut rows = Vec::new();
     let mut all_ok = true;
-    for &(count, size) in &sizes {
+    for &(count, size) in &plan.sizes {
         let elems = buffer_elems(args.opcode, world, rank, root, count, false)
             .ok_or_else(|| CliError::Usage("count overflows".into()))?;
         let ip_elems = buffer_elems(args.opcode, world, rank, root, count, true)
             .ok_or_else(|| CliError::Usage("count overflows".into()))?;
-        let in_slot = (elems.input * elem).div_ceil(SLOT_ALIGN) * SLOT_ALIGN;
+        // The input stride is the largest member's, the same on every
+        // member: a checker computes the root's inputs of slot s from it
+        // (a broadcast's non-root has no input of its own).
+        let max_input = (0..world)
+            .filter_map(|r| buffer_elems(args.opcode, world, r, root, count, false))
+            .map(|b| b.input)
+            .max()
+            .unwrap_or(0);
+        let in_slot = (max_input * elem).div_ceil(SLOT_ALIGN) * SLOT_ALIGN;
         let out_slot = (elems.output.max(ip_elems.output) * elem).div_ceil(SLOT_ALIGN) * SLOT_ALIGN;
         let slot_bytes = in_slot.max(out_slot).max(SLOT_ALIGN);
-        let slots = (pool_bytes / slot_bytes).clamp(1, u64::from(args.iters + args.warmup));
-        let req = Request {
-            opcode: args.opcode,
-            dtype,
-            op: args.op,
-            root,
-            count,
-            tag: size,
-            in_place: false,
-            timeout_ms: 0,
-        };
-        let ctx = Sweep {
-            dev,
-            args,
-            req,
+        let slots = (plan.pool_bytes / slot_bytes).clamp(1, u64::from(args.iters + args.warmup));
+        let sh = Shape {
+            req: Request {
+                opcode: args.opcode,
+                dtype,
+                op: args.op,
+                root,
+                count,
+                tag: size,
+                in_place: false,
+                timeout_ms: 0,
+            },
             elems,
             ip_elems,
             in_slot,
             out_slot,
             slots,
         };
-        dev.barrier().ctx("barrier")?;
-        let mut oop = ctx.timed(&inpool, &outpool, false)?;
+        e.barrier()?;
+        let mut oop = timed(e, &sh, args, false)?;
         let last = u64::from(args.iters + args.warmup - 1) % slots;
-        let wrong_oop = ctx.check_oop(&gen, &outpool, last);
-        dev.barrier().ctx("barrier")?;
-        let mut ip = ctx.timed(&inpool, &outpool, true)?;
-        let wrong_ip = ctx.check_ip(&gen, &mut outpool)?;
-        // Sum the wrong counts over ranks (on the device itself).
-        {
-            let w = wrongbuf.as_mut_slice();
-            w[..8].copy_from_slice(&wrong_oop.to_le_bytes());
-            w[8..16].copy_from_slice(&wrong_ip.to_le_bytes());
-        }
-        dev.allreduce_in_place(Dtype::U64, ReduceOp::Sum, &wrongbuf, 2)
-            .ctx("summing #wrong")?;
-        let w = wrongbuf.as_slice();
-        oop.wrong = u64::from_le_bytes(w[..8].try_into().unwrap_or_default());
-        ip.wrong = u64::from_le_bytes(w[8..16].try_into().unwrap_or_default());
+        let wrong_oop = check_oop(e, &sh, &gen, last);
+        e.barrier()?;
+        let mut ip = timed(e, &sh, args, true)?;
+        let wrong_ip = check_ip(e, &sh, &gen)?;
+        [oop.wrong, ip.wrong] = e.sum([wrong_oop, wrong_ip])?;
         all_ok &= oop.wrong == 0 && ip.wrong == 0;
         // Memory traffic: every member's input read once and output written once.
         let traffic: u64 = (0..world)
@@ -296,8 +437,8 @@ pub fn run(dev: &Device, args: &BenchArgs, setup: &Setup) -> Result<bool, CliErr
     }
     if rank == 0 {
         if let Some(path) = &args.json {
-            let doc = json(args, &cfg, world, rotate, setup, &rows);
-            std::fs::write(path, doc).map_err(|e| CliError::Write(path.clone(), e))?;
+            let doc = json(args, &e.json(), world, plan.rotate, setup, &rows);
+            std::fs::write(path, doc).map_err(|err| CliError::Write(path.clone(), err))?;
         }
         println!(
             "# {}: {} size(s), #wrong total {}",
@@ -309,10 +450,9 @@ pub fn run(dev: &Device, args: &BenchArgs, setup: &Setup) -> Result<bool, CliErr
     Ok(all_ok)
 }
 
-/// What a size's loops share.
-struct Sweep<'a> {
-    dev: &'a Device,
-    args: &'a BenchArgs,
+/// One size: the request (the TCP path reads its fields too) and the
+/// buffer layout.
+struct Shape {
     req: Request,
     elems: BufferElems,
     ip_elems: BufferElems,
@@ -321,51 +461,7 @@ struct Sweep<'a> {
     slots: u64,
 }
 
-impl Sweep<'_> {
-    fn run_one(
-        &self,
-        inpool: &DmaBuf,
-        outpool: &DmaBuf,
-        slot: u64,
-        in_place: bool,
-    ) -> Result<(), CliError> {
-        let elem = self.req.dtype.size();
-        let e = if in_place { self.ip_elems } else { self.elems };
-        let mut req = self.req;
-        req.in_place = in_place;
-        let mut input = Vec::new();
-        if e.input > 0 {
-            input.push(inpool.slice((slot * self.in_slot) as usize, e.input as usize * elem));
-        }
-        let mut output = Vec::new();
-        if e.output > 0 {
-            output.push(outpool.slice((slot * self.out_slot) as usize, e.output as usize * elem));
-        }
-        let h = self
-            .dev
-            .submit(self.args.queue, &req, &input, &output)
-            .ctx("submit")?;
-        self.dev.wait(h, None).ctx(self.req.opcode.name())?;
-        Ok(())
-    }
-
-    fn timed(&self, inpool: &DmaBuf, outpool: &DmaBuf, in_place: bool) -> Result<Side, CliError> {
-        let mut times = Vec::with_capacity(self.args.iters as usize);
-        for i in 0..u64::from(self.args.warmup + self.args.iters) {
-            let slot = i % self.slots;
-            let t0 = Instant::now();
-            self.run_one(inpool, outpool, slot, in_place)?;
-            let dt = t0.elapsed();
-            if i >= u64::from(self.args.warmup) {
-                times.push(dt.as_secs_f64() * 1e6);
-            }
-        }
-        Ok(Side {
-            stats: Stats::of(&mut times),
-            wrong: 0,
-        })
-    }
-
+impl Shape {
     fn case(&self, rank: u32, world: u32, in_place: bool) -> Case {
         Case {
             opcode: self.req.opcode,
@@ -378,63 +474,363 @@ impl Sweep<'_> {
             in_place,
         }
     }
+}
 
-    /// Wrong elements in out-of-place slot `slot` (inputs are the pool's).
-    fn check_oop(&self, gen: &Gen, outpool: &DmaBuf, slot: u64) -> u64 {
-        let (rank, world) = (self.dev.rank(), self.dev.world_size());
-        let case = self.case(rank, world, false);
-        let elem = self.req.dtype.size();
-        let base = slot * self.in_slot / elem as u64;
-        let out = &outpool.as_slice()[(slot * self.out_slot) as usize..];
-        case.checked_range()
-            .filter(|&j| j < self.elems.output)
-            .filter(|&j| {
-                let want = case.expected(j, |r, i| gen.value(r, base + i));
-                !data::same(self.req.dtype, want, data::read(out, elem, j as usize))
-            })
-            .count() as u64
-    }
-
-    /// Runs one in-place collective on fresh data in slot 0 and counts
-    /// wrong elements.
-    fn check_ip(&self, gen: &Gen, outpool: &mut DmaBuf) -> Result<u64, CliError> {
-        let (rank, world) = (self.dev.rank(), self.dev.world_size());
-        let elem = self.req.dtype.size();
-        if let Some((off, n)) = self.ip_elems.in_place_input {
-            let b = outpool.as_mut_slice();
-            for i in 0..n {
-                data::write(b, elem, (off + i) as usize, gen.value(rank, i));
-            }
+fn timed(
+    e: &mut impl Engine,
+    sh: &Shape,
+    args: &BenchArgs,
+    in_place: bool,
+) -> Result<Side, CliError> {
+    let mut times = Vec::with_capacity(args.iters as usize);
+    for i in 0..u64::from(args.warmup + args.iters) {
+        let slot = i % sh.slots;
+        let t0 = Instant::now();
+        e.run(sh, slot, in_place)?;
+        let dt = t0.elapsed();
+        if i >= u64::from(args.warmup) {
+            times.push(dt.as_secs_f64() * 1e6);
         }
-        // Inputs of the extra run are gen.value(r, i) for every rank.
-        self.run_one_ip_slot0(outpool)?;
-        let case = self.case(rank, world, true);
-        let out = outpool.as_slice();
-        Ok(case
-            .checked_range()
-            .filter(|&j| j < self.ip_elems.output)
-            .filter(|&j| {
-                let want = case.expected(j, |r, i| gen.value(r, i));
-                !data::same(self.req.dtype, want, data::read(out, elem, j as usize))
-            })
-            .count() as u64)
+    }
+    Ok(Side {
+        stats: Stats::of(&mut times),
+        wrong: 0,
+    })
+}
+
+/// Wrong elements in out-of-place slot `slot` (inputs are the pool's).
+fn check_oop(e: &impl Engine, sh: &Shape, gen: &Gen, slot: u64) -> u64 {
+    let case = sh.case(e.rank(), e.world(), false);
+    let elem = sh.req.dtype.size();
+    let base = slot * sh.in_slot / elem as u64;
+    let out = &e.out_pool()[(slot * sh.out_slot) as usize..];
+    case.checked_range()
+        .filter(|&j| j < sh.elems.output)
+        .filter(|&j| {
+            let want = case.expected(j, |r, i| gen.value(r, base + i));
+            !data::same(sh.req.dtype, want, data::read(out, elem, j as usize))
+        })
+        .count() as u64
+}
+
+/// Runs one in-place collective on fresh data in slot 0 and counts wrong
+/// elements.
+fn check_ip(e: &mut impl Engine, sh: &Shape, gen: &Gen) -> Result<u64, CliError> {
+    let (rank, world) = (e.rank(), e.world());
+    let elem = sh.req.dtype.size();
+    if let Some((off, n)) = sh.ip_elems.in_place_input {
+        let (_, out) = e.pools();
+        for i in 0..n {
+            data::write(out, elem, (off + i) as usize, gen.value(rank, i));
+        }
+    }
+    // Inputs of the extra run are gen.value(r, i) for every rank.
+    e.run(sh, 0, true)?;
+    let case = sh.case(rank, world, true);
+    let out = e.out_pool();
+    Ok(case
+        .checked_range()
+        .filter(|&j| j < sh.ip_elems.output)
+        .filter(|&j| {
+            let want = case.expected(j, |r, i| gen.value(r, i));
+            !data::same(sh.req.dtype, want, data::read(out, elem, j as usize))
+        })
+        .count() as u64)
+}
+
+/// The device path: requests on slices of two DMA pools.
+struct DeviceEngine<'a> {
+    dev: &'a Device,
+    queue: u16,
+    inpool: DmaBuf,
+    outpool: DmaBuf,
+    wrongbuf: DmaBuf,
+}
+
+impl<'a> DeviceEngine<'a> {
+    fn new(dev: &'a Device, queue: u16, pool_bytes: u64) -> Result<Self, CliError> {
+        Ok(DeviceEngine {
+            dev,
+            queue,
+            inpool: dev
+                .alloc(pool_bytes as usize)
+                .ctx("allocating the input pool")?,
+            outpool: dev
+                .alloc(pool_bytes as usize)
+                .ctx("allocating the output pool")?,
+            wrongbuf: dev.alloc(16).ctx("allocating a buffer")?,
+        })
+    }
+}
+
+impl Engine for DeviceEngine<'_> {
+    fn rank(&self) -> u32 {
+        self.dev.rank()
     }
 
-    fn run_one_ip_slot0(&self, outpool: &DmaBuf) -> Result<(), CliError> {
-        let elem = self.req.dtype.size();
-        let mut req = self.req;
-        req.in_place = true;
-        let output: Vec<_> = if self.ip_elems.output > 0 {
-            vec![outpool.slice(0, self.ip_elems.output as usize * elem)]
-        } else {
-            Vec::new()
-        };
+    fn world(&self) -> u32 {
+        self.dev.world_size()
+    }
+
+    fn pools(&mut self) -> (&mut [u8], &mut [u8]) {
+        (self.inpool.as_mut_slice(), self.outpool.as_mut_slice())
+    }
+
+    fn out_pool(&self) -> &[u8] {
+        self.outpool.as_slice()
+    }
+
+    fn touch(&mut self) -> Result<(), CliError> {
+        // One untimed allreduce over both whole pools, so that the backend
+        // has mapped every page before timing starts (otherwise first-touch
+        // page faults in the backend land in the first iterations that use
+        // a slot).
+        let pool_bytes = self.inpool.len() as u64;
+        let chunk = pool_bytes.min(self.dev.config().max_bytes.get()).max(1);
+        let mut off = 0;
+        while off < pool_bytes {
+            let len = chunk.min(pool_bytes - off);
+            let prefault = Request {
+                tag: u64::MAX,
+                ..Request::new(Opcode::Allreduce, Dtype::U8, ReduceOp::Bxor, len)
+            };
+            let (o, l) = (off as usize, len as usize);
+            let h = self
+                .dev
+                .submit(
+                    self.queue,
+                    &prefault,
+                    &[self.inpool.slice(o, l)],
+                    &[self.outpool.slice(o, l)],
+                )
+                .ctx("submit")?;
+            self.dev.wait(h, None).ctx("touching the buffers")?;
+            off += len;
+        }
+        Ok(())
+    }
+
+    fn barrier(&mut self) -> Result<(), CliError> {
+        self.dev.barrier().ctx("barrier")
+    }
+
+    fn run(&mut self, sh: &Shape, slot: u64, in_place: bool) -> Result<(), CliError> {
+        let elem = sh.req.dtype.size();
+        let e = if in_place { sh.ip_elems } else { sh.elems };
+        let mut req = sh.req;
+        req.in_place = in_place;
+        let mut input = Vec::new();
+        if e.input > 0 {
+            input.push(
+                self.inpool
+                    .slice((slot * sh.in_slot) as usize, e.input as usize * elem),
+            );
+        }
+        let mut output = Vec::new();
+        if e.output > 0 {
+            output.push(
+                self.outpool
+                    .slice((slot * sh.out_slot) as usize, e.output as usize * elem),
+            );
+        }
         let h = self
             .dev
-            .submit(self.args.queue, &req, &[], &output)
+            .submit(self.queue, &req, &input, &output)
             .ctx("submit")?;
-        self.dev.wait(h, None).ctx(self.req.opcode.name())?;
+        self.dev.wait(h, None).ctx(sh.req.opcode.name())?;
         Ok(())
+    }
+
+    fn sum(&mut self, counts: [u64; 2]) -> Result<[u64; 2], CliError> {
+        // Summed on the device itself.
+        let w = self.wrongbuf.as_mut_slice();
+        w[..8].copy_from_slice(&counts[0].to_le_bytes());
+        w[8..16].copy_from_slice(&counts[1].to_le_bytes());
+        self.dev
+            .allreduce_in_place(Dtype::U64, ReduceOp::Sum, &self.wrongbuf, 2)
+            .ctx("summing #wrong")?;
+        let w = self.wrongbuf.as_slice();
+        Ok([
+            u64::from_le_bytes(w[..8].try_into().unwrap_or_default()),
+            u64::from_le_bytes(w[8..16].try_into().unwrap_or_default()),
+        ])
+    }
+
+    fn describe(&self) -> Vec<String> {
+        let cfg = self.dev.config();
+        vec![format!(
+            "# device: rank {} of {}, queues {}, max_segments {}, max_bytes {}, generation {}, group {:#x}",
+            self.dev.rank(),
+            self.dev.world_size(),
+            cfg.num_queues.get(),
+            cfg.max_segments.get(),
+            show_size(cfg.max_bytes.get()),
+            cfg.generation.get(),
+            cfg.group_id.get()
+        )]
+    }
+
+    fn json(&self) -> String {
+        let cfg = self.dev.config();
+        format!(
+            "\"device\": {{\"num_queues\": {}, \"max_segments\": {}, \"max_bytes\": {}, \"generation\": {}, \"group_id\": {}}}",
+            cfg.num_queues.get(),
+            cfg.max_segments.get(),
+            cfg.max_bytes.get(),
+            cfg.generation.get(),
+            cfg.group_id.get()
+        )
+    }
+}
+
+/// The TCP path: the Communicator on two pools of ordinary memory.
+struct TcpEngine {
+    comm: TcpComm,
+    peers: Vec<SocketAddr>,
+    connected_in: Duration,
+    opcode: Opcode,
+    inpool: Vec<u8>,
+    outpool: Vec<u8>,
+    /// An in-place allgather's own block, copied aside.
+    scratch: Vec<u8>,
+}
+
+impl TcpEngine {
+    /// How the out-of-place and in-place columns map onto the in-place
+    /// Communicator.
+    fn layout(&self) -> (&'static str, &'static str) {
+        match self.opcode {
+            Opcode::Allgather => ("allgather (native)", "copy own block aside + allgather"),
+            Opcode::Barrier => ("barrier", "barrier"),
+            _ => ("copy input to output + in place", "in place (native)"),
+        }
+    }
+
+    fn peer_list(&self) -> String {
+        self.peers
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}
+
+impl Engine for TcpEngine {
+    fn rank(&self) -> u32 {
+        self.comm.rank()
+    }
+
+    fn world(&self) -> u32 {
+        self.comm.world_size()
+    }
+
+    fn pools(&mut self) -> (&mut [u8], &mut [u8]) {
+        (&mut self.inpool, &mut self.outpool)
+    }
+
+    fn out_pool(&self) -> &[u8] {
+        &self.outpool
+    }
+
+    fn touch(&mut self) -> Result<(), CliError> {
+        // Filling the pools wrote every page; the kernel's socket buffers
+        // warm up in the untimed iterations.
+        Ok(())
+    }
+
+    fn barrier(&mut self) -> Result<(), CliError> {
+        self.comm.barrier().map_err(|source| {
+            BenchError::Comm {
+                what: "barrier",
+                source,
+            }
+            .into()
+        })
+    }
+
+    fn run(&mut self, sh: &Shape, slot: u64, in_place: bool) -> Result<(), CliError> {
+        let elem = sh.req.dtype.size();
+        let e = if in_place { sh.ip_elems } else { sh.elems };
+        let o = (slot * sh.out_slot) as usize;
+        let out = &mut self.outpool[o..o + e.output as usize * elem];
+        let i = (slot * sh.in_slot) as usize;
+        let input = &self.inpool[i..i + e.input as usize * elem];
+        let r = match sh.req.opcode {
+            Opcode::Allreduce => {
+                if !in_place {
+                    out.copy_from_slice(input);
+                }
+                self.comm.allreduce_raw(sh.req.dtype, sh.req.op, out)
+            }
+            Opcode::Broadcast => {
+                // Only the root has an input out of place.
+                if !input.is_empty() {
+                    out.copy_from_slice(input);
+                }
+                self.comm.broadcast_raw(sh.req.root, out)
+            }
+            Opcode::Allgather if in_place => {
+                let (off, n) = e.in_place_input.unwrap_or_default();
+                let own = off as usize * elem..(off + n) as usize * elem;
+                self.scratch.clear();
+                self.scratch.extend_from_slice(&out[own]);
+                self.comm.allgather_raw(&self.scratch, out)
+            }
+            Opcode::Allgather => self.comm.allgather_raw(input, out),
+            Opcode::Barrier => self.comm.barrier(),
+            Opcode::Reduce | Opcode::ReduceScatter => {
+                return Err(CliError::Usage(format!(
+                    "{} has no TCP counterpart",
+                    sh.req.opcode
+                )))
+            }
+        };
+        r.map_err(|source| {
+            BenchError::Comm {
+                what: sh.req.opcode.name(),
+                source,
+            }
+            .into()
+        })
+    }
+
+    fn sum(&mut self, counts: [u64; 2]) -> Result<[u64; 2], CliError> {
+        let mut w = [0u8; 16];
+        w[..8].copy_from_slice(&counts[0].to_le_bytes());
+        w[8..].copy_from_slice(&counts[1].to_le_bytes());
+        self.comm
+            .allreduce_raw(Dtype::U64, ReduceOp::Sum, &mut w)
+            .map_err(|source| BenchError::Comm {
+                what: "summing #wrong",
+                source,
+            })?;
+        Ok([
+            u64::from_le_bytes(w[..8].try_into().unwrap_or_default()),
+            u64::from_le_bytes(w[8..].try_into().unwrap_or_default()),
+        ])
+    }
+
+    fn describe(&self) -> Vec<String> {
+        let (oop, ip) = self.layout();
+        vec![format!(
+            "# tcp: rank {} of {}, peers {}, connected in {:.1?}; out-of-place = {oop}, in-place = {ip}",
+            self.comm.rank(),
+            self.comm.world_size(),
+            self.peer_list(),
+            self.connected_in,
+        )]
+    }
+
+    fn json(&self) -> String {
+        let (oop, ip) = self.layout();
+        let peers: Vec<String> = self.peers.iter().map(|p| js(&p.to_string())).collect();
+        format!(
+            "\"tcp\": {{\"peers\": [{}], \"connect_ms\": {:.3}, \"oop\": {}, \"ip\": {}}}",
+            peers.join(", "),
+            self.connected_in.as_secs_f64() * 1e3,
+            js(oop),
+            js(ip)
+        )
     }
 }
 
@@ -547,9 +943,11 @@ fn js(s: &str) -> String {
     out
 }
 
+/// The JSON document; `path` is the engine's member (`"device": {...}` or
+/// `"tcp": {...}`).
 fn json(
     args: &BenchArgs,
-    cfg: &VirtioDmlcConfig,
+    path: &str,
     world: u32,
     rotate: u64,
     setup: &Setup,
@@ -559,7 +957,7 @@ fn json(
     let mut s = String::new();
     let _ = write!(
         s,
-        "{{\"tool\": \"dmlc-guest bench\", \"transport\": {}, \"mode\": {}, \"world\": {world}, \"opcode\": {}, \"dtype\": {}, \"op\": {}, \"root\": {}, \"iters\": {}, \"warmup\": {}, \"queue\": {}, \"rotate_bytes\": {rotate}, \"device\": {{\"num_queues\": {}, \"max_segments\": {}, \"max_bytes\": {}, \"generation\": {}, \"group_id\": {}}}, \"results\": [",
+        "{{\"tool\": \"dmlc-guest bench\", \"transport\": {}, \"mode\": {}, \"world\": {world}, \"opcode\": {}, \"dtype\": {}, \"op\": {}, \"root\": {}, \"iters\": {}, \"warmup\": {}, \"queue\": {}, \"rotate_bytes\": {rotate}, {path}, \"results\": [",
         js(&setup.transport),
         js(setup.mode),
         js(args.opcode.name()),
@@ -569,11 +967,6 @@ fn json(
         args.iters,
         args.warmup,
         args.queue,
-        cfg.num_queues.get(),
-        cfg.max_segments.get(),
-        cfg.max_bytes.get(),
-        cfg.generation.get(),
-        cfg.group_id.get()
     );
     for (k, r) in rows.iter().enumerate() {
         let (o, i) = (r.oop.stats, r.ip.stats);
@@ -628,6 +1021,122 @@ mod tests {
             shape(Opcode::ReduceScatter, Dtype::U8, 3, 100),
             Some((33, 99))
         );
+    }
+
+    fn args(extra: &[&str]) -> BenchArgs {
+        #[derive(clap::Parser)]
+        struct P {
+            #[command(flatten)]
+            a: BenchArgs,
+        }
+        let argv = [
+            "bench", "-e", "64K", "-f", "16", "-n", "3", "-w", "1", "--rotate", "256K",
+        ];
+        <P as clap::Parser>::try_parse_from(argv.iter().chain(extra))
+            .expect("parses")
+            .a
+    }
+
+    /// Two members over loopback TCP: every collective the Communicator has,
+    /// checked by the bench's own #wrong count.
+    #[test]
+    fn tcp_sweep_is_correct_on_two_members() {
+        for opcode in ["allreduce", "broadcast", "allgather", "barrier"] {
+            let a = args(&["--opcode", opcode, "--root", "1", "-d", "bf16"]);
+            let plan = plan(&a, 2, u64::MAX).expect("plan");
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+            // Rank 1 is the highest rank: it only connects, so its own
+            // address is never used.
+            let peers = vec![
+                listener.local_addr().expect("addr"),
+                "127.0.0.1:9".parse().unwrap(),
+            ];
+            let ok = std::thread::scope(|s| {
+                let p = peers.clone();
+                let (a, plan) = (&a, &plan);
+                let r1 = s.spawn(move || {
+                    let c = TcpComm::connect(1, &p, Duration::from_secs(10)).expect("rank 1");
+                    tcp_sweep(c, p, Duration::ZERO, a, plan).expect("rank 1 sweep")
+                });
+                let c = TcpComm::with_listener(0, listener, &peers, Duration::from_secs(10))
+                    .expect("rank 0");
+                let ok0 = tcp_sweep(c, peers.clone(), Duration::ZERO, a, plan).expect("sweep");
+                (ok0, r1.join().expect("rank 1 thread"))
+            });
+            assert_eq!(ok, (true, true), "{opcode}");
+        }
+    }
+
+    /// A path that never writes its output: the sweep must say so.
+    struct Lazy {
+        inpool: Vec<u8>,
+        outpool: Vec<u8>,
+    }
+
+    impl Engine for Lazy {
+        fn rank(&self) -> u32 {
+            0
+        }
+        fn world(&self) -> u32 {
+            1
+        }
+        fn pools(&mut self) -> (&mut [u8], &mut [u8]) {
+            (&mut self.inpool, &mut self.outpool)
+        }
+        fn out_pool(&self) -> &[u8] {
+            &self.outpool
+        }
+        fn touch(&mut self) -> Result<(), CliError> {
+            Ok(())
+        }
+        fn barrier(&mut self) -> Result<(), CliError> {
+            Ok(())
+        }
+        fn run(&mut self, _: &Shape, _: u64, _: bool) -> Result<(), CliError> {
+            Ok(())
+        }
+        fn sum(&mut self, counts: [u64; 2]) -> Result<[u64; 2], CliError> {
+            Ok(counts)
+        }
+        fn describe(&self) -> Vec<String> {
+            Vec::new()
+        }
+        fn json(&self) -> String {
+            "\"lazy\": {}".into()
+        }
+    }
+
+    #[test]
+    fn wrong_results_are_counted() {
+        let a = args(&[]);
+        let plan = plan(&a, 1, u64::MAX).expect("plan");
+        let pool = plan.pool_bytes as usize;
+        let mut e = Lazy {
+            inpool: vec![0; pool],
+            outpool: vec![0; pool],
+        };
+        let setup = Setup {
+            transport: "lazy".into(),
+            mode: "none",
+        };
+        // Out of place the output stays zero; in place it keeps the input,
+        // which is right for a group of one: only out-of-place is wrong.
+        assert!(!sweep(&mut e, &a, &plan, &setup).expect("sweep"));
+    }
+
+    #[test]
+    fn reduce_has_no_tcp_counterpart() {
+        let a = args(&[
+            "--transport",
+            "tcp",
+            "--opcode",
+            "reduce",
+            "--rank",
+            "0",
+            "--peers",
+            "127.0.0.1:1",
+        ]);
+        assert!(matches!(run_tcp(&a), Err(CliError::Usage(_))));
     }
 
     #[test]

@@ -226,6 +226,8 @@ pub enum CliError {
     Usage(String),
     #[error(transparent)]
     Local(#[from] local::LocalError),
+    #[error(transparent)]
+    Bench(#[from] bench::BenchError),
 }
 
 /// Adds what was being done to a driver error.
@@ -269,6 +271,9 @@ fn run(cli: &Cli) -> Result<u8, CliError> {
             // generous bound for the allgather output.
             let (dev, _) = g.open(args.dma_need(64))?;
             Ok(if selftest::run(&dev, args)? { 0 } else { 1 })
+        }
+        Cmd::Bench(args) if args.transport == bench::Via::Tcp => {
+            Ok(if bench::run_tcp(args)? { 0 } else { 1 })
         }
         Cmd::Bench(args) => {
             let (dev, setup) = g.open(args.dma_need())?;
