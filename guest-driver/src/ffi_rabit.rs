@@ -100,7 +100,7 @@ pub fn dtype_of(raw: c_int) -> Option<Dtype> {
 pub fn op_of(raw: c_int) -> Option<Op> {
     Some(match raw {
         RABIT_MAX => Op::Max,
-        RABIT_MIN => Op::Max,
+        RABIT_MIN => Op::Min,
         RABIT_SUM => Op::Sum,
         RABIT_BITOR => Op::BitOR,
         RABIT_BITAND => Op::BitAND,
@@ -130,6 +130,13 @@ fn invalid(msg: impl Into<String>) -> Fail {
 
 impl From<RabitError> for Fail {
     fn from(e: RabitError) -> Self {
+        if let RabitError::NotInitialized = e {
+            // The Rust text names init(); C callers know RabitInit.
+            return Fail {
+                status: RABIT_ERR_NOT_INITIALIZED,
+                msg: "rabit is not initialized: call RabitInit first".into(),
+            };
+        }
         let mut msg = e.to_string();
         let mut cause = std::error::Error::source(&e);
         while let Some(c) = cause {

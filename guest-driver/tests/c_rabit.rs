@@ -40,7 +40,6 @@ fn build_c_program(dir: &TempDir) -> PathBuf {
         "{} is missing: run `cargo build -p dmlc-guest` first",
         lib_dir.join("libdmlc_guest.so").display()
     );
-    eprintln!("LDP={:?}", std::env::var("LD_LIBRARY_PATH"));
     let exe = dir.0.join("rabit_c");
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
     let out = Command::new(&cc)
@@ -75,7 +74,9 @@ fn build_c_program(dir: &TempDir) -> PathBuf {
 /// A command for the C program with a clean DMLC environment plus `env`.
 fn worker(exe: &PathBuf, args: &[&str], env: &[(&str, String)]) -> Command {
     let mut cmd = Command::new(exe);
-    cmd.args(args);
+    // cargo's LD_LIBRARY_PATH puts the profile folder, with the library of
+    // the last `cargo build`, before the rpath's deps/: drop it.
+    cmd.args(args).env_remove("LD_LIBRARY_PATH");
     for v in DMLC_VARS {
         cmd.env_remove(v);
     }

@@ -489,6 +489,17 @@ fn tail(text: &str, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
+/// What the launcher knows of a VM's QEMU guard process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Guard {
+    Pid(i32),
+    /// Not among the launcher's running children: already exited (a
+    /// zombie's command line is empty), e.g. QEMU could not start.
+    Gone,
+    /// /proc cannot be read: death is not detected (the timeout still is).
+    Unknown,
+}
+
 /// Follows one VM's console.
 struct Console {
     rank: usize,
@@ -511,7 +522,7 @@ struct Console {
     /// Copy of the job's output in the log directory.
     out_file: Option<File>,
     /// The QEMU guard process of this VM (a child of the launcher).
-    guard: Option<i32>,
+    guard: Guard,
     started_at: Instant,
     outcome: RankOutcome,
 }
@@ -700,9 +711,11 @@ impl Monitor {
                     .to_owned();
                 let log = dir.join(format!("vm{i}.log"));
                 // The guard's command line names the console file (-serial).
-                let guard = children_mentioning(&format!("file:{}", log.display()))
-                    .first()
-                    .copied();
+                let guard = match children_mentioning(&format!("file:{}", log.display())).first() {
+                    Some(&pid) => Guard::Pid(pid),
+                    None if Path::new("/proc/self/stat").exists() => Guard::Gone,
+                    None => Guard::Unknown,
+                };
                 let out_file =
                     log_dir.and_then(|d| File::create(d.join(format!("rank{i}.out"))).ok());
                 Console {
@@ -854,8 +867,12 @@ impl Monitor {
             if c.outcome.status.is_some() {
                 continue;
             }
-            let Some(pid) = c.guard else { continue };
-            if matches!(proc_state(pid), None | Some('Z' | 'X')) {
+            let gone = match c.guard {
+                Guard::Pid(pid) => matches!(proc_state(pid), None | Some('Z' | 'X')),
+                Guard::Gone => true,
+                Guard::Unknown => false,
+            };
+            if gone {
                 // The exit line may have landed just before QEMU exited.
                 c.poll(out);
                 if c.outcome.status.is_some() {
@@ -995,7 +1012,7 @@ mod tests {
             boot_tail: Vec::new(),
             out_tail: Vec::new(),
             out_file: None,
-            guard: None,
+            guard: Guard::Unknown,
             started_at: Instant::now(),
             outcome: RankOutcome::default(),
         }

@@ -28,6 +28,8 @@ pub enum PrepareError {
     Failed { script: PathBuf, status: ExitStatus },
     #[error("{script} printed no {key} line")]
     Output { script: PathBuf, key: &'static str },
+    #[error("no QEMU at {0} (DMLC_QEMU)")]
+    NoQemu(PathBuf, #[source] io::Error),
     #[error("stopped by {}", signals::name(*.0))]
     Interrupted(i32),
 }
@@ -108,7 +110,10 @@ pub fn qemu() -> Result<vm::Qemu, PrepareError> {
         }
     }
     // Cached now: the harness reads the binary and firmware paths.
-    Ok(vm::Qemu::from_env()?)
+    let qemu = vm::Qemu::from_env()?;
+    // DMLC_QEMU is taken as it is: check it before booting anything.
+    std::fs::metadata(&qemu.binary).map_err(|e| PrepareError::NoQemu(qemu.binary.clone(), e))?;
+    Ok(qemu)
 }
 
 /// The guest image with `extra` files (host path, absolute guest path),

@@ -2,8 +2,9 @@
 //!
 //! - the digits example trains on 2 VMs with its gradients through the
 //!   device and passes its checks (identical weights, single-process match);
-//! - a failed worker, Ctrl-C and a timeout each stop every VM and the
-//!   backend and leave no process and no temporary file behind.
+//! - a failed worker, Ctrl-C, a timeout and a VM whose QEMU fails each
+//!   stop every VM and the backend and leave no process and no temporary
+//!   file behind.
 //!
 //! Run: `cargo test -p dmlc-qemu --test system -- --test-threads=1` after
 //! `cargo build --bins -p dmlc-qemu -p vhost-device-dmlc -p dmlc-example-digits`.
@@ -16,6 +17,7 @@ mod vm;
 
 use std::fs;
 use std::io::{self, BufRead, BufReader, Read, Write};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -62,7 +64,17 @@ fn workspace_bin(var: &str, name: &str, package: &str) -> PathBuf {
 fn setup(test: &str) -> Option<Env> {
     static TURN: Mutex<()> = Mutex::new(());
     let turn = TURN.lock().unwrap_or_else(PoisonError::into_inner);
-    let qemu = match vm::Qemu::from_env() {
+    let found = vm::Qemu::from_env().and_then(|q| {
+        // DMLC_QEMU is taken as it is: check that it names a file.
+        match fs::metadata(&q.binary) {
+            Ok(_) => Ok(q),
+            Err(source) => Err(vm::Error::Io {
+                path: q.binary,
+                source,
+            }),
+        }
+    });
+    let qemu = match found {
         Ok(q) => q,
         Err(e) => {
             let what =
@@ -364,4 +376,27 @@ fn a_timeout_stops_the_job() {
     assert!(out.contains("[rank 0] up"));
     assert!(err.contains("timeout after 20 s (ranks still running: 0)"));
     env.assert_nothing_left();
+}
+
+#[test]
+fn a_vm_that_dies_is_reported_with_qemus_message() {
+    let Some(env) = setup("vm-dies") else { return };
+    // A "QEMU" that fails after a moment, as one with a bad option would.
+    let fake = env.tmp.with_file_name("launcher-fake-qemu");
+    fs::write(
+        &fake,
+        "#!/bin/sh\necho 'fake qemu: cannot start' >&2\nsleep 1\nexit 1\n",
+    )
+    .unwrap();
+    fs::set_permissions(&fake, fs::Permissions::from_mode(0o755)).unwrap();
+    let mut cmd = env.command(&["submit", "-n", "2", "--", "true"]);
+    cmd.env("DMLC_QEMU", &fake);
+    let (code, _, err, took) = Running::start(cmd).finish(Duration::from_secs(60));
+    progress(&format!("a dead VM ended the job in {took:.1?}"));
+    assert_eq!(code, Some(125));
+    assert!(err.contains("the VM stopped without the job's exit line"));
+    assert!(err.contains("QEMU said:\nfake qemu: cannot start"));
+    assert!(took < Duration::from_secs(30));
+    env.assert_nothing_left();
+    fs::remove_file(&fake).unwrap();
 }

@@ -4,7 +4,7 @@
 //!
 //! Include it from a test crate (std and `thiserror` only):
 //!
-//! ```ignore
+//! ```text
 //! #[path = "../../tests/vm/harness.rs"]
 //! mod harness;
 //! ```

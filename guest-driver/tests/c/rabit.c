@@ -154,7 +154,7 @@ static void before_init(void)
     CHECK(RabitGetRank() == 0 && RabitGetWorldSize() == 1 && RabitIsDistributed() == 0,
           "queries before init");
     REFUSED(RabitAllreduce(&f, 1, RABIT_FLOAT, RABIT_SUM, NULL, NULL), RABIT_ERR_NOT_INITIALIZED);
-    CHECK(strstr(RabitGetLastError(), "init") != NULL, "message: %s", RabitGetLastError());
+    CHECK(strstr(RabitGetLastError(), "RabitInit") != NULL, "message: %s", RabitGetLastError());
     REFUSED(RabitBroadcast(&f, sizeof f, 0), RABIT_ERR_NOT_INITIALIZED);
     REFUSED(RabitBarrier(), RABIT_ERR_NOT_INITIALIZED);
     REFUSED(RabitFinalize(), RABIT_ERR_NOT_INITIALIZED);
