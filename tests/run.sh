@@ -58,11 +58,15 @@ fi
 step "system tests: release builds of the guest program and the backend"
 # The guests run dmlc-guest (stripped into the image) and pci_probe under
 # emulation, where a debug build is many times slower.
-cargo build --release --locked -p dmlc-guest -p vhost-device-dmlc --bins --example pci_probe
+cargo build --release --locked -p dmlc-guest -p vhost-device-dmlc -p dmlc-example-digits --bins --example pci_probe
 export DMLC_GUEST_BIN=$PWD/target/release/dmlc-guest
+export DMLC_TRAINER_BIN=$PWD/target/release/dmlc-train-digits
 export DMLC_PCI_PROBE_BIN=$PWD/target/release/examples/pci_probe
 export DMLC_BACKEND_BIN=$PWD/target/release/vhost-device-dmlc
 
 step "system tests: VMs (${DMLC_ACCEL:-tcg}), one test at a time"
 cargo test --locked -p dmlc-system-tests --test system -- --test-threads=1
+
+step "system tests: dmlc-qemu submit with the digits example on 2 VMs"
+cargo test --locked -p dmlc-qemu --test system -- --test-threads=1
 echo "system tests: $((SECONDS - stage_start)) s"
