@@ -35,8 +35,8 @@ cargo fmt --all -- --check
 step "cargo clippy -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
-step "cargo build (debug, all targets the tests spawn)"
-cargo build --workspace --locked --bins
+step "cargo build (debug: the binaries and the C library the tests use)"
+cargo build --workspace --locked
 
 step "cargo test --workspace"
 cargo test --workspace --locked

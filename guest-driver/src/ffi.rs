@@ -11,7 +11,6 @@
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr, CString, OsStr};
 use std::os::unix::ffi::OsStrExt;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -22,6 +21,7 @@ use virtio_dmlc::{
 
 use crate::device::{BufSlice, Device, DmaBuf, Handle, OpenOptions, Request};
 use crate::error::Error;
+use crate::ffi_util::{self, guard_value, Codes, Fail};
 
 // Status codes (dmlc_status in the header). 0..=7 are the device's.
 pub const DMLC_OK: c_int = 0;
@@ -116,12 +116,6 @@ thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
 }
 
-/// A failure on its way to C: the status and the message.
-struct Fail {
-    status: c_int,
-    msg: String,
-}
-
 impl Fail {
     fn invalid(msg: impl Into<String>) -> Self {
         Fail {
@@ -190,34 +184,13 @@ fn detail_of(e: &Error) -> (u32, u32) {
     }
 }
 
-fn set_last_error(msg: &str) {
-    let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
-    LAST_ERROR.with(|e| *e.borrow_mut() = c);
-}
-
 /// Runs `f`, turning failures and panics into a status code.
 fn guard(f: impl FnOnce() -> Result<(), Fail>) -> c_int {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(())) => DMLC_OK,
-        Ok(Err(fail)) => {
-            set_last_error(&fail.msg);
-            fail.status
-        }
-        Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".into());
-            set_last_error(&format!("internal error: {what}"));
-            DMLC_ERR_INTERNAL
-        }
-    }
-}
-
-/// Runs `f` for a value, with `default` on a panic (no status to return).
-fn guard_value<T>(default: T, f: impl FnOnce() -> T) -> T {
-    catch_unwind(AssertUnwindSafe(f)).unwrap_or(default)
+    let codes = Codes {
+        ok: DMLC_OK,
+        internal: DMLC_ERR_INTERNAL,
+    };
+    ffi_util::guard(&LAST_ERROR, codes, f)
 }
 
 /// Borrows a device pointer from C.
@@ -956,7 +929,7 @@ pub extern "C" fn dmlc_strerror(status: c_int) -> *const c_char {
 pub extern "C" fn dmlc_last_error_message() -> *const c_char {
     // The CString lives in the thread-local until the next failure on this
     // thread replaces it, as the header documents.
-    LAST_ERROR.with(|e| e.borrow().as_ptr())
+    ffi_util::last_error_ptr(&LAST_ERROR)
 }
 
 #[cfg(test)]

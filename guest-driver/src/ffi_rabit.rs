@@ -15,10 +15,10 @@
 
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_long, c_ulong, c_void, CStr, CString};
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Mutex;
 
 use crate::comm::CommError;
+use crate::ffi_util::{self, guard_value, Codes, Fail};
 use crate::rabit::{self, Config, Op, Rabit, RabitError};
 use crate::tcp::TcpError;
 use crate::{Dtype, Error};
@@ -115,12 +115,6 @@ thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
 }
 
-/// A failure on its way to C.
-struct Fail {
-    status: c_int,
-    msg: String,
-}
-
 fn invalid(msg: impl Into<String>) -> Fail {
     Fail {
         status: RABIT_ERR_INVALID_ARGUMENT,
@@ -193,34 +187,13 @@ fn comm_status(e: &CommError) -> c_int {
     }
 }
 
-fn set_last_error(msg: &str) {
-    let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
-    LAST_ERROR.with(|e| *e.borrow_mut() = c);
-}
-
 /// Runs `f`, turning failures and panics into a status code.
 fn guard(f: impl FnOnce() -> Result<(), Fail>) -> c_int {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(())) => RABIT_OK,
-        Ok(Err(fail)) => {
-            set_last_error(&fail.msg);
-            fail.status
-        }
-        Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".into());
-            set_last_error(&format!("internal error: {what}"));
-            RABIT_ERR_INTERNAL
-        }
-    }
-}
-
-/// Runs `f` for a value, with `default` on a panic.
-fn guard_value<T>(default: T, f: impl FnOnce() -> T) -> T {
-    catch_unwind(AssertUnwindSafe(f)).unwrap_or(default)
+    let codes = Codes {
+        ok: RABIT_OK,
+        internal: RABIT_ERR_INTERNAL,
+    };
+    ffi_util::guard(&LAST_ERROR, codes, f)
 }
 
 /// Serializes `RabitInit` and `RabitFinalize`, so that two threads cannot
@@ -493,7 +466,7 @@ pub extern "C" fn RabitBarrier() -> c_int {
 pub extern "C" fn RabitGetLastError() -> *const c_char {
     // The pointer stays valid while the thread-local string is unchanged,
     // which is until the next failure on this thread, as documented.
-    LAST_ERROR.with(|e| e.borrow().as_ptr())
+    ffi_util::last_error_ptr(&LAST_ERROR)
 }
 
 #[cfg(test)]

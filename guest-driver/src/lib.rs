@@ -19,6 +19,7 @@ pub mod dma;
 pub mod error;
 pub mod ffi;
 pub mod ffi_rabit;
+mod ffi_util;
 pub mod host;
 pub mod transport;
 pub mod virtqueue;

@@ -7,59 +7,17 @@ mod common;
 
 use std::collections::HashMap;
 use std::mem::{offset_of, size_of};
-use std::path::PathBuf;
-use std::process::Command;
 use std::time::Duration;
 
-use common::{serial, target_dir, Backend, Proc, TempDir};
+use common::{build_c_program, c_command, serial, Backend, Proc, TempDir};
 use dmlc_guest::ffi;
 use virtio_dmlc::{Dtype, Opcode, ReduceOp, Status};
-
-/// Compiles the C test program into `dir`; returns its path.
-fn build_c_program(dir: &TempDir) -> PathBuf {
-    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let lib_dir = target_dir();
-    assert!(
-        lib_dir.join("libdmlc_guest.so").is_file(),
-        "{} is missing: run `cargo build -p dmlc-guest` first",
-        lib_dir.join("libdmlc_guest.so").display()
-    );
-    let exe = dir.0.join("allreduce_c");
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let out = Command::new(&cc)
-        .args([
-            "-std=c99",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            "-pedantic",
-            "-O1",
-        ])
-        .arg("-I")
-        .arg(manifest.join("include"))
-        .arg(manifest.join("tests/c/allreduce.c"))
-        .arg("-o")
-        .arg(&exe)
-        .arg("-L")
-        .arg(&lib_dir)
-        .arg(format!("-Wl,-rpath,{}", lib_dir.display()))
-        .arg("-ldmlc_guest")
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run the C compiler {cc}: {e}"));
-    assert!(
-        out.status.success(),
-        "compiling tests/c/allreduce.c failed:\n{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    exe
-}
 
 #[test]
 fn header_constants_match_the_device_abi() {
     let dir = TempDir::new("cabi-const");
-    let exe = build_c_program(&dir);
-    let out = Command::new(&exe)
+    let exe = build_c_program(&dir, "allreduce");
+    let out = c_command(&exe)
         .arg("--constants")
         .output()
         .expect("run the C program");
@@ -202,13 +160,13 @@ fn field_size<T, F>(_get: impl Fn(&T) -> &F) -> usize {
 fn run_ranks(mode: &str) {
     let _g = serial();
     let dir = TempDir::new("cabi-run");
-    let exe = build_c_program(&dir);
+    let exe = build_c_program(&dir, "allreduce");
     let backend = Backend::start("cabi", 2, &["--log-level", "warn"]);
     let mut ranks: Vec<Proc> = (0..2)
         .map(|r| {
             Proc::spawn(
                 &format!("c rank {r}"),
-                Command::new(&exe).arg(backend.socket(r)).arg(mode),
+                c_command(&exe).arg(backend.socket(r)).arg(mode),
             )
         })
         .collect();

@@ -7,11 +7,11 @@ mod common;
 
 use std::collections::HashMap;
 use std::net::TcpListener;
-use std::path::PathBuf;
+use std::path::Path;
 use std::process::{Command, ExitStatus};
 use std::time::Duration;
 
-use common::{serial, target_dir, Backend, Proc, TempDir};
+use common::{build_c_program, c_command, serial, Backend, Proc, TempDir};
 use dmlc_guest::ffi_rabit as fr;
 
 /// Variables a developer's shell might set; every run starts without them.
@@ -29,54 +29,10 @@ const DMLC_VARS: &[&str] = &[
     "DMLC_TCP_IO_TIMEOUT_S",
 ];
 
-/// Compiles the C test program into `dir`; returns its path.
-fn build_c_program(dir: &TempDir) -> PathBuf {
-    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    // `cargo test` rebuilds the library in deps/ but copies it up to the
-    // profile folder only on `cargo build`: link the fresh one.
-    let lib_dir = target_dir().join("deps");
-    assert!(
-        lib_dir.join("libdmlc_guest.so").is_file(),
-        "{} is missing: run `cargo build -p dmlc-guest` first",
-        lib_dir.join("libdmlc_guest.so").display()
-    );
-    let exe = dir.0.join("rabit_c");
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let out = Command::new(&cc)
-        .args([
-            "-std=c99",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            "-pedantic",
-            "-O1",
-        ])
-        .arg("-I")
-        .arg(manifest.join("include"))
-        .arg(manifest.join("tests/c/rabit.c"))
-        .arg("-o")
-        .arg(&exe)
-        .arg("-L")
-        .arg(&lib_dir)
-        .arg(format!("-Wl,-rpath,{}", lib_dir.display()))
-        .arg("-ldmlc_guest")
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run the C compiler {cc}: {e}"));
-    assert!(
-        out.status.success(),
-        "compiling tests/c/rabit.c failed:\n{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    exe
-}
-
 /// A command for the C program with a clean DMLC environment plus `env`.
-fn worker(exe: &PathBuf, args: &[&str], env: &[(&str, String)]) -> Command {
-    let mut cmd = Command::new(exe);
-    // cargo's LD_LIBRARY_PATH puts the profile folder, with the library of
-    // the last `cargo build`, before the rpath's deps/: drop it.
-    cmd.args(args).env_remove("LD_LIBRARY_PATH");
+fn worker(exe: &Path, args: &[&str], env: &[(&str, String)]) -> Command {
+    let mut cmd = c_command(exe);
+    cmd.args(args);
     for v in DMLC_VARS {
         cmd.env_remove(v);
     }
@@ -120,7 +76,7 @@ fn check_passed(results: &[(Proc, ExitStatus)], world: usize) {
 #[test]
 fn header_numbers_match_the_library() {
     let dir = TempDir::new("crabit-const");
-    let exe = build_c_program(&dir);
+    let exe = build_c_program(&dir, "rabit");
     let out = worker(&exe, &["--constants"], &[])
         .output()
         .expect("run the C program");
@@ -216,7 +172,7 @@ fn header_numbers_match_the_library() {
 fn two_c_workers_through_the_device() {
     let _g = serial();
     let dir = TempDir::new("crabit-dev");
-    let exe = build_c_program(&dir);
+    let exe = build_c_program(&dir, "rabit");
     let backend = Backend::start("crabit", 2, &["--log-level", "warn"]);
     let cmds = (0..2u32)
         .map(|r| {
@@ -240,7 +196,7 @@ fn two_c_workers_through_the_device() {
 fn two_c_workers_over_tcp() {
     let _g = serial();
     let dir = TempDir::new("crabit-tcp");
-    let exe = build_c_program(&dir);
+    let exe = build_c_program(&dir, "rabit");
     // Free ports now; the workers bind them a moment later.
     let peers: Vec<String> = (0..2)
         .map(|_| {
@@ -267,7 +223,7 @@ fn two_c_workers_over_tcp() {
 #[test]
 fn one_c_worker_alone() {
     let dir = TempDir::new("crabit-alone");
-    let exe = build_c_program(&dir);
+    let exe = build_c_program(&dir, "rabit");
     let results = run_all(
         vec![("c worker alone".into(), worker(&exe, &["run"], &[]))],
         Duration::from_secs(60),
@@ -276,7 +232,7 @@ fn one_c_worker_alone() {
 }
 
 /// "init STATUS MESSAGE" of one RabitInit.
-fn init_result(exe: &PathBuf, args: &[&str], env: &[(&str, String)]) -> (i32, String) {
+fn init_result(exe: &Path, args: &[&str], env: &[(&str, String)]) -> (i32, String) {
     let mut all = vec!["init"];
     all.extend_from_slice(args);
     let mut cmd = worker(exe, &all, env);
@@ -295,7 +251,7 @@ fn init_result(exe: &PathBuf, args: &[&str], env: &[(&str, String)]) -> (i32, St
 #[test]
 fn init_reports_bad_settings_from_the_environment_and_argv() {
     let dir = TempDir::new("crabit-init");
-    let exe = build_c_program(&dir);
+    let exe = build_c_program(&dir, "rabit");
     // Two workers but nothing to reach the other with; set through argv.
     let (code, msg) = init_result(&exe, &["DMLC_NUM_WORKER=2"], &[]);
     assert_eq!(code, fr::RABIT_ERR_ENVIRONMENT, "{msg}");
@@ -326,7 +282,7 @@ fn init_reports_bad_settings_from_the_environment_and_argv() {
 fn device_rank_must_match_the_environment() {
     let _g = serial();
     let dir = TempDir::new("crabit-agree");
-    let exe = build_c_program(&dir);
+    let exe = build_c_program(&dir, "rabit");
     let backend = Backend::start("crabit-agree", 1, &["--log-level", "warn"]);
     let socket = backend.socket(0).display().to_string();
     let (code, msg) = init_result(
@@ -348,7 +304,7 @@ fn device_rank_must_match_the_environment() {
 fn a_worker_that_leaves_fails_the_others_collective() {
     let _g = serial();
     let dir = TempDir::new("crabit-lost");
-    let exe = build_c_program(&dir);
+    let exe = build_c_program(&dir, "rabit");
     let backend = Backend::start(
         "crabit-lost",
         2,

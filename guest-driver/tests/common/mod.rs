@@ -33,6 +33,60 @@ pub fn target_dir() -> PathBuf {
         .to_path_buf()
 }
 
+/// Compiles `tests/c/{name}.c` against the headers in `include/` and the
+/// library of this test run into `dir`; returns the program's path. Run it
+/// through [`c_command`].
+pub fn build_c_program(dir: &TempDir, name: &str) -> PathBuf {
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    // `cargo test` rebuilds the library in deps/ but copies it up to the
+    // profile folder only on `cargo build`: link the fresh one.
+    let lib_dir = target_dir().join("deps");
+    assert!(
+        lib_dir.join("libdmlc_guest.so").is_file(),
+        "{} is missing: run `cargo build -p dmlc-guest` first",
+        lib_dir.join("libdmlc_guest.so").display()
+    );
+    let src = format!("tests/c/{name}.c");
+    let exe = dir.0.join(format!("{name}_c"));
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let out = Command::new(&cc)
+        .args([
+            "-std=c99",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-pedantic",
+            "-O1",
+        ])
+        .arg("-I")
+        .arg(manifest.join("include"))
+        .arg(manifest.join(&src))
+        .arg("-o")
+        .arg(&exe)
+        .arg("-L")
+        .arg(&lib_dir)
+        .arg(format!("-Wl,-rpath,{}", lib_dir.display()))
+        .arg("-ldmlc_guest")
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run the C compiler {cc}: {e}"));
+    assert!(
+        out.status.success(),
+        "compiling {src} failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    exe
+}
+
+/// A command for a program from [`build_c_program`].
+pub fn c_command(exe: &Path) -> Command {
+    let mut cmd = Command::new(exe);
+    // cargo's LD_LIBRARY_PATH puts the profile folder, with the library of
+    // the last `cargo build`, before the rpath's deps/: drop it.
+    cmd.env_remove("LD_LIBRARY_PATH");
+    cmd
+}
+
 /// The backend daemon, built by the same cargo run (another crate).
 pub fn backend_bin() -> PathBuf {
     let p = target_dir().join("vhost-device-dmlc");
