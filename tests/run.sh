@@ -39,7 +39,7 @@ step "cargo build (debug: the binaries and the C library the tests use)"
 cargo build --workspace --locked
 
 step "cargo test --workspace"
-cargo test --workspace --locked
+cargo test --workspace --locked --no-fail-fast
 
 step "system tests: patched QEMU (built once, then cached)"
 stage_start=$SECONDS

@@ -263,7 +263,7 @@ scan_libs() {
     done <<<"$out"
 }
 manifest() {
-    echo "script $(sha256sum "${BASH_SOURCE[0]}" | cut -d' ' -f1)"
+    echo "script $(sha256sum "$here/$(basename "${BASH_SOURCE[0]}")" | cut -d' ' -f1)"
     echo "init $(sha256sum "$here/init" | cut -d' ' -f1)"
     echo "kernel $kernel_sha"
     echo "busybox $busybox_sha"
