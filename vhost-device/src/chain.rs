@@ -614,18 +614,7 @@ mod tests {
         let d = chain(&mut w, &allreduce(4), 16, 16);
         let m = &mut w.members[0];
         let head = 0;
-        for (i, x) in d.iter().enumerate() {
-            let flags = if x.write {
-                VRING_DESC_F_WRITE as u16
-            } else {
-                0
-            } | if i + 1 < d.len() {
-                VRING_DESC_F_NEXT as u16
-            } else {
-                0
-            };
-            m.raw_desc(0, i as u16, x.addr, x.len, flags, i as u16 + 1);
-        }
+        m.place_at(0, 0, &d);
         let chain = m.pop(0, head);
         let limits = Limits {
             world_size: 2,
@@ -656,18 +645,7 @@ mod tests {
         d.push(Desc::r(inp, 16));
         d.push(Desc::w(m.alloc(16), 16));
         d.push(m.response());
-        for (i, x) in d.iter().enumerate() {
-            let flags = if x.write {
-                VRING_DESC_F_WRITE as u16
-            } else {
-                0
-            } | if i + 1 < d.len() {
-                VRING_DESC_F_NEXT as u16
-            } else {
-                0
-            };
-            m.raw_desc(0, 10 + i as u16, x.addr, x.len, flags, 11 + i as u16);
-        }
+        m.place_at(0, 10, &d);
         let limits = Limits {
             world_size: 2,
             rank: 0,
@@ -691,18 +669,7 @@ mod tests {
         d.push(Desc::r(m.alloc_across_regions(13, 32), 32));
         d.push(Desc::w(m.alloc(32), 32));
         d.push(m.response());
-        for (i, x) in d.iter().enumerate() {
-            let flags = if x.write {
-                VRING_DESC_F_WRITE as u16
-            } else {
-                0
-            } | if i + 1 < d.len() {
-                VRING_DESC_F_NEXT as u16
-            } else {
-                0
-            };
-            m.raw_desc(0, 50 + i as u16, x.addr, x.len, flags, 51 + i as u16);
-        }
+        m.place_at(0, 50, &d);
         let limits = Limits {
             world_size: 2,
             rank: 0,

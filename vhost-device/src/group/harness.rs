@@ -261,20 +261,18 @@ impl Member {
         }
         let first = self.next_desc[qi];
         self.next_desc[qi] += n;
+        self.place_at(q, first, descs);
+        first
+    }
+
+    /// Writes `descs` as one chain at indices `first..` of queue `q`'s
+    /// descriptor table (not made available).
+    pub fn place_at(&self, q: u16, first: u16, descs: &[Desc]) {
         for (i, d) in descs.iter().enumerate() {
             let idx = first + i as u16;
-            let last = i + 1 == descs.len();
-            let mut flags = if d.write {
-                VRING_DESC_F_WRITE as u16
-            } else {
-                0
-            };
-            if !last {
-                flags |= VRING_DESC_F_NEXT as u16;
-            }
+            let flags = chain_flags(descs, i);
             self.store_desc(q, idx, Descriptor::new(d.addr, d.len, flags, idx + 1));
         }
-        first
     }
 
     fn store_desc(&self, q: u16, idx: u16, d: Descriptor) {
@@ -335,15 +333,7 @@ impl Member {
         let table = self.next_indirect;
         self.next_indirect += 16 * descs.len() as u64 + 16;
         for (i, d) in descs.iter().enumerate() {
-            let last = i + 1 == descs.len();
-            let mut flags = if d.write {
-                VRING_DESC_F_WRITE as u16
-            } else {
-                0
-            };
-            if !last {
-                flags |= VRING_DESC_F_NEXT as u16;
-            }
+            let flags = chain_flags(descs, i);
             let raw = RawDescriptor::from(Descriptor::new(d.addr, d.len, flags, i as u16 + 1));
             self.mem
                 .write_obj(raw, GuestAddress(table + 16 * i as u64))
@@ -529,4 +519,20 @@ impl Rng {
         self.0 = x;
         x.wrapping_mul(0x2545_f491_4f6c_dd1d)
     }
+}
+
+/// Flags of descriptor `i` of a chain: WRITE as the descriptor says, NEXT
+/// on all but the last.
+fn chain_flags(descs: &[Desc], i: usize) -> u16 {
+    let write = if descs[i].write {
+        VRING_DESC_F_WRITE as u16
+    } else {
+        0
+    };
+    let next = if i + 1 < descs.len() {
+        VRING_DESC_F_NEXT as u16
+    } else {
+        0
+    };
+    write | next
 }
