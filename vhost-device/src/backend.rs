@@ -14,16 +14,20 @@
 
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use log::{debug, info, warn};
 use vhost::vhost_user::message::{
     VhostUserProtocolFeatures, VhostUserVirtioFeatures, VHOST_USER_CONFIG_SIZE,
 };
-use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
+use vhost_user_backend::{
+    VhostUserBackend, VringRwLock, VringState, VringStateGuard, VringStateMutGuard, VringT,
+};
 use virtio_queue::{QueueOwnedT, QueueT};
-use vm_memory::{GuestAddressSpace, GuestMemoryAtomic};
+use vm_memory::{
+    Address, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryRegion,
+};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
     new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
@@ -35,8 +39,132 @@ use crate::GuestMem;
 
 /// The guest memory handle vhost-user-backend shares with every vring.
 pub type AtomicMem = GuestMemoryAtomic<GuestMem>;
-/// One virtqueue as vhost-user-backend hands it to the backend.
-pub type Vring = VringRwLock<AtomicMem>;
+/// One virtqueue as vhost-user-backend hands it to the backend: the
+/// library's vring, which refuses to start with a size that is not a
+/// power of two.
+///
+/// The library passes SET_VRING_NUM on to virtio-queue, which keeps its
+/// previous size (the maximum, on a fresh connection) when the new one is
+/// not a power of two, and says so only in a log line. The device would
+/// then read and write the rings of a queue of another size than the
+/// driver's, that is, guest memory outside the rings. Such a ring is kept
+/// stopped instead (never served, nothing read or written) until the
+/// frontend sets a valid size and starts it again.
+#[derive(Clone)]
+pub struct Vring {
+    inner: VringRwLock<AtomicMem>,
+    /// The frontend's last SET_VRING_NUM was not a power of two.
+    bad_size: Arc<AtomicBool>,
+}
+
+impl<'a> VringStateGuard<'a, AtomicMem> for Vring {
+    type G = RwLockReadGuard<'a, VringState<AtomicMem>>;
+}
+
+impl<'a> VringStateMutGuard<'a, AtomicMem> for Vring {
+    type G = RwLockWriteGuard<'a, VringState<AtomicMem>>;
+}
+
+impl VringT<AtomicMem> for Vring {
+    fn new(mem: AtomicMem, max_queue_size: u16) -> Result<Self, virtio_queue::Error> {
+        Ok(Vring {
+            inner: VringRwLock::new(mem, max_queue_size)?,
+            bad_size: Arc::new(AtomicBool::new(false)),
+        })
+    }
+
+    fn get_ref(&self) -> <Self as VringStateGuard<'_, AtomicMem>>::G {
+        self.inner.get_ref()
+    }
+
+    fn get_mut(&self) -> <Self as VringStateMutGuard<'_, AtomicMem>>::G {
+        self.inner.get_mut()
+    }
+
+    fn add_used(&self, desc_index: u16, len: u32) -> Result<(), virtio_queue::Error> {
+        self.inner.add_used(desc_index, len)
+    }
+
+    fn signal_used_queue(&self) -> io::Result<()> {
+        self.inner.signal_used_queue()
+    }
+
+    fn enable_notification(&self) -> Result<bool, virtio_queue::Error> {
+        self.inner.enable_notification()
+    }
+
+    fn disable_notification(&self) -> Result<(), virtio_queue::Error> {
+        self.inner.disable_notification()
+    }
+
+    fn needs_notification(&self) -> Result<bool, virtio_queue::Error> {
+        self.inner.needs_notification()
+    }
+
+    fn set_enabled(&self, enabled: bool) {
+        self.inner.set_enabled(enabled);
+    }
+
+    fn set_queue_info(
+        &self,
+        desc_table: u64,
+        avail_ring: u64,
+        used_ring: u64,
+    ) -> Result<(), virtio_queue::Error> {
+        self.inner.set_queue_info(desc_table, avail_ring, used_ring)
+    }
+
+    fn queue_next_avail(&self) -> u16 {
+        self.inner.queue_next_avail()
+    }
+
+    fn set_queue_next_avail(&self, base: u16) {
+        self.inner.set_queue_next_avail(base);
+    }
+
+    fn set_queue_next_used(&self, idx: u16) {
+        self.inner.set_queue_next_used(idx);
+    }
+
+    fn queue_used_idx(&self) -> Result<u16, virtio_queue::Error> {
+        self.inner.queue_used_idx()
+    }
+
+    fn set_queue_size(&self, num: u16) {
+        let bad = !num.is_power_of_two();
+        self.bad_size.store(bad, Ordering::Release);
+        if bad {
+            warn!("virtqueue size {num} is not a power of two: queue not started");
+            self.inner.set_queue_ready(false);
+        }
+        self.inner.set_queue_size(num);
+    }
+
+    fn set_queue_event_idx(&self, enabled: bool) {
+        self.inner.set_queue_event_idx(enabled);
+    }
+
+    fn set_queue_ready(&self, ready: bool) {
+        self.inner
+            .set_queue_ready(ready && !self.bad_size.load(Ordering::Acquire));
+    }
+
+    fn set_kick(&self, file: Option<std::fs::File>) {
+        self.inner.set_kick(file);
+    }
+
+    fn read_kick(&self) -> io::Result<bool> {
+        self.inner.read_kick()
+    }
+
+    fn set_call(&self, file: Option<std::fs::File>) {
+        self.inner.set_call(file);
+    }
+
+    fn set_err(&self, file: Option<std::fs::File>) {
+        self.inner.set_err(file);
+    }
+}
 
 const fn bit(n: u32) -> u64 {
     1 << n
@@ -278,6 +406,50 @@ impl MemberBackend {
     }
 }
 
+/// A memory table the daemon cannot map safely.
+#[derive(Debug, thiserror::Error)]
+pub enum MemoryTableError {
+    #[error("region at {gpa:#x} needs {end:#x} bytes of its file, which has {file_size:#x}")]
+    PastEndOfFile { gpa: u64, end: u64, file_size: u64 },
+    #[error("cannot inspect the file of the region at {gpa:#x}")]
+    Stat {
+        gpa: u64,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Checks that every region backed by a regular file lies inside that file.
+/// A shared mapping that extends past the end of its file raises SIGBUS
+/// where it is touched, and that would kill the daemon and with it every
+/// member's device. (A frontend that shrinks the file later can still do
+/// it; QEMU seals its memfd guest RAM against that by default.)
+pub fn check_regions_backed(mem: &GuestMem) -> Result<(), MemoryTableError> {
+    for region in mem.iter() {
+        let Some(fo) = region.file_offset() else {
+            continue;
+        };
+        let gpa = region.start_addr().raw_value();
+        let meta = fo
+            .file()
+            .metadata()
+            .map_err(|source| MemoryTableError::Stat { gpa, source })?;
+        // Device files (DAX) have no meaningful length.
+        if !meta.file_type().is_file() {
+            continue;
+        }
+        let end = fo.start().saturating_add(region.len());
+        if end > meta.len() {
+            return Err(MemoryTableError::PastEndOfFile {
+                gpa,
+                end,
+                file_size: meta.len(),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// True if the driver made chains available that are not popped yet.
 fn avail_pending(vring: &Vring, mem: &GuestMem) -> bool {
     let state = vring.get_ref();
@@ -411,6 +583,17 @@ impl VhostUserBackend for MemberBackend {
     }
 
     fn update_memory(&self, mem: AtomicMem) -> io::Result<()> {
+        let checked = check_regions_backed(&mem.memory());
+        if let Err(e) = checked {
+            // The library installed the map before asking us: take it out
+            // again, so that no worker touches it before the connection
+            // closes (the error makes the library close it).
+            mem.lock()
+                .map_err(|e| io::Error::other(e.to_string()))?
+                .replace(GuestMem::new());
+            warn!("rank {}: memory table refused: {e}", self.cfg.rank);
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, e));
+        }
         *self.mem.write().unwrap_or_else(|e| e.into_inner()) = mem;
         Ok(())
     }
@@ -468,5 +651,84 @@ impl VhostUserBackend for MemberBackend {
         };
         self.process_queue(queue, vring);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs::File;
+
+    use vm_memory::{FileOffset, GuestAddress};
+
+    use vhost_user_backend::VringT;
+    use virtio_queue::QueueT;
+
+    use super::{check_regions_backed, AtomicMem, MemoryTableError, Vring};
+    use crate::GuestMem;
+
+    /// A scratch file of `len` bytes.
+    fn file(name: &str, len: u64) -> File {
+        let path = std::env::temp_dir().join(format!("dmlc-backend-{}-{name}", std::process::id()));
+        let f = File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .unwrap();
+        std::fs::remove_file(&path).unwrap();
+        f.set_len(len).unwrap();
+        f
+    }
+
+    fn mem(f: File, offset: u64, size: usize) -> GuestMem {
+        GuestMem::from_ranges_with_files([(
+            GuestAddress(0x1000),
+            size,
+            Some(FileOffset::new(f, offset)),
+        )])
+        .unwrap()
+    }
+
+    #[test]
+    fn a_ring_whose_size_is_not_a_power_of_two_never_starts() {
+        let mem = AtomicMem::new(GuestMem::from_ranges(&[(GuestAddress(0), 0x10000)]).unwrap());
+        let vring = Vring::new(mem, 256).unwrap();
+        vring.set_queue_size(64);
+        vring.set_queue_ready(true);
+        assert!(vring.get_ref().get_queue().ready());
+        assert_eq!(vring.get_ref().get_queue().size(), 64);
+        // virtio-queue keeps 64; the ring must not run with it.
+        vring.set_queue_size(48);
+        assert!(!vring.get_ref().get_queue().ready());
+        vring.set_queue_ready(true);
+        assert!(!vring.get_ref().get_queue().ready());
+        // A valid size again, and the frontend starts the ring.
+        vring.set_queue_size(32);
+        vring.set_queue_ready(true);
+        assert!(vring.get_ref().get_queue().ready());
+        assert_eq!(vring.get_ref().get_queue().size(), 32);
+    }
+
+    #[test]
+    fn regions_must_lie_inside_their_files() {
+        check_regions_backed(&mem(file("fits", 8192), 0, 8192)).unwrap();
+        check_regions_backed(&mem(file("offset-fits", 8192), 4096, 4096)).unwrap();
+        for (name, offset, size) in [("longer", 0, 16384), ("offset", 4096, 8192)] {
+            let err = check_regions_backed(&mem(file(name, 8192), offset, size)).unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    MemoryTableError::PastEndOfFile {
+                        gpa: 0x1000,
+                        file_size: 8192,
+                        ..
+                    }
+                ),
+                "{err:?}"
+            );
+        }
+        // Anonymous memory has no file to check.
+        check_regions_backed(&GuestMem::from_ranges(&[(GuestAddress(0), 4096)]).unwrap()).unwrap();
     }
 }

@@ -7,7 +7,8 @@
 use std::fs::File;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::os::fd::FromRawFd;
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
@@ -258,8 +259,20 @@ impl Desc {
     }
 }
 
-const VRING_DESC_F_NEXT: u16 = 1;
-const VRING_DESC_F_WRITE: u16 = 2;
+pub const VRING_DESC_F_NEXT: u16 = 1;
+pub const VRING_DESC_F_WRITE: u16 = 2;
+pub const VRING_DESC_F_INDIRECT: u16 = 4;
+
+/// A new memfd of `size` bytes.
+pub fn memfd(size: u64) -> File {
+    // SAFETY: the name is a valid C string; the result is checked.
+    let fd = unsafe { libc::memfd_create(c"dmlc-test".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+    // SAFETY: fd is a new descriptor that nothing else owns.
+    let file = unsafe { File::from_raw_fd(fd) };
+    file.set_len(size).unwrap();
+    file
+}
 
 /// A minimal frontend playing one VM on one socket.
 pub struct Member {
@@ -277,6 +290,16 @@ impl Member {
     /// Connects and negotiates the protocol features (not yet the virtio
     /// features: see [`Member::start`]).
     pub fn connect(path: &Path) -> Member {
+        Member::connect_regions(path, &[(0, MEM_SIZE)])
+    }
+
+    /// As [`Member::connect`], with guest memory made of `regions`
+    /// (guest address, size), each backed by its own memfd so that two
+    /// adjacent regions are not adjacent in host memory. The queues and
+    /// data buffers live in the first region, which must start at 0 and
+    /// be at least `MEM_SIZE` long.
+    pub fn connect_regions(path: &Path, regions: &[(u64, usize)]) -> Member {
+        assert!(regions[0].0 == 0 && regions[0].1 >= MEM_SIZE);
         let mut fe = Frontend::connect(path, 64).expect("connect to the backend");
         fe.set_owner().expect("SET_OWNER");
         let features = fe.get_features().expect("GET_FEATURES");
@@ -292,19 +315,13 @@ impl Member {
         fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
         let queue_num = fe.get_queue_num().expect("GET_QUEUE_NUM");
 
-        // Guest RAM shared with the backend through a memfd, as QEMU does.
-        // SAFETY: the name is a valid C string; the result is checked.
-        let fd = unsafe { libc::memfd_create(c"dmlc-test".as_ptr(), libc::MFD_CLOEXEC) };
-        assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
-        // SAFETY: fd is a new descriptor that nothing else owns.
-        let file = unsafe { File::from_raw_fd(fd) };
-        file.set_len(MEM_SIZE as u64).unwrap();
-        let mem = GuestMemoryMmap::<()>::from_ranges_with_files([(
-            GuestAddress(0),
-            MEM_SIZE,
-            Some(FileOffset::new(file, 0)),
-        )])
-        .expect("map guest memory");
+        // Guest RAM shared with the backend through memfds, as QEMU does.
+        let mem =
+            GuestMemoryMmap::<()>::from_ranges_with_files(regions.iter().map(|&(gpa, size)| {
+                let file = memfd(size as u64);
+                (GuestAddress(gpa), size, Some(FileOffset::new(file, 0)))
+            }))
+            .expect("map guest memory");
         Member {
             fe,
             features,
@@ -315,6 +332,21 @@ impl Member {
             event_idx: false,
             next_data: DATA_START,
         }
+    }
+
+    /// One past the highest guest address.
+    pub fn mem_end(&self) -> u64 {
+        self.mem.last_addr().0 + 1
+    }
+
+    /// A second handle on the vhost-user connection, for raw messages.
+    pub fn raw_stream(&self) -> UnixStream {
+        // SAFETY: dup of a descriptor the frontend owns and keeps open; the
+        // result is checked and owned by the stream alone.
+        let fd = unsafe { libc::dup(self.fe.as_raw_fd()) };
+        assert!(fd >= 0, "dup: {}", std::io::Error::last_os_error());
+        // SAFETY: fd is a new descriptor that nothing else owns.
+        unsafe { UnixStream::from_raw_fd(fd) }
     }
 
     /// Reads `size` bytes of config space at `offset`.
@@ -336,14 +368,29 @@ impl Member {
     /// Acks `features` and sets up `queues` queues of `size` entries, as a
     /// driver setting DRIVER_OK makes QEMU do.
     pub fn start(&mut self, features: u64, queues: u16, size: u16) {
-        self.fe.set_features(features).expect("SET_FEATURES");
-        self.event_idx = features & (1 << virtio_dmlc::VIRTIO_RING_F_EVENT_IDX) != 0;
-        let regions: Vec<_> = self
-            .mem
+        let regions = self.mem_table();
+        self.start_with_table(features, queues, size, &regions);
+    }
+
+    /// The memory table that describes this member's guest memory.
+    pub fn mem_table(&self) -> Vec<VhostUserMemoryRegionInfo> {
+        self.mem
             .iter()
             .map(|r| VhostUserMemoryRegionInfo::from_guest_region(r).unwrap())
-            .collect();
-        self.fe.set_mem_table(&regions).expect("SET_MEM_TABLE");
+            .collect()
+    }
+
+    /// As [`Member::start`], sending `regions` as the memory table.
+    pub fn start_with_table(
+        &mut self,
+        features: u64,
+        queues: u16,
+        size: u16,
+        regions: &[VhostUserMemoryRegionInfo],
+    ) {
+        self.fe.set_features(features).expect("SET_FEATURES");
+        self.event_idx = features & (1 << virtio_dmlc::VIRTIO_RING_F_EVENT_IDX) != 0;
+        self.fe.set_mem_table(regions).expect("SET_MEM_TABLE");
         self.queues.clear();
         for q in 0..queues {
             let base = u64::from(q) * QUEUE_STRIDE;
@@ -463,6 +510,63 @@ impl Member {
             mem.write_obj(next.to_le(), GuestAddress(at + 14)).unwrap();
         }
         queue.next_desc = head + n;
+        self.publish_head(q, head);
+    }
+
+    /// The avail index the driver last published on queue `q`.
+    pub fn avail_idx(&self, q: usize) -> u16 {
+        self.queues[q].next_avail
+    }
+
+    /// Where queue `q`'s area starts, where its used ring (with the
+    /// avail_event field) ends, and where the area ends.
+    pub fn queue_area(&self, q: usize) -> (u64, u64, u64) {
+        let queue = &self.queues[q];
+        let base = q as u64 * QUEUE_STRIDE;
+        (
+            base,
+            queue.used + 6 + 8 * u64::from(queue.size),
+            base + QUEUE_STRIDE,
+        )
+    }
+
+    /// Entries of queue `q`.
+    pub fn queue_size(&self, q: usize) -> u16 {
+        self.queues[q].size
+    }
+
+    /// Reserves `n` consecutive descriptor-table entries of queue `q` (from
+    /// the allocator [`Member::publish`] uses) and returns the first.
+    pub fn take_descs(&mut self, q: usize, n: u16) -> u16 {
+        let queue = &mut self.queues[q];
+        assert!(n > 0 && n <= queue.size);
+        if queue.next_desc + n > queue.size {
+            queue.next_desc = 0;
+        }
+        let first = queue.next_desc;
+        queue.next_desc += n;
+        first
+    }
+
+    /// Writes descriptor `idx` of queue `q` as given, whatever it says.
+    pub fn raw_desc(&self, q: usize, idx: u16, addr: u64, len: u32, flags: u16, next: u16) {
+        let at = self.queues[q].desc + 16 * u64::from(idx);
+        self.write_raw_desc(at, addr, len, flags, next);
+    }
+
+    /// Writes one descriptor at guest address `at` (an indirect table entry).
+    pub fn write_raw_desc(&self, at: u64, addr: u64, len: u32, flags: u16, next: u16) {
+        let mem = &self.mem;
+        mem.write_obj(addr.to_le(), GuestAddress(at)).unwrap();
+        mem.write_obj(len.to_le(), GuestAddress(at + 8)).unwrap();
+        mem.write_obj(flags.to_le(), GuestAddress(at + 12)).unwrap();
+        mem.write_obj(next.to_le(), GuestAddress(at + 14)).unwrap();
+    }
+
+    /// Makes `head` available on queue `q`, whatever it is, without kicking.
+    pub fn publish_head(&mut self, q: usize, head: u16) {
+        let mem = &self.mem;
+        let queue = &mut self.queues[q];
         let slot = queue.avail + 4 + 2 * u64::from(queue.next_avail % queue.size);
         mem.write_obj(head.to_le(), GuestAddress(slot)).unwrap();
         queue.next_avail = queue.next_avail.wrapping_add(1);
