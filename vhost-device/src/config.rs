@@ -46,6 +46,16 @@ pub enum ConfigError {
          127.0.0.0/8 or ::1"
     )]
     MetricsNotLoopback(SocketAddr),
+    #[error("{0:?} is not an octal mode: give octal digits, for example 0600 or 0660")]
+    BadMode(String),
+    #[error("{0:?} is more than 0777: a socket takes permission bits only")]
+    ModeTooWide(String),
+    #[error("{0:?} is not a group: give a group name or a numeric group id")]
+    BadGroup(String),
+    #[error("no group named {0:?}")]
+    UnknownGroup(String),
+    #[error("cannot look up group {name:?}: {reason}")]
+    GroupLookup { name: String, reason: String },
 }
 
 /// How much the daemon logs.
@@ -129,9 +139,28 @@ pub struct Args {
     #[arg(long, value_name = "ADDR:PORT", value_parser = parse_addr)]
     pub metrics_addr: Option<SocketAddr>,
 
+    /// Permission bits of the sockets, in octal, at most 0777: 0600 lets
+    /// only the daemon's user connect, 0660 its group too.
+    #[arg(long, value_name = "OCTAL", default_value = "0600", value_parser = parse_mode)]
+    pub socket_mode: u32,
+
+    /// Give the sockets to this group (a name or a numeric id), such as the
+    /// group QEMU runs as; use with --socket-mode 0660.
+    #[arg(long, value_name = "GROUP", value_parser = parse_group)]
+    pub socket_group: Option<u32>,
+
     /// How much to log.
     #[arg(long, value_name = "LEVEL", value_enum, default_value_t = LogLevel::Info)]
     pub log_level: LogLevel,
+}
+
+/// Who may connect to the sockets: their permission bits and group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SocketAccess {
+    /// Permission bits, at most 0o777.
+    pub mode: u32,
+    /// Group id to give the sockets; `None` keeps the daemon's group.
+    pub group: Option<u32>,
 }
 
 /// The daemon's configuration, checked.
@@ -139,6 +168,8 @@ pub struct Args {
 pub struct Config {
     /// `socket_paths[i]` is rank i's socket.
     pub socket_paths: Vec<PathBuf>,
+    /// Permission bits and group of the sockets.
+    pub socket_access: SocketAccess,
     /// Settings of the group engine.
     pub group: GroupConfig,
     /// Largest virtqueue size offered to the frontend.
@@ -197,6 +228,10 @@ impl TryFrom<Args> for Config {
         }
         Ok(Config {
             socket_paths,
+            socket_access: SocketAccess {
+                mode: args.socket_mode,
+                group: args.socket_group,
+            },
             group: GroupConfig {
                 world_size: args.socket_count,
                 // Both checked above to fit.
@@ -253,6 +288,72 @@ pub fn parse_size(text: &str) -> Result<u64, ConfigError> {
         .ok_or_else(|| ConfigError::SizeOverflow(text.to_owned()))
 }
 
+/// Parses a socket mode: octal digits (an optional `0o` prefix), at most
+/// 0777. Strict, so that a typo never opens the sockets wider than meant.
+pub fn parse_mode(text: &str) -> Result<u32, ConfigError> {
+    let digits = text.strip_prefix("0o").unwrap_or(text);
+    if digits.is_empty() || !digits.bytes().all(|b| matches!(b, b'0'..=b'7')) {
+        return Err(ConfigError::BadMode(text.to_owned()));
+    }
+    match u32::from_str_radix(digits, 8) {
+        Ok(mode) if mode <= 0o777 => Ok(mode),
+        // Too many digits for a u32 is too wide as well.
+        _ => Err(ConfigError::ModeTooWide(text.to_owned())),
+    }
+}
+
+/// Parses a group: a numeric id, or a name looked up in the group
+/// database.
+pub fn parse_group(text: &str) -> Result<u32, ConfigError> {
+    if text.is_empty() {
+        return Err(ConfigError::BadGroup(text.to_owned()));
+    }
+    if text.bytes().all(|b| b.is_ascii_digit()) {
+        // (gid_t)-1 means "leave unchanged" to chown.
+        return text
+            .parse()
+            .ok()
+            .filter(|&gid: &u32| gid != u32::MAX)
+            .ok_or_else(|| ConfigError::BadGroup(text.to_owned()));
+    }
+    group_id(text)
+}
+
+/// Looks up a group name with getgrnam_r.
+fn group_id(name: &str) -> Result<u32, ConfigError> {
+    let c_name =
+        std::ffi::CString::new(name).map_err(|_| ConfigError::BadGroup(name.to_owned()))?;
+    let mut buf = vec![0 as libc::c_char; 1024];
+    loop {
+        // SAFETY: all zeroes is a valid `group` (null pointers, zero id);
+        // getgrnam_r overwrites it.
+        let mut group: libc::group = unsafe { std::mem::zeroed() };
+        let mut found: *mut libc::group = std::ptr::null_mut();
+        // SAFETY: `c_name` is NUL-terminated; `group`, `buf` (with its true
+        // length) and `found` are valid for writing for the whole call.
+        let rc = unsafe {
+            libc::getgrnam_r(
+                c_name.as_ptr(),
+                &mut group,
+                buf.as_mut_ptr(),
+                buf.len(),
+                &mut found,
+            )
+        };
+        match rc {
+            0 if found.is_null() => return Err(ConfigError::UnknownGroup(name.to_owned())),
+            0 => return Ok(group.gr_gid),
+            libc::ERANGE if buf.len() < 1 << 20 => buf.resize(buf.len() * 4, 0),
+            _ => {
+                return Err(ConfigError::GroupLookup {
+                    name: name.to_owned(),
+                    reason: std::io::Error::from_raw_os_error(rc).to_string(),
+                })
+            }
+        }
+    }
+}
+
 /// Parses a decimal or `0x`-prefixed hexadecimal u64.
 fn parse_u64(text: &str) -> Result<u64, std::num::ParseIntError> {
     match text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")) {
@@ -301,6 +402,13 @@ mod tests {
         assert_ne!(c.group.group_id, 0);
         assert_eq!(c.metrics_addr, None);
         assert_eq!(c.log_level, LogLevel::Info);
+        assert_eq!(
+            c.socket_access,
+            SocketAccess {
+                mode: 0o600,
+                group: None
+            }
+        );
     }
 
     #[test]
@@ -328,6 +436,10 @@ mod tests {
             "127.0.0.1:9100",
             "--log-level",
             "debug",
+            "--socket-mode",
+            "0660",
+            "--socket-group",
+            "4242",
         ])
         .unwrap();
         let paths: Vec<_> = (0..3)
@@ -345,6 +457,13 @@ mod tests {
         assert_eq!(c.group.group_id, 42);
         assert_eq!(c.metrics_addr, Some("127.0.0.1:9100".parse().unwrap()));
         assert_eq!(c.log_level, LogLevel::Debug);
+        assert_eq!(
+            c.socket_access,
+            SocketAccess {
+                mode: 0o660,
+                group: Some(4242)
+            }
+        );
     }
 
     #[test]
@@ -459,5 +578,56 @@ mod tests {
             "loud",
         ];
         assert!(Args::try_parse_from(argv).is_err());
+    }
+
+    #[test]
+    fn socket_modes_parse_strictly() {
+        assert_eq!(parse_mode("0600"), Ok(0o600));
+        assert_eq!(parse_mode("660"), Ok(0o660));
+        assert_eq!(parse_mode("0o640"), Ok(0o640));
+        assert_eq!(parse_mode("0"), Ok(0));
+        assert_eq!(parse_mode("0777"), Ok(0o777));
+        assert_eq!(parse_mode("00000777"), Ok(0o777));
+        for bad in [
+            "",
+            "0o",
+            "0x1ff",
+            "0688",
+            "rw-------",
+            "-600",
+            "+600",
+            " 600",
+            "6 0",
+        ] {
+            assert_eq!(parse_mode(bad), Err(ConfigError::BadMode(bad.to_owned())));
+        }
+        for wide in ["1000", "4755", "01777", "77777777777777777"] {
+            assert_eq!(
+                parse_mode(wide),
+                Err(ConfigError::ModeTooWide(wide.to_owned()))
+            );
+        }
+        assert!(parse_mode("0999")
+            .unwrap_err()
+            .to_string()
+            .contains("octal"));
+    }
+
+    #[test]
+    fn groups_parse_by_id_or_name() {
+        assert_eq!(parse_group("0"), Ok(0));
+        assert_eq!(parse_group("4242"), Ok(4242));
+        // Group 0 is called root on every Linux system we target.
+        assert_eq!(parse_group("root"), Ok(0));
+        for bad in ["", "4294967295", "99999999999", "a\0b"] {
+            assert!(
+                matches!(parse_group(bad), Err(ConfigError::BadGroup(_))),
+                "{bad:?}"
+            );
+        }
+        assert_eq!(
+            parse_group("no-such-group-dmlc"),
+            Err(ConfigError::UnknownGroup("no-such-group-dmlc".to_owned()))
+        );
     }
 }

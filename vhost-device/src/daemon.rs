@@ -5,25 +5,33 @@
 //! socket; one thread answers metrics requests; one thread waits for
 //! SIGINT/SIGTERM. vhost-user-backend adds, per connection, a thread for the
 //! frontend's messages and one worker per queue (see [`crate::backend`]).
+//! While a rank is served, one more thread refuses any second frontend that
+//! connects to that rank's socket.
+//!
+//! Access: each socket is created with the configured mode (0600 unless
+//! told otherwise) and never exists with a wider one; docs/security.md
+//! gives the threat model.
 
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::unix::fs::FileTypeExt;
-use std::os::unix::net::UnixStream;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use log::{error, info, warn};
 use thiserror::Error;
 use vhost::vhost_user::{Error as VhostUserError, Listener};
 use vhost_user_backend::VhostUserDaemon;
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::backend::{BackendConfig, MemberBackend};
-use crate::config::Config;
+use crate::config::{Config, SocketAccess};
 use crate::group::Group;
 
 /// vhost-user-backend's error, which does not implement `std::error::Error`.
@@ -54,7 +62,27 @@ pub enum DaemonError {
     Listen {
         path: PathBuf,
         #[source]
-        source: VhostUserError,
+        source: io::Error,
+    },
+    #[error("cannot give {path} to group {gid}")]
+    SocketGroup {
+        path: PathBuf,
+        gid: u32,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot set the mode of {path} to {mode:04o}")]
+    SocketMode {
+        path: PathBuf,
+        mode: u32,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot create the event that ends rank {rank}'s refusals")]
+    RefuseEvent {
+        rank: u32,
+        #[source]
+        source: io::Error,
     },
     #[error("cannot listen for metrics on {addr}")]
     MetricsListen {
@@ -98,8 +126,7 @@ enum Stop {
 pub fn start_backend(config: Config) -> Result<(), DaemonError> {
     let signals = block_termination_signals()?;
     raise_fd_limit();
-    let group = Group::new(config.group.clone());
-    let listeners = bind_sockets(&config.socket_paths)?;
+    // Before the sockets, so that failing here leaves no socket behind.
     let metrics = match config.metrics_addr {
         Some(addr) => Some(
             TcpListener::bind(addr)
@@ -107,6 +134,9 @@ pub fn start_backend(config: Config) -> Result<(), DaemonError> {
         ),
         None => None,
     };
+    // Before the group's threads start: binding changes the process umask.
+    let listeners = bind_sockets(&config.socket_paths, config.socket_access)?;
+    let group = Group::new(config.group.clone());
 
     let (stop_tx, stop_rx) = mpsc::channel();
     let result = (|| {
@@ -188,18 +218,81 @@ fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<(), DaemonErro
 
 /// Binds every socket, after removing stale socket files. Refuses to
 /// remove anything that is not a socket, or a socket that someone serves.
-fn bind_sockets(paths: &[PathBuf]) -> Result<Vec<Listener>, DaemonError> {
+/// On error, removes the sockets it bound (and only those).
+fn bind_sockets(paths: &[PathBuf], access: SocketAccess) -> Result<Vec<Listener>, DaemonError> {
     let mut listeners = Vec::with_capacity(paths.len());
     for path in paths {
-        remove_stale_socket(path)?;
-        // On error the listeners bound so far remove their files on drop.
-        let listener = Listener::new(path, false).map_err(|source| DaemonError::Listen {
-            path: path.clone(),
-            source,
-        })?;
-        listeners.push(listener);
+        match remove_stale_socket(path).and_then(|()| bind_socket(path, access)) {
+            Ok(listener) => listeners.push(listener),
+            Err(e) => {
+                for bound in &paths[..listeners.len()] {
+                    let _ = std::fs::remove_file(bound);
+                }
+                return Err(e);
+            }
+        }
     }
     Ok(listeners)
+}
+
+/// Binds one socket so that it never has more access than `access` gives.
+///
+/// bind() creates the file with mode 0777 less the umask, so the umask is
+/// set to give exactly the wanted bits for the call: nobody can connect
+/// between bind and a later chmod, as they could with chmod alone. With a
+/// group to set, the group and other bits are held back until the file
+/// belongs to that group, so the daemon's own group never gets them. The
+/// final chmod makes the mode exact where the umask does not apply (a
+/// directory with a default ACL).
+fn bind_socket(path: &Path, access: SocketAccess) -> Result<Listener, DaemonError> {
+    let first = match access.group {
+        Some(_) => access.mode & 0o700,
+        None => access.mode,
+    };
+    let listener = with_umask(!first & 0o777, || UnixListener::bind(path)).map_err(|source| {
+        DaemonError::Listen {
+            path: path.to_owned(),
+            source,
+        }
+    })?;
+    let finish = || {
+        if let Some(gid) = access.group {
+            std::os::unix::fs::lchown(path, None, Some(gid)).map_err(|source| {
+                DaemonError::SocketGroup {
+                    path: path.to_owned(),
+                    gid,
+                    source,
+                }
+            })?;
+        }
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(access.mode)).map_err(
+            |source| DaemonError::SocketMode {
+                path: path.to_owned(),
+                mode: access.mode,
+                source,
+            },
+        )
+    };
+    if let Err(e) = finish() {
+        let _ = std::fs::remove_file(path);
+        return Err(e);
+    }
+    // Not `Listener::new`: its listener would remove the file when dropped,
+    // and `start_backend` does that itself.
+    Ok(Listener::from(listener))
+}
+
+/// Runs `f` with the process umask set to `mask`, then restores it. The
+/// umask is per process: call this only while no other thread creates
+/// files.
+fn with_umask<T>(mask: u32, f: impl FnOnce() -> T) -> T {
+    // SAFETY: umask only swaps the process's file creation mask; it cannot
+    // fail and touches no memory of ours.
+    let old = unsafe { libc::umask(mask as libc::mode_t) };
+    let out = f();
+    // SAFETY: as above, putting back the mask that was there.
+    unsafe { libc::umask(old) };
+    out
 }
 
 fn remove_stale_socket(path: &Path) -> Result<(), DaemonError> {
@@ -219,7 +312,8 @@ fn remove_stale_socket(path: &Path) -> Result<(), DaemonError> {
 }
 
 /// Serves rank `cfg.rank` on `listener`: one connection at a time, each
-/// with a fresh backend, until accepting fails.
+/// with a fresh backend, until accepting fails. While a connection is
+/// served, other frontends that connect are refused (closed at once).
 fn serve_member(
     cfg: &BackendConfig,
     group: &Arc<Group>,
@@ -227,6 +321,9 @@ fn serve_member(
     path: &Path,
 ) -> Result<(), DaemonError> {
     let rank = cfg.rank;
+    let ended =
+        EventFd::new(EFD_NONBLOCK).map_err(|source| DaemonError::RefuseEvent { rank, source })?;
+    let mut refusals = RefusalLog::new(rank);
     loop {
         let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
         let backend = Arc::new(MemberBackend::new(cfg.clone(), group.clone(), mem.clone()));
@@ -242,13 +339,26 @@ fn serve_member(
                 source: e.into(),
             })?;
         info!("rank {rank}: frontend connected on {}", path.display());
-        let ended = daemon.wait();
+        let result = thread::scope(|s| {
+            let refuser = thread::Builder::new()
+                .name(format!("dmlc-refuse{rank}"))
+                .spawn_scoped(s, || refuse_while_served(&listener, &ended, &mut refusals));
+            if let Err(e) = refuser {
+                warn!("rank {rank}: cannot start the thread that refuses second frontends ({e}); they will wait instead");
+            }
+            let result = daemon.wait();
+            // The scope then waits for the refuser to stop.
+            let _ = ended.write(1);
+            result
+        });
+        // Reset the event for the next connection.
+        let _ = ended.read();
         // Stop submitting and fail what waited for this member before the
         // workers go away with the daemon.
         let lost = backend.lose("disconnected");
         drop(daemon);
         let how = if lost { ", member lost" } else { "" };
-        match ended {
+        match result {
             Ok(())
             | Err(vhost_user_backend::Error::HandleRequest(
                 VhostUserError::Disconnected | VhostUserError::PartialMessage,
@@ -256,6 +366,192 @@ fn serve_member(
             Err(e) => warn!("rank {rank}: connection closed after an error{how}: {e}"),
         }
     }
+}
+
+/// How long a connection that arrives while a rank is served waits before
+/// it is refused. A frontend that reconnects at once after hanging up can
+/// arrive before the serve loop has seen its old connection end; within
+/// this time it is left for the serve loop instead of being refused.
+const REFUSE_GRACE: Duration = Duration::from_millis(500);
+
+/// Accepts and closes every connection made to `listener` until `ended`
+/// is signalled: a rank has one frontend at a time, and a second one must
+/// neither take over nor wait unseen in the backlog.
+fn refuse_while_served(listener: &Listener, ended: &EventFd, log: &mut RefusalLog) {
+    // Non-blocking so that a connection gone before accept cannot stall
+    // this thread (and with it the serve loop, which joins it).
+    if let Err(e) = listener.set_nonblocking(true) {
+        warn!(
+            "rank {}: cannot refuse second frontends ({e}); they will wait instead",
+            log.rank
+        );
+        return;
+    }
+    loop {
+        match wait_readable(listener.as_raw_fd(), ended.as_raw_fd(), None) {
+            Ok(Ready::Ended) => break,
+            Ok(Ready::Listener) => {}
+            Err(e) => {
+                warn!(
+                    "rank {}: poll failed while refusing frontends: {e}",
+                    log.rank
+                );
+                break;
+            }
+        }
+        match wait_readable(listener.as_raw_fd(), ended.as_raw_fd(), Some(REFUSE_GRACE)) {
+            Ok(Ready::Ended) => break,
+            Ok(Ready::Listener) => {}
+            Err(e) => {
+                warn!(
+                    "rank {}: poll failed while refusing frontends: {e}",
+                    log.rank
+                );
+                break;
+            }
+        }
+        loop {
+            match listener.accept() {
+                Ok(Some(stream)) => {
+                    log.refused(&stream);
+                    let _ = stream.shutdown(std::net::Shutdown::Both);
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    // Such as running out of file descriptors: back off.
+                    warn!(
+                        "rank {}: cannot accept a second frontend to refuse it: {e}",
+                        log.rank
+                    );
+                    thread::sleep(Duration::from_millis(100));
+                    break;
+                }
+            }
+        }
+    }
+    if let Err(e) = listener.set_nonblocking(false) {
+        // The serve loop's accept would spin on a non-blocking listener.
+        error!(
+            "rank {}: cannot make the socket blocking again: {e}",
+            log.rank
+        );
+    }
+}
+
+/// What [`wait_readable`] saw.
+enum Ready {
+    /// The connection being served ended (checked first).
+    Ended,
+    /// A connection waits on the listener, or the timeout passed.
+    Listener,
+}
+
+/// Waits until `ended` is readable (then [`Ready::Ended`]), or until
+/// `listener` is readable or `timeout` has passed (then
+/// [`Ready::Listener`]). With a timeout, only `ended` is watched: the wait
+/// is a grace period before refusing.
+fn wait_readable(listener: RawFd, ended: RawFd, timeout: Option<Duration>) -> io::Result<Ready> {
+    let mut fds = [
+        libc::pollfd {
+            fd: ended,
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: listener,
+            events: libc::POLLIN,
+            revents: 0,
+        },
+    ];
+    let (count, ms) = match timeout {
+        Some(t) => (1, i32::try_from(t.as_millis()).unwrap_or(i32::MAX)),
+        None => (2, -1),
+    };
+    let deadline = timeout.map(|t| Instant::now() + t);
+    loop {
+        // SAFETY: `fds` holds `count` (at most 2) valid pollfd entries that
+        // poll may write for the duration of the call.
+        let rc = unsafe { libc::poll(fds.as_mut_ptr(), count, ms) };
+        if rc >= 0 {
+            break;
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            break;
+        }
+    }
+    if fds[0].revents != 0 {
+        Ok(Ready::Ended)
+    } else {
+        Ok(Ready::Listener)
+    }
+}
+
+/// Logs refused connections, at most one line a second per rank, so that a
+/// frontend retrying in a loop cannot flood the log.
+struct RefusalLog {
+    rank: u32,
+    last: Option<Instant>,
+    quiet: u64,
+}
+
+impl RefusalLog {
+    fn new(rank: u32) -> Self {
+        RefusalLog {
+            rank,
+            last: None,
+            quiet: 0,
+        }
+    }
+
+    fn refused(&mut self, stream: &UnixStream) {
+        if self
+            .last
+            .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
+        {
+            self.quiet += 1;
+            return;
+        }
+        let who = match peer_credentials(stream) {
+            Some((pid, uid)) => format!("pid {pid} (uid {uid})"),
+            None => "an unknown process".to_owned(),
+        };
+        let more = match self.quiet {
+            0 => String::new(),
+            n => format!("; {n} more refused since the last report"),
+        };
+        warn!(
+            "rank {} already has a frontend: refused a second connection from {who}{more}",
+            self.rank
+        );
+        self.last = Some(Instant::now());
+        self.quiet = 0;
+    }
+}
+
+/// The process id and user id of the peer of `stream` (SO_PEERCRED).
+fn peer_credentials(stream: &UnixStream) -> Option<(i32, u32)> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are valid for writing, and `len` gives the
+    // size of `cred`; the kernel writes at most that much.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            std::ptr::addr_of_mut!(cred).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0).then_some((cred.pid, cred.uid))
 }
 
 /// Answers metrics requests one at a time, for the daemon's whole life.

@@ -3,16 +3,23 @@
 
 mod common;
 
-use std::os::unix::net::UnixListener;
+use std::io::{Read, Write};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
-use common::{free_port, http_get, run, Daemon, Member, TempDir};
-use vhost::vhost_user::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use common::{free_port, http_get, run, Daemon, Desc, Member, TempDir, BIN, PATIENCE};
+use vhost::vhost_user::{Frontend, VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost::VhostBackend;
 use virtio_dmlc::{
-    VIRTIO_DMLC_F_REQ_TIMEOUT, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
-    VIRTIO_RING_F_INDIRECT_DESC,
+    Opcode, Status, VirtioDmlcReq, REQ_HEADER_SIZE, RESP_SIZE, VIRTIO_DMLC_F_REQ_TIMEOUT,
+    VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
 };
 
-const FLAGS: [&str; 12] = [
+const FLAGS: [&str; 14] = [
     "--socket-path",
     "--socket-count",
     "--queues",
@@ -24,6 +31,8 @@ const FLAGS: [&str; 12] = [
     "--max-segments",
     "--group-id",
     "--metrics-addr",
+    "--socket-mode",
+    "--socket-group",
     "--log-level",
 ];
 
@@ -254,6 +263,263 @@ fn daemon_survives_disconnect_and_reconnect() {
     let mut m = Member::connect(&daemon.socket(0));
     assert_eq!(m.config().rank.get(), 0);
     daemon.assert_running();
-    let log = daemon.log();
+    let log = wait_for_count(&mut daemon, "frontend connected", 4);
     assert_eq!(log.matches("frontend connected").count(), 4, "{log}");
+}
+
+/// Waits until the log holds `text` at least `n` times and returns the log.
+/// The daemon logs a connection just after it starts serving it, so a
+/// frontend may have its first answer before the line is written.
+fn wait_for_count(daemon: &mut Daemon, text: &str, n: usize) -> String {
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let log = daemon.log();
+        if log.matches(text).count() >= n {
+            return log;
+        }
+        daemon.assert_running();
+        assert!(
+            Instant::now() < deadline,
+            "log never said {text:?} {n} times\n{log}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The permission bits and group of a socket file, after checking that it
+/// is a socket.
+fn socket_access(path: &Path) -> (u32, u32) {
+    let meta = std::fs::symlink_metadata(path).unwrap();
+    assert!(
+        std::os::unix::fs::FileTypeExt::is_socket(&meta.file_type()),
+        "{} is not a socket",
+        path.display()
+    );
+    (meta.permissions().mode() & 0o7777, meta.gid())
+}
+
+#[test]
+fn sockets_are_private_by_default() {
+    let mut daemon = Daemon::start(3, &[]);
+    for rank in 0..3 {
+        let (mode, _) = socket_access(&daemon.socket(rank));
+        assert_eq!(mode, 0o600, "socket {rank}: mode {mode:04o}");
+    }
+    daemon.assert_running();
+}
+
+#[test]
+fn socket_mode_option_sets_the_mode() {
+    for (option, want) in [("0660", 0o660), ("640", 0o640), ("0o700", 0o700)] {
+        let mut daemon = Daemon::start(2, &["--socket-mode", option]);
+        for rank in 0..2 {
+            let (mode, _) = socket_access(&daemon.socket(rank));
+            assert_eq!(
+                mode, want,
+                "--socket-mode {option}: socket {rank} has {mode:04o}"
+            );
+        }
+        assert!(daemon.terminate().success());
+    }
+}
+
+/// Starts the daemon with umask 0, so that anything it creates without
+/// choosing a mode is open to everyone; returns the mode of socket 0.
+fn mode_under_umask_zero(extra: &[&str]) -> (u32, u32) {
+    let dir = TempDir::new();
+    let base = dir.0.join("d.sock");
+    let mut command = Command::new(BIN);
+    // SAFETY: umask and prctl are async-signal-safe and touch no memory of
+    // ours. The daemon dies with the test even if the test is killed.
+    unsafe {
+        command.pre_exec(|| {
+            libc::umask(0);
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+    let mut child = command
+        .arg("--socket-path")
+        .arg(&base)
+        .args(extra)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start vhost-device-dmlc");
+    let socket = dir.0.join("d.sock0");
+    let deadline = Instant::now() + PATIENCE;
+    while !socket.exists() {
+        assert!(child.try_wait().unwrap().is_none(), "the daemon exited");
+        assert!(Instant::now() < deadline, "no socket appeared");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let access = socket_access(&socket);
+    let _ = child.kill();
+    let _ = child.wait();
+    access
+}
+
+#[test]
+fn socket_mode_does_not_depend_on_the_callers_umask() {
+    assert_eq!(mode_under_umask_zero(&[]).0, 0o600);
+    assert_eq!(mode_under_umask_zero(&["--socket-mode", "0660"]).0, 0o660);
+}
+
+#[test]
+fn socket_group_option_gives_the_sockets_to_the_group() {
+    // SAFETY: geteuid and getegid cannot fail and touch no memory.
+    let (euid, egid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    // Root may give a file to any group; another user only to its own.
+    let gid = if euid == 0 { 4242 } else { egid };
+    let gid_text = gid.to_string();
+    let mut daemon = Daemon::start(2, &["--socket-mode", "0660", "--socket-group", &gid_text]);
+    for rank in 0..2 {
+        assert_eq!(socket_access(&daemon.socket(rank)), (0o660, gid));
+    }
+    assert!(daemon.terminate().success());
+    // Same under umask 0: the group bits only come once the group is set.
+    assert_eq!(
+        mode_under_umask_zero(&["--socket-mode", "0660", "--socket-group", &gid_text]),
+        (0o660, gid)
+    );
+}
+
+#[test]
+fn bad_socket_modes_and_groups_exit_2_without_sockets() {
+    let dir = TempDir::new();
+    let base = dir.0.join("d.sock");
+    let base = base.to_str().unwrap();
+    let cases: [(&str, &str, &str); 9] = [
+        ("--socket-mode", "0999", "is not an octal mode"),
+        ("--socket-mode", "rw-rw----", "is not an octal mode"),
+        ("--socket-mode", "0x1b6", "is not an octal mode"),
+        ("--socket-mode", "-600", "is not an octal mode"),
+        ("--socket-mode", "", "is not an octal mode"),
+        ("--socket-mode", "1777", "is more than 0777"),
+        ("--socket-mode", "04755", "is more than 0777"),
+        ("--socket-group", "no-such-group-dmlc", "no group named"),
+        ("--socket-group", "4294967295", "is not a group"),
+    ];
+    for (flag, value, message) in cases {
+        // FLAG=VALUE, so that "-600" reaches the parser as a value.
+        let option = format!("{flag}={value}");
+        let out = run(&["--socket-path", base, "--socket-count", "2", &option]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag} {value:?}: {stderr}");
+        assert!(stderr.contains("error"), "{flag} {value:?}: {stderr}");
+        assert!(stderr.contains(message), "{flag} {value:?}: {stderr}");
+        assert!(stderr.contains(flag), "{flag} {value:?}: {stderr}");
+    }
+    for rank in 0..2 {
+        assert!(
+            !dir.0.join(format!("d.sock{rank}")).exists(),
+            "a refused run left socket {rank}"
+        );
+    }
+}
+
+/// Submits a barrier with `tag` on queue 0 of `m`; returns the address of
+/// its response.
+fn barrier(m: &mut Member, tag: u64) -> u64 {
+    let hdr = m.alloc(REQ_HEADER_SIZE);
+    let resp = m.alloc(RESP_SIZE);
+    m.write(
+        hdr,
+        &VirtioDmlcReq {
+            opcode: Opcode::Barrier.raw().into(),
+            tag: tag.into(),
+            ..Default::default()
+        },
+    );
+    m.submit(
+        0,
+        &[Desc::r(hdr, REQ_HEADER_SIZE), Desc::w(resp, RESP_SIZE)],
+    );
+    resp
+}
+
+/// A barrier across `members`: every one must complete it with OK in
+/// `generation`.
+fn barrier_succeeds(members: &mut [Member], tag: u64, generation: u32) {
+    let resps: Vec<u64> = members.iter_mut().map(|m| barrier(m, tag)).collect();
+    for (m, resp) in members.iter_mut().zip(resps) {
+        let (_, len) = m.wait_used(0);
+        assert_eq!(len as usize, RESP_SIZE);
+        let r = m.read_resp(resp);
+        assert_eq!(Status::from_raw(r.status.get()), Some(Status::Ok), "{r:?}");
+        assert_eq!(r.generation.get(), generation);
+    }
+}
+
+#[test]
+fn second_frontend_on_a_served_rank_is_refused() {
+    let mut daemon = Daemon::start(2, &[]);
+    let mut members: Vec<Member> = (0..2)
+        .map(|rank| {
+            let mut m = Member::connect(&daemon.socket(rank));
+            m.start(expected_features(), 1, 64);
+            m
+        })
+        .collect();
+    let generation = members[1].config().generation.get();
+    barrier_succeeds(&mut members, 1, generation);
+
+    // A raw intruder on rank 1 that sends GET_FEATURES (request 1, flags:
+    // version 1, no payload): the daemon closes it unanswered.
+    let started = Instant::now();
+    let mut intruder = UnixStream::connect(daemon.socket(1)).unwrap();
+    intruder.set_read_timeout(Some(PATIENCE)).unwrap();
+    intruder
+        .write_all(&[1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0])
+        .unwrap();
+    let mut buf = [0; 64];
+    match intruder.read(&mut buf) {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        Ok(n) => panic!("the intruder was answered: {:?}", &buf[..n]),
+        Err(e) => panic!("the intruder was left waiting, not closed: {e}"),
+    }
+    assert!(
+        started.elapsed() < PATIENCE,
+        "refusing took {:?}",
+        started.elapsed()
+    );
+    daemon.wait_for_log("rank 1 already has a frontend: refused a second connection from pid");
+
+    // A vhost-user frontend, as a second QEMU would be: its first request
+    // that needs a reply fails instead of hanging.
+    let fe = Frontend::connect(daemon.socket(1), 64).expect("connect");
+    assert!(fe.get_features().is_err(), "the second frontend was served");
+
+    // The member that holds rank 1 is undisturbed: same rank, same
+    // generation, and collectives still complete.
+    assert_eq!(members[1].config().rank.get(), 1);
+    barrier_succeeds(&mut members, 2, generation);
+    assert_eq!(members[0].config().generation.get(), generation);
+    daemon.assert_running();
+    let log = wait_for_count(&mut daemon, "frontend connected", 2);
+    assert!(!log.contains("rank 1: frontend disconnected"), "{log}");
+    assert_eq!(log.matches("frontend connected").count(), 2, "{log}");
+
+    // Once rank 1 is free again, a new frontend gets it.
+    drop(members.pop());
+    daemon.wait_for_log("rank 1: frontend disconnected, member lost");
+    let mut m = Member::connect(&daemon.socket(1));
+    assert_eq!(m.config().rank.get(), 1);
+}
+
+#[test]
+fn frontend_reconnecting_at_once_is_served() {
+    let mut daemon = Daemon::start(1, &[]);
+    for round in 0..5 {
+        // Connects right after the previous frontend hung up, before the
+        // daemon may have seen it go.
+        let mut m = Member::connect(&daemon.socket(0));
+        assert_eq!(m.config().rank.get(), 0, "round {round}");
+        m.start(expected_features(), 1, 64);
+    }
+    daemon.assert_running();
+    let log = daemon.log();
+    assert!(!log.contains("already has a frontend"), "{log}");
 }
