@@ -4,9 +4,11 @@
 
 #![allow(dead_code)] // each test binary uses a different part
 
+use std::collections::HashMap;
 use std::fs;
-use std::io::{BufRead, BufReader, Read};
-use std::os::unix::fs::FileTypeExt;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -202,22 +204,19 @@ impl Proc {
 
     /// Waits until a stdout line contains `needle`; returns when it arrived.
     pub fn wait_stdout(&self, needle: &str, limit: Duration) -> Option<Instant> {
-        let deadline = Instant::now() + limit;
-        loop {
-            if let Some(t) = self
-                .out
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .iter()
-                .find(|(_, l)| l.contains(needle))
-                .map(|(t, _)| *t)
-            {
-                return Some(t);
-            }
-            if Instant::now() >= deadline {
-                return None;
-            }
-            thread::sleep(Duration::from_millis(2));
+        wait_line(&self.out, needle, limit)
+    }
+
+    /// Waits until a stderr line contains `needle`; returns when it arrived.
+    pub fn wait_stderr(&self, needle: &str, limit: Duration) -> Option<Instant> {
+        wait_line(&self.err, needle, limit)
+    }
+
+    /// Sends `signal` (e.g. `libc::SIGTERM`) to the process.
+    pub fn signal(&self, signal: libc::c_int) {
+        if let Ok(pid) = libc::pid_t::try_from(self.child.id()) {
+            // SAFETY: kill(2) on our own child's pid; no memory involved.
+            unsafe { libc::kill(pid, signal) };
         }
     }
 
@@ -243,6 +242,25 @@ impl Proc {
             self.name,
             self.stderr()
         )
+    }
+}
+
+fn wait_line(lines: &Lines, needle: &str, limit: Duration) -> Option<Instant> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(t) = lines
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .find(|(_, l)| l.contains(needle))
+            .map(|(t, _)| *t)
+        {
+            return Some(t);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        thread::sleep(Duration::from_millis(2));
     }
 }
 
@@ -281,43 +299,51 @@ pub struct Backend {
     pub proc: Proc,
     pub dir: TempDir,
     base: PathBuf,
+    ranks: u32,
 }
 
 impl Backend {
     pub fn start(tag: &str, ranks: u32, extra: &[&str]) -> Backend {
         let dir = TempDir::new(tag);
         let base = dir.0.join("dmlc.sock");
-        let mut cmd = Command::new(backend_bin());
-        cmd.arg("--socket-path")
-            .arg(&base)
-            .arg("--socket-count")
-            .arg(ranks.to_string())
-            .args(extra);
-        let mut proc = Proc::spawn("backend", &mut cmd);
-        let b = |i: u32| {
-            let mut s = base.clone().into_os_string();
-            s.push(i.to_string());
-            PathBuf::from(s)
-        };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !(0..ranks).all(|i| is_socket(&b(i))) {
-            if let Some(st) = proc.wait_timeout(Duration::ZERO) {
-                panic!("backend exited early ({st}):\n{}", proc.dump());
-            }
-            assert!(
-                Instant::now() < deadline,
-                "backend sockets did not appear:\n{}",
-                proc.dump()
-            );
-            thread::sleep(Duration::from_millis(5));
+        let proc = spawn_backend(&base, ranks, extra, &HashMap::new());
+        Backend {
+            proc,
+            dir,
+            base,
+            ranks,
         }
-        Backend { proc, dir, base }
+    }
+
+    /// Starts a new daemon on the same sockets, after the old one exited
+    /// (see [`Backend::kill9`], [`Backend::terminate`]); waits until it
+    /// listens on every socket (a stale socket file left by a killed daemon
+    /// does not count).
+    pub fn restart(&mut self, extra: &[&str]) {
+        assert!(
+            !self.alive(),
+            "restart: the old backend still runs:\n{}",
+            self.proc.dump()
+        );
+        let stale: HashMap<u32, SocketId> = (0..self.ranks)
+            .filter_map(|i| socket_id(&self.socket(i)).map(|id| (i, id)))
+            .collect();
+        self.proc = spawn_backend(&self.base, self.ranks, extra, &stale);
+    }
+
+    /// Kills the daemon with SIGKILL and reaps it.
+    pub fn kill9(&mut self) {
+        self.proc.kill9();
+    }
+
+    /// Sends SIGTERM and waits up to `limit` for the daemon to exit.
+    pub fn terminate(&mut self, limit: Duration) -> ExitStatus {
+        self.proc.signal(libc::SIGTERM);
+        self.proc.finish(limit)
     }
 
     pub fn socket(&self, rank: u32) -> PathBuf {
-        let mut s = self.base.clone().into_os_string();
-        s.push(rank.to_string());
-        PathBuf::from(s)
+        socket_path(&self.base, rank)
     }
 
     /// True if the daemon is still running.
@@ -326,8 +352,69 @@ impl Backend {
     }
 }
 
-fn is_socket(p: &Path) -> bool {
-    fs::metadata(p).is_ok_and(|m| m.file_type().is_socket())
+fn socket_path(base: &Path, rank: u32) -> PathBuf {
+    let mut s = base.to_path_buf().into_os_string();
+    s.push(rank.to_string());
+    PathBuf::from(s)
+}
+
+/// Identifies a socket file: inode numbers are reused at once, so the
+/// change time (ns) tells a new socket from a stale one.
+type SocketId = (u64, i64, i64);
+
+fn socket_id(p: &Path) -> Option<SocketId> {
+    fs::symlink_metadata(p)
+        .ok()
+        .filter(|m| m.file_type().is_socket())
+        .map(|m| (m.ino(), m.ctime(), m.ctime_nsec()))
+}
+
+/// Spawns the daemon and waits until every socket exists and is not one of
+/// the `stale` ones (rank -> id of a socket file left behind).
+fn spawn_backend(base: &Path, ranks: u32, extra: &[&str], stale: &HashMap<u32, SocketId>) -> Proc {
+    let mut cmd = Command::new(backend_bin());
+    cmd.arg("--socket-path")
+        .arg(base)
+        .arg("--socket-count")
+        .arg(ranks.to_string())
+        .args(extra);
+    let mut proc = Proc::spawn("backend", &mut cmd);
+    let ready =
+        |i: u32| socket_id(&socket_path(base, i)).is_some_and(|id| stale.get(&i) != Some(&id));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !(0..ranks).all(ready) {
+        if let Some(st) = proc.wait_timeout(Duration::ZERO) {
+            panic!("backend exited early ({st}):\n{}", proc.dump());
+        }
+        assert!(
+            Instant::now() < deadline,
+            "backend sockets did not appear:\n{}",
+            proc.dump()
+        );
+        thread::sleep(Duration::from_millis(5));
+    }
+    proc
+}
+
+/// A loopback address with a port that was free a moment ago, for the
+/// daemon's `--metrics-addr`.
+pub fn free_local_addr() -> String {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
+    l.local_addr().expect("local address").to_string()
+}
+
+/// The value of the metric line `name` (e.g. `dmlc_generation` or
+/// `dmlc_requests_total{opcode="allreduce"}`) served at `addr`.
+pub fn metric(addr: &str, name: &str) -> f64 {
+    let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("metrics at {addr}: {e}"));
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("set a read timeout");
+    write!(s, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\n\r\n").expect("send a metrics request");
+    let mut text = String::new();
+    s.read_to_string(&mut text).expect("read the metrics");
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no metric {name} in:\n{text}"))
 }
 
 /// Runs `dmlc-guest ARGS` to completion within `limit`; returns the process
