@@ -1,0 +1,740 @@
+//! One rank: a thread that plays a VM, runs its share of the collectives
+//! and checks every completion.
+
+use std::collections::VecDeque;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use dmlc_guest::{Device, DmaBuf, Done, Dtype, Error, Handle, OpenOptions, ReduceOp, Request};
+use virtio_dmlc::Opcode;
+
+use crate::daemon::{self, Usage};
+use crate::pattern::{Kind, Pattern, POISON};
+
+/// How long one `Device::wait` call blocks before the rank looks at the
+/// stop flags.
+const WAIT_SLICE: Duration = Duration::from_millis(250);
+/// After group B's rank is closed, how long its peers wait for an outcome
+/// before they give a request up.
+const AFTER_KILL_GRACE: Duration = Duration::from_secs(2);
+/// Error messages kept per rank.
+const MAX_MESSAGES: usize = 5;
+
+/// Set by SIGINT/SIGTERM.
+pub static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// What every rank runs (the same for all).
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub groups: u32,
+    pub ranks: u32,
+    pub small: u64,
+    pub small_elems: usize,
+    pub window: usize,
+    pub large: u64,
+    pub large_elems: usize,
+    pub rounds: u32,
+    pub poll: bool,
+    /// (group, rank, small sequence number) of the rank --kill-one closes
+    /// right after it posts that request.
+    pub kill: Option<(usize, u32, u64)>,
+    /// A request not completed after this long is lost.
+    pub wait_limit: Duration,
+    pub dma_bytes: usize,
+    pub queue_size: u16,
+}
+
+impl Plan {
+    /// Sequence numbers of `kind` in round `round`.
+    pub fn range(&self, kind: Kind, round: u32) -> std::ops::Range<u64> {
+        let total = match kind {
+            Kind::Small => self.small,
+            Kind::Large => self.large,
+        };
+        // Rounded up, so the warm-up round has some of each kind whenever
+        // there is any.
+        let rounds = u128::from(self.rounds);
+        let at = |k: u32| ((u128::from(total) * u128::from(k)).div_ceil(rounds)) as u64;
+        at(round)..at(round + 1)
+    }
+}
+
+/// A daemon sample after a round.
+#[derive(Clone, Copy, Debug)]
+pub struct Sample {
+    /// Rounds finished when it was taken.
+    pub rounds_done: u32,
+    pub usage: Usage,
+}
+
+/// Rank 0's timing of one round.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RoundTime {
+    pub small: Duration,
+    pub large: Duration,
+}
+
+/// State a group's ranks share.
+pub struct GroupShared {
+    pub index: usize,
+    pub name: String,
+    pub daemon_pid: u32,
+    pub small_done: AtomicU64,
+    pub large_done: AtomicU64,
+    /// A rank of this group failed, or its daemon exited: the group stops,
+    /// the others go on.
+    pub abort: AtomicBool,
+    /// Set when --kill-one closed a rank of this group.
+    pub killed_at: Mutex<Option<Instant>>,
+    pub samples: Mutex<Vec<Sample>>,
+    pub rounds: Mutex<Vec<RoundTime>>,
+    /// Members that reached the end of the run.
+    end: Gate,
+    /// Rank 0 took its final sample.
+    sampled: Gate,
+}
+
+impl GroupShared {
+    pub fn new(index: usize, name: String, daemon_pid: u32) -> GroupShared {
+        GroupShared {
+            index,
+            name,
+            daemon_pid,
+            small_done: AtomicU64::new(0),
+            large_done: AtomicU64::new(0),
+            abort: AtomicBool::new(false),
+            killed_at: Mutex::new(None),
+            samples: Mutex::new(Vec::new()),
+            rounds: Mutex::new(Vec::new()),
+            end: Gate::default(),
+            sampled: Gate::default(),
+        }
+    }
+
+    pub fn killed_at(&self) -> Option<Instant> {
+        *self.killed_at.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A countdown that can be given up on: `arrive` then `wait_for(n)`.
+#[derive(Default)]
+pub struct Gate {
+    count: Mutex<u32>,
+    cond: Condvar,
+}
+
+impl Gate {
+    pub fn arrive(&self) {
+        *self.count.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        self.cond.notify_all();
+    }
+
+    /// Waits until `n` have arrived; false if `give_up` says so first.
+    pub fn wait_for(&self, n: u32, give_up: &dyn Fn() -> bool) -> bool {
+        let mut c = self.count.lock().unwrap_or_else(|e| e.into_inner());
+        while *c < n {
+            if give_up() {
+                return false;
+            }
+            c = self
+                .cond
+                .wait_timeout(c, Duration::from_millis(50))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        true
+    }
+}
+
+/// State of the whole run.
+#[derive(Default)]
+pub struct Global {
+    /// The run cannot go on (a rank could not open its device).
+    pub abort: AtomicBool,
+    /// Ranks open and ready (all groups start together).
+    pub opened: Gate,
+}
+
+impl Global {
+    pub fn stopping(&self) -> bool {
+        self.abort.load(Ordering::Relaxed) || INTERRUPTED.load(Ordering::Relaxed)
+    }
+}
+
+/// What one rank saw.
+#[derive(Debug, Default)]
+pub struct RankReport {
+    pub rank: u32,
+    pub opened: bool,
+    pub group_id: u64,
+    pub generation: u32,
+    pub small_submitted: u64,
+    pub small_ok: u64,
+    pub large_submitted: u64,
+    pub large_ok: u64,
+    /// Requests that never completed (given up after the wait limit, or
+    /// left when the run stopped).
+    pub lost: u64,
+    /// Results of a collective that had already completed.
+    pub duplicated: u64,
+    /// Results that match no nearby collective, or a later one.
+    pub wrong: u64,
+    /// Error statuses from the device.
+    pub failed: u64,
+    /// Completions or config reads with another generation.
+    pub generation_changes: u64,
+    /// Group with a closed rank: outcomes after the close.
+    pub after_kill_ok: u64,
+    pub after_kill_peer_lost: u64,
+    pub after_kill_other: u64,
+    /// Requests given up (or dropped by the closed rank itself) after the close.
+    pub after_kill_abandoned: u64,
+    /// Small collectives: submit-to-result times, ns (saturating).
+    pub small_ns: Vec<u32>,
+    pub small_max_ns: u64,
+    pub large_ns: u64,
+    pub large_max_ns: u64,
+    /// This rank was the one --kill-one closed.
+    pub victim: bool,
+    pub messages: Vec<String>,
+}
+
+impl RankReport {
+    fn note(&mut self, msg: String) {
+        if self.messages.len() < MAX_MESSAGES {
+            self.messages.push(msg);
+        }
+    }
+}
+
+/// One in-flight small request.
+struct Pending {
+    seq: u64,
+    handle: Handle,
+    slot: usize,
+    start: Instant,
+}
+
+enum Waited {
+    Done(dmlc_guest::Result<Done>),
+    /// Given up: the run stops, the group lost a rank, or the wait limit.
+    GaveUp,
+}
+
+/// Runs rank `rank` of group `g` on `socket` to the end; never panics on a
+/// device failure, it reports it.
+pub fn run(plan: &Plan, g: &GroupShared, global: &Global, rank: u32, socket: &Path) -> RankReport {
+    let mut rep = RankReport {
+        rank,
+        ..Default::default()
+    };
+    let opts = OpenOptions {
+        poll: plan.poll,
+        queue_size: plan.queue_size,
+        event_idx: true,
+        dma_bytes: plan.dma_bytes,
+        max_queues: 1,
+    };
+    let dev = match open(&opts, plan, socket, rank) {
+        Ok(dev) => dev,
+        Err(msg) => {
+            rep.note(format!("rank {rank}: {msg}"));
+            global.abort.store(true, Ordering::SeqCst);
+            global.opened.arrive();
+            return rep;
+        }
+    };
+    rep.opened = true;
+    let cfg = dev.config();
+    rep.group_id = cfg.group_id.get();
+    global.opened.arrive();
+    if !global
+        .opened
+        .wait_for(plan.ranks * plan.groups, &|| global.stopping())
+        || global.stopping()
+    {
+        return rep;
+    }
+    // Read after every member is up: opening does not change it, but a
+    // member that failed to open would.
+    rep.generation = dev.config().generation.get();
+    let mut w = Worker {
+        plan,
+        g,
+        global,
+        rank,
+        pattern: Pattern::new(plan.ranks),
+        dev: Some(dev),
+        rep,
+        victim: plan.kill.filter(|&(kg, kr, _)| kg == g.index && kr == rank),
+    };
+    w.run();
+    w.rep
+}
+
+fn open(opts: &OpenOptions, plan: &Plan, socket: &Path, rank: u32) -> Result<Device, String> {
+    let dev = Device::open_host(socket, opts)
+        .map_err(|e| format!("opening {} failed: {e}", socket.display()))?;
+    let cfg = dev.config();
+    if dev.rank() != rank || dev.world_size() != plan.ranks {
+        return Err(format!(
+            "socket {} is rank {} of {}, expected rank {rank} of {}",
+            socket.display(),
+            dev.rank(),
+            dev.world_size(),
+            plan.ranks
+        ));
+    }
+    let largest = (plan.large_elems.max(plan.small_elems) * 8) as u64;
+    if cfg.max_bytes.get() < largest {
+        return Err(format!(
+            "the device takes at most {} bytes per request, the run needs {largest}",
+            cfg.max_bytes.get()
+        ));
+    }
+    Ok(dev)
+}
+
+struct Worker<'a> {
+    plan: &'a Plan,
+    g: &'a GroupShared,
+    global: &'a Global,
+    rank: u32,
+    pattern: Pattern,
+    dev: Option<Device>,
+    rep: RankReport,
+    victim: Option<(usize, u32, u64)>,
+}
+
+impl Worker<'_> {
+    fn dev(&self) -> &Device {
+        // Only the closed rank drops it, and it stops right after.
+        self.dev.as_ref().expect("device is open")
+    }
+
+    fn killed(&self) -> bool {
+        self.g.killed_at().is_some()
+    }
+
+    /// This rank's group stops (a failure in it, or the whole run stops).
+    fn stopping(&self) -> bool {
+        self.global.stopping() || self.g.abort.load(Ordering::Relaxed)
+    }
+
+    fn run(&mut self) {
+        let small = (self.plan.small > 0)
+            .then(|| self.alloc_slots())
+            .transpose();
+        let large = (self.plan.large > 0)
+            .then(|| self.alloc_pair(self.plan.large_elems * 8))
+            .transpose();
+        let (mut small, mut large) = match (small, large) {
+            (Ok(s), Ok(l)) => (s, l),
+            (Err(e), _) | (_, Err(e)) => {
+                self.fatal(e);
+                return;
+            }
+        };
+        self.rep.small_ns.reserve(self.plan.small as usize);
+        let mut finished = true;
+        for round in 0..self.plan.rounds {
+            let t0 = Instant::now();
+            if let Some(slots) = small.as_mut() {
+                if !self.small_round(round, slots) {
+                    finished = false;
+                    break;
+                }
+            }
+            let t1 = Instant::now();
+            if let Some(bufs) = large.as_mut() {
+                if !self.large_round(round, bufs) {
+                    finished = false;
+                    break;
+                }
+            }
+            let t2 = Instant::now();
+            self.check_generation();
+            if self.rank == 0 {
+                lock(&self.g.rounds).push(RoundTime {
+                    small: t1 - t0,
+                    large: t2 - t1,
+                });
+                if round + 1 < self.plan.rounds {
+                    self.sample(round + 1);
+                }
+            }
+        }
+        if finished {
+            // The last sample is taken with every member still connected:
+            // a member closing changes the daemon's fds and generation.
+            self.g.end.arrive();
+            let give_up = || self.stopping() || self.killed();
+            if self.rank == 0 {
+                if self.g.end.wait_for(self.plan.ranks, &give_up) {
+                    self.sample(self.plan.rounds);
+                    self.check_generation();
+                }
+                self.g.sampled.arrive();
+            } else {
+                self.g.sampled.wait_for(1, &give_up);
+            }
+        }
+    }
+
+    fn sample(&mut self, rounds_done: u32) {
+        match daemon::usage(self.g.daemon_pid) {
+            Ok(usage) => lock(&self.g.samples).push(Sample { rounds_done, usage }),
+            Err(e) => self
+                .rep
+                .note(format!("reading the daemon's /proc entries failed: {e}")),
+        }
+    }
+
+    fn check_generation(&mut self) {
+        if self.killed() {
+            return;
+        }
+        match self.dev().try_config() {
+            Ok(c) if c.generation.get() == self.rep.generation => {}
+            Ok(c) => {
+                self.rep.generation_changes += 1;
+                let msg = format!(
+                    "rank {}: config generation {} (was {})",
+                    self.rank,
+                    c.generation.get(),
+                    self.rep.generation
+                );
+                self.rep.note(msg);
+            }
+            Err(e) => self.fatal(format!("reading config failed: {e}")),
+        }
+    }
+
+    fn alloc_pair(&self, bytes: usize) -> Result<(DmaBuf, DmaBuf), String> {
+        let a = |what| {
+            self.dev()
+                .alloc(bytes)
+                .map_err(|e| format!("allocating the {what} buffer of {bytes} bytes failed: {e}"))
+        };
+        Ok((a("input")?, a("output")?))
+    }
+
+    fn alloc_slots(&self) -> Result<Vec<(DmaBuf, DmaBuf)>, String> {
+        (0..self.plan.window)
+            .map(|_| self.alloc_pair(self.plan.small_elems * 8))
+            .collect()
+    }
+
+    fn request(&self, kind: Kind, seq: u64, elems: usize) -> Request {
+        let mut req = Request::new(Opcode::Allreduce, Dtype::U64, ReduceOp::Sum, elems as u64);
+        req.tag = kind.tag(seq);
+        req
+    }
+
+    /// Runs the small collectives of `round`; false: stop the run.
+    fn small_round(&mut self, round: u32, slots: &mut [(DmaBuf, DmaBuf)]) -> bool {
+        let mut pending: VecDeque<Pending> = VecDeque::with_capacity(slots.len());
+        let mut free: Vec<usize> = (0..slots.len()).rev().collect();
+        let mut go_on = true;
+        for seq in self.plan.range(Kind::Small, round) {
+            if self.stopping() {
+                go_on = false;
+                break;
+            }
+            if free.is_empty() {
+                let Some(p) = pending.pop_front() else { break };
+                let slot = p.slot;
+                free.push(slot);
+                if !self.finish_small(p, &slots[slot].1) {
+                    go_on = false;
+                    break;
+                }
+            }
+            let slot = free.pop().expect("a slot is free");
+            let (input, output) = &mut slots[slot];
+            self.pattern
+                .fill(Kind::Small, seq, self.rank, input.as_elems_mut::<u64>());
+            output.as_elems_mut::<u64>().fill(POISON);
+            let req = self.request(Kind::Small, seq, self.plan.small_elems);
+            let start = Instant::now();
+            match self.dev().submit(0, &req, &[input.all()], &[output.all()]) {
+                Ok(handle) => {
+                    self.rep.small_submitted += 1;
+                    pending.push_back(Pending {
+                        seq,
+                        handle,
+                        slot,
+                        start,
+                    });
+                }
+                Err(e) => {
+                    self.fatal(format!("submitting small collective {seq} failed: {e}"));
+                    go_on = false;
+                    break;
+                }
+            }
+            if self.victim.is_some_and(|(_, _, at)| at == seq) {
+                self.close_as_victim(pending.len() as u64);
+                return false;
+            }
+        }
+        while go_on {
+            let Some(p) = pending.pop_front() else { break };
+            let slot = p.slot;
+            if !self.finish_small(p, &slots[slot].1) {
+                go_on = false;
+            }
+        }
+        self.abandon(pending.len() as u64);
+        go_on
+    }
+
+    /// Waits for one small request and checks it; false: stop the run.
+    fn finish_small(&mut self, p: Pending, output: &DmaBuf) -> bool {
+        let outcome = self.wait(p.handle);
+        let ns = p.start.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64;
+        let ok = self.judge(Kind::Small, p.seq, outcome, output);
+        if ok {
+            self.rep.small_ok += 1;
+            self.rep.small_ns.push(ns.min(u64::from(u32::MAX)) as u32);
+            self.rep.small_max_ns = self.rep.small_max_ns.max(ns);
+            if self.rank == 0 {
+                self.g
+                    .small_done
+                    .store(self.rep.small_ok, Ordering::Relaxed);
+            }
+        }
+        ok || self.continues_after_bad_result()
+    }
+
+    /// Runs the large collectives of `round`; false: stop the run.
+    fn large_round(&mut self, round: u32, bufs: &mut (DmaBuf, DmaBuf)) -> bool {
+        for seq in self.plan.range(Kind::Large, round) {
+            if self.stopping() {
+                return false;
+            }
+            let (input, output) = bufs;
+            self.pattern
+                .fill(Kind::Large, seq, self.rank, input.as_elems_mut::<u64>());
+            {
+                // Poison both ends: cheap, and a result the device never
+                // wrote is caught either way (it would also hold the last
+                // collective's sum).
+                let out = output.as_elems_mut::<u64>();
+                let last = out.len() - 1;
+                out[0] = POISON;
+                out[last] = POISON;
+            }
+            let req = self.request(Kind::Large, seq, self.plan.large_elems);
+            let start = Instant::now();
+            let handle = match self.dev().submit(0, &req, &[input.all()], &[output.all()]) {
+                Ok(h) => h,
+                Err(e) => {
+                    self.fatal(format!("submitting large collective {seq} failed: {e}"));
+                    return false;
+                }
+            };
+            self.rep.large_submitted += 1;
+            let outcome = self.wait(handle);
+            let ns = start.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64;
+            if self.judge(Kind::Large, seq, outcome, output) {
+                self.rep.large_ok += 1;
+                self.rep.large_ns += ns;
+                self.rep.large_max_ns = self.rep.large_max_ns.max(ns);
+                if self.rank == 0 {
+                    self.g
+                        .large_done
+                        .store(self.rep.large_ok, Ordering::Relaxed);
+                }
+            } else if !self.continues_after_bad_result() {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// After a result that did not pass: keep counting (wrong, duplicated)
+    /// unless the run is stopping or the group lost its rank.
+    fn continues_after_bad_result(&self) -> bool {
+        !self.stopping() && !self.killed()
+    }
+
+    /// Waits for `h` in slices, giving up when the run stops, two seconds
+    /// after the group lost a rank, or after the wait limit.
+    fn wait(&self, h: Handle) -> Waited {
+        let start = Instant::now();
+        loop {
+            match self.dev().wait(h, Some(WAIT_SLICE)) {
+                Err(Error::WaitTimeout) => {
+                    let after_kill = self
+                        .g
+                        .killed_at()
+                        .is_some_and(|t| t.elapsed() > AFTER_KILL_GRACE);
+                    if self.stopping() || after_kill || start.elapsed() > self.plan.wait_limit {
+                        return Waited::GaveUp;
+                    }
+                }
+                r => return Waited::Done(r),
+            }
+        }
+    }
+
+    /// Counts one outcome; true if it completed and its result is right.
+    fn judge(&mut self, kind: Kind, seq: u64, outcome: Waited, output: &DmaBuf) -> bool {
+        let killed = self.killed();
+        let done = match outcome {
+            Waited::GaveUp if killed => {
+                self.rep.after_kill_abandoned += 1;
+                return false;
+            }
+            Waited::GaveUp => {
+                self.rep.lost += 1;
+                if !self.stopping() {
+                    self.fatal(format!(
+                        "{kind} collective {seq}: no completion within {:?}",
+                        self.plan.wait_limit
+                    ));
+                }
+                return false;
+            }
+            Waited::Done(Err(e)) => {
+                if killed {
+                    if matches!(e, Error::PeerLost { .. }) {
+                        self.rep.after_kill_peer_lost += 1;
+                    } else {
+                        self.rep.after_kill_other += 1;
+                        self.rep.note(format!(
+                            "rank {} after the close: {kind} collective {seq}: {e}",
+                            self.rank
+                        ));
+                    }
+                } else {
+                    self.rep.failed += 1;
+                    self.fatal(format!("{kind} collective {seq} failed: {e}"));
+                }
+                return false;
+            }
+            Waited::Done(Ok(done)) => done,
+        };
+        if done.generation != self.rep.generation && !killed {
+            self.rep.generation_changes += 1;
+            let msg = format!(
+                "rank {}: {kind} collective {seq} completed in generation {} (started in {})",
+                self.rank, done.generation, self.rep.generation
+            );
+            self.rep.note(msg);
+        }
+        let out = output.as_elems::<u64>();
+        match self.pattern.check(kind, seq, out) {
+            Ok(()) => {
+                if killed {
+                    self.rep.after_kill_ok += 1;
+                }
+                true
+            }
+            Err(diff) => {
+                let span = self.plan.window as u64 + 2;
+                let near = seq.saturating_sub(span)..seq.saturating_add(span + 1);
+                let other = self.pattern.identify(kind, out, near.filter(|&s| s != seq));
+                let what = match other {
+                    Some(s) if s < seq => {
+                        self.rep.duplicated += 1;
+                        format!("the result of collective {s} again")
+                    }
+                    Some(s) => {
+                        self.rep.wrong += 1;
+                        format!("the result of the later collective {s}")
+                    }
+                    None => {
+                        self.rep.wrong += 1;
+                        format!(
+                            "element {} is {:#x}, expected {:#x}",
+                            diff.index, diff.got, diff.want
+                        )
+                    }
+                };
+                let msg = format!("rank {}: {kind} collective {seq}: {what}", self.rank);
+                self.rep.note(msg);
+                false
+            }
+        }
+    }
+
+    /// Notes a failure that ends the group's run, and stops its ranks.
+    fn fatal(&mut self, msg: String) {
+        self.rep.note(format!("rank {}: {msg}", self.rank));
+        self.g.abort.store(true, Ordering::SeqCst);
+    }
+
+    /// Requests left in flight when a rank stops.
+    fn abandon(&mut self, n: u64) {
+        if self.killed() {
+            self.rep.after_kill_abandoned += n;
+        } else {
+            self.rep.lost += n;
+        }
+    }
+
+    /// --kill-one: closes this rank's device with `in_flight` requests
+    /// posted, as a VM that goes away would.
+    fn close_as_victim(&mut self, in_flight: u64) {
+        *lock(&self.g.killed_at) = Some(Instant::now());
+        self.rep.victim = true;
+        self.rep.after_kill_abandoned += in_flight;
+        drop(self.dev.take());
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(small: u64, large: u64, rounds: u32) -> Plan {
+        Plan {
+            groups: 1,
+            ranks: 2,
+            small,
+            small_elems: 8,
+            window: 4,
+            large,
+            large_elems: 8,
+            rounds,
+            poll: false,
+            kill: None,
+            wait_limit: Duration::from_secs(1),
+            dma_bytes: 1 << 20,
+            queue_size: 256,
+        }
+    }
+
+    #[test]
+    fn rounds_cover_every_collective_once() {
+        for (total, rounds) in [(1_000_000, 20), (7, 3), (2, 5), (0, 4)] {
+            let p = plan(total, total, rounds);
+            let mut next = 0;
+            for r in 0..rounds {
+                let range = p.range(Kind::Small, r);
+                assert_eq!(range.start, next);
+                next = range.end;
+            }
+            assert_eq!(next, total);
+            if total > 0 {
+                assert!(!p.range(Kind::Large, 0).is_empty());
+            }
+        }
+    }
+
+    #[test]
+    fn a_gate_opens_at_its_count_or_gives_up() {
+        let g = Gate::default();
+        g.arrive();
+        assert!(g.wait_for(1, &|| false));
+        assert!(!g.wait_for(2, &|| true));
+    }
+}

@@ -1,0 +1,597 @@
+//! Figures per group, the pass/fail checks, the table and the JSON.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use crate::daemon::Usage;
+use crate::rank::{Plan, RankReport, RoundTime, Sample};
+
+/// The limits a group is checked against.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    pub max_rss_growth: u64,
+    pub max_stall: Duration,
+}
+
+/// Everything one group produced.
+pub struct GroupResult {
+    pub name: String,
+    pub group_id: u64,
+    pub daemon_pid: u32,
+    pub ranks: Vec<RankReport>,
+    pub samples: Vec<Sample>,
+    pub rounds: Vec<RoundTime>,
+    /// Set if the daemon exited during the run.
+    pub daemon_exit: Option<String>,
+    /// This group had a rank closed by --kill-one.
+    pub victim: bool,
+}
+
+/// The figures of one group, derived from its ranks.
+#[derive(Clone, Debug, Default)]
+pub struct Figures {
+    pub small: u64,
+    pub large: u64,
+    pub bytes: u64,
+    /// Requests posted, all ranks.
+    pub submitted: u64,
+    /// Completions whose result passed the check, all ranks.
+    pub checked: u64,
+    pub lost: u64,
+    pub duplicated: u64,
+    pub wrong: u64,
+    pub failed: u64,
+    pub generation_changes: u64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub max_us: f64,
+    pub small_rate: f64,
+    pub large_gbps: f64,
+    pub large_traffic_gbps: f64,
+    pub large_max_ms: f64,
+    pub warm: Option<Usage>,
+    pub end: Option<Usage>,
+    pub max_rss_anon_kib: u64,
+    pub after_kill: AfterKill,
+    pub failures: Vec<String>,
+}
+
+/// Outcomes in the group that had a rank closed, after the close.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AfterKill {
+    pub ok: u64,
+    pub peer_lost: u64,
+    pub other: u64,
+    pub abandoned: u64,
+}
+
+impl Figures {
+    pub fn passed(&self) -> bool {
+        self.failures.is_empty()
+    }
+}
+
+fn percentile(sorted: &[u32], p: usize) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = (sorted.len() * p / 100).min(sorted.len() - 1);
+    f64::from(sorted[i]) / 1e3
+}
+
+/// Derives the figures of `g` and checks them.
+pub fn evaluate(plan: &Plan, limits: &Limits, g: &GroupResult) -> Figures {
+    let mut f = Figures::default();
+    let r0 = g.ranks.iter().find(|r| r.rank == 0);
+    f.small = r0.map_or(0, |r| r.small_ok);
+    f.large = r0.map_or(0, |r| r.large_ok);
+    f.bytes = f.small * (plan.small_elems as u64 * 8) + f.large * (plan.large_elems as u64 * 8);
+    let mut lat = Vec::new();
+    for r in &g.ranks {
+        f.submitted += r.small_submitted + r.large_submitted;
+        f.checked += r.small_ok + r.large_ok;
+        f.lost += r.lost;
+        f.duplicated += r.duplicated;
+        f.wrong += r.wrong;
+        f.failed += r.failed;
+        f.generation_changes += r.generation_changes;
+        f.after_kill.ok += r.after_kill_ok;
+        f.after_kill.peer_lost += r.after_kill_peer_lost;
+        f.after_kill.other += r.after_kill_other;
+        f.after_kill.abandoned += r.after_kill_abandoned;
+        lat.extend_from_slice(&r.small_ns);
+        f.max_us = f.max_us.max(r.small_max_ns as f64 / 1e3);
+        f.large_max_ms = f.large_max_ms.max(r.large_max_ns as f64 / 1e6);
+    }
+    lat.sort_unstable();
+    f.p50_us = percentile(&lat, 50);
+    f.p99_us = percentile(&lat, 99);
+    let small_time: Duration = g.rounds.iter().map(|t| t.small).sum();
+    if !small_time.is_zero() {
+        f.small_rate = f.small as f64 / small_time.as_secs_f64();
+    }
+    if let Some(r) = r0.filter(|r| r.large_ns > 0) {
+        let secs = r.large_ns as f64 / 1e9;
+        let bytes = (r.large_ok * plan.large_elems as u64 * 8) as f64;
+        f.large_gbps = bytes / secs / 1e9;
+        f.large_traffic_gbps = 2.0 * f64::from(plan.ranks) * bytes / secs / 1e9;
+    }
+    f.warm = g
+        .samples
+        .iter()
+        .find(|s| s.rounds_done == 1)
+        .map(|s| s.usage);
+    f.end = g
+        .samples
+        .iter()
+        .find(|s| s.rounds_done == plan.rounds)
+        .map(|s| s.usage);
+    f.max_rss_anon_kib = g
+        .samples
+        .iter()
+        .map(|s| s.usage.rss_anon_kib)
+        .max()
+        .unwrap_or(0);
+    check(plan, limits, g, &mut f);
+    f
+}
+
+fn check(plan: &Plan, limits: &Limits, g: &GroupResult, f: &mut Figures) {
+    let fail = &mut f.failures;
+    if let Some(e) = &g.daemon_exit {
+        fail.push(format!("the daemon exited during the run ({e})"));
+    }
+    for (what, n) in [
+        ("lost", f.lost),
+        ("duplicated", f.duplicated),
+        ("wrong", f.wrong),
+        ("failed with an error status", f.failed),
+    ] {
+        if n > 0 {
+            fail.push(format!("{n} completions {what}"));
+        }
+    }
+    if g.ranks.iter().any(|r| !r.opened) {
+        fail.push("not every rank opened its device".into());
+    }
+    if let Some(r) = g
+        .ranks
+        .iter()
+        .find(|r| r.group_id != g.group_id && r.opened)
+    {
+        fail.push(format!(
+            "rank {} reads group id {:#x}, its daemon has {:#x}",
+            r.rank, r.group_id, g.group_id
+        ));
+    }
+    if g.victim {
+        if f.after_kill.other > 0 {
+            fail.push(format!(
+                "{} requests failed otherwise than PEER_LOST after the close",
+                f.after_kill.other
+            ));
+        }
+        return;
+    }
+    if f.submitted != f.checked {
+        fail.push(format!(
+            "{} requests posted, {} completed with a right result",
+            f.submitted, f.checked
+        ));
+    }
+    if f.generation_changes > 0 {
+        fail.push(format!(
+            "the generation changed ({} times seen): a member was lost",
+            f.generation_changes
+        ));
+    }
+    if let Some(r) = g
+        .ranks
+        .iter()
+        .find(|r| r.small_ok != plan.small || r.large_ok != plan.large)
+    {
+        fail.push(format!(
+            "rank {} completed {} small and {} large collectives of {} and {}",
+            r.rank, r.small_ok, r.large_ok, plan.small, plan.large
+        ));
+    }
+    let stall_ms = limits.max_stall.as_secs_f64() * 1e3;
+    if f.max_us / 1e3 > stall_ms || f.large_max_ms > stall_ms {
+        fail.push(format!(
+            "a collective took {:.0} ms, over --max-stall-ms {stall_ms:.0}",
+            (f.max_us / 1e3).max(f.large_max_ms)
+        ));
+    }
+    match (f.warm, f.end) {
+        (Some(w), Some(e)) => {
+            let growth = e.rss_anon_kib.saturating_sub(w.rss_anon_kib) * 1024;
+            if growth > limits.max_rss_growth {
+                fail.push(format!(
+                    "daemon RssAnon grew by {} KiB after the warm-up, over {} KiB",
+                    growth / 1024,
+                    limits.max_rss_growth / 1024
+                ));
+            }
+            if e.fds > w.fds {
+                fail.push(format!(
+                    "daemon fds grew from {} to {} after the warm-up",
+                    w.fds, e.fds
+                ));
+            }
+        }
+        _ => fail.push("the daemon was not sampled after the warm-up and at the end".into()),
+    }
+}
+
+fn usage_pair(f: &Figures, get: impl Fn(&Usage) -> u64) -> String {
+    match (f.warm, f.end) {
+        (Some(w), Some(e)) => format!("{} -> {}", get(&w), get(&e)),
+        (Some(w), None) => format!("{} -> ?", get(&w)),
+        _ => "-".into(),
+    }
+}
+
+fn human_bytes(b: u64) -> String {
+    let b = b as f64;
+    if b >= 1e9 {
+        format!("{:.1} GB", b / 1e9)
+    } else if b >= 1e6 {
+        format!("{:.1} MB", b / 1e6)
+    } else {
+        format!("{:.1} kB", b / 1e3)
+    }
+}
+
+/// The table printed at the end.
+pub fn table(groups: &[(GroupResult, Figures)]) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "{:<5} {:>9} {:>8} {:>10} {:>9} {:>4} {:>4} {:>5} {:>6} {:>9} {:>9} {:>9} {:>11} {:>20} {:>9} {:>6}",
+        "group",
+        "small",
+        "large",
+        "bytes",
+        "checked",
+        "lost",
+        "dup",
+        "wrong",
+        "failed",
+        "p50 us",
+        "p99 us",
+        "max us",
+        "large GB/s",
+        "RssAnon KiB warm>end",
+        "fds",
+        "result"
+    );
+    for (g, f) in groups {
+        let _ = writeln!(
+            s,
+            "{:<5} {:>9} {:>8} {:>10} {:>9} {:>4} {:>4} {:>5} {:>6} {:>9.1} {:>9.1} {:>9.0} {:>11.2} {:>20} {:>9} {:>6}",
+            g.name,
+            f.small,
+            f.large,
+            human_bytes(f.bytes),
+            f.checked,
+            f.lost,
+            f.duplicated,
+            f.wrong,
+            f.failed,
+            f.p50_us,
+            f.p99_us,
+            f.max_us,
+            f.large_gbps,
+            usage_pair(f, |u| u.rss_anon_kib),
+            usage_pair(f, |u| u.fds),
+            if g.victim {
+                "KILLED"
+            } else if f.passed() {
+                "PASS"
+            } else {
+                "FAIL"
+            }
+        );
+    }
+    s
+}
+
+/// Details under the table: VmRSS, traffic, per-group notes and failures.
+pub fn details(groups: &[(GroupResult, Figures)], kill_round: Option<u32>) -> String {
+    let mut s = String::new();
+    for (g, f) in groups {
+        let _ = writeln!(
+            s,
+            "group {}: daemon pid {}, group id {:#x}; small {:.0}/s; large {:.2} GB/s algbw, \
+             {:.2} GB/s memory traffic (2*N*S/t), slowest {:.1} ms; VmRSS KiB {} (guest pages \
+             it touched count too); RssAnon max {} KiB",
+            g.name,
+            g.daemon_pid,
+            g.group_id,
+            f.small_rate,
+            f.large_gbps,
+            f.large_traffic_gbps,
+            f.large_max_ms,
+            usage_pair(f, |u| u.vm_rss_kib),
+            f.max_rss_anon_kib
+        );
+        if g.victim {
+            let _ = writeln!(
+                s,
+                "  rank closed half way: after the close {} completed, {} PEER_LOST, {} other \
+                 errors, {} given up or dropped",
+                f.after_kill.ok, f.after_kill.peer_lost, f.after_kill.other, f.after_kill.abandoned
+            );
+        } else if let Some(k) = kill_round {
+            if let Some(line) = kill_round_rates(g, k) {
+                let _ = writeln!(s, "  {line}");
+            }
+        }
+        for m in &f.failures {
+            let _ = writeln!(s, "  FAIL: {m}");
+        }
+        for r in &g.ranks {
+            for m in &r.messages {
+                let _ = writeln!(s, "  note: {m}");
+            }
+        }
+    }
+    s
+}
+
+/// Small-collective time of the round with the close against the median
+/// round: the close must not slow the other groups.
+fn kill_round_rates(g: &GroupResult, round: u32) -> Option<String> {
+    let at = g.rounds.get(round as usize)?;
+    let median = |part: fn(&RoundTime) -> Duration| {
+        let mut all: Vec<Duration> = g.rounds.iter().map(part).collect();
+        all.sort_unstable();
+        all[all.len() / 2].as_secs_f64()
+    };
+    Some(format!(
+        "round {round} (group B's rank closed): small part {:.2} s, large part {:.2} s; \
+         median round: {:.2} s and {:.2} s",
+        at.small.as_secs_f64(),
+        at.large.as_secs_f64(),
+        median(|t| t.small),
+        median(|t| t.large)
+    ))
+}
+
+fn json_str(s: &str) -> String {
+    let mut o = String::with_capacity(s.len() + 2);
+    o.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => o.push_str("\\\""),
+            '\\' => o.push_str("\\\\"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(o, "\\u{:04x}", c as u32);
+            }
+            c => o.push(c),
+        }
+    }
+    o.push('"');
+    o
+}
+
+fn json_usage(u: Option<Usage>) -> String {
+    match u {
+        Some(u) => format!(
+            "{{\"rss_anon_kib\": {}, \"vm_rss_kib\": {}, \"fds\": {}}}",
+            u.rss_anon_kib, u.vm_rss_kib, u.fds
+        ),
+        None => "null".into(),
+    }
+}
+
+fn num(x: f64) -> String {
+    if x.is_finite() {
+        format!("{x:.3}")
+    } else {
+        "null".into()
+    }
+}
+
+/// The figures as JSON; `config` is a JSON object of the options.
+pub fn json(
+    config: &str,
+    wall: Duration,
+    passed: bool,
+    groups: &[(GroupResult, Figures)],
+) -> String {
+    let mut s = String::new();
+    let _ = write!(
+        s,
+        "{{\n  \"config\": {config},\n  \"wall_s\": {},\n  \"passed\": {passed},\n  \"groups\": [",
+        num(wall.as_secs_f64())
+    );
+    for (i, (g, f)) in groups.iter().enumerate() {
+        let samples: Vec<String> = g
+            .samples
+            .iter()
+            .map(|x| {
+                format!(
+                    "{{\"rounds_done\": {}, \"rss_anon_kib\": {}, \"vm_rss_kib\": {}, \"fds\": {}}}",
+                    x.rounds_done, x.usage.rss_anon_kib, x.usage.vm_rss_kib, x.usage.fds
+                )
+            })
+            .collect();
+        let failures: Vec<String> = f.failures.iter().map(|m| json_str(m)).collect();
+        let notes: Vec<String> = g
+            .ranks
+            .iter()
+            .flat_map(|r| r.messages.iter().map(|m| json_str(m)))
+            .collect();
+        let _ = write!(
+            s,
+            "{}\n    {{\"name\": {}, \"group_id\": {}, \"daemon_pid\": {}, \"killed_rank\": {}, \
+             \"passed\": {}, \"small_collectives\": {}, \"large_collectives\": {}, \"bytes\": {}, \
+             \"submitted\": {}, \"completions_checked\": {}, \"lost\": {}, \"duplicated\": {}, \"wrong\": {}, \
+             \"failed\": {}, \"generation_changes\": {}, \
+             \"small_latency_us\": {{\"p50\": {}, \"p99\": {}, \"max\": {}}}, \
+             \"small_per_s\": {}, \"large_gbps\": {}, \"large_traffic_gbps\": {}, \
+             \"large_max_ms\": {}, \"warm_up\": {}, \"end\": {}, \"max_rss_anon_kib\": {}, \
+             \"after_kill\": {{\"ok\": {}, \"peer_lost\": {}, \"other\": {}, \"abandoned\": {}}}, \
+             \"samples\": [{}], \"failures\": [{}], \"notes\": [{}]}}",
+            if i == 0 { "" } else { "," },
+            json_str(&g.name),
+            g.group_id,
+            g.daemon_pid,
+            g.victim,
+            f.passed(),
+            f.small,
+            f.large,
+            f.bytes,
+            f.submitted,
+            f.checked,
+            f.lost,
+            f.duplicated,
+            f.wrong,
+            f.failed,
+            f.generation_changes,
+            num(f.p50_us),
+            num(f.p99_us),
+            num(f.max_us),
+            num(f.small_rate),
+            num(f.large_gbps),
+            num(f.large_traffic_gbps),
+            num(f.large_max_ms),
+            json_usage(f.warm),
+            json_usage(f.end),
+            f.max_rss_anon_kib,
+            f.after_kill.ok,
+            f.after_kill.peer_lost,
+            f.after_kill.other,
+            f.after_kill.abandoned,
+            samples.join(", "),
+            failures.join(", "),
+            notes.join(", ")
+        );
+    }
+    s.push_str("\n  ]\n}\n");
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan() -> Plan {
+        Plan {
+            groups: 1,
+            ranks: 2,
+            small: 10,
+            small_elems: 8,
+            window: 4,
+            large: 2,
+            large_elems: 16,
+            rounds: 2,
+            poll: false,
+            kill: None,
+            wait_limit: Duration::from_secs(1),
+            dma_bytes: 1 << 20,
+            queue_size: 256,
+        }
+    }
+
+    fn usage(anon: u64, fds: u64) -> Usage {
+        Usage {
+            rss_anon_kib: anon,
+            vm_rss_kib: anon * 2,
+            fds,
+        }
+    }
+
+    fn group(end_anon: u64, end_fds: u64) -> GroupResult {
+        let rank = |r| RankReport {
+            rank: r,
+            opened: true,
+            group_id: 7,
+            generation: 1,
+            small_submitted: 10,
+            small_ok: 10,
+            large_submitted: 2,
+            large_ok: 2,
+            small_ns: vec![1000; 10],
+            small_max_ns: 1000,
+            large_ns: 2_000_000,
+            large_max_ns: 1_000_000,
+            ..Default::default()
+        };
+        GroupResult {
+            name: "A".into(),
+            group_id: 7,
+            daemon_pid: 1,
+            ranks: vec![rank(0), rank(1)],
+            samples: vec![
+                Sample {
+                    rounds_done: 1,
+                    usage: usage(1000, 20),
+                },
+                Sample {
+                    rounds_done: 2,
+                    usage: usage(end_anon, end_fds),
+                },
+            ],
+            rounds: vec![RoundTime::default(); 2],
+            daemon_exit: None,
+            victim: false,
+        }
+    }
+
+    const LIMITS: Limits = Limits {
+        max_rss_growth: 4 << 20,
+        max_stall: Duration::from_secs(10),
+    };
+
+    #[test]
+    fn a_clean_group_passes() {
+        let f = evaluate(&plan(), &LIMITS, &group(1000 + 4096, 20));
+        assert!(f.passed(), "{:?}", f.failures);
+        assert_eq!((f.small, f.large, f.checked), (10, 2, 24));
+        assert_eq!(f.bytes, 10 * 64 + 2 * 128);
+        assert_eq!(f.p50_us, 1.0);
+        let t = table(&[(group(1000, 20), f)]);
+        assert!(t.contains("PASS"), "{t}");
+    }
+
+    #[test]
+    fn growth_loss_and_bad_results_fail() {
+        let f = evaluate(&plan(), &LIMITS, &group(1000 + 4097, 20));
+        assert!(
+            f.failures[0].contains("RssAnon grew by 4097 KiB"),
+            "{:?}",
+            f.failures
+        );
+        let f = evaluate(&plan(), &LIMITS, &group(1000, 21));
+        assert!(
+            f.failures[0].contains("fds grew from 20 to 21"),
+            "{:?}",
+            f.failures
+        );
+        let mut g = group(1000, 20);
+        g.ranks[1].duplicated = 1;
+        g.ranks[1].small_ok = 9;
+        let f = evaluate(&plan(), &LIMITS, &g);
+        // Duplicated, posted != right, and rank 1 short of its work.
+        assert_eq!(f.failures.len(), 3, "{:?}", f.failures);
+        assert!(f.failures[1].contains("24 requests posted, 23 completed"));
+        let mut g = group(1000, 20);
+        g.samples.pop();
+        assert!(!evaluate(&plan(), &LIMITS, &g).passed());
+    }
+
+    #[test]
+    fn json_escapes_and_balances() {
+        assert_eq!(json_str("a\"b\\c\n"), "\"a\\\"b\\\\c\\u000a\"");
+        let mut g = group(1000, 20);
+        g.ranks[0].messages.push("quote \" here".into());
+        let f = evaluate(&plan(), &LIMITS, &g);
+        let j = json("{}", Duration::from_secs(1), true, &[(g, f)]);
+        let opens = j.matches(['{', '[']).count();
+        let closes = j.matches(['}', ']']).count();
+        assert_eq!(opens, closes, "{j}");
+        assert!(j.contains("\"completions_checked\": 24"), "{j}");
+    }
+}

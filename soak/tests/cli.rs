@@ -1,0 +1,220 @@
+//! Runs the dmlc-soak binary: a tiny soak passes with every figure in its
+//! output and JSON, --kill-one closes a rank of group B only, and bad
+//! options fail with a clear message.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn soak() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_dmlc-soak"))
+}
+
+/// The daemon built next to the test's binaries (target/<profile>/).
+fn backend() -> PathBuf {
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_dmlc-soak")).with_file_name("vhost-device-dmlc");
+    assert!(
+        bin.is_file(),
+        "{} is missing: build it first (cargo build -p vhost-device-dmlc)",
+        bin.display()
+    );
+    bin
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "status {:?}\n--- stdout\n{}--- stderr\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+fn json_path(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("dmlc-soak-test-{}-{name}.json", std::process::id()))
+}
+
+/// The value of `"key": ` in the first object of group `name` of `json`.
+fn group_field<'a>(json: &'a str, name: &str, key: &str) -> &'a str {
+    let at = json
+        .find(&format!("\"name\": \"{name}\""))
+        .unwrap_or_else(|| panic!("no group {name} in {json}"));
+    let rest = &json[at..];
+    let k = rest
+        .find(&format!("\"{key}\": "))
+        .unwrap_or_else(|| panic!("no {key} in group {name}: {json}"));
+    let v = &rest[k + key.len() + 4..];
+    &v[..v.find([',', '}']).unwrap()]
+}
+
+#[test]
+fn tiny_soak_passes_and_reports_every_figure() {
+    let json = json_path("tiny");
+    let out = soak()
+        .args(["--small", "3000", "--large", "4", "--large-bytes", "256K"])
+        .args(["--window", "8", "--rounds", "5", "--progress-secs", "0"])
+        .arg("--backend")
+        .arg(backend())
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    let j = std::fs::read_to_string(&json).unwrap_or_default();
+    let _ = std::fs::remove_file(&json);
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for col in [
+        "checked",
+        "lost",
+        "dup",
+        "wrong",
+        "p99 us",
+        "large GB/s",
+        "RssAnon",
+        "fds",
+    ] {
+        assert!(stdout.contains(col), "no column {col}: {t}");
+    }
+    let passed = stdout.lines().filter(|l| l.ends_with(" PASS")).count();
+    assert_eq!(passed, 2, "{t}");
+    assert!(stdout.contains("dmlc-soak: PASSED"), "{t}");
+    for g in ["A", "B"] {
+        assert_eq!(group_field(&j, g, "small_collectives"), "3000", "{j}");
+        assert_eq!(group_field(&j, g, "large_collectives"), "4", "{j}");
+        // 4 ranks checked every completion.
+        assert_eq!(group_field(&j, g, "completions_checked"), "12016", "{j}");
+        assert_eq!(group_field(&j, g, "submitted"), "12016", "{j}");
+        for zero in [
+            "lost",
+            "duplicated",
+            "wrong",
+            "failed",
+            "generation_changes",
+        ] {
+            assert_eq!(group_field(&j, g, zero), "0", "{zero} in {j}");
+        }
+        assert_eq!(group_field(&j, g, "passed"), "true", "{j}");
+        assert_ne!(group_field(&j, g, "warm_up"), "null", "{j}");
+    }
+    assert_ne!(
+        group_field(&j, "A", "group_id"),
+        group_field(&j, "B", "group_id")
+    );
+}
+
+#[test]
+fn kill_one_closes_a_rank_of_b_and_a_still_passes() {
+    let json = json_path("kill");
+    let out = soak()
+        .args(["--small", "4000", "--large", "2", "--large-bytes", "64K"])
+        .args(["--rounds", "4", "--progress-secs", "0", "--kill-one"])
+        .arg("--backend")
+        .arg(backend())
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    let j = std::fs::read_to_string(&json).unwrap_or_default();
+    let _ = std::fs::remove_file(&json);
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    assert_eq!(group_field(&j, "A", "killed_rank"), "false", "{j}");
+    assert_eq!(group_field(&j, "A", "passed"), "true", "{j}");
+    assert_eq!(group_field(&j, "A", "small_collectives"), "4000", "{j}");
+    assert_eq!(group_field(&j, "B", "killed_rank"), "true", "{j}");
+    // B stopped near the middle (the close follows small collective 2500).
+    let b: u64 = group_field(&j, "B", "small_collectives").parse().unwrap();
+    assert!((2400..=2501).contains(&b), "{j}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("KILLED"),
+        "{t}"
+    );
+}
+
+#[test]
+fn bad_options_fail_with_a_clear_message() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["--frobnicate"], "unexpected argument '--frobnicate'"),
+        (&["--small", "ten"], "\"ten\" is not a count"),
+        (
+            &["--small-bytes", "12"],
+            "--small-bytes must be a positive multiple of 8",
+        ),
+        (&["--window", "100"], "--window must be between 1 and 64"),
+        (
+            &["--kill-one", "--groups", "1"],
+            "--kill-one needs at least 2 groups",
+        ),
+    ];
+    for (args, want) in cases {
+        let out = soak().args(*args).output().unwrap();
+        let t = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {t}");
+        assert!(t.contains(want), "{args:?}: want {want:?} in {t}");
+    }
+}
+
+#[test]
+fn a_missing_daemon_binary_is_named() {
+    let out = soak()
+        .args([
+            "--small",
+            "10",
+            "--large",
+            "0",
+            "--backend",
+            "/nonexistent/dmlcd",
+        ])
+        .output()
+        .unwrap();
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{t}");
+    assert!(
+        t.contains("daemon binary /nonexistent/dmlcd not found"),
+        "{t}"
+    );
+}
+
+#[test]
+fn help_gives_defaults_and_an_example() {
+    let out = soak().arg("--help").output().unwrap();
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    for want in [
+        "[default: 1_000_000]",
+        "[default: 16M]",
+        "[default: 4M]",
+        "Examples:",
+        "--kill-one",
+    ] {
+        assert!(t.contains(want), "no {want:?} in {t}");
+    }
+}
+
+#[test]
+fn a_failed_check_gives_exit_status_1_and_says_why() {
+    // Every collective takes longer than 0 ms.
+    let out = soak()
+        .args([
+            "--small", "200", "--large", "0", "--groups", "1", "--ranks", "2",
+        ])
+        .args([
+            "--rounds",
+            "2",
+            "--progress-secs",
+            "0",
+            "--max-stall-ms",
+            "0",
+        ])
+        .arg("--backend")
+        .arg(backend())
+        .output()
+        .unwrap();
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{t}");
+    assert!(t.contains("over --max-stall-ms 0"), "{t}");
+    assert!(
+        t.contains(" FAIL\n") && t.contains("dmlc-soak: FAILED"),
+        "{t}"
+    );
+}
