@@ -5,6 +5,10 @@
 //! reconnect. It pops the chains the driver makes available and hands each to
 //! [`Group::submit`]; the group later puts the chain in the used ring through
 //! a [`VringCompletion`], from whatever thread finished the collective.
+//! A queue has at most its size of chains in flight in the daemon: a driver
+//! that offers more (a chain again before it was used) gets the queue
+//! stopped until it resets the device, so it cannot make the daemon hold
+//! requests without bound.
 //!
 //! Threads: vhost-user-backend runs one epoll worker per entry of
 //! [`VhostUserBackend::queues_per_thread`]; this backend asks for one worker
@@ -13,7 +17,7 @@
 //! `GET_VRING_BASE` -> `stop_vring`) arrive on the connection's own thread.
 
 use std::io;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
@@ -24,7 +28,7 @@ use vhost::vhost_user::message::{
 use vhost_user_backend::{
     VhostUserBackend, VringRwLock, VringState, VringStateGuard, VringStateMutGuard, VringT,
 };
-use virtio_queue::{QueueOwnedT, QueueT};
+use virtio_queue::{DescriptorChain, QueueOwnedT, QueueT};
 use vm_memory::{
     Address, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryRegion,
 };
@@ -257,18 +261,26 @@ impl MemberBackend {
     /// Marks the member lost, if it was active: no further submission from
     /// this connection, completions still in flight are dropped, and the
     /// group fails the collectives that waited for it. Returns whether it
-    /// was active.
+    /// was active; it returns once no worker of this connection is inside
+    /// [`Group::submit`].
     pub fn lose(&self, why: &str) -> bool {
         if !self.active.swap(false, Ordering::AcqRel) {
             return false;
         }
         self.epoch.fetch_add(1, Ordering::AcqRel);
-        // Wait for submissions under way on the workers to finish, so the
-        // group sees none from this member after `member_lost`.
+        // Tell the group first. A worker may be running a collective that
+        // this member completed (it arrived last), data movement included,
+        // and the others' waiting collectives must not wait for that. The
+        // group drops whatever this member submits from here on (its gate
+        // is closed; a submission that read the gate before is dropped under
+        // the state lock), and a collective already running keeps its own
+        // hold on every member's memory.
+        self.group.member_lost(self.cfg.rank);
+        // Then wait for the workers to leave `drain`, so that nothing of
+        // this connection is still under way when the member comes back.
         for slot in &self.queues {
             *lock(&slot.gate) = None;
         }
-        self.group.member_lost(self.cfg.rank);
         debug!("rank {}: member lost ({why})", self.cfg.rank);
         true
     }
@@ -338,30 +350,81 @@ impl MemberBackend {
         // The group keeps this snapshot of the memory map alive for as long
         // as a request needs it, whatever the frontend changes meanwhile.
         let mem = &self.memory();
-        let done: Arc<dyn Completion> = self.completion(&mut gate, queue, vring);
+        let ring = self.completion(&mut gate, queue, vring);
+        if ring.overrun.load(Ordering::Acquire) {
+            return 0;
+        }
+        let done: Arc<dyn Completion> = ring.clone();
         let mut submitted = 0;
         // The active flag is re-read for every chain: `lose` waits on the
         // gate, so once it holds the gate nothing more is submitted.
         while self.is_active() {
-            let chain = {
+            let next = {
                 let mut state = vring.get_mut();
-                match state.get_queue_mut().iter(&**mem) {
-                    Ok(mut avail) => avail.next(),
-                    // The frontend stopped the ring; nothing to do.
-                    Err(virtio_queue::Error::QueueNotReady) => None,
-                    Err(e) => {
-                        self.ring_error(queue, &e);
-                        None
+                let q = state.get_queue_mut();
+                let size = u32::from(q.size());
+                // Only this thread adds to the count (completions take from
+                // it), so a count below the size stays below it until the
+                // pop below.
+                let full = || ring.in_flight.load(Ordering::Acquire) >= size;
+                let at_bound = full();
+                let more = at_bound
+                    && q.ready()
+                    && q.avail_idx(&**mem, Ordering::Acquire)
+                        .is_ok_and(|idx| idx.0 != q.next_avail());
+                if at_bound && !more {
+                    Next::Idle
+                } else if more && full() {
+                    // A driver has at most `size` chains in flight, and the
+                    // count was read again after the avail index: a
+                    // completion that made room for the chain offered is
+                    // seen. So the driver offered a chain again before the
+                    // device returned it.
+                    Next::Overrun(q.size())
+                } else {
+                    match q.iter(&**mem) {
+                        Ok(mut avail) => avail.next().map_or(Next::Idle, Next::Chain),
+                        // The frontend stopped the ring; nothing to do.
+                        Err(virtio_queue::Error::QueueNotReady) => Next::Idle,
+                        Err(e) => {
+                            self.ring_error(queue, &e);
+                            Next::Idle
+                        }
                     }
                 }
             };
             // The vring lock is released before submitting: the group may
             // complete the request at once, on this thread.
-            let Some(chain) = chain else { break };
-            self.group.submit(self.cfg.rank, queue, mem, chain, &done);
-            submitted += 1;
+            match next {
+                Next::Chain(chain) => {
+                    ring.in_flight.fetch_add(1, Ordering::AcqRel);
+                    self.group.submit(self.cfg.rank, queue, mem, chain, &done);
+                    submitted += 1;
+                }
+                Next::Overrun(size) => {
+                    self.overrun(queue, &ring, size);
+                    break;
+                }
+                Next::Idle => break,
+            }
         }
         submitted
+    }
+
+    /// Stops serving `queue` for the rest of this activation: its driver
+    /// had more chains in flight than the queue holds. Requests already
+    /// taken complete as usual; each of the others would hold daemon
+    /// memory until its collective ended, without bound.
+    fn overrun(&self, queue: u16, ring: &VringCompletion, size: u16) {
+        if ring.overrun.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.group.metrics().queue_overrun();
+        warn!(
+            "rank {} queue {queue}: more than {size} requests in flight (chains made available \
+             again before they were used), queue stopped until the device is reset",
+            self.cfg.rank
+        );
     }
 
     /// Spins on `queue` with notifications off, draining whatever arrives,
@@ -372,8 +435,13 @@ impl MemberBackend {
         let mut deadline = Instant::now() + self.cfg.poll;
         while self.is_active() && Instant::now() < deadline {
             if avail_pending(vring, &self.memory()) {
-                submitted += self.drain(queue, vring);
-                deadline = Instant::now() + self.cfg.poll;
+                let n = self.drain(queue, vring);
+                // A ring that has chains but serves none (broken, or
+                // stopped) must not keep the worker spinning.
+                if n > 0 {
+                    submitted += n;
+                    deadline = Instant::now() + self.cfg.poll;
+                }
             } else {
                 std::hint::spin_loop();
             }
@@ -398,6 +466,8 @@ impl MemberBackend {
                     vring: vring.clone(),
                     epoch,
                     current: self.epoch.clone(),
+                    in_flight: AtomicU32::new(0),
+                    overrun: AtomicBool::new(false),
                 });
                 *cached = Some(done.clone());
                 done
@@ -466,7 +536,16 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Returns finished chains of one queue to the driver.
+/// What [`MemberBackend::drain`] found next on a ring.
+enum Next<'a> {
+    Chain(DescriptorChain<&'a GuestMem>),
+    /// More chains in flight than the queue size (the size is given).
+    Overrun(u16),
+    Idle,
+}
+
+/// Returns finished chains of one queue to the driver, and counts the
+/// chains of the queue in flight, for one activation.
 pub struct VringCompletion {
     rank: u32,
     queue: u16,
@@ -474,6 +553,11 @@ pub struct VringCompletion {
     /// The activation this completion belongs to.
     epoch: u64,
     current: Arc<AtomicU64>,
+    /// Chains taken from the ring and not yet put in the used ring.
+    in_flight: AtomicU32,
+    /// The driver had more chains in flight than the queue size: the ring
+    /// is not served again in this activation.
+    overrun: AtomicBool,
 }
 
 impl Completion for VringCompletion {
@@ -486,6 +570,13 @@ impl Completion for VringCompletion {
             );
             return;
         }
+        // Before the used element is visible: once the driver sees it, it
+        // may offer the chain again, and the count must have room for it.
+        let _ = self
+            .in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                Some(n.saturating_sub(1))
+            });
         let mut state = self.vring.get_mut();
         // The member was lost (or its ring stopped) since the request was
         // popped: the ring may already belong to a new driver.
@@ -657,13 +748,23 @@ impl VhostUserBackend for MemberBackend {
 #[cfg(test)]
 mod tests {
     use std::fs::File;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{mpsc, Arc};
+    use std::time::{Duration, Instant};
 
-    use vm_memory::{FileOffset, GuestAddress};
+    use vm_memory::{Bytes, FileOffset, GuestAddress, GuestAddressSpace};
 
-    use vhost_user_backend::VringT;
+    use vhost_user_backend::{VhostUserBackend, VringT};
+    use virtio_dmlc::{Opcode, Status, VirtioDmlcResp, REQ_HEADER_SIZE, RESP_SIZE};
     use virtio_queue::QueueT;
+    use zerocopy::{FromBytes, IntoBytes};
 
-    use super::{check_regions_backed, AtomicMem, MemoryTableError, Vring};
+    use super::{
+        check_regions_backed, lock, AtomicMem, BackendConfig, MemberBackend, MemoryTableError,
+        Vring,
+    };
+    use crate::group::harness::{config, hdr, Desc, World};
+    use crate::group::Group;
     use crate::GuestMem;
 
     /// A scratch file of `len` bytes.
@@ -730,5 +831,215 @@ mod tests {
         }
         // Anonymous memory has no file to check.
         check_regions_backed(&GuestMem::from_ranges(&[(GuestAddress(0), 4096)]).unwrap()).unwrap();
+    }
+
+    fn backend(rank: u32, queue_size: u16, group: &Arc<Group>, mem: AtomicMem) -> MemberBackend {
+        let cfg = BackendConfig {
+            rank,
+            num_queues: 1,
+            queue_size,
+            poll: Duration::ZERO,
+        };
+        MemberBackend::new(cfg, group.clone(), mem)
+    }
+
+    /// A member whose worker is inside `drain` (as when it runs a
+    /// collective that its last arrival completed) is reported lost to the
+    /// group at once: the others' waiting collectives fail before the
+    /// worker is done, and `lose` returns only after it is.
+    #[test]
+    fn a_loss_is_reported_before_the_worker_leaves_drain() {
+        let mut w = World::new(config(2));
+        let b = backend(1, 256, &w.group, AtomicMem::new(GuestMem::new()));
+        b.acked_features(0);
+        let descs = {
+            let m = &mut w.members[0];
+            vec![
+                m.header(&hdr(Opcode::Barrier.raw(), 0, 0, 0, 0, 7, 0, 0)),
+                m.response(),
+            ]
+        };
+        let barrier = w.submit(0, 0, &descs);
+        let (held_tx, held_rx) = mpsc::channel();
+        let (release_tx, release_rx) = mpsc::channel::<()>();
+        let returned = AtomicBool::new(false);
+        let bk = &b;
+        std::thread::scope(|s| {
+            // Stands for a worker that holds the queue's gate in `drain`.
+            s.spawn(move || {
+                let _gate = lock(&bk.queues[0].gate);
+                held_tx.send(()).unwrap();
+                let _ = release_rx.recv_timeout(Duration::from_secs(20));
+            });
+            held_rx.recv().unwrap();
+            s.spawn(|| {
+                assert!(b.lose("test"));
+                returned.store(true, Ordering::SeqCst);
+            });
+            let t = Instant::now();
+            let done = w.wait_for(&barrier, Duration::from_secs(5));
+            let waited = t.elapsed();
+            let early = !returned.load(Ordering::SeqCst);
+            release_tx.send(()).unwrap();
+            assert!(done.is_some(), "no PEER_LOST while the worker was busy");
+            assert!(
+                waited < Duration::from_secs(2),
+                "PEER_LOST after {waited:?}"
+            );
+            assert!(early, "lose returned while the worker was in drain");
+        });
+        assert!(returned.load(Ordering::SeqCst));
+        let r =
+            VirtioDmlcResp::read_from_bytes(&w.members[0].read(barrier.resp, RESP_SIZE)).unwrap();
+        assert_eq!(Status::from_raw(r.status.get()), Some(Status::PeerLost));
+        assert_eq!(r.peer.get(), 1);
+        assert_eq!(w.group.generation(), 2);
+    }
+
+    /// One split ring in guest memory, as a driver lays it out, holding a
+    /// barrier chain at descriptors 0 and 1.
+    struct Ring {
+        mem: Arc<GuestMem>,
+        vring: Vring,
+        size: u16,
+        avail_idx: u16,
+    }
+
+    const DESC: u64 = 0;
+    const AVAIL: u64 = 0x1000;
+    const USED: u64 = 0x2000;
+    const HEADER: u64 = 0x4000;
+    const RESPONSE: u64 = 0x5000;
+
+    impl Ring {
+        fn new(mem: &AtomicMem, size: u16) -> Ring {
+            let guest = mem.memory().into_inner();
+            let vring = Vring::new(mem.clone(), size).unwrap();
+            vring.set_queue_size(size);
+            vring.set_queue_info(DESC, AVAIL, USED).unwrap();
+            vring.set_queue_ready(true);
+            let h = hdr(Opcode::Barrier.raw(), 0, 0, 0, 0, 9, 0, 0);
+            guest
+                .write_slice(h.as_bytes(), GuestAddress(HEADER))
+                .unwrap();
+            let chain = [
+                Desc::r(HEADER, REQ_HEADER_SIZE as u32),
+                Desc::w(RESPONSE, RESP_SIZE as u32),
+            ];
+            for (i, d) in chain.iter().enumerate() {
+                let at = DESC + 16 * i as u64;
+                let (flags, next) = if d.write { (2u16, 0u16) } else { (1, 1) };
+                guest.write_obj(d.addr.to_le(), GuestAddress(at)).unwrap();
+                guest
+                    .write_obj(d.len.to_le(), GuestAddress(at + 8))
+                    .unwrap();
+                guest
+                    .write_obj(flags.to_le(), GuestAddress(at + 12))
+                    .unwrap();
+                guest
+                    .write_obj(next.to_le(), GuestAddress(at + 14))
+                    .unwrap();
+            }
+            Ring {
+                mem: guest,
+                vring,
+                size,
+                avail_idx: 0,
+            }
+        }
+
+        /// Makes head 0 available `n` more times (the same chain again and
+        /// again, as a hostile driver may).
+        fn offer(&mut self, n: u16) {
+            for _ in 0..n {
+                let slot = AVAIL + 4 + 2 * u64::from(self.avail_idx % self.size);
+                self.mem.write_obj(0u16, GuestAddress(slot)).unwrap();
+                self.avail_idx = self.avail_idx.wrapping_add(1);
+            }
+            self.mem
+                .write_obj(self.avail_idx.to_le(), GuestAddress(AVAIL + 2))
+                .unwrap();
+        }
+
+        fn used_idx(&self) -> u16 {
+            u16::from_le(self.mem.read_obj(GuestAddress(USED + 2)).unwrap())
+        }
+    }
+
+    fn ring_memory() -> AtomicMem {
+        AtomicMem::new(GuestMem::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap())
+    }
+
+    /// A driver may have at most queue-size chains in flight. The device
+    /// serves that many, and stops serving the queue (until the member is
+    /// lost and comes back) when the driver offers more: a chain offered
+    /// again and again holds no more than that in the engine.
+    #[test]
+    fn more_chains_in_flight_than_the_queue_size_stop_the_queue() {
+        const SIZE: u16 = 16;
+        let group = Group::new(config(2));
+        let mem = ring_memory();
+        let mut ring = Ring::new(&mem, SIZE);
+        let b = backend(0, SIZE, &group, mem);
+        b.acked_features(0);
+        let metrics = group.metrics();
+        // Exactly the queue size in flight: all taken, all waiting for rank 1.
+        ring.offer(SIZE);
+        b.process_queue(0, &ring.vring);
+        assert_eq!(metrics.pending(), u64::from(SIZE));
+        assert_eq!(metrics.queue_overruns(), 0);
+        // One more while they are all in flight.
+        ring.offer(1);
+        b.process_queue(0, &ring.vring);
+        assert_eq!(metrics.pending(), u64::from(SIZE));
+        assert_eq!(metrics.queue_overruns(), 1);
+        // Ten times the queue size more: nothing taken, counted once.
+        for _ in 0..10 {
+            ring.offer(SIZE / 2);
+            b.process_queue(0, &ring.vring);
+        }
+        assert_eq!(metrics.pending(), u64::from(SIZE));
+        assert_eq!(metrics.queue_overruns(), 1);
+        assert_eq!(ring.used_idx(), 0);
+        // A loss drops the member's requests; when it comes back the queue
+        // is served again.
+        assert!(b.lose("test"));
+        assert_eq!(metrics.pending(), 0);
+        b.acked_features(0);
+        ring.vring
+            .set_queue_next_avail(ring.avail_idx.wrapping_sub(3));
+        b.process_queue(0, &ring.vring);
+        assert_eq!(metrics.pending(), 3);
+        assert_eq!(metrics.queue_overruns(), 1);
+    }
+
+    /// A driver that keeps the queue full, offering each chain again as
+    /// soon as it is used, never trips the bound: completions make room
+    /// before the driver can see them.
+    #[test]
+    fn a_full_queue_that_is_served_never_overruns() {
+        const SIZE: u16 = 8;
+        let group = Group::new(config(1));
+        let mem = ring_memory();
+        let mut ring = Ring::new(&mem, SIZE);
+        let b = backend(0, SIZE, &group, mem);
+        b.acked_features(0);
+        for _ in 0..50 {
+            let used = ring.used_idx();
+            let in_flight = ring.avail_idx.wrapping_sub(used);
+            ring.offer(SIZE - in_flight);
+            b.process_queue(0, &ring.vring);
+        }
+        assert_eq!(ring.used_idx(), 50 * SIZE);
+        assert_eq!(group.metrics().queue_overruns(), 0);
+        assert_eq!(group.metrics().pending(), 0);
+        let r = VirtioDmlcResp::read_from_bytes(
+            &ring
+                .mem
+                .read_obj::<[u8; RESP_SIZE]>(GuestAddress(RESPONSE))
+                .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(Status::from_raw(r.status.get()), Some(Status::Ok));
     }
 }

@@ -39,7 +39,7 @@ use zerocopy::IntoBytes;
 
 use crate::chain::{self, Limits, Request};
 use crate::datapath::{self, SegRef};
-use crate::metrics::Metrics;
+use crate::metrics::{Held, Metrics};
 use crate::GuestMem;
 
 /// Collectives that move at least this many bytes are split over the
@@ -154,6 +154,8 @@ struct Arrival {
     mem: Arc<GuestMem>,
     done: Arc<dyn Completion>,
     at: Instant,
+    /// Counts the request in `dmlc_requests_pending` while it lives.
+    _held: Held,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -332,6 +334,13 @@ impl Group {
     /// calls before `member_ready` are the same loss and change nothing, so
     /// the glue may call this from every place that sees the loss.
     ///
+    /// A [`Group::submit`] of `rank` may be under way on another thread
+    /// meanwhile: its chain is dropped (the gate it read no longer matches
+    /// under the state lock), or, if it was filed first and completed a
+    /// collective, that collective runs to its end on the submitting thread
+    /// with its own hold on every member's memory, the other members get
+    /// its result, and `rank`'s completion is dropped.
+    ///
     /// Waits for completions of `rank` under way: must not be called from
     /// inside a [`Completion::complete`] or while holding a lock that one
     /// takes.
@@ -476,6 +485,7 @@ impl Group {
             mem: mem.clone(),
             done: done.clone(),
             at: now,
+            _held: sh.metrics.hold(),
         };
         let mut st = lock(&sh.state);
         let m = &mut st.members[rank as usize];

@@ -7,6 +7,7 @@
 
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use virtio_dmlc::{Opcode, Status};
@@ -46,6 +47,22 @@ pub struct Metrics {
     skew_count: AtomicU64,
     generation: AtomicU64,
     members_connected: AtomicU64,
+    /// Valid requests the engine holds (waiting for their collective, or in
+    /// one that runs); shared with every [`Held`] token.
+    pending: Arc<AtomicU64>,
+    /// Queues stopped because their driver had more requests in flight
+    /// than the queue size.
+    queue_overruns: AtomicU64,
+}
+
+/// One request counted in `dmlc_requests_pending` until it is dropped.
+#[derive(Debug)]
+pub struct Held(Arc<AtomicU64>);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl Metrics {
@@ -117,6 +134,29 @@ impl Metrics {
     pub fn set_members_connected(&self, members: u32) {
         self.members_connected
             .store(u64::from(members), Ordering::Relaxed);
+    }
+
+    /// A valid request entered the engine; it counts as pending until the
+    /// returned token is dropped.
+    pub fn hold(&self) -> Held {
+        self.pending.fetch_add(1, Ordering::Relaxed);
+        Held(self.pending.clone())
+    }
+
+    /// A queue was stopped: its driver had more requests in flight than
+    /// the queue size.
+    pub fn queue_overrun(&self) {
+        self.queue_overruns.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Valid requests the engine holds now.
+    pub fn pending(&self) -> u64 {
+        self.pending.load(Ordering::Relaxed)
+    }
+
+    /// Queues stopped for having more requests in flight than their size.
+    pub fn queue_overruns(&self) -> u64 {
+        self.queue_overruns.load(Ordering::Relaxed)
     }
 
     /// Collectives completed with status OK for `opcode`.
@@ -266,6 +306,20 @@ impl Metrics {
             "gauge",
             load(&self.members_connected),
         );
+        simple(
+            &mut out,
+            "dmlc_requests_pending",
+            "Valid requests held by the engine: waiting for their collective, or in one that runs.",
+            "gauge",
+            load(&self.pending),
+        );
+        simple(
+            &mut out,
+            "dmlc_queue_overruns_total",
+            "Queues stopped until device reset because their driver had more requests in flight than the queue size.",
+            "counter",
+            load(&self.queue_overruns),
+        );
         out
     }
 }
@@ -303,7 +357,13 @@ mod tests {
         m.no_status();
         m.set_generation(3);
         m.set_members_connected(2);
+        let held = [m.hold(), m.hold()];
+        m.queue_overrun();
         let t = m.render();
+        assert_eq!(value(&t, "dmlc_requests_pending"), "2");
+        assert_eq!(value(&t, "dmlc_queue_overruns_total"), "1");
+        drop(held);
+        assert_eq!(m.pending(), 0);
         assert_eq!(value(&t, "dmlc_requests_total{opcode=\"allreduce\"}"), "1");
         assert_eq!(
             value(&t, "dmlc_collectives_total{opcode=\"allreduce\"}"),

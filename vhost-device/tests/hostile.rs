@@ -322,6 +322,17 @@ impl Rig {
             .map_or(0, |v| v.parse().unwrap())
     }
 
+    /// The value of the metrics series `series` (a counter or a gauge).
+    fn metric(&self, series: &str) -> u64 {
+        let port = self.metrics.expect("a rig with metrics");
+        let (_, _, body) = http_get(port, "/metrics");
+        body.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+            .unwrap_or_else(|| panic!("{series} missing in\n{body}"))
+            .parse()
+            .unwrap()
+    }
+
     /// The honest members submit the valid allreduce, and this returns once
     /// the daemon has taken every one of them: a loss after that fails them
     /// all (one taken after a loss would belong to the new generation).
@@ -1424,7 +1435,8 @@ fn ring_indices_jumping() {
     cases += 1;
 
     // The same head made available twice while in flight: two requests
-    // (the ring does not forbid it to the device); both are served.
+    // (the ring does not forbid it to the device, as long as no more
+    // chains are in flight than the queue size); both are served.
     let honest = rig.honest();
     let first: Vec<Pending> = honest.iter().map(|&r| rig.submit_std(r)).collect();
     let mine = rig.submit_std(h);
@@ -1461,6 +1473,126 @@ fn ring_indices_jumping() {
     cases += 1;
 
     println!("hostile: {cases} ring-index cases, daemon alive, canaries intact");
+}
+
+/// A driver that makes one chain available again and again while it is in
+/// flight (10 times the queue size) gets no more than the queue size of
+/// requests into the daemon's engine: past that the queue is stopped until
+/// the device is reset (warned once, counted in
+/// `dmlc_queue_overruns_total`). The requests taken before take part in
+/// their collectives as usual, the honest members keep being served, and
+/// every canary holds.
+#[test]
+fn one_chain_made_available_again_and_again() {
+    let mut rig = Rig::with_metrics(3, 1, &["--timeout-ms", "30000"]);
+    let h = rig.hostile;
+    let size = u64::from(QUEUE_SIZE);
+    let taken_before = rig.taken();
+    let overruns = "dmlc_queue_overruns_total";
+    let pending = "dmlc_requests_pending";
+    assert_eq!(rig.metric(pending), 0);
+
+    // The hostile member's valid request for this round, then copies of
+    // its head in batches no bigger than the ring has room for.
+    let mine = rig.submit_std(h);
+    let started = Instant::now();
+    let (flood, batch) = (10 * QUEUE_SIZE, QUEUE_SIZE / 4);
+    let mut offered = 1u64;
+    let mut peak = 0;
+    let mut stopped = false;
+    for _ in 0..flood / batch {
+        let p = rig.bad();
+        for _ in 0..batch {
+            p.m.publish_head(0, mine.head);
+        }
+        p.m.kick(0);
+        offered += u64::from(batch);
+        // Until the daemon took the batch, or stopped the queue.
+        let deadline = Instant::now() + PATIENCE;
+        while !stopped {
+            stopped = rig.metric(overruns) > 0;
+            if rig.taken() - taken_before == offered {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the daemon neither took nor refused the chains"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        peak = peak.max(rig.metric(pending));
+    }
+    let flooded = started.elapsed();
+    let taken = rig.taken() - taken_before;
+    println!(
+        "hostile: {} copies of a request offered in {:.0} ms on a queue of {size}: \
+         {taken} taken, at most {peak} requests pending",
+        offered - 1,
+        flooded.as_secs_f64() * 1e3
+    );
+    assert!(stopped, "the queue was never stopped");
+    assert_eq!(taken, size, "requests taken from the flooded queue");
+    assert!(peak <= size, "{peak} requests pending");
+    assert_eq!(rig.metric(pending), size);
+    assert_eq!(rig.metric(overruns), 1);
+    assert_eq!(
+        rig.daemon.log().matches("requests in flight").count(),
+        1,
+        "one warning"
+    );
+    rig.check("flooded queue");
+
+    // The honest members' collective with the hostile member's first
+    // request completes as usual, on every member.
+    let honest = rig.honest();
+    let first: Vec<Pending> = honest.iter().map(|&r| rig.submit_std(r)).collect();
+    for (&r, pend) in honest.iter().zip(&first) {
+        rig.finish_ok(r, pend, "beside a flooded queue");
+    }
+    rig.finish_ok(h, &mine, "first of a flooded chain");
+    rig.round += 1;
+    // Their next one meets a copy (the previous round's tag): MISMATCH at
+    // once, not a hang.
+    let second: Vec<Pending> = honest.iter().map(|&r| rig.submit_std(r)).collect();
+    for (&r, pend) in honest.iter().zip(&second) {
+        let peer = rig.peer(r);
+        let (head, _) = peer.m.wait_used(0);
+        assert_eq!(head, pend.head);
+        let resp = peer.resp(pend.resp);
+        assert_eq!(
+            status_of(&resp),
+            (Some(Status::Mismatch), virtio_dmlc::mismatch::TAG),
+            "rank {r} after a flood"
+        );
+        assert_eq!(resp.peer.get(), h);
+    }
+    let (head, _) = rig.bad().m.wait_used(0);
+    assert_eq!(head, mine.head);
+    rig.round += 1;
+    // The stopped queue takes nothing new, even with room in the engine.
+    let fresh = rig.submit_std(h);
+    assert_eq!(
+        rig.bad().m.wait_used_for(0, Duration::from_millis(200)),
+        None
+    );
+    assert!(rig.bad().unchanged(fresh.resp));
+    assert_eq!(rig.metric(pending), size - 2);
+    rig.check("stopped queue");
+
+    // A reset (here: a reconnect) drops the copies and serves the queue again.
+    rig.reconnect_hostile();
+    rig.generation += 1;
+    let deadline = Instant::now() + PATIENCE;
+    while rig.metric(pending) != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "copies still pending after the reset"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    rig.allreduce_all("after a flooded queue");
+    assert_eq!(rig.metric(overruns), 1);
+    println!("hostile: flooded queue bounded, daemon alive, canaries intact");
 }
 
 // ---- vhost-user messages ------------------------------------------------

@@ -1284,3 +1284,78 @@ fn members_are_active_only_after_ready() {
         .contains("dmlc_members_connected 1"));
     assert_eq!(group.generation(), 2);
 }
+
+/// A member lost while a collective that its own (last) arrival completed
+/// runs on its thread: the others' waiting collectives fail with PEER_LOST
+/// at once, not when the data movement ends; the running collective ends
+/// normally for the others, with the right result; the lost member's
+/// completion is dropped. This is what lets the backend report a loss
+/// without waiting for its worker to leave `submit`.
+#[test]
+fn loss_while_the_lost_members_submission_runs_a_collective() {
+    let n = 2;
+    let mut rng = Rng::new(43);
+    // 16 MiB per member: long enough to run in a debug build that the loss
+    // lands in the middle of it.
+    let c = Coll::new(Opcode::Allreduce, Dtype::I32, ReduceOp::Sum, 4 << 20);
+    let inputs = c.inputs(n, &mut rng);
+    let mut w = World::with_region(config(n), 20 << 20);
+    let built: Vec<Built> = (0..n)
+        .map(|r| build(&mut w, r, &c.header(false), &inputs[r as usize], &[]))
+        .collect();
+    let big0 = w.submit(0, 0, &built[0].descs);
+    let d = barrier_descs(&mut w, 0);
+    let barrier = w.submit(0, 1, &d);
+    let want = c.expected(&inputs, &[false; 2]);
+    let (group, hub, mut parts) = w.into_parts();
+    let (mut m1, done1) = parts.pop().unwrap();
+    let (m0, _) = parts.pop().unwrap();
+    let descs1 = built[1].descs.clone();
+    let runner = {
+        let group = group.clone();
+        std::thread::spawn(move || {
+            let t = Instant::now();
+            let p = m1.submit(&group, 1, 0, &descs1, &done1);
+            (p, t.elapsed())
+        })
+    };
+    // The collective runs once its skew is recorded.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while group.metrics().skew_count() == 0 {
+        assert!(Instant::now() < deadline, "the collective never ran");
+        std::thread::yield_now();
+    }
+    let lost = Instant::now();
+    group.member_lost(1);
+    let done = hub
+        .wait_for(&barrier, Duration::from_secs(10))
+        .expect("the waiting barrier failed");
+    let failed_after = lost.elapsed();
+    let still_running = !runner.is_finished();
+    let b = m0.read(barrier.resp, RESP_SIZE);
+    let r = <VirtioDmlcResp as zerocopy::FromBytes>::read_from_bytes(&b).unwrap();
+    assert_eq!(r, resp(Status::PeerLost, 0, 1, 2));
+    assert_eq!(done.written as usize, RESP_SIZE);
+
+    let (p1, ran_for) = runner.join().unwrap();
+    eprintln!(
+        "16 MiB allreduce ran {:.1} ms on the lost member's thread; the barrier \
+         failed {:.3} ms after the loss",
+        ran_for.as_secs_f64() * 1e3,
+        failed_after.as_secs_f64() * 1e3
+    );
+    assert!(
+        still_running,
+        "the collective ended before the barrier failed"
+    );
+    let done = hub
+        .wait_for(&big0, Duration::from_secs(10))
+        .expect("rank 0's allreduce completed");
+    let b = m0.read(big0.resp, RESP_SIZE);
+    let r = <VirtioDmlcResp as zerocopy::FromBytes>::read_from_bytes(&b).unwrap();
+    assert_eq!(r, ok_resp(2));
+    assert!(done.written > 0);
+    assert!(m0.gather(&built[0].outputs) == want[0], "rank 0's sum");
+    assert!(hub.wait_for(&p1, Duration::from_millis(50)).is_none());
+    assert_eq!(group.metrics().pending(), 0);
+}
