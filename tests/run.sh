@@ -2,9 +2,10 @@
 # The project's test command (README: "Run the tests").
 #
 # Installs what it needs, then runs, in order: rustfmt and clippy checks, the
-# unit and integration tests of every crate (backend, driver, C ABI) over
-# real vhost-user sockets, and last the system tests, which boot QEMU VMs
-# with the virtio-dmlc device (tests/system/).
+# unit and integration tests of every crate (backend, driver, C ABI, hostile
+# frontends, faults) over real vhost-user sockets, a short soak, a short
+# fuzzing run, and last the system tests, which boot QEMU VMs with the
+# virtio-dmlc device (tests/system/).
 #
 # Environment:
 #   CI=true            a test that cannot run on this machine fails instead of skipping
@@ -40,6 +41,13 @@ cargo build --workspace --locked
 
 step "cargo test --workspace"
 cargo test --workspace --locked --no-fail-fast
+
+step "soak: 2 daemons x 4 host ranks, every completion checked (short run)"
+# The full run is dmlc-soak with its defaults: 1,000,000 small and 1,000
+# 16 MiB allreduces per group (docs/reliability.md).
+cargo build --release --locked -p dmlc-soak -p vhost-device-dmlc
+target/release/dmlc-soak --small 100000 --large 100 --progress-secs 0
+target/release/dmlc-soak --small 20000 --large 10 --kill-one --progress-secs 0
 
 step "system tests: patched QEMU (built once, then cached)"
 stage_start=$SECONDS
