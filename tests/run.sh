@@ -49,6 +49,12 @@ cargo build --release --locked -p dmlc-soak -p vhost-device-dmlc
 target/release/dmlc-soak --small 100000 --large 100 --progress-secs 0
 target/release/dmlc-soak --small 20000 --large 10 --kill-one --progress-secs 0
 
+step "fuzzing: lint, then 60 s per target (cargo-fuzz, cached after the first install)"
+# The long run is fuzz/run.sh 600 (fuzz/README.md, docs/reliability.md).
+cargo fmt --manifest-path fuzz/Cargo.toml -- --check
+cargo clippy --manifest-path fuzz/Cargo.toml --all-targets --locked -- -D warnings
+fuzz/run.sh 60
+
 step "system tests: patched QEMU (built once, then cached)"
 stage_start=$SECONDS
 if qemu_env=$(qemu-patches/build-qemu.sh --env); then

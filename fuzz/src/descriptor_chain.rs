@@ -1,0 +1,313 @@
+//! Target `descriptor_chain`: free descriptor tables, indirect tables,
+//! addresses, lengths and flags, head index, queue size and memory layout.
+//!
+//! Input layout (little-endian; missing bytes read as 0):
+//!
+//! | bytes | field |
+//! |---|---|
+//! | 0 | memory layout ([`Layout::from_byte`]) |
+//! | 1 | queue: bits 0-3 give size `1 << (b % 9)`; bit 4 set: indirect descriptors negotiated (else the harness clears every INDIRECT flag) |
+//! | 2..4 | head index (u16): bit 15 set: `h & 0x7fff` as is, else `h % size` |
+//! | 4 | world size `1 + b % 8` |
+//! | 5 | rank `b % world` |
+//! | 6 | `max_segments` |
+//! | 7..11 | `max_bytes` (u32) |
+//! | 11 | how many specs fill the descriptor table (at most the queue size); the rest fill the indirect area |
+//! | 12..44 | the 32 bytes at the header slot |
+//! | 44.. | descriptor specs, 8 bytes each: flags byte, next (u8), offset (u16), len (u32) |
+//!
+//! Flags byte of a spec: bits 0-2 address mode, bit 3 NEXT, bit 4 WRITE,
+//! bit 5 INDIRECT, bit 6 adds 256 to next. Address modes, with `off` the
+//! offset: 0 header slot + off, 1 response slot + off, 2 data area + off,
+//! 3 indirect area + off, 4 end of region A - off, 5 start of region B
+//! (or of the hole after A) + off, 6 end of the highest region - off,
+//! 7 `u64::MAX - off`.
+
+use vhost_device_dmlc::chain::Limits;
+use virtio_dmlc::{bad, Dtype, Opcode, ReduceOp, Status, FLAG_IN_PLACE};
+use vm_memory::{Bytes, GuestAddress};
+
+use crate::check::{check, Outcome};
+use crate::guest::{
+    self, Hole, Layout, A_SIZE, DATA, DESC_TABLE, F_INDIRECT, HDR, INDIRECT, INDIRECT_ENTRIES, RESP,
+};
+use crate::request_header::header;
+use crate::{Input, Seed};
+
+/// One descriptor as the input gives it.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Spec {
+    pub flags: u8,
+    pub next: u8,
+    pub off: u16,
+    pub len: u32,
+}
+
+impl Spec {
+    pub const NEXT: u8 = 8;
+    pub const WRITE: u8 = 0x10;
+    pub const INDIRECT: u8 = 0x20;
+
+    /// A descriptor at address `mode`/`off` with `flags` (NEXT, WRITE,
+    /// INDIRECT bits of the spec) and `next`.
+    pub fn new(mode: u8, off: u16, len: u32, flags: u8, next: u8) -> Self {
+        Spec {
+            flags: mode | flags,
+            next,
+            off,
+            len,
+        }
+    }
+
+    fn addr(self, layout: Layout) -> u64 {
+        let off = u64::from(self.off);
+        match self.flags & 7 {
+            0 => HDR + off,
+            1 => RESP + off,
+            2 => DATA + off,
+            3 => INDIRECT + off,
+            4 => A_SIZE - off,
+            5 => layout
+                .b_start()
+                .unwrap_or(A_SIZE + 0x1000)
+                .wrapping_add(off),
+            6 => layout.end() - off,
+            _ => u64::MAX - off,
+        }
+    }
+
+    /// The virtio flags and next index.
+    fn raw(self, indirect_ok: bool) -> (u16, u16) {
+        let mut f = u16::from(self.flags >> 3) & 7;
+        if !indirect_ok {
+            f &= !F_INDIRECT;
+        }
+        let next = u16::from(self.next) + if self.flags & 0x40 != 0 { 256 } else { 0 };
+        (f, next)
+    }
+}
+
+/// The decoded input.
+#[derive(Clone, Debug, Default)]
+pub struct Case {
+    pub layout: u8,
+    pub queue: u8,
+    pub head: u16,
+    pub world: u8,
+    pub rank: u8,
+    pub max_segments: u8,
+    pub max_bytes: u32,
+    pub direct: u8,
+    pub header: [u8; 32],
+    pub specs: Vec<Spec>,
+}
+
+impl Case {
+    pub fn decode(data: &[u8]) -> Self {
+        let mut i = Input::new(data);
+        let mut c = Case {
+            layout: i.u8(),
+            queue: i.u8(),
+            head: i.u16(),
+            world: i.u8(),
+            rank: i.u8(),
+            max_segments: i.u8(),
+            max_bytes: i.u32(),
+            direct: i.u8(),
+            header: i.bytes(),
+            specs: Vec::new(),
+        };
+        while !i.is_empty() && c.specs.len() < usize::from(guest::MAX_QUEUE) + INDIRECT_ENTRIES {
+            c.specs.push(Spec {
+                flags: i.u8(),
+                next: i.u8(),
+                off: i.u16(),
+                len: i.u32(),
+            });
+        }
+        c
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut v = vec![self.layout, self.queue];
+        v.extend(self.head.to_le_bytes());
+        v.extend([self.world, self.rank, self.max_segments]);
+        v.extend(self.max_bytes.to_le_bytes());
+        v.push(self.direct);
+        v.extend(self.header);
+        for s in &self.specs {
+            v.extend([s.flags, s.next]);
+            v.extend(s.off.to_le_bytes());
+            v.extend(s.len.to_le_bytes());
+        }
+        v
+    }
+
+    fn queue_size(&self) -> u16 {
+        1 << ((self.queue & 0x0f) % 9)
+    }
+
+    fn limits(&self) -> Limits {
+        let world = 1 + u32::from(self.world) % 8;
+        Limits {
+            world_size: world,
+            rank: u32::from(self.rank) % world,
+            max_segments: u32::from(self.max_segments),
+            max_bytes: u64::from(self.max_bytes),
+        }
+    }
+}
+
+/// Runs one input.
+pub fn run(data: &[u8]) -> Outcome {
+    let case = Case::decode(data);
+    let layout = Layout::from_byte(case.layout);
+    let mem = guest::memory(layout);
+    let size = case.queue_size();
+    let indirect_ok = case.queue & 0x10 != 0;
+    mem.write_slice(&case.header, GuestAddress(HDR))
+        .expect("header slot is in the control area");
+    let direct = usize::from(case.direct).min(usize::from(size));
+    let (table, rest) = case.specs.split_at(direct.min(case.specs.len()));
+    let slots = (0..).map(|i| DESC_TABLE + 16 * i);
+    let ind_slots = (0..INDIRECT_ENTRIES as u64).map(|i| INDIRECT + 16 * i);
+    for (s, at) in table.iter().zip(slots).chain(rest.iter().zip(ind_slots)) {
+        let (flags, next) = s.raw(indirect_ok);
+        guest::write_desc(mem, at, s.addr(layout), s.len, flags, next);
+    }
+    let head = if case.head & 0x8000 != 0 {
+        case.head & 0x7fff
+    } else {
+        case.head % size
+    };
+    check(mem, guest::pop(mem, size, head), &case.limits())
+}
+
+/// Chains that exercise the walker: direct, indirect, across a region
+/// boundary, around a hole, a loop; with their expected outcomes.
+pub fn seeds() -> (Vec<Seed>, Vec<Outcome>) {
+    const N: u8 = Spec::NEXT;
+    const W: u8 = Spec::WRITE;
+    let sum = ReduceOp::Sum.raw();
+    let hdr = |next| Spec::new(0, 0, 32, N, next);
+    let resp = |mode, off| Spec::new(mode, off, 16, W, 0);
+    let two = |layout: Layout, h: [u8; 32], specs: Vec<Spec>| Case {
+        layout: layout.to_byte(),
+        queue: 4,
+        world: 1,
+        max_segments: 8,
+        max_bytes: 4096,
+        direct: specs.len() as u8,
+        header: h,
+        specs,
+        ..Case::default()
+    };
+    let allreduce = header(Opcode::Allreduce, Dtype::F32.raw(), sum, 0, 4, 0);
+    let plain = vec![
+        hdr(1),
+        Spec::new(2, 0, 16, N, 2),
+        Spec::new(2, 0x100, 16, W | N, 3),
+        resp(1, 0),
+    ];
+    let direct = two(Layout::SINGLE, allreduce, plain.clone());
+
+    let mut indirect = two(Layout::SINGLE, allreduce, plain);
+    indirect.queue |= 0x10;
+    indirect.direct = 1;
+    indirect
+        .specs
+        .insert(0, Spec::new(3, 0, 64, Spec::INDIRECT, 0));
+
+    let adjacent = Layout {
+        second: Some((0x1_0000, Hole::None)),
+    };
+    // f64 elements cut by the A/B boundary, in the input and the output.
+    let boundary = two(
+        adjacent,
+        header(Opcode::Allreduce, Dtype::F64.raw(), sum, 0, 4, 0),
+        vec![
+            hdr(1),
+            Spec::new(4, 13, 32, N, 2),
+            Spec::new(4, 20, 32, W | N, 3),
+            resp(5, 0x100),
+        ],
+    );
+
+    // Rank 1 of 2 in an allgather; data on both sides of a hole; a
+    // zero-length descriptor at the top of the address space.
+    let holed = Layout {
+        second: Some((0x1000, Hole::Page)),
+    };
+    let mut zero = two(
+        holed,
+        header(Opcode::Allgather, Dtype::I32.raw(), 0, 0, 2, 0),
+        vec![
+            hdr(1),
+            Spec::new(2, 0, 4, N, 2),
+            Spec::new(5, 0, 4, N, 3),
+            Spec::new(7, 0, 0, N, 4),
+            Spec::new(6, 16, 16, W | N, 5),
+            resp(2, 0x200),
+        ],
+    );
+    zero.rank = 1;
+
+    // Header and response pointing at each other: a loop.
+    let looped = two(
+        Layout::SINGLE,
+        allreduce,
+        vec![hdr(1), Spec::new(1, 0, 16, W | N, 0)],
+    );
+
+    // A barrier at head 5, its response in the top page of the address space.
+    let top = Layout {
+        second: Some((0x1_0000, Hole::Top)),
+    };
+    let mut specs = vec![Spec::default(); 5];
+    specs.extend([hdr(6), resp(6, 16)]);
+    let mut barrier = two(top, header(Opcode::Barrier, 0, 0, 0, 0, 0), specs);
+    barrier.head = 5;
+
+    // An in-place output that runs into the hole after region A.
+    let hole = two(
+        holed,
+        header(
+            Opcode::ReduceScatter,
+            Dtype::U8.raw(),
+            sum,
+            0,
+            8,
+            FLAG_IN_PLACE,
+        ),
+        vec![hdr(1), Spec::new(4, 8, 16, W | N, 2), resp(1, 0)],
+    );
+
+    let valid = Outcome::Valid { bounces: 0 };
+    let cases = [
+        ("direct", direct, valid),
+        ("indirect", indirect, valid),
+        ("boundary", boundary, Outcome::Valid { bounces: 2 }),
+        ("zero-length", zero, valid),
+        (
+            "loop",
+            looped,
+            Outcome::Rejected(Some((Status::BadRequest, bad::CHAIN))),
+        ),
+        ("barrier-top", barrier, valid),
+        (
+            "hole",
+            hole,
+            Outcome::Rejected(Some((Status::BadRequest, bad::ADDRESS))),
+        ),
+    ];
+    let mut seeds = Vec::new();
+    let mut want = Vec::new();
+    for (name, case, outcome) in cases {
+        seeds.push(Seed {
+            name,
+            bytes: case.encode(),
+        });
+        want.push(outcome);
+    }
+    (seeds, want)
+}
