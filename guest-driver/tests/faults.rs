@@ -106,7 +106,7 @@ impl Allreduce {
             &[self.input.all()],
             &[self.output.all()],
         )
-            .expect("submit")
+        .expect("submit")
     }
 
     /// Checks the output against the sum over `world` ranks.

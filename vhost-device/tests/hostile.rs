@@ -421,6 +421,25 @@ impl Rig {
         );
     }
 
+    /// Waits for each honest member's `pending` request and checks that it
+    /// met a copy of the hostile member's previous request: a tag mismatch
+    /// naming the hostile rank.
+    fn finish_tag_mismatch(&mut self, honest: &[u32], pending: &[Pending], what: &str) {
+        let h = self.hostile;
+        for (&r, pend) in honest.iter().zip(pending) {
+            let peer = self.peer(r);
+            let (head, _) = peer.m.wait_used(0);
+            assert_eq!(head, pend.head, "{what}: rank {r} completion order");
+            let resp = peer.resp(pend.resp);
+            assert_eq!(
+                status_of(&resp),
+                (Some(Status::Mismatch), virtio_dmlc::mismatch::TAG),
+                "{what}: rank {r}"
+            );
+            assert_eq!(resp.peer.get(), h, "{what}: rank {r} peer");
+        }
+    }
+
     /// Waits for `p` of `rank` and checks it failed with `status`, naming
     /// `peer_rank`, in the current generation.
     fn finish_failed(
@@ -1450,16 +1469,7 @@ fn ring_indices_jumping() {
     rig.round += 1;
     let second: Vec<Pending> = honest.iter().map(|&r| rig.submit_std(r)).collect();
     // The doubled request carries the previous round's tag: a mismatch.
-    for (&r, pend) in honest.iter().zip(&second) {
-        let peer = rig.peer(r);
-        let (head, _) = peer.m.wait_used(0);
-        assert_eq!(head, pend.head);
-        let resp = peer.resp(pend.resp);
-        assert_eq!(
-            status_of(&resp),
-            (Some(Status::Mismatch), virtio_dmlc::mismatch::TAG)
-        );
-    }
+    rig.finish_tag_mismatch(&honest, &second, "doubled head");
     let p = rig.bad();
     let (head, _) = p.m.wait_used(0);
     assert_eq!(head, mine.head);
@@ -1554,18 +1564,7 @@ fn one_chain_made_available_again_and_again() {
     // Their next one meets a copy (the previous round's tag): MISMATCH at
     // once, not a hang.
     let second: Vec<Pending> = honest.iter().map(|&r| rig.submit_std(r)).collect();
-    for (&r, pend) in honest.iter().zip(&second) {
-        let peer = rig.peer(r);
-        let (head, _) = peer.m.wait_used(0);
-        assert_eq!(head, pend.head);
-        let resp = peer.resp(pend.resp);
-        assert_eq!(
-            status_of(&resp),
-            (Some(Status::Mismatch), virtio_dmlc::mismatch::TAG),
-            "rank {r} after a flood"
-        );
-        assert_eq!(resp.peer.get(), h);
-    }
+    rig.finish_tag_mismatch(&honest, &second, "after a flood");
     let (head, _) = rig.bad().m.wait_used(0);
     assert_eq!(head, mine.head);
     rig.round += 1;
