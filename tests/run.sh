@@ -48,6 +48,7 @@ step "soak: 2 daemons x 4 host ranks, every completion checked (short run)"
 cargo build --release --locked -p dmlc-soak -p vhost-device-dmlc
 target/release/dmlc-soak --small 100000 --large 100 --progress-secs 0
 target/release/dmlc-soak --small 20000 --large 10 --kill-one --progress-secs 0
+target/release/dmlc-soak --small 20000 --large 10 --kill-daemon --progress-secs 0
 
 step "fuzzing: lint, then 60 s per target (cargo-fuzz, cached after the first install)"
 # The long run is fuzz/run.sh 600 (fuzz/README.md, docs/reliability.md).

@@ -30,8 +30,16 @@ pub enum ArgsError {
     NoWork,
     #[error("--kill-one needs at least 2 groups and 2 ranks")]
     KillNeedsTwo,
-    #[error("--kill-one needs at least --rounds small collectives ({rounds}), not {small}")]
-    KillNeedsSmall { small: u64, rounds: u32 },
+    #[error("--kill-daemon needs at least 2 groups")]
+    KillDaemonNeedsTwo,
+    #[error("{flag} needs at least --rounds small collectives ({rounds}), not {small}")]
+    KillNeedsSmall {
+        flag: &'static str,
+        small: u64,
+        rounds: u32,
+    },
+    #[error("--kill-one and --kill-daemon both stop group B half way: give one of them")]
+    KillBoth,
     #[error("--timeout-ms must be at least 1")]
     Timeout,
 }
@@ -57,7 +65,8 @@ pub enum ArgsError {
     after_help = "Examples:\n  \
       dmlc-soak                                   # the full soak: 1e6 small + 1000 x 16 MiB, 2 groups of 4\n  \
       dmlc-soak --small 20000 --large 40 --json soak.json\n  \
-      dmlc-soak --small 2000 --large 4 --kill-one  # close a rank of group B half way\n\n\
+      dmlc-soak --small 2000 --large 4 --kill-one  # close a rank of group B half way\n  \
+      dmlc-soak --small 2000 --large 4 --kill-daemon  # kill -9 group B's daemon half way\n\n\
       Exit status: 0 every check passed, 1 a check failed or the run could not start, 2 bad options."
 )]
 pub struct Args {
@@ -113,6 +122,13 @@ pub struct Args {
     #[arg(long)]
     pub kill_one: bool,
 
+    /// Half way through, kill -9 group B's daemon with requests in flight;
+    /// B's ranks must see the transport error (device backend
+    /// disconnected) within 2 s and stop, the other groups must finish
+    /// with every check passing. Not with --kill-one.
+    #[arg(long)]
+    pub kill_daemon: bool,
+
     /// The daemon binary [default: vhost-device-dmlc next to this program].
     #[arg(long, value_name = "PATH", env = "DMLC_BACKEND_BIN")]
     pub backend: Option<PathBuf>,
@@ -166,12 +182,20 @@ impl Args {
         if self.small == 0 && self.large == 0 {
             return Err(ArgsError::NoWork);
         }
-        if self.kill_one {
-            if self.groups < 2 || self.ranks < 2 {
-                return Err(ArgsError::KillNeedsTwo);
-            }
+        if self.kill_one && self.kill_daemon {
+            return Err(ArgsError::KillBoth);
+        }
+        if self.kill_one && (self.groups < 2 || self.ranks < 2) {
+            return Err(ArgsError::KillNeedsTwo);
+        }
+        if self.kill_daemon && self.groups < 2 {
+            return Err(ArgsError::KillDaemonNeedsTwo);
+        }
+        if let Some(flag) = self.kill_flag() {
+            // The kill follows a small collective of the middle round.
             if self.small < u64::from(self.rounds) {
                 return Err(ArgsError::KillNeedsSmall {
+                    flag,
                     small: self.small,
                     rounds: self.rounds,
                 });
@@ -181,6 +205,17 @@ impl Args {
             return Err(ArgsError::Timeout);
         }
         Ok(())
+    }
+
+    /// The kill option given, if any.
+    pub fn kill_flag(&self) -> Option<&'static str> {
+        if self.kill_one {
+            Some("--kill-one")
+        } else if self.kill_daemon {
+            Some("--kill-daemon")
+        } else {
+            None
+        }
     }
 }
 
@@ -236,7 +271,7 @@ mod tests {
         );
         assert_eq!((a.small_bytes, a.large_bytes), (64, 16 << 20));
         assert_eq!(a.max_rss_growth, 4 << 20);
-        assert!(!a.poll && !a.kill_one);
+        assert!(!a.poll && !a.kill_one && !a.kill_daemon);
         assert_eq!(a.validate(), Ok(()));
     }
 
@@ -279,14 +314,30 @@ mod tests {
             (
                 &["--kill-one", "--small", "3"],
                 ArgsError::KillNeedsSmall {
+                    flag: "--kill-one",
                     small: 3,
                     rounds: 20,
                 },
             ),
+            (
+                &["--kill-daemon", "--groups", "1"],
+                ArgsError::KillDaemonNeedsTwo,
+            ),
+            (
+                &["--kill-daemon", "--small", "3"],
+                ArgsError::KillNeedsSmall {
+                    flag: "--kill-daemon",
+                    small: 3,
+                    rounds: 20,
+                },
+            ),
+            (&["--kill-one", "--kill-daemon"], ArgsError::KillBoth),
         ];
         for (extra, want) in cases {
             assert_eq!(args(extra).validate().as_ref(), Err(want), "{extra:?}");
         }
+        // One rank per group is enough to kill a daemon.
+        assert_eq!(args(&["--kill-daemon", "--ranks", "1"]).validate(), Ok(()));
         // A size is not checked where its kind is not run.
         assert_eq!(
             args(&["--large", "0", "--large-bytes", "3"]).validate(),

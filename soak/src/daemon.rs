@@ -188,8 +188,14 @@ impl Daemon {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
+        // Already reaped (it died, or --kill-daemon killed it): its pid
+        // may belong to another process now, so signal nothing.
+        if let Ok(Some(_)) = self.child.try_wait() {
+            return;
+        }
         // SIGTERM first: the daemon removes its sockets; then make sure.
-        // SAFETY: kill(2) on our own child's pid, not yet reaped.
+        // SAFETY: kill(2) on our own child's pid, not yet reaped (checked
+        // just above; only this thread reaps it).
         unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
         let deadline = Instant::now() + Duration::from_secs(2);
         while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {

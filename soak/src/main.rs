@@ -10,8 +10,9 @@ mod rank;
 mod report;
 
 use std::error::Error as _;
+use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
-use std::process::ExitCode;
+use std::process::{ExitCode, ExitStatus};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -21,8 +22,8 @@ use thiserror::Error;
 use crate::args::{Args, ArgsError, QUEUE_SIZE};
 use crate::daemon::{Daemon, DaemonError, DaemonSpec, TempDir};
 use crate::pattern::Kind;
-use crate::rank::{Global, GroupShared, Plan, RankReport, INTERRUPTED};
-use crate::report::{GroupResult, Limits};
+use crate::rank::{Global, GroupShared, Kill, KillWhat, Plan, RankReport, INTERRUPTED};
+use crate::report::{DaemonKill, GroupResult, Limits};
 
 #[derive(Debug, Error)]
 enum SoakError {
@@ -116,18 +117,56 @@ fn plan_of(args: &Args) -> Plan {
         dma_bytes: dma_bytes(args),
         queue_size: QUEUE_SIZE,
     };
-    if args.kill_one {
+    let what = if args.kill_one {
+        Some(KillWhat::Rank)
+    } else if args.kill_daemon {
+        Some(KillWhat::Daemon)
+    } else {
+        None
+    };
+    if let Some(what) = what {
+        // The last rank of group B, in the middle of the middle round.
         let r = plan.range(Kind::Small, args.rounds / 2);
-        plan.kill = Some((1, args.ranks - 1, r.start + (r.end - r.start) / 2));
+        plan.kill = Some(Kill {
+            what,
+            group: 1,
+            rank: args.ranks - 1,
+            seq: r.start + (r.end - r.start) / 2,
+        });
     }
     plan
+}
+
+/// What the progress line says once the kill happened.
+fn kill_label(plan: &Plan) -> &'static str {
+    match plan.kill.map(|k| k.what) {
+        Some(KillWhat::Daemon) => "group B's daemon killed",
+        _ => "group B's rank closed",
+    }
+}
+
+/// The daemon's exit status if it has exited; reaps it under the group's
+/// lock, so that --kill-daemon never signals a reaped (reusable) pid.
+fn reap(d: &mut Daemon, sh: &GroupShared) -> Option<ExitStatus> {
+    let mut reaped = sh.reaped.lock().unwrap_or_else(|e| e.into_inner());
+    let st = d.exited();
+    *reaped |= st.is_some();
+    st
+}
+
+/// True if `g`'s daemon exiting is the --kill-daemon kill, not a failure.
+fn expected_exit(plan: &Plan, sh: &GroupShared) -> bool {
+    sh.killed_at().is_some()
+        && plan
+            .kill
+            .is_some_and(|k| k.what == KillWhat::Daemon && k.group == sh.index)
 }
 
 fn config_json(args: &Args, plan: &Plan) -> String {
     format!(
         "{{\"groups\": {}, \"ranks\": {}, \"small\": {}, \"small_bytes\": {}, \"window\": {}, \
          \"large\": {}, \"large_bytes\": {}, \"rounds\": {}, \"poll\": {}, \"kill_one\": {}, \
-         \"max_rss_growth\": {}, \"max_stall_ms\": {}, \"timeout_ms\": {}, \"dma_bytes\": {}}}",
+         \"kill_daemon\": {}, \"max_rss_growth\": {}, \"max_stall_ms\": {}, \"timeout_ms\": {}, \"dma_bytes\": {}}}",
         args.groups,
         args.ranks,
         args.small,
@@ -138,6 +177,7 @@ fn config_json(args: &Args, plan: &Plan) -> String {
         args.rounds,
         args.poll,
         args.kill_one,
+        args.kill_daemon,
         args.max_rss_growth,
         args.max_stall_ms,
         args.timeout_ms,
@@ -171,7 +211,7 @@ fn run(args: &Args) -> Result<bool, SoakError> {
         args.large_bytes,
         args.rounds,
         if args.poll { "poll" } else { "interrupt" },
-        if args.kill_one { ", --kill-one" } else { "" },
+        args.kill_flag().map_or(String::new(), |f| format!(", {f}")),
         backend.display()
     );
     // Declared before the daemons so it is removed after they stop.
@@ -197,7 +237,7 @@ fn run(args: &Args) -> Result<bool, SoakError> {
         .collect();
     let global = Global::default();
     let started = Instant::now();
-    let mut daemon_exit: Vec<Option<String>> = vec![None; daemons.len()];
+    let mut daemon_exit: Vec<Option<ExitStatus>> = vec![None; daemons.len()];
 
     let reports: Vec<Vec<RankReport>> = std::thread::scope(|s| {
         let mut handles = Vec::new();
@@ -233,13 +273,17 @@ fn run(args: &Args) -> Result<bool, SoakError> {
             std::thread::sleep(tick);
             for (g, d) in daemons.iter_mut().enumerate() {
                 if daemon_exit[g].is_none() {
-                    if let Some(st) = d.exited() {
-                        eprintln!(
-                            "dmlc-soak: the daemon of group {} exited ({st})",
-                            group_name(g)
-                        );
-                        daemon_exit[g] = Some(st.to_string());
-                        shared[g].abort.store(true, Ordering::SeqCst);
+                    if let Some(st) = reap(d, &shared[g]) {
+                        daemon_exit[g] = Some(st);
+                        // After --kill-daemon the ranks must find out
+                        // by themselves: that is what is measured.
+                        if !expected_exit(&plan, &shared[g]) {
+                            eprintln!(
+                                "dmlc-soak: the daemon of group {} exited ({st})",
+                                group_name(g)
+                            );
+                            shared[g].abort.store(true, Ordering::SeqCst);
+                        }
                     }
                 }
             }
@@ -263,7 +307,7 @@ fn run(args: &Args) -> Result<bool, SoakError> {
                     prev[g] = (sm, lg);
                 }
                 if sh_killed(&shared) {
-                    line.push_str(" (group B's rank closed)");
+                    line.push_str(&format!(" ({})", kill_label(&plan)));
                 }
                 println!("{}", line.trim_end_matches(';'));
             }
@@ -290,6 +334,18 @@ fn run(args: &Args) -> Result<bool, SoakError> {
     if INTERRUPTED.load(Ordering::SeqCst) {
         return Err(SoakError::Interrupted);
     }
+    // A daemon may have exited since the last look; the killed one may
+    // take a moment to be gone.
+    for (g, d) in daemons.iter_mut().enumerate() {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while daemon_exit[g].is_none() {
+            daemon_exit[g] = reap(d, &shared[g]);
+            if !expected_exit(&plan, &shared[g]) || Instant::now() > deadline {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
 
     let limits = Limits {
         max_rss_growth: args.max_rss_growth,
@@ -300,7 +356,18 @@ fn run(args: &Args) -> Result<bool, SoakError> {
         .zip(shared)
         .zip(daemon_exit)
         .map(|((ranks, sh), exit)| {
-            let victim = sh.killed_at().is_some();
+            let killed = sh.killed_at().is_some();
+            let kill = plan.kill.filter(|k| k.group == sh.index && killed);
+            let victim = kill.is_some_and(|k| k.what == KillWhat::Rank);
+            let daemon_kill = kill
+                .filter(|k| k.what == KillWhat::Daemon)
+                .map(|k| DaemonKill {
+                    round: args.rounds / 2,
+                    seq: k.seq,
+                    exit: exit.map(|st| (st.to_string(), st.signal())),
+                });
+            // The killed daemon's exit is judged as part of the kill.
+            let exit = exit.filter(|_| daemon_kill.is_none());
             let g = GroupResult {
                 name: sh.name,
                 group_id: id_base + sh.index as u64,
@@ -308,8 +375,9 @@ fn run(args: &Args) -> Result<bool, SoakError> {
                 ranks,
                 samples: sh.samples.into_inner().unwrap_or_else(|e| e.into_inner()),
                 rounds: sh.rounds.into_inner().unwrap_or_else(|e| e.into_inner()),
-                daemon_exit: exit,
+                daemon_exit: exit.map(|st| st.to_string()),
                 victim,
+                daemon_kill,
             };
             let f = report::evaluate(&plan, &limits, &g);
             (g, f)
@@ -320,11 +388,20 @@ fn run(args: &Args) -> Result<bool, SoakError> {
         passed = false;
         eprintln!("dmlc-soak: --kill-one did not close a rank");
     }
+    if args.kill_daemon && !results.iter().any(|(g, _)| g.daemon_kill.is_some()) {
+        passed = false;
+        eprintln!("dmlc-soak: --kill-daemon did not kill a daemon");
+    }
     println!("\nfinished in {:.1} s", wall.as_secs_f64());
     print!("{}", report::table(&results));
     print!(
         "{}",
-        report::details(&results, args.kill_one.then_some(args.rounds / 2))
+        report::details(
+            &results,
+            plan.kill
+                .is_some()
+                .then(|| (args.rounds / 2, kill_label(&plan)))
+        )
     );
     if let Some(path) = &args.json {
         let text = report::json(&config_json(args, &plan), wall, passed, &results);
@@ -356,6 +433,25 @@ mod tests {
     fn kill_one_picks_the_middle_of_group_b() {
         let a = Args::try_parse_from(["dmlc-soak", "--kill-one", "--small", "2000"]).unwrap();
         let p = plan_of(&a);
-        assert_eq!(p.kill, Some((1, 3, 1050)));
+        let want = Kill {
+            what: KillWhat::Rank,
+            group: 1,
+            rank: 3,
+            seq: 1050,
+        };
+        assert_eq!(p.kill, Some(want));
+        let a = Args::try_parse_from(["dmlc-soak", "--kill-daemon", "--small", "2000"]).unwrap();
+        let p = plan_of(&a);
+        assert_eq!(
+            p.kill,
+            Some(Kill {
+                what: KillWhat::Daemon,
+                ..want
+            })
+        );
+        assert_eq!(
+            plan_of(&Args::try_parse_from(["dmlc-soak"]).unwrap()).kill,
+            None
+        );
     }
 }

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use dmlc_guest::transport::TransportError;
 use dmlc_guest::{Device, DmaBuf, Done, Dtype, Error, Handle, OpenOptions, ReduceOp, Request};
 use virtio_dmlc::Opcode;
 
@@ -16,14 +17,33 @@ use crate::pattern::{Kind, Pattern, POISON};
 /// How long one `Device::wait` call blocks before the rank looks at the
 /// stop flags.
 const WAIT_SLICE: Duration = Duration::from_millis(250);
-/// After group B's rank is closed, how long its peers wait for an outcome
-/// before they give a request up.
-const AFTER_KILL_GRACE: Duration = Duration::from_secs(2);
+/// After group B's rank is closed or its daemon killed, how long its ranks
+/// wait for an outcome before they give a request up.
+pub const AFTER_KILL_GRACE: Duration = Duration::from_secs(2);
 /// Error messages kept per rank.
 const MAX_MESSAGES: usize = 5;
 
 /// Set by SIGINT/SIGTERM.
 pub static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// What --kill-one and --kill-daemon stop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KillWhat {
+    /// One rank closes its device (a VM goes away).
+    Rank,
+    /// The group's daemon gets SIGKILL.
+    Daemon,
+}
+
+/// The kill: right after rank `rank` of group `group` posts small
+/// collective `seq`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Kill {
+    pub what: KillWhat,
+    pub group: usize,
+    pub rank: u32,
+    pub seq: u64,
+}
 
 /// What every rank runs (the same for all).
 #[derive(Clone, Debug)]
@@ -37,9 +57,8 @@ pub struct Plan {
     pub large_elems: usize,
     pub rounds: u32,
     pub poll: bool,
-    /// (group, rank, small sequence number) of the rank --kill-one closes
-    /// right after it posts that request.
-    pub kill: Option<(usize, u32, u64)>,
+    /// --kill-one or --kill-daemon.
+    pub kill: Option<Kill>,
     /// A request not completed after this long is lost.
     pub wait_limit: Duration,
     pub dma_bytes: usize,
@@ -86,8 +105,12 @@ pub struct GroupShared {
     /// A rank of this group failed, or its daemon exited: the group stops,
     /// the others go on.
     pub abort: AtomicBool,
-    /// Set when --kill-one closed a rank of this group.
+    /// Set when --kill-one closed a rank of this group or --kill-daemon
+    /// killed its daemon.
     pub killed_at: Mutex<Option<Instant>>,
+    /// The daemon was reaped (its pid may be reused: never signal it
+    /// then). Held while reaping and while killing.
+    pub reaped: Mutex<bool>,
     pub samples: Mutex<Vec<Sample>>,
     pub rounds: Mutex<Vec<RoundTime>>,
     /// Members that reached the end of the run.
@@ -106,6 +129,7 @@ impl GroupShared {
             large_done: AtomicU64::new(0),
             abort: AtomicBool::new(false),
             killed_at: Mutex::new(None),
+            reaped: Mutex::new(false),
             samples: Mutex::new(Vec::new()),
             rounds: Mutex::new(Vec::new()),
             end: Gate::default(),
@@ -191,6 +215,12 @@ pub struct RankReport {
     pub after_kill_other: u64,
     /// Requests given up (or dropped by the closed rank itself) after the close.
     pub after_kill_abandoned: u64,
+    /// Group whose daemon was killed: requests that ended with the
+    /// transport error (device backend disconnected).
+    pub after_kill_disconnected: u64,
+    /// Group whose daemon was killed: from the kill to this rank's first
+    /// transport error.
+    pub noticed: Option<Duration>,
     /// Small collectives: submit-to-result times, ns (saturating).
     pub small_ns: Vec<u32>,
     pub small_max_ns: u64,
@@ -268,7 +298,7 @@ pub fn run(plan: &Plan, g: &GroupShared, global: &Global, rank: u32, socket: &Pa
         pattern: Pattern::new(plan.ranks),
         dev: Some(dev),
         rep,
-        victim: plan.kill.filter(|&(kg, kr, _)| kg == g.index && kr == rank),
+        victim: plan.kill.filter(|k| k.group == g.index && k.rank == rank),
     };
     w.run();
     w.rep
@@ -305,7 +335,7 @@ struct Worker<'a> {
     pattern: Pattern,
     dev: Option<Device>,
     rep: RankReport,
-    victim: Option<(usize, u32, u64)>,
+    victim: Option<Kill>,
 }
 
 impl Worker<'_> {
@@ -316,6 +346,25 @@ impl Worker<'_> {
 
     fn killed(&self) -> bool {
         self.g.killed_at().is_some()
+    }
+
+    /// What was killed in this group, once it was.
+    fn killed_what(&self) -> Option<KillWhat> {
+        self.g
+            .killed_at()
+            .and(self.plan.kill.filter(|k| k.group == self.g.index))
+            .map(|k| k.what)
+    }
+
+    /// After --kill-daemon: true if `e` is the transport error a dead
+    /// daemon gives, and notes when this rank first saw it.
+    fn daemon_gone(&mut self, e: &Error) -> bool {
+        let gone = self.killed_what() == Some(KillWhat::Daemon)
+            && matches!(e, Error::Transport(TransportError::Disconnected { .. }));
+        if gone && self.rep.noticed.is_none() {
+            self.rep.noticed = self.g.killed_at().map(|t| t.elapsed());
+        }
+        gone
     }
 
     /// This rank's group stops (a failure in it, or the whole run stops).
@@ -408,6 +457,8 @@ impl Worker<'_> {
                 );
                 self.rep.note(msg);
             }
+            // The daemon was killed while this rank read: it noticed.
+            Err(e) if self.daemon_gone(&e) => {}
             Err(e) => self.fatal(format!("reading config failed: {e}")),
         }
     }
@@ -470,14 +521,20 @@ impl Worker<'_> {
                     });
                 }
                 Err(e) => {
-                    self.fatal(format!("submitting small collective {seq} failed: {e}"));
+                    self.submit_failed(Kind::Small, seq, &e);
                     go_on = false;
                     break;
                 }
             }
-            if self.victim.is_some_and(|(_, _, at)| at == seq) {
-                self.close_as_victim(pending.len() as u64);
-                return false;
+            match self.victim.filter(|k| k.seq == seq).map(|k| k.what) {
+                Some(KillWhat::Rank) => {
+                    self.close_as_victim(pending.len() as u64);
+                    return false;
+                }
+                // Go on: the next wait meets the dead daemon, as the
+                // other ranks' do.
+                Some(KillWhat::Daemon) => self.kill_daemon(),
+                None => {}
             }
         }
         while go_on {
@@ -532,7 +589,7 @@ impl Worker<'_> {
             let handle = match self.dev().submit(0, &req, &[input.all()], &[output.all()]) {
                 Ok(h) => h,
                 Err(e) => {
-                    self.fatal(format!("submitting large collective {seq} failed: {e}"));
+                    self.submit_failed(Kind::Large, seq, &e);
                     return false;
                 }
             };
@@ -601,7 +658,11 @@ impl Worker<'_> {
             }
             Waited::Done(Err(e)) => {
                 if killed {
-                    if matches!(e, Error::PeerLost { .. }) {
+                    if self.daemon_gone(&e) {
+                        self.rep.after_kill_disconnected += 1;
+                    } else if matches!(e, Error::PeerLost { .. })
+                        && self.killed_what() == Some(KillWhat::Rank)
+                    {
                         self.rep.after_kill_peer_lost += 1;
                     } else {
                         self.rep.after_kill_other += 1;
@@ -666,6 +727,44 @@ impl Worker<'_> {
     fn fatal(&mut self, msg: String) {
         self.rep.note(format!("rank {}: {msg}", self.rank));
         self.g.abort.store(true, Ordering::SeqCst);
+    }
+
+    /// A submit failed: after --kill-daemon the transport error counts
+    /// like a completion that has it; otherwise the group stops.
+    fn submit_failed(&mut self, kind: Kind, seq: u64, e: &Error) {
+        if self.daemon_gone(e) {
+            self.rep.after_kill_disconnected += 1;
+        } else if self.killed() {
+            self.rep.after_kill_other += 1;
+            let msg = format!(
+                "rank {} after the kill: submitting {kind} collective {seq} failed: {e}",
+                self.rank
+            );
+            self.rep.note(msg);
+        } else {
+            self.fatal(format!("submitting {kind} collective {seq} failed: {e}"));
+        }
+    }
+
+    /// --kill-daemon: SIGKILL to this group's daemon, with requests of
+    /// every rank in flight.
+    fn kill_daemon(&mut self) {
+        let reaped = lock(&self.g.reaped);
+        if *reaped {
+            drop(reaped);
+            self.fatal("the daemon had exited before --kill-daemon".into());
+            return;
+        }
+        // Set first, so that a rank that sees the daemon gone knows why.
+        *lock(&self.g.killed_at) = Some(Instant::now());
+        // SAFETY: kill(2) on our own child, which the lock above keeps
+        // from being reaped (so its pid is not reused) until we are done.
+        let rc = unsafe { libc::kill(self.g.daemon_pid as libc::pid_t, libc::SIGKILL) };
+        if rc != 0 {
+            let e = std::io::Error::last_os_error();
+            drop(reaped);
+            self.fatal(format!("kill -9 of the daemon failed: {e}"));
+        }
     }
 
     /// Requests left in flight when a rank stops.

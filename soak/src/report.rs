@@ -4,7 +4,7 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use crate::daemon::Usage;
-use crate::rank::{Plan, RankReport, RoundTime, Sample};
+use crate::rank::{Plan, RankReport, RoundTime, Sample, AFTER_KILL_GRACE};
 
 /// The limits a group is checked against.
 #[derive(Clone, Copy, Debug)]
@@ -25,6 +25,25 @@ pub struct GroupResult {
     pub daemon_exit: Option<String>,
     /// This group had a rank closed by --kill-one.
     pub victim: bool,
+    /// This group's daemon was killed by --kill-daemon.
+    pub daemon_kill: Option<DaemonKill>,
+}
+
+/// When --kill-daemon killed a group's daemon, and how it ended.
+#[derive(Clone, Debug)]
+pub struct DaemonKill {
+    pub round: u32,
+    /// The small collective after whose posting it was killed.
+    pub seq: u64,
+    /// The exit status as text and its signal, if it exited.
+    pub exit: Option<(String, Option<i32>)>,
+}
+
+impl GroupResult {
+    /// Stopped on purpose half way (--kill-one or --kill-daemon).
+    pub fn stopped(&self) -> bool {
+        self.victim || self.daemon_kill.is_some()
+    }
 }
 
 /// The figures of one group, derived from its ranks.
@@ -53,6 +72,9 @@ pub struct Figures {
     pub end: Option<Usage>,
     pub max_rss_anon_kib: u64,
     pub after_kill: AfterKill,
+    /// After --kill-daemon, per rank: ms from the kill to its first
+    /// transport error (None: it never saw one).
+    pub noticed_ms: Vec<Option<f64>>,
     pub failures: Vec<String>,
 }
 
@@ -63,6 +85,8 @@ pub struct AfterKill {
     pub peer_lost: u64,
     pub other: u64,
     pub abandoned: u64,
+    /// Ended with the transport error (the daemon was killed).
+    pub disconnected: u64,
 }
 
 impl Figures {
@@ -99,9 +123,17 @@ pub fn evaluate(plan: &Plan, limits: &Limits, g: &GroupResult) -> Figures {
         f.after_kill.peer_lost += r.after_kill_peer_lost;
         f.after_kill.other += r.after_kill_other;
         f.after_kill.abandoned += r.after_kill_abandoned;
+        f.after_kill.disconnected += r.after_kill_disconnected;
         lat.extend_from_slice(&r.small_ns);
         f.max_us = f.max_us.max(r.small_max_ns as f64 / 1e3);
         f.large_max_ms = f.large_max_ms.max(r.large_max_ns as f64 / 1e6);
+    }
+    if g.daemon_kill.is_some() {
+        f.noticed_ms = g
+            .ranks
+            .iter()
+            .map(|r| r.noticed.map(|d| d.as_secs_f64() * 1e3))
+            .collect();
     }
     lat.sort_unstable();
     f.p50_us = percentile(&lat, 50);
@@ -173,6 +205,10 @@ fn check(plan: &Plan, limits: &Limits, g: &GroupResult, f: &mut Figures) {
         }
         return;
     }
+    if let Some(k) = &g.daemon_kill {
+        check_daemon_kill(g, k, f);
+        return;
+    }
     if f.submitted != f.checked {
         fail.push(format!(
             "{} requests posted, {} completed with a right result",
@@ -221,6 +257,65 @@ fn check(plan: &Plan, limits: &Limits, g: &GroupResult, f: &mut Figures) {
         }
         _ => fail.push("the daemon was not sampled after the warm-up and at the end".into()),
     }
+}
+
+/// The group whose daemon was killed: it died of SIGKILL, and every rank
+/// saw the transport error, and nothing else, within the grace.
+fn check_daemon_kill(g: &GroupResult, k: &DaemonKill, f: &mut Figures) {
+    let fail = &mut f.failures;
+    match &k.exit {
+        Some((_, Some(libc::SIGKILL))) => {}
+        Some((st, _)) => fail.push(format!("the killed daemon ended otherwise ({st})")),
+        None => fail.push("the daemon did not exit after SIGKILL".into()),
+    }
+    if f.after_kill.other > 0 {
+        fail.push(format!(
+            "{} requests failed otherwise than with the transport error after the kill",
+            f.after_kill.other
+        ));
+    }
+    for (r, ms) in g.ranks.iter().zip(&f.noticed_ms) {
+        let grace_ms = AFTER_KILL_GRACE.as_secs_f64() * 1e3;
+        match ms {
+            Some(ms) if *ms <= grace_ms => {}
+            Some(ms) => fail.push(format!(
+                "rank {} saw the transport error {ms:.0} ms after the kill, over {grace_ms:.0} ms",
+                r.rank
+            )),
+            None => fail.push(format!(
+                "rank {} never saw the transport error (device backend disconnected)",
+                r.rank
+            )),
+        }
+    }
+}
+
+/// "4 of 4 ranks saw ... within X ms" for the group whose daemon was killed.
+fn daemon_kill_line(g: &GroupResult, k: &DaemonKill, f: &Figures) -> String {
+    let seen: Vec<f64> = f.noticed_ms.iter().flatten().copied().collect();
+    let worst = seen.iter().copied().fold(0.0, f64::max);
+    let per_rank: Vec<String> = f
+        .noticed_ms
+        .iter()
+        .map(|ms| ms.map_or("never".into(), |ms| format!("{ms:.1}")))
+        .collect();
+    let exit = k.exit.as_ref().map_or("it did not exit", |(st, _)| st);
+    format!(
+        "{}: daemon killed (SIGKILL) at round {}, after small collective {} was posted: {} of {} \
+         ranks saw 'device backend disconnected' within {worst:.1} ms (per rank, ms: {}); \
+         after the kill {} completed right, {} ended with the transport error, {} given up or \
+         dropped, {} other errors; daemon: {exit}",
+        g.name,
+        k.round,
+        k.seq,
+        seen.len(),
+        g.ranks.len(),
+        per_rank.join(", "),
+        f.after_kill.ok,
+        f.after_kill.disconnected,
+        f.after_kill.abandoned,
+        f.after_kill.other
+    )
 }
 
 fn usage_pair(f: &Figures, get: impl Fn(&Usage) -> u64) -> String {
@@ -284,20 +379,21 @@ pub fn table(groups: &[(GroupResult, Figures)]) -> String {
             f.large_gbps,
             usage_pair(f, |u| u.rss_anon_kib),
             usage_pair(f, |u| u.fds),
-            if g.victim {
-                "KILLED"
-            } else if f.passed() {
-                "PASS"
-            } else {
+            if !f.passed() {
                 "FAIL"
+            } else if g.stopped() {
+                "KILLED"
+            } else {
+                "PASS"
             }
         );
     }
     s
 }
 
-/// Details under the table: VmRSS, traffic, per-group notes and failures.
-pub fn details(groups: &[(GroupResult, Figures)], kill_round: Option<u32>) -> String {
+/// Details under the table: VmRSS, traffic, per-group notes and failures;
+/// `kill` is the round of the kill and what it did.
+pub fn details(groups: &[(GroupResult, Figures)], kill: Option<(u32, &str)>) -> String {
     let mut s = String::new();
     for (g, f) in groups {
         let _ = writeln!(
@@ -322,8 +418,10 @@ pub fn details(groups: &[(GroupResult, Figures)], kill_round: Option<u32>) -> St
                  errors, {} given up or dropped",
                 f.after_kill.ok, f.after_kill.peer_lost, f.after_kill.other, f.after_kill.abandoned
             );
-        } else if let Some(k) = kill_round {
-            if let Some(line) = kill_round_rates(g, k) {
+        } else if let Some(k) = &g.daemon_kill {
+            let _ = writeln!(s, "  {}", daemon_kill_line(g, k, f));
+        } else if let Some((round, what)) = kill {
+            if let Some(line) = kill_round_rates(g, round, what) {
                 let _ = writeln!(s, "  {line}");
             }
         }
@@ -341,7 +439,7 @@ pub fn details(groups: &[(GroupResult, Figures)], kill_round: Option<u32>) -> St
 
 /// Small-collective time of the round with the close against the median
 /// round: the close must not slow the other groups.
-fn kill_round_rates(g: &GroupResult, round: u32) -> Option<String> {
+fn kill_round_rates(g: &GroupResult, round: u32, what: &str) -> Option<String> {
     let at = g.rounds.get(round as usize)?;
     let median = |part: fn(&RoundTime) -> Duration| {
         let mut all: Vec<Duration> = g.rounds.iter().map(part).collect();
@@ -349,7 +447,7 @@ fn kill_round_rates(g: &GroupResult, round: u32) -> Option<String> {
         all[all.len() / 2].as_secs_f64()
     };
     Some(format!(
-        "round {round} (group B's rank closed): small part {:.2} s, large part {:.2} s; \
+        "round {round} ({what}): small part {:.2} s, large part {:.2} s; \
          median round: {:.2} s and {:.2} s",
         at.small.as_secs_f64(),
         at.large.as_secs_f64(),
@@ -418,6 +516,28 @@ pub fn json(
             })
             .collect();
         let failures: Vec<String> = f.failures.iter().map(|m| json_str(m)).collect();
+        let noticed: Vec<String> = f
+            .noticed_ms
+            .iter()
+            .map(|ms| ms.map_or("null".into(), num))
+            .collect();
+        // null unless every rank saw the transport error.
+        let noticed_max = f
+            .noticed_ms
+            .iter()
+            .try_fold(None::<f64>, |m, ms| {
+                ms.map(|x| Some(m.map_or(x, |m| m.max(x))))
+            })
+            .flatten()
+            .map_or("null".into(), num);
+        let daemon_exit = g
+            .daemon_exit
+            .as_deref()
+            .or(g
+                .daemon_kill
+                .as_ref()
+                .and_then(|k| k.exit.as_ref().map(|e| e.0.as_str())))
+            .map_or("null".into(), json_str);
         let notes: Vec<String> = g
             .ranks
             .iter()
@@ -426,19 +546,23 @@ pub fn json(
         let _ = write!(
             s,
             "{}\n    {{\"name\": {}, \"group_id\": {}, \"daemon_pid\": {}, \"killed_rank\": {}, \
+             \"killed_daemon\": {}, \
              \"passed\": {}, \"small_collectives\": {}, \"large_collectives\": {}, \"bytes\": {}, \
              \"submitted\": {}, \"completions_checked\": {}, \"lost\": {}, \"duplicated\": {}, \"wrong\": {}, \
              \"failed\": {}, \"generation_changes\": {}, \
              \"small_latency_us\": {{\"p50\": {}, \"p99\": {}, \"max\": {}}}, \
              \"small_per_s\": {}, \"large_gbps\": {}, \"large_traffic_gbps\": {}, \
              \"large_max_ms\": {}, \"warm_up\": {}, \"end\": {}, \"max_rss_anon_kib\": {}, \
-             \"after_kill\": {{\"ok\": {}, \"peer_lost\": {}, \"other\": {}, \"abandoned\": {}}}, \
+             \"after_kill\": {{\"ok\": {}, \"peer_lost\": {}, \"other\": {}, \"abandoned\": {}, \
+             \"disconnected\": {}}}, \"noticed_ms\": [{}], \"noticed_max_ms\": {}, \"kill_round\": {}, \
+             \"daemon_exit\": {}, \
              \"samples\": [{}], \"failures\": [{}], \"notes\": [{}]}}",
             if i == 0 { "" } else { "," },
             json_str(&g.name),
             g.group_id,
             g.daemon_pid,
             g.victim,
+            g.daemon_kill.is_some(),
             f.passed(),
             f.small,
             f.large,
@@ -464,6 +588,13 @@ pub fn json(
             f.after_kill.peer_lost,
             f.after_kill.other,
             f.after_kill.abandoned,
+            f.after_kill.disconnected,
+            noticed.join(", "),
+            noticed_max,
+            g.daemon_kill
+                .as_ref()
+                .map_or("null".into(), |k| k.round.to_string()),
+            daemon_exit,
             samples.join(", "),
             failures.join(", "),
             notes.join(", ")
@@ -537,6 +668,7 @@ mod tests {
             rounds: vec![RoundTime::default(); 2],
             daemon_exit: None,
             victim: false,
+            daemon_kill: None,
         }
     }
 
@@ -580,6 +712,81 @@ mod tests {
         let mut g = group(1000, 20);
         g.samples.pop();
         assert!(!evaluate(&plan(), &LIMITS, &g).passed());
+    }
+
+    /// Group B with its daemon killed after half its work, every rank
+    /// having seen the transport error.
+    fn killed_group() -> GroupResult {
+        let mut g = group(1000, 20);
+        g.name = "B".into();
+        g.samples.pop();
+        for (r, ms) in g.ranks.iter_mut().zip([3, 5]) {
+            r.small_ok = 5;
+            r.small_submitted = 8;
+            r.large_ok = 0;
+            r.large_submitted = 0;
+            r.after_kill_disconnected = 1;
+            r.after_kill_abandoned = 2;
+            r.noticed = Some(Duration::from_millis(ms));
+        }
+        g.daemon_kill = Some(DaemonKill {
+            round: 1,
+            seq: 5,
+            exit: Some(("signal: 9 (SIGKILL)".into(), Some(libc::SIGKILL))),
+        });
+        g
+    }
+
+    #[test]
+    fn a_killed_daemon_is_reported_not_failed() {
+        let g = killed_group();
+        let f = evaluate(&plan(), &LIMITS, &g);
+        assert!(f.passed(), "{:?}", f.failures);
+        assert_eq!(f.noticed_ms, [Some(3.0), Some(5.0)]);
+        assert_eq!(f.after_kill.disconnected, 2);
+        let d = details(&[(killed_group(), f.clone())], Some((1, "x")));
+        assert!(
+            d.contains(
+                "B: daemon killed (SIGKILL) at round 1, after small collective 5 was posted: \
+                 2 of 2 ranks saw 'device backend disconnected' within 5.0 ms"
+            ),
+            "{d}"
+        );
+        let t = table(&[(killed_group(), f.clone())]);
+        assert!(t.contains("KILLED"), "{t}");
+        let j = json("{}", Duration::from_secs(1), true, &[(killed_group(), f)]);
+        assert!(j.contains("\"noticed_max_ms\": 5.000"), "{j}");
+        assert!(j.contains("\"killed_daemon\": true"), "{j}");
+        assert!(
+            j.contains("\"daemon_exit\": \"signal: 9 (SIGKILL)\""),
+            "{j}"
+        );
+    }
+
+    #[test]
+    fn a_killed_daemon_group_fails_if_a_rank_missed_it() {
+        let mut g = killed_group();
+        g.ranks[1].noticed = None;
+        let f = evaluate(&plan(), &LIMITS, &g);
+        assert_eq!(
+            f.failures,
+            ["rank 1 never saw the transport error (device backend disconnected)"]
+        );
+        assert!(table(&[(g, f)]).contains("FAIL"));
+        let mut g = killed_group();
+        g.ranks[0].noticed = Some(AFTER_KILL_GRACE + Duration::from_millis(1));
+        g.ranks[0].after_kill_other = 1;
+        g.daemon_kill.as_mut().unwrap().exit = Some(("exit status: 1".into(), None));
+        let f = evaluate(&plan(), &LIMITS, &g);
+        assert_eq!(f.failures.len(), 3, "{:?}", f.failures);
+        assert!(f.failures[0].contains("ended otherwise (exit status: 1)"));
+        assert!(f.failures[1].contains("1 requests failed otherwise"));
+        assert!(f.failures[2].contains("rank 0 saw the transport error 2001 ms"));
+        let mut g = killed_group();
+        g.daemon_kill.as_mut().unwrap().exit = None;
+        g.ranks[0].wrong = 1;
+        let f = evaluate(&plan(), &LIMITS, &g);
+        assert_eq!(f.failures.len(), 2, "{:?}", f.failures);
     }
 
     #[test]

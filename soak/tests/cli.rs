@@ -1,9 +1,9 @@
 //! Runs the dmlc-soak binary: a tiny soak passes with every figure in its
-//! output and JSON, --kill-one closes a rank of group B only, and bad
-//! options fail with a clear message.
+//! output and JSON, --kill-one closes a rank of group B only, --kill-daemon
+//! kills group B's daemon only, and bad options fail with a clear message.
 
 use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 
 fn soak() -> Command {
     Command::new(env!("CARGO_BIN_EXE_dmlc-soak"))
@@ -132,6 +132,85 @@ fn kill_one_closes_a_rank_of_b_and_a_still_passes() {
 }
 
 #[test]
+fn kill_daemon_kills_b_s_daemon_and_a_still_passes() {
+    let json = json_path("kill-daemon");
+    let child = soak()
+        .args(["--small", "4000", "--large", "2", "--large-bytes", "64K"])
+        .args(["--rounds", "4", "--progress-secs", "0", "--kill-daemon"])
+        .arg("--backend")
+        .arg(backend())
+        .arg("--json")
+        .arg(&json)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The socket folder and the daemons' command lines carry this pid.
+    let tag = format!("dmlc-soak-{}-", child.id());
+    let out = child.wait_with_output().unwrap();
+    let j = std::fs::read_to_string(&json).unwrap_or_default();
+    let _ = std::fs::remove_file(&json);
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    // A did all its work, every check passing.
+    assert_eq!(group_field(&j, "A", "killed_daemon"), "false", "{j}");
+    assert_eq!(group_field(&j, "A", "passed"), "true", "{j}");
+    assert_eq!(group_field(&j, "A", "small_collectives"), "4000", "{j}");
+    assert_eq!(group_field(&j, "A", "large_collectives"), "2", "{j}");
+    assert_eq!(group_field(&j, "A", "completions_checked"), "16008", "{j}");
+    for zero in [
+        "lost",
+        "duplicated",
+        "wrong",
+        "failed",
+        "generation_changes",
+    ] {
+        assert_eq!(group_field(&j, "A", zero), "0", "{zero} in {j}");
+    }
+    assert_ne!(group_field(&j, "A", "end"), "null", "{j}");
+    // B's daemon died of the kill, near the middle (after small
+    // collective 2500), and all 4 ranks saw the transport error in time.
+    assert_eq!(group_field(&j, "B", "killed_daemon"), "true", "{j}");
+    assert_eq!(group_field(&j, "B", "passed"), "true", "{j}");
+    assert_eq!(group_field(&j, "B", "kill_round"), "2", "{j}");
+    assert_eq!(
+        group_field(&j, "B", "daemon_exit"),
+        "\"signal: 9 (SIGKILL)\"",
+        "{j}"
+    );
+    assert_eq!(group_field(&j, "B", "disconnected"), "4", "{j}");
+    assert_eq!(group_field(&j, "B", "other"), "0", "{j}");
+    let b: u64 = group_field(&j, "B", "small_collectives").parse().unwrap();
+    assert!((2400..=2501).contains(&b), "{j}");
+    let noticed: f64 = group_field(&j, "B", "noticed_max_ms").parse().unwrap();
+    assert!(noticed <= 2000.0, "{j}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("B: daemon killed (SIGKILL) at round 2")
+            && stdout.contains("4 of 4 ranks saw 'device backend disconnected' within"),
+        "{t}"
+    );
+    assert!(
+        stdout.contains(" KILLED\n") && stdout.contains("dmlc-soak: PASSED"),
+        "{t}"
+    );
+    // Group A's daemon was stopped and the socket folder removed.
+    let pid = group_field(&j, "A", "daemon_pid");
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    assert!(
+        !String::from_utf8_lossy(&cmdline).contains(&tag),
+        "group A's daemon {pid} still runs"
+    );
+    let left: Vec<_> = std::fs::read_dir(std::env::temp_dir())
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|name| name.starts_with(&tag))
+        .collect();
+    assert!(left.is_empty(), "socket folder left: {left:?}");
+}
+
+#[test]
 fn bad_options_fail_with_a_clear_message() {
     let cases: &[(&[&str], &str)] = &[
         (&["--frobnicate"], "unexpected argument '--frobnicate'"),
@@ -144,6 +223,14 @@ fn bad_options_fail_with_a_clear_message() {
         (
             &["--kill-one", "--groups", "1"],
             "--kill-one needs at least 2 groups",
+        ),
+        (
+            &["--kill-one", "--kill-daemon"],
+            "--kill-one and --kill-daemon both stop group B half way: give one of them",
+        ),
+        (
+            &["--kill-daemon", "--groups", "1"],
+            "--kill-daemon needs at least 2 groups",
         ),
     ];
     for (args, want) in cases {
@@ -186,6 +273,7 @@ fn help_gives_defaults_and_an_example() {
         "[default: 4M]",
         "Examples:",
         "--kill-one",
+        "--kill-daemon",
     ] {
         assert!(t.contains(want), "no {want:?} in {t}");
     }
