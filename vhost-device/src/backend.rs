@@ -261,20 +261,25 @@ impl MemberBackend {
     /// Marks the member lost, if it was active: no further submission from
     /// this connection, completions still in flight are dropped, and the
     /// group fails the collectives that waited for it. Returns whether it
-    /// was active; it returns once no worker of this connection is inside
-    /// [`Group::submit`].
+    /// was active. It returns once no worker of this connection is inside
+    /// [`Group::submit`] and no collective (run by any member's thread)
+    /// still reads or writes the member's buffers, so that the reset or
+    /// stop it answers means the device is done with the driver's memory.
     pub fn lose(&self, why: &str) -> bool {
         if !self.active.swap(false, Ordering::AcqRel) {
+            // Never active, or a second notice of a loss already made (a
+            // second queue stopped): answered under the same promise, at
+            // once unless a collective from before that loss still runs.
+            self.group.wait_untouched(self.cfg.rank);
             return false;
         }
         self.epoch.fetch_add(1, Ordering::AcqRel);
-        // Tell the group first. A worker may be running a collective that
-        // this member completed (it arrived last), data movement included,
-        // and the others' waiting collectives must not wait for that. The
-        // group drops whatever this member submits from here on (its gate
-        // is closed; a submission that read the gate before is dropped under
-        // the state lock), and a collective already running keeps its own
-        // hold on every member's memory.
+        // Tell the group first: it fails the others' waiting collectives at
+        // once, then waits for the collectives already running that
+        // include this member (on any thread, this member's workers
+        // included) to move their last byte. The group drops whatever this
+        // member submits from here on (its gate is closed; a submission that
+        // read the gate before is dropped under the state lock).
         self.group.member_lost(self.cfg.rank);
         // Then wait for the workers to leave `drain`, so that nothing of
         // this connection is still under way when the member comes back.
@@ -755,7 +760,9 @@ mod tests {
     use vm_memory::{Bytes, FileOffset, GuestAddress, GuestAddressSpace};
 
     use vhost_user_backend::{VhostUserBackend, VringT};
-    use virtio_dmlc::{Opcode, Status, VirtioDmlcResp, REQ_HEADER_SIZE, RESP_SIZE};
+    use virtio_dmlc::{
+        Dtype, Opcode, ReduceOp, Status, VirtioDmlcResp, REQ_HEADER_SIZE, RESP_SIZE,
+    };
     use virtio_queue::QueueT;
     use zerocopy::{FromBytes, IntoBytes};
 
@@ -894,6 +901,82 @@ mod tests {
         assert_eq!(Status::from_raw(r.status.get()), Some(Status::PeerLost));
         assert_eq!(r.peer.get(), 1);
         assert_eq!(w.group.generation(), 2);
+    }
+
+    /// A reset of a member whose buffers a collective run by another
+    /// member's thread is writing is answered only once that collective is
+    /// done with them: after `lose` the device no longer touches them.
+    #[test]
+    fn lose_returns_once_a_running_collective_is_done_with_the_members_buffers() {
+        // A busy machine can delay this thread until the collective is
+        // over (in an optimized build): then try again.
+        let in_the_middle = (0..5).any(|_| lose_during_a_collective_of_the_other_member());
+        assert!(in_the_middle, "the loss never came in the middle");
+    }
+
+    /// One try of the test above: false if the loss came too late.
+    fn lose_during_a_collective_of_the_other_member() -> bool {
+        const BYTES: usize = 16 << 20;
+        let mut w = World::with_region(config(2), 20 << 20);
+        let b = backend(1, 256, &w.group, AtomicMem::new(GuestMem::new()));
+        b.acked_features(0);
+        let h = hdr(
+            Opcode::Allreduce.raw(),
+            Dtype::I32.raw(),
+            ReduceOp::Sum.raw(),
+            0,
+            (BYTES / 4) as u64,
+            5,
+            0,
+            0,
+        );
+        let chains: Vec<(Vec<Desc>, Desc)> = (1..=2i32)
+            .map(|v| {
+                let m = &mut w.members[v as usize - 1];
+                let input: Vec<u8> = v.to_le_bytes().repeat(BYTES / 4);
+                let mut d = vec![m.header(&h)];
+                d.extend(m.segments(&input, &[], false));
+                let out = m.segments(&vec![0x5a; BYTES], &[], true)[0];
+                d.extend([out, m.response()]);
+                (d, out)
+            })
+            .collect();
+        let out1 = chains[1].1;
+        w.submit(1, 0, &chains[1].0);
+        let (group, _hub, mut parts) = w.into_parts();
+        let mem1 = parts[1].0.mem.clone();
+        let (mut m0, done0) = parts.swap_remove(0);
+        let descs0 = chains[0].0.clone();
+        let runner = {
+            let group = group.clone();
+            std::thread::spawn(move || {
+                m0.submit(&group, 0, 0, &descs0, &done0);
+            })
+        };
+        while group.metrics().skew_count() == 0 {
+            std::thread::yield_now();
+        }
+        let read_out1 = || {
+            let mut v = vec![0; BYTES];
+            mem1.read_slice(&mut v, GuestAddress(out1.addr)).unwrap();
+            v
+        };
+        let last: i32 = mem1
+            .read_obj(GuestAddress(out1.addr + BYTES as u64 - 4))
+            .unwrap();
+        if last == 3 {
+            runner.join().unwrap();
+            return false;
+        }
+        let want = 3i32.to_le_bytes().repeat(BYTES / 4);
+        assert!(b.lose("device reset"));
+        let at_return = read_out1();
+        runner.join().unwrap();
+        assert!(at_return == want, "written after the reset was answered");
+        assert!(read_out1() == at_return);
+        // A second notice of the same loss returns at once.
+        assert!(!b.lose("vring stopped"));
+        true
     }
 
     /// One split ring in guest memory, as a driver lays it out, holding a

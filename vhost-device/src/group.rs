@@ -21,9 +21,17 @@
 //! lock): completions take it for reading, [`Group::member_lost`] for
 //! writing, so that once `member_lost` returns no completion for a request
 //! the member submitted before is made (its rings are gone).
+//!
+//! Running collectives: every collective is counted in `State::running`
+//! from the moment its slot fills (under the state lock) until its last
+//! byte has moved. `member_lost` waits, after failing the others' waiting
+//! collectives, until every collective that started before the loss has
+//! moved its last byte, so that once it returns the daemon no longer reads
+//! or writes the lost member's buffers (the driver may reuse them after a
+//! reset), whichever thread runs the collective.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard};
 use std::thread::{self, JoinHandle};
@@ -99,6 +107,8 @@ struct Shared {
     state: Mutex<State>,
     /// Wakes the timer thread (new earlier deadline, or shutdown).
     timer_cv: Condvar,
+    /// Wakes [`Group::wait_untouched`] when a collective ends.
+    quiet_cv: Condvar,
     /// Per member; see [`Gate`]. Mirrored in `State::members` for checks
     /// made under the state lock.
     gates: Vec<RwLock<Gate>>,
@@ -112,6 +122,9 @@ struct Member {
     req_timeout: bool,
     /// Next sequence number per queue.
     seqs: Vec<u64>,
+    /// Collectives that started before this one (see `State::next_run`)
+    /// may hold buffers the member offered before its last loss.
+    lost_before: u64,
 }
 
 struct State {
@@ -120,6 +133,13 @@ struct State {
     slots: HashMap<(u16, u64), Slot>,
     /// The deadline the timer thread sleeps until, if any.
     timer_target: Option<Instant>,
+    /// Number of the next collective to run; they run in this order.
+    next_run: u64,
+    /// Collectives (by number) that may still read or write guest memory.
+    running: BTreeSet<u64>,
+    /// Threads in [`Group::wait_untouched`]: a collective that ends wakes
+    /// them only if there are any.
+    quiet_waiters: u32,
     shutdown: bool,
 }
 
@@ -205,6 +225,7 @@ impl Group {
                 connected: false,
                 req_timeout: false,
                 seqs: vec![0; usize::from(num_queues)],
+                lost_before: 0,
             })
             .collect();
         let shared = Arc::new(Shared {
@@ -216,9 +237,13 @@ impl Group {
                 members,
                 slots: HashMap::new(),
                 timer_target: None,
+                next_run: 0,
+                running: BTreeSet::new(),
+                quiet_waiters: 0,
                 shutdown: false,
             }),
             timer_cv: Condvar::new(),
+            quiet_cv: Condvar::new(),
             gates: (0..world).map(|_| RwLock::new(gate)).collect(),
             generation: AtomicU32::new(1),
             cfg: config,
@@ -329,21 +354,27 @@ impl Group {
     /// Member `rank` disconnected or reset its device: its own pending
     /// requests are dropped, the others' collectives that need it fail with
     /// PEER_LOST, and the generation changes. Once this returns, no
-    /// completion is made for any request `rank` submitted before, and its
-    /// new submissions are dropped until [`Group::member_ready`]. Further
-    /// calls before `member_ready` are the same loss and change nothing, so
-    /// the glue may call this from every place that sees the loss.
+    /// completion is made for any request `rank` submitted before, no
+    /// collective reads or writes the buffers of those requests any more,
+    /// and its new submissions are dropped until [`Group::member_ready`].
+    /// Further calls before `member_ready` are the same loss and change
+    /// nothing (they wait as the first did), so the glue may call this from
+    /// every place that sees the loss.
     ///
-    /// A [`Group::submit`] of `rank` may be under way on another thread
-    /// meanwhile: its chain is dropped (the gate it read no longer matches
-    /// under the state lock), or, if it was filed first and completed a
-    /// collective, that collective runs to its end on the submitting thread
-    /// with its own hold on every member's memory, the other members get
-    /// its result, and `rank`'s completion is dropped.
+    /// A collective that includes `rank` may be running (on any member's
+    /// thread, helped by the reduction threads) when the loss comes: it
+    /// runs to its end with its own hold on every member's memory, the
+    /// other members get its full result, and `rank`'s completion is
+    /// dropped. The others' waiting collectives fail first; then this waits
+    /// for every collective that started before the loss to move its last
+    /// byte (see [`Group::wait_untouched`]), which takes at most the rest of
+    /// their run. A [`Group::submit`] of `rank` under way meanwhile either
+    /// has its chain dropped (the gate it read no longer matches under the
+    /// state lock) or completed such a collective.
     ///
-    /// Waits for completions of `rank` under way: must not be called from
-    /// inside a [`Completion::complete`] or while holding a lock that one
-    /// takes.
+    /// Waits for completions of `rank` under way and for running
+    /// collectives: must not be called from inside a
+    /// [`Completion::complete`] or while holding a lock that one takes.
     pub fn member_lost(&self, rank: u32) {
         let sh = &self.shared;
         if rank >= sh.world {
@@ -354,15 +385,41 @@ impl Group {
             let mut g = sh.gates[rank as usize]
                 .write()
                 .unwrap_or_else(PoisonError::into_inner);
-            if !g.accepting {
+            if g.accepting {
+                g.epoch += 1;
+                g.accepting = false;
+                Some(*g)
+            } else {
                 // Already lost and not back yet: the same loss.
-                return;
+                None
             }
-            g.epoch += 1;
-            g.accepting = false;
-            *g
         };
-        self.bump(Some((rank, gate)));
+        if let Some(gate) = gate {
+            self.bump(Some((rank, gate)));
+        }
+        self.wait_untouched(rank);
+    }
+
+    /// Waits until no collective that started before member `rank`'s last
+    /// loss still reads or writes guest memory: once it returns, the
+    /// daemon no longer touches a buffer that `rank` offered before that
+    /// loss. [`Group::member_lost`] calls it itself; the glue may call it
+    /// again where it answers a second notice of the same loss. Returns at
+    /// once for a member never lost. Same restrictions as `member_lost`.
+    pub fn wait_untouched(&self, rank: u32) {
+        let sh = &self.shared;
+        if rank >= sh.world {
+            return;
+        }
+        let mut st = lock(&sh.state);
+        let before = st.members[rank as usize].lost_before;
+        // Collectives end in any order; the oldest one still running is
+        // the one to wait for.
+        while st.running.first().is_some_and(|&id| id < before) {
+            st.quiet_waiters += 1;
+            st = sh.quiet_cv.wait(st).unwrap_or_else(PoisonError::into_inner);
+            st.quiet_waiters -= 1;
+        }
     }
 
     /// Resets the group for a reason other than a lost member (an orderly
@@ -390,10 +447,15 @@ impl Group {
             for m in &mut st.members {
                 m.seqs.iter_mut().for_each(|s| *s = 0);
             }
+            let next_run = st.next_run;
             if let Some((rank, gate)) = lost {
                 let m = &mut st.members[rank as usize];
                 m.gate = gate;
                 m.connected = false;
+                // A collective that includes this member's old requests
+                // started before now: every slot that would have started
+                // one later is dropped just below.
+                m.lost_before = next_run;
                 let connected = st.members.iter().filter(|m| m.connected).count();
                 sh.metrics.set_members_connected(connected as u32);
             }
@@ -544,12 +606,15 @@ impl Group {
             }
             return;
         }
+        // Counted as running under the state lock, so that a loss after
+        // this point waits for it.
+        let running = Running::start(&self.shared, &mut st);
         drop(st);
-        self.run(waiting);
+        self.run(waiting, running);
     }
 
     /// Runs a collective whose members have all arrived.
-    fn run(&self, w: Waiting) {
+    fn run(&self, w: Waiting, running: Running) {
         let sh = &self.shared;
         let arrivals: Vec<Arrival> = w.arrivals.into_iter().flatten().collect();
         let last = arrivals.iter().map(|a| a.at).max().unwrap_or(w.first);
@@ -566,6 +631,8 @@ impl Group {
             mask |= m;
         }
         if mask != 0 {
+            // No data moves.
+            running.end();
             let out = Outcome::fail(Status::Mismatch, mask, peer);
             for a in &arrivals {
                 sh.deliver(a, out);
@@ -591,6 +658,7 @@ impl Group {
             parts: Vec::new(),
             next: AtomicUsize::new(0),
             left: AtomicUsize::new(0),
+            running,
         };
         let threads = self.workers.len();
         match &self.pool {
@@ -939,6 +1007,52 @@ struct Job {
     parts: Vec<(usize, usize, usize)>,
     next: AtomicUsize,
     left: AtomicUsize,
+    /// Ended once the last byte has moved (or when the job is dropped, if a
+    /// range panicked).
+    running: Running,
+}
+
+/// A collective counted in `State::running` until [`Running::end`] (or
+/// drop): while counted, it may read or write its members' guest memory.
+struct Running {
+    shared: Arc<Shared>,
+    id: u64,
+    ended: AtomicBool,
+}
+
+impl Running {
+    /// Counts a new collective; `st` is the locked state of `shared`.
+    fn start(shared: &Arc<Shared>, st: &mut State) -> Running {
+        let id = st.next_run;
+        st.next_run += 1;
+        st.running.insert(id);
+        Running {
+            shared: shared.clone(),
+            id,
+            ended: AtomicBool::new(false),
+        }
+    }
+
+    /// The collective no longer touches guest memory (its responses are
+    /// written under the members' gates, which order them with losses).
+    fn end(&self) {
+        if self.ended.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let mut st = lock(&self.shared.state);
+        st.running.remove(&self.id);
+        let waiters = st.quiet_waiters > 0;
+        drop(st);
+        if waiters {
+            self.shared.quiet_cv.notify_all();
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.end();
+    }
 }
 
 impl Job {
@@ -1009,6 +1123,10 @@ impl Job {
                 unsafe { b.flush() };
             }
         }
+        // Before any completion: a loss waiting for this collective must
+        // not wait for the completions (they may need the lost member's
+        // vring, and its responses are dropped anyway).
+        self.running.end();
         for p in &self.pieces {
             match p {
                 Piece::Reduce { len, .. } => sh.metrics.reduced(*len as u64),

@@ -58,6 +58,8 @@ pub(crate) struct Done {
     pub queue: u16,
     pub head: u16,
     pub written: u32,
+    /// When the completion was made.
+    pub at: Instant,
 }
 
 /// Collects completions of every member.
@@ -101,6 +103,7 @@ impl Completion for Recorder {
             queue,
             head,
             written,
+            at: Instant::now(),
         });
         self.hub.cv.notify_all();
     }

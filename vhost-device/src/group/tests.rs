@@ -1,6 +1,7 @@
 //! Engine tests: collectives against a reference model, in-place buffers,
 //! arrival order, mismatch, member loss, timeouts and split reductions.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use virtio_dmlc::{
@@ -8,8 +9,12 @@ use virtio_dmlc::{
     FLAG_IN_PLACE, NO_PEER, RESP_SIZE,
 };
 
+use vm_memory::{Bytes, GuestAddress};
+use zerocopy::FromBytes;
+
 use super::harness::{config, hdr, Desc, Pending, Rng, World};
 use super::Group;
+use crate::GuestMem;
 
 const REDUCING: [Opcode; 3] = [Opcode::Allreduce, Opcode::Reduce, Opcode::ReduceScatter];
 const COPYING: [Opcode; 2] = [Opcode::Broadcast, Opcode::Allgather];
@@ -1285,39 +1290,84 @@ fn members_are_active_only_after_ready() {
     assert_eq!(group.generation(), 2);
 }
 
-/// A member lost while a collective that its own (last) arrival completed
-/// runs on its thread: the others' waiting collectives fail with PEER_LOST
-/// at once, not when the data movement ends; the running collective ends
-/// normally for the others, with the right result; the lost member's
-/// completion is dropped. This is what lets the backend report a loss
-/// without waiting for its worker to leave `submit`.
-#[test]
-fn loss_while_the_lost_members_submission_runs_a_collective() {
-    let n = 2;
-    let mut rng = Rng::new(43);
-    // 16 MiB per member: long enough to run in a debug build that the loss
-    // lands in the middle of it.
+/// Guest bytes behind `descs` in `mem`.
+fn gather_in(mem: &GuestMem, descs: &[Desc]) -> Vec<u8> {
+    let mut v = Vec::new();
+    for d in descs {
+        let mut b = vec![0; d.len as usize];
+        mem.read_slice(&mut b, GuestAddress(d.addr)).unwrap();
+        v.extend(b);
+    }
+    v
+}
+
+/// The last `len` bytes behind `descs` (all in the last descriptor).
+fn tail_in(mem: &GuestMem, descs: &[Desc], len: usize) -> Vec<u8> {
+    let d = descs.last().unwrap();
+    let mut b = vec![0; len];
+    mem.read_slice(&mut b, GuestAddress(d.addr + u64::from(d.len) - len as u64))
+        .unwrap();
+    b
+}
+
+/// Times of one loss during a running collective, from the moment the
+/// losses were called.
+#[derive(Debug)]
+struct LossFigures {
+    /// The waiting member's PEER_LOST.
+    peer_lost: Duration,
+    /// The slowest `member_lost` call.
+    lose_returned: Duration,
+    /// The first survivor's completion of the running collective (its data
+    /// movement had ended just before).
+    collective_done: Duration,
+}
+
+/// A 16 MiB i32 allreduce of `n` members that member `runner` runs on its
+/// own thread (its request arrives last), helped by `threads` reduction
+/// threads. While it runs, the members in `lost` are lost, each from its
+/// own thread, and member `waiter` waits in a barrier on queue 1 that the
+/// lost members never join.
+///
+/// Checks: every `member_lost` returns only after the collective's last
+/// write into that member's buffers (its output is complete when the call
+/// returns, and unchanged afterwards); the waiter gets PEER_LOST before the
+/// collective ends; the survivors get OK with the full result; the lost
+/// members' completions are dropped. Returns `None`, having checked
+/// nothing, if the collective was done with a lost member before the
+/// losses came (a busy machine can delay this thread that long in an
+/// optimized build).
+fn try_lose_during_a_big_allreduce(
+    n: u32,
+    runner: u32,
+    lost: &[u32],
+    waiter: u32,
+    threads: usize,
+) -> Option<LossFigures> {
+    assert!(!lost.contains(&waiter));
+    let mut rng = Rng::new(47);
+    // Long enough in a debug build that the losses land in the middle.
     let c = Coll::new(Opcode::Allreduce, Dtype::I32, ReduceOp::Sum, 4 << 20);
     let inputs = c.inputs(n, &mut rng);
-    let mut w = World::with_region(config(n), 20 << 20);
+    let want = c.expected(&inputs, &vec![false; n as usize]);
+    let mut cfg = config(n);
+    cfg.reduce_threads = threads;
+    let mut w = World::with_region(cfg, 20 << 20);
     let built: Vec<Built> = (0..n)
         .map(|r| build(&mut w, r, &c.header(false), &inputs[r as usize], &[]))
         .collect();
-    let big0 = w.submit(0, 0, &built[0].descs);
-    let d = barrier_descs(&mut w, 0);
-    let barrier = w.submit(0, 1, &d);
-    let want = c.expected(&inputs, &[false; 2]);
+    let d = barrier_descs(&mut w, waiter);
+    let barrier = w.submit(waiter, 1, &d);
+    let mut big: Vec<Option<Pending>> = (0..n)
+        .map(|r| (r != runner).then(|| w.submit(r, 0, &built[r as usize].descs)))
+        .collect();
     let (group, hub, mut parts) = w.into_parts();
-    let (mut m1, done1) = parts.pop().unwrap();
-    let (m0, _) = parts.pop().unwrap();
-    let descs1 = built[1].descs.clone();
-    let runner = {
+    let mems: Vec<Arc<GuestMem>> = parts.iter().map(|(m, _)| m.mem.clone()).collect();
+    let (mut m_run, done_run) = parts.swap_remove(runner as usize);
+    let descs = built[runner as usize].descs.clone();
+    let run_thread = {
         let group = group.clone();
-        std::thread::spawn(move || {
-            let t = Instant::now();
-            let p = m1.submit(&group, 1, 0, &descs1, &done1);
-            (p, t.elapsed())
-        })
+        std::thread::spawn(move || m_run.submit(&group, runner, 0, &descs, &done_run))
     };
     // The collective runs once its skew is recorded.
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -1325,37 +1375,138 @@ fn loss_while_the_lost_members_submission_runs_a_collective() {
         assert!(Instant::now() < deadline, "the collective never ran");
         std::thread::yield_now();
     }
-    let lost = Instant::now();
-    group.member_lost(1);
-    let done = hub
+    let too_late = lost.iter().any(|&l| {
+        let end = &want[l as usize][want[l as usize].len() - 64..];
+        tail_in(&mems[l as usize], &built[l as usize].outputs, 64) == end
+    });
+    if too_late {
+        run_thread.join().unwrap();
+        return None;
+    }
+    let t = Instant::now();
+    let losers: Vec<_> = lost
+        .iter()
+        .map(|&l| {
+            let group = group.clone();
+            let mem = mems[l as usize].clone();
+            let outputs = built[l as usize].outputs.clone();
+            std::thread::spawn(move || {
+                group.member_lost(l);
+                let at = Instant::now();
+                (at, gather_in(&mem, &outputs))
+            })
+        })
+        .collect();
+    let returned: Vec<(Instant, Vec<u8>)> = losers.into_iter().map(|h| h.join().unwrap()).collect();
+    big[runner as usize] = Some(run_thread.join().unwrap());
+
+    let failed = hub
         .wait_for(&barrier, Duration::from_secs(10))
         .expect("the waiting barrier failed");
-    let failed_after = lost.elapsed();
-    let still_running = !runner.is_finished();
-    let b = m0.read(barrier.resp, RESP_SIZE);
-    let r = <VirtioDmlcResp as zerocopy::FromBytes>::read_from_bytes(&b).unwrap();
-    assert_eq!(r, resp(Status::PeerLost, 0, 1, 2));
-    assert_eq!(done.written as usize, RESP_SIZE);
+    let r = VirtioDmlcResp::read_from_bytes(&gather_in(
+        &mems[waiter as usize],
+        &[Desc::w(barrier.resp, RESP_SIZE as u32)],
+    ))
+    .unwrap();
+    assert_eq!(Status::from_raw(r.status.get()), Some(Status::PeerLost));
+    assert!(lost.contains(&r.peer.get()), "peer {}", r.peer.get());
+    assert_eq!(failed.written as usize, RESP_SIZE);
 
-    let (p1, ran_for) = runner.join().unwrap();
-    eprintln!(
-        "16 MiB allreduce ran {:.1} ms on the lost member's thread; the barrier \
-         failed {:.3} ms after the loss",
-        ran_for.as_secs_f64() * 1e3,
-        failed_after.as_secs_f64() * 1e3
-    );
+    let mut collective_done = None::<Instant>;
+    for r in 0..n {
+        let p = big[r as usize].unwrap();
+        let outputs = &built[r as usize].outputs;
+        let mem = &mems[r as usize];
+        if lost.contains(&r) {
+            assert!(hub.wait_for(&p, Duration::from_millis(50)).is_none());
+            continue;
+        }
+        let done = hub
+            .wait_for(&p, Duration::from_secs(10))
+            .unwrap_or_else(|| panic!("no completion for member {r}"));
+        let b = gather_in(mem, &[Desc::w(p.resp, RESP_SIZE as u32)]);
+        let resp = VirtioDmlcResp::read_from_bytes(&b).unwrap();
+        assert_eq!(Status::from_raw(resp.status.get()), Some(Status::Ok));
+        assert!(
+            gather_in(mem, outputs) == want[r as usize],
+            "member {r}'s sum"
+        );
+        collective_done = Some(collective_done.map_or(done.at, |d| d.min(done.at)));
+    }
+    let collective_done = collective_done.unwrap();
     assert!(
-        still_running,
-        "the collective ended before the barrier failed"
+        failed.at < collective_done,
+        "PEER_LOST came only after the running collective"
     );
-    let done = hub
-        .wait_for(&big0, Duration::from_secs(10))
-        .expect("rank 0's allreduce completed");
-    let b = m0.read(big0.resp, RESP_SIZE);
-    let r = <VirtioDmlcResp as zerocopy::FromBytes>::read_from_bytes(&b).unwrap();
-    assert_eq!(r, ok_resp(2));
-    assert!(done.written > 0);
-    assert!(m0.gather(&built[0].outputs) == want[0], "rank 0's sum");
-    assert!(hub.wait_for(&p1, Duration::from_millis(50)).is_none());
+    for (&l, (_, at_return)) in lost.iter().zip(&returned) {
+        let now = gather_in(&mems[l as usize], &built[l as usize].outputs);
+        assert!(
+            *at_return == want[l as usize],
+            "member {l}'s buffers were still being written when its loss returned"
+        );
+        assert!(
+            now == *at_return,
+            "member {l}'s buffers changed after its loss"
+        );
+    }
     assert_eq!(group.metrics().pending(), 0);
+    let last_return = returned.iter().map(|(at, _)| *at).max().unwrap();
+    let figures = LossFigures {
+        peer_lost: failed.at.saturating_duration_since(t),
+        lose_returned: last_return.saturating_duration_since(t),
+        collective_done: collective_done.saturating_duration_since(t),
+    };
+    eprintln!(
+        "16 MiB allreduce of {n} run by member {runner} ({threads} reduction threads), \
+         members {lost:?} lost: {figures:?}"
+    );
+    // The others' failures are delivered before the loss waits.
+    assert!(figures.peer_lost <= figures.lose_returned, "{figures:?}");
+    Some(figures)
+}
+
+/// [`try_lose_during_a_big_allreduce`] until the losses come in the middle
+/// of the collective (the first time, in a debug build).
+fn lose_during_a_big_allreduce(
+    n: u32,
+    runner: u32,
+    lost: &[u32],
+    waiter: u32,
+    threads: usize,
+) -> LossFigures {
+    for _ in 0..5 {
+        if let Some(f) = try_lose_during_a_big_allreduce(n, runner, lost, waiter, threads) {
+            return f;
+        }
+        eprintln!("the collective was done before the losses; again");
+    }
+    panic!("the losses never came in the middle of the collective");
+}
+
+/// The gap of a reset answered while another member's thread still
+/// writes the reset member's buffers: the loss waits for the collective.
+#[test]
+fn a_loss_waits_for_a_collective_that_another_member_runs() {
+    for threads in [0, 2] {
+        let f = lose_during_a_big_allreduce(3, 0, &[1], 2, threads);
+        // The loss came in the middle, so it waited for a good part of it.
+        assert!(f.lose_returned > f.peer_lost, "{f:?}");
+        assert!(f.collective_done > f.peer_lost, "{f:?}");
+    }
+}
+
+/// The lost member's own thread runs the collective (its arrival came
+/// last): the others' waiting collectives fail at once, and the loss
+/// returns once the collective is done with the member's memory.
+#[test]
+fn a_loss_waits_for_a_collective_that_its_own_thread_runs() {
+    lose_during_a_big_allreduce(3, 1, &[1], 2, 0);
+}
+
+/// Two members lost at once, one of them the runner, with reduction
+/// threads (which may move the last bytes after the runner's thread has
+/// left): neither loss returns early and neither deadlocks.
+#[test]
+fn two_losses_at_once_both_wait_for_the_running_collective() {
+    lose_during_a_big_allreduce(4, 1, &[1, 2], 3, 2);
 }
