@@ -387,27 +387,19 @@ fn refuse_while_served(listener: &Listener, ended: &EventFd, log: &mut RefusalLo
         );
         return;
     }
-    loop {
-        match wait_readable(listener.as_raw_fd(), ended.as_raw_fd(), None) {
-            Ok(Ready::Ended) => break,
-            Ok(Ready::Listener) => {}
-            Err(e) => {
-                warn!(
-                    "rank {}: poll failed while refusing frontends: {e}",
-                    log.rank
-                );
-                break;
-            }
-        }
-        match wait_readable(listener.as_raw_fd(), ended.as_raw_fd(), Some(REFUSE_GRACE)) {
-            Ok(Ready::Ended) => break,
-            Ok(Ready::Listener) => {}
-            Err(e) => {
-                warn!(
-                    "rank {}: poll failed while refusing frontends: {e}",
-                    log.rank
-                );
-                break;
+    'serving: loop {
+        // First a connection arrives, then it gets its grace period.
+        for timeout in [None, Some(REFUSE_GRACE)] {
+            match wait_readable(listener.as_raw_fd(), ended.as_raw_fd(), timeout) {
+                Ok(Ready::Ended) => break 'serving,
+                Ok(Ready::Listener) => {}
+                Err(e) => {
+                    warn!(
+                        "rank {}: poll failed while refusing frontends: {e}",
+                        log.rank
+                    );
+                    break 'serving;
+                }
             }
         }
         loop {
