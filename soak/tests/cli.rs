@@ -33,6 +33,23 @@ fn json_path(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("dmlc-soak-test-{}-{name}.json", std::process::id()))
 }
 
+/// Runs a soak with `args` (split at spaces) against the built daemon;
+/// returns its output and the JSON it wrote (empty if none).
+fn run_soak(name: &str, args: &str) -> (Output, String) {
+    let json = json_path(name);
+    let out = soak()
+        .args(args.split_whitespace())
+        .arg("--backend")
+        .arg(backend())
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    let j = std::fs::read_to_string(&json).unwrap_or_default();
+    let _ = std::fs::remove_file(&json);
+    (out, j)
+}
+
 /// The value of `"key": ` in the first object of group `name` of `json`.
 fn group_field<'a>(json: &'a str, name: &str, key: &str) -> &'a str {
     let at = json
@@ -48,18 +65,10 @@ fn group_field<'a>(json: &'a str, name: &str, key: &str) -> &'a str {
 
 #[test]
 fn tiny_soak_passes_and_reports_every_figure() {
-    let json = json_path("tiny");
-    let out = soak()
-        .args(["--small", "3000", "--large", "4", "--large-bytes", "256K"])
-        .args(["--window", "8", "--rounds", "5", "--progress-secs", "0"])
-        .arg("--backend")
-        .arg(backend())
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .unwrap();
-    let j = std::fs::read_to_string(&json).unwrap_or_default();
-    let _ = std::fs::remove_file(&json);
+    let (out, j) = run_soak(
+        "tiny",
+        "--small 3000 --large 4 --large-bytes 256K --window 8 --rounds 5 --progress-secs 0",
+    );
     let t = text(&out);
     assert!(out.status.success(), "{t}");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -104,18 +113,10 @@ fn tiny_soak_passes_and_reports_every_figure() {
 
 #[test]
 fn kill_one_closes_a_rank_of_b_and_a_still_passes() {
-    let json = json_path("kill");
-    let out = soak()
-        .args(["--small", "4000", "--large", "2", "--large-bytes", "64K"])
-        .args(["--rounds", "4", "--progress-secs", "0", "--kill-one"])
-        .arg("--backend")
-        .arg(backend())
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .unwrap();
-    let j = std::fs::read_to_string(&json).unwrap_or_default();
-    let _ = std::fs::remove_file(&json);
+    let (out, j) = run_soak(
+        "kill",
+        "--small 4000 --large 2 --large-bytes 64K --rounds 4 --progress-secs 0 --kill-one",
+    );
     let t = text(&out);
     assert!(out.status.success(), "{t}");
     assert_eq!(group_field(&j, "A", "killed_rank"), "false", "{j}");
