@@ -10,6 +10,14 @@
 //! stopped until it resets the device, so it cannot make the daemon hold
 //! requests without bound.
 //!
+//! Pause and loss: QEMU stops the rings (GET_VRING_BASE) both when the VM
+//! is paused and when the driver goes away; the patched QEMU sends
+//! RESET_DEVICE first in the second case. So a stopped ring alone is a
+//! pause: the member stays in the group, its popped requests stay pending,
+//! and a completion made while the ring is stopped is kept and put in the
+//! used ring once the frontend starts the ring again. RESET_DEVICE, or the
+//! connection closing, loses the member.
+//!
 //! Threads: vhost-user-backend runs one epoll worker per entry of
 //! [`VhostUserBackend::queues_per_thread`]; this backend asks for one worker
 //! per queue, so worker `q` serves queue `q` alone and a slow queue never
@@ -59,6 +67,65 @@ pub struct Vring {
     inner: VringRwLock<AtomicMem>,
     /// The frontend's last SET_VRING_NUM was not a power of two.
     bad_size: Arc<AtomicBool>,
+    /// Completions made while the ring was stopped (a paused VM), to be
+    /// put in the used ring when it runs again. Locked after the vring
+    /// state, never before it.
+    deferred: Arc<Mutex<Deferred>>,
+}
+
+/// Completions waiting for a stopped ring to start again.
+#[derive(Default)]
+struct Deferred {
+    /// `(head, len, epoch)` of each chain, in completion order.
+    chains: Vec<(u16, u32, u64)>,
+    /// The member's activation counter: a chain of an earlier activation
+    /// is dropped, its driver is gone.
+    current: Option<Arc<AtomicU64>>,
+    /// Chains were put in the used ring while the ring had no call
+    /// eventfd: the driver is signalled once it has one.
+    unsignalled: bool,
+}
+
+impl Vring {
+    /// Puts the completions kept while the ring was stopped in the used
+    /// ring, if it runs again (ready and enabled), and signals the driver
+    /// when it can.
+    fn flush_deferred(&self) {
+        let mut state = self.inner.get_mut();
+        if !state.get_queue().ready() || !state.is_enabled() {
+            return;
+        }
+        let mut deferred = lock(&self.deferred);
+        let current = deferred.current.as_ref().map(|c| c.load(Ordering::Acquire));
+        let chains = std::mem::take(&mut deferred.chains);
+        let mut added = false;
+        for (head, len, epoch) in chains {
+            if Some(epoch) != current {
+                continue;
+            }
+            match state.add_used(head, len) {
+                Ok(()) => added = true,
+                Err(e) => warn!("cannot return chain {head} after the ring restarted: {e}"),
+            }
+        }
+        if added || deferred.unsignalled {
+            if state.get_call().is_some() {
+                deferred.unsignalled = false;
+                if let Err(e) = state.signal_used_queue() {
+                    warn!("cannot notify the driver after the ring restarted: {e}");
+                }
+            } else {
+                deferred.unsignalled = true;
+            }
+        }
+    }
+
+    /// Forgets the kept completions (the member was lost).
+    fn drop_deferred(&self) {
+        let mut deferred = lock(&self.deferred);
+        deferred.chains.clear();
+        deferred.unsignalled = false;
+    }
 }
 
 impl<'a> VringStateGuard<'a, AtomicMem> for Vring {
@@ -74,6 +141,7 @@ impl VringT<AtomicMem> for Vring {
         Ok(Vring {
             inner: VringRwLock::new(mem, max_queue_size)?,
             bad_size: Arc::new(AtomicBool::new(false)),
+            deferred: Arc::new(Mutex::new(Deferred::default())),
         })
     }
 
@@ -107,6 +175,9 @@ impl VringT<AtomicMem> for Vring {
 
     fn set_enabled(&self, enabled: bool) {
         self.inner.set_enabled(enabled);
+        if enabled {
+            self.flush_deferred();
+        }
     }
 
     fn set_queue_info(
@@ -151,6 +222,9 @@ impl VringT<AtomicMem> for Vring {
     fn set_queue_ready(&self, ready: bool) {
         self.inner
             .set_queue_ready(ready && !self.bad_size.load(Ordering::Acquire));
+        if ready {
+            self.flush_deferred();
+        }
     }
 
     fn set_kick(&self, file: Option<std::fs::File>) {
@@ -162,7 +236,11 @@ impl VringT<AtomicMem> for Vring {
     }
 
     fn set_call(&self, file: Option<std::fs::File>) {
+        let some = file.is_some();
         self.inner.set_call(file);
+        if some {
+            self.flush_deferred();
+        }
     }
 
     fn set_err(&self, file: Option<std::fs::File>) {
@@ -202,6 +280,12 @@ pub struct BackendConfig {
     pub queue_size: u16,
     /// How long to keep polling a queue after it ran dry; zero: never.
     pub poll: Duration,
+    /// Join the group at the driver's first request rather than at
+    /// SET_FEATURES. The daemon sets it after a connection of this rank
+    /// failed before its first request (a ring the daemon refused, say):
+    /// QEMU reconnects every second with the same setup, and each such
+    /// connection would otherwise be one more loss for the peers.
+    pub defer_activation: bool,
 }
 
 /// Per-queue state of one connection.
@@ -223,6 +307,11 @@ pub struct MemberBackend {
     /// (device reset, a stopped vring, or the connection closing): only an
     /// active member submits requests.
     active: AtomicBool,
+    /// Features were acked on this connection but, with
+    /// `defer_activation`, the member joins at its first request.
+    armed: AtomicBool,
+    /// A chain was submitted on this connection.
+    submitted: AtomicBool,
     /// Counts activations; a completion of an earlier one is dropped.
     epoch: Arc<AtomicU64>,
     queues: Vec<QueueSlot>,
@@ -243,6 +332,8 @@ impl MemberBackend {
             group,
             mem: RwLock::new(mem),
             active: AtomicBool::new(false),
+            armed: AtomicBool::new(false),
+            submitted: AtomicBool::new(false),
             epoch: Arc::new(AtomicU64::new(0)),
             queues,
         }
@@ -258,6 +349,19 @@ impl MemberBackend {
         self.active.load(Ordering::Acquire)
     }
 
+    /// Whether the driver submitted any chain on this connection.
+    pub fn submitted_any(&self) -> bool {
+        self.submitted.load(Ordering::Acquire)
+    }
+
+    /// Makes the member active (it joins the group), if it was not.
+    fn activate(&self, why: &str) {
+        if !self.active.swap(true, Ordering::AcqRel) {
+            self.group.member_ready(self.cfg.rank);
+            debug!("rank {}: {why}, member ready", self.cfg.rank);
+        }
+    }
+
     /// Marks the member lost, if it was active: no further submission from
     /// this connection, completions still in flight are dropped, and the
     /// group fails the collectives that waited for it. Returns whether it
@@ -266,6 +370,7 @@ impl MemberBackend {
     /// still reads or writes the member's buffers, so that the reset or
     /// stop it answers means the device is done with the driver's memory.
     pub fn lose(&self, why: &str) -> bool {
+        self.armed.store(false, Ordering::Release);
         if !self.active.swap(false, Ordering::AcqRel) {
             // Never active, or a second notice of a loss already made (a
             // second queue stopped): answered under the same promise, at
@@ -283,8 +388,13 @@ impl MemberBackend {
         self.group.member_lost(self.cfg.rank);
         // Then wait for the workers to leave `drain`, so that nothing of
         // this connection is still under way when the member comes back.
+        // Completions kept for a stopped ring belong to the driver that is
+        // gone (none is added any more: the group made none after
+        // `member_lost`).
         for slot in &self.queues {
-            *lock(&slot.gate) = None;
+            if let Some(done) = lock(&slot.gate).take() {
+                done.vring.drop_deferred();
+            }
         }
         debug!("rank {}: member lost ({why})", self.cfg.rank);
         true
@@ -350,7 +460,10 @@ impl MemberBackend {
         };
         let mut gate = lock(&slot.gate);
         if !self.is_active() {
-            return 0;
+            if !self.armed.swap(false, Ordering::AcqRel) {
+                return 0;
+            }
+            self.activate("first request after a refused connection");
         }
         // The group keeps this snapshot of the memory map alive for as long
         // as a request needs it, whatever the frontend changes meanwhile.
@@ -402,6 +515,7 @@ impl MemberBackend {
             // complete the request at once, on this thread.
             match next {
                 Next::Chain(chain) => {
+                    self.submitted.store(true, Ordering::Release);
                     ring.in_flight.fetch_add(1, Ordering::AcqRel);
                     self.group.submit(self.cfg.rank, queue, mem, chain, &done);
                     submitted += 1;
@@ -583,10 +697,20 @@ impl Completion for VringCompletion {
                 Some(n.saturating_sub(1))
             });
         let mut state = self.vring.get_mut();
-        // The member was lost (or its ring stopped) since the request was
-        // popped: the ring may already belong to a new driver.
-        if self.current.load(Ordering::Acquire) != self.epoch || !state.get_queue().ready() {
+        // The member was lost since the request was popped: the ring may
+        // already belong to a new driver.
+        if self.current.load(Ordering::Acquire) != self.epoch {
             debug!("rank {rank} queue {queue}: dropped completion of chain {head}");
+            return;
+        }
+        // The ring is stopped (a paused VM): the frontend owns it until it
+        // starts it again, and the chain goes in the used ring then. Under
+        // the vring lock, so that a restart either sees it or came first.
+        if !state.get_queue().ready() || !state.is_enabled() {
+            let mut deferred = lock(&self.vring.deferred);
+            deferred.current = Some(self.current.clone());
+            deferred.chains.push((head, written, self.epoch));
+            debug!("rank {rank} queue {queue}: chain {head} kept until the ring runs again");
             return;
         }
         if let Err(e) = state.add_used(head, written) {
@@ -621,14 +745,15 @@ impl VhostUserBackend for MemberBackend {
 
     fn acked_features(&self, features: u64) {
         self.group.set_member_features(self.cfg.rank, features);
-        // The frontend sends SET_FEATURES each time it starts the device,
-        // so this is where a member (re)joins after a loss.
-        if !self.active.swap(true, Ordering::AcqRel) {
-            self.group.member_ready(self.cfg.rank);
-            debug!(
-                "rank {}: features {features:#x} acked, member ready",
-                self.cfg.rank
-            );
+        // The frontend sends SET_FEATURES each time it starts the device
+        // (QEMU: when the driver sets DRIVER_OK, and again when a paused VM
+        // runs), so this is where a member (re)joins after a loss.
+        if self.cfg.defer_activation {
+            if !self.is_active() {
+                self.armed.store(true, Ordering::Release);
+            }
+        } else {
+            self.activate(&format!("features {features:#x} acked"));
         }
     }
 
@@ -713,9 +838,11 @@ impl VhostUserBackend for MemberBackend {
     }
 
     fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
-        if self.lose("vring stopped") {
+        // A pause, not a loss (see the module comment): requests stay
+        // pending, and completions wait for the ring to run again.
+        if self.is_active() {
             info!(
-                "rank {}: queue {queue_index} stopped, member lost",
+                "rank {}: queue {queue_index} stopped (VM paused?), its requests stay pending",
                 self.cfg.rank
             );
         }
@@ -846,6 +973,7 @@ mod tests {
             num_queues: 1,
             queue_size,
             poll: Duration::ZERO,
+            defer_activation: false,
         };
         MemberBackend::new(cfg, group.clone(), mem)
     }

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use log::{error, info, warn};
+use log::{debug, error, info, warn};
 use thiserror::Error;
 use vhost::vhost_user::{Error as VhostUserError, Listener};
 use vhost_user_backend::VhostUserDaemon;
@@ -158,6 +158,7 @@ pub fn start_backend(config: Config) -> Result<(), DaemonError> {
                 num_queues: config.group.num_queues,
                 queue_size: config.queue_size,
                 poll: config.poll,
+                defer_activation: false,
             };
             let group = group.clone();
             let tx = stop_tx.clone();
@@ -184,6 +185,9 @@ pub fn start_backend(config: Config) -> Result<(), DaemonError> {
         Ok(()) => match stop_rx.recv() {
             Ok(Stop::Signal(sig)) => {
                 info!("signal {sig}: shutting down");
+                // Pending collectives complete with RESET rather than
+                // leaving their drivers to find the device gone.
+                group.reset();
                 Ok(())
             }
             Ok(Stop::Failed(e)) => Err(e),
@@ -324,9 +328,14 @@ fn serve_member(
     let ended =
         EventFd::new(EFD_NONBLOCK).map_err(|source| DaemonError::RefuseEvent { rank, source })?;
     let mut refusals = RefusalLog::new(rank);
+    let mut failed_setups = SetupFailures::default();
     loop {
         let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
-        let backend = Arc::new(MemberBackend::new(cfg.clone(), group.clone(), mem.clone()));
+        let cfg = BackendConfig {
+            defer_activation: failed_setups.count > 0,
+            ..cfg.clone()
+        };
+        let backend = Arc::new(MemberBackend::new(cfg, group.clone(), mem.clone()));
         let mut daemon = VhostUserDaemon::new(format!("dmlc-rank{rank}"), backend.clone(), mem)
             .map_err(|e| DaemonError::NewDaemon {
                 rank,
@@ -338,7 +347,11 @@ fn serve_member(
                 rank,
                 source: e.into(),
             })?;
-        info!("rank {rank}: frontend connected on {}", path.display());
+        if failed_setups.count == 0 {
+            info!("rank {rank}: frontend connected on {}", path.display());
+        } else {
+            debug!("rank {rank}: frontend connected on {}", path.display());
+        }
         let result = thread::scope(|s| {
             let refuser = thread::Builder::new()
                 .name(format!("dmlc-refuse{rank}"))
@@ -362,9 +375,58 @@ fn serve_member(
             Ok(())
             | Err(vhost_user_backend::Error::HandleRequest(
                 VhostUserError::Disconnected | VhostUserError::PartialMessage,
-            )) => info!("rank {rank}: frontend disconnected{how}"),
-            Err(e) => warn!("rank {rank}: connection closed after an error{how}: {e}"),
+            )) => {
+                failed_setups.ended(rank, backend.submitted_any(), None);
+                info!("rank {rank}: frontend disconnected{how}");
+            }
+            Err(e) => {
+                let msg = e.to_string();
+                if failed_setups.ended(rank, backend.submitted_any(), Some(&msg)) {
+                    warn!("rank {rank}: connection closed after an error{how}: {msg}");
+                } else {
+                    debug!("rank {rank}: connection closed after an error{how}: {msg}");
+                }
+            }
         }
+    }
+}
+
+/// Connections of one rank that failed before the driver's first request.
+/// QEMU reconnects every second and sets the device up the same way, so
+/// the same failure repeats: it is logged once, and such a connection
+/// joins the group only at its first request (`defer_activation`), so it
+/// is not one more loss for the peers each time.
+#[derive(Default)]
+struct SetupFailures {
+    count: u64,
+    last: Option<String>,
+}
+
+impl SetupFailures {
+    /// Records how a connection ended; true if its error is worth a warning
+    /// (the first of a run, or a different one).
+    fn ended(&mut self, rank: u32, submitted: bool, error: Option<&str>) -> bool {
+        if submitted || error.is_none() {
+            if self.count > 1 {
+                info!(
+                    "rank {rank}: {} connections in a row had failed before their first request",
+                    self.count
+                );
+            }
+            *self = SetupFailures::default();
+            return true;
+        }
+        self.count += 1;
+        let new = self.last.as_deref() != error;
+        if new {
+            self.last = error.map(str::to_owned);
+        } else if self.count == 2 {
+            info!(
+                "rank {rank}: the frontend keeps failing the same way; \
+                 further such closes are logged at debug level"
+            );
+        }
+        new
     }
 }
 

@@ -308,15 +308,16 @@ fn a_member_that_disconnects_fails_the_waiting_collective_promptly() {
 }
 
 #[test]
-fn a_stopped_ring_loses_the_member_until_it_starts_again() {
+fn a_reset_loses_the_member_until_it_starts_again() {
     let mut daemon = Daemon::start(2, &["--timeout-ms", "60000"]);
     let mut ms = members(&daemon, features(false, false), 1);
     let p = allreduce(&mut ms[0], 0, &[3.0], 1, true);
     assert_eq!(ms[0].wait_used_for(0, Duration::from_millis(100)), None);
 
-    // What QEMU does when the guest resets the device.
+    // What the patched QEMU does when the guest resets the device.
+    ms[1].fe.reset_device().expect("RESET_DEVICE");
     ms[1].stop_queue(0);
-    daemon.wait_for_log("rank 1: queue 0 stopped, member lost");
+    daemon.wait_for_log("rank 1: device reset, member lost");
     let resp = finish(&mut ms[0], 0, &p);
     assert_eq!(status(&resp), Some(Status::PeerLost));
     assert_eq!(resp.peer.get(), 1);
@@ -332,6 +333,55 @@ fn a_stopped_ring_loses_the_member_until_it_starts_again() {
         let resp = finish(m, 0, p);
         assert_eq!(status(&resp), Some(Status::Ok), "{resp:?}");
         assert_eq!(read_f32(m, p.out, 1), [6.0]);
+    }
+}
+
+/// A paused VM: its ring is stopped (GET_VRING_BASE) without a reset. Its
+/// popped request stays pending, the collective completes when the peer
+/// arrives, and the paused member finds it in its used ring once the ring
+/// runs again; nothing is lost and the generation does not change.
+#[test]
+fn a_stopped_ring_is_a_pause_and_its_requests_complete_after_it_runs_again() {
+    for protocol in [false, true] {
+        let mut daemon = Daemon::start(2, &["--timeout-ms", "60000"]);
+        let mut ms = members(&daemon, features(protocol, false), 1);
+        let p1 = allreduce(&mut ms[1], 0, &[3.0, -1.0], 1, true);
+        // Popped and pending: rank 0 has not arrived.
+        assert_eq!(ms[1].wait_used_for(0, Duration::from_millis(100)), None);
+        let base = ms[1].pause_queue(0);
+        assert_eq!(base, 1, "the popped chain counts in the ring base");
+        daemon.wait_for_log("rank 1: queue 0 stopped");
+
+        // The peer arrives during the pause: the collective runs and rank 0
+        // is answered at once.
+        let p0 = allreduce(&mut ms[0], 0, &[1.0, 2.0], 1, true);
+        let resp = finish(&mut ms[0], 0, &p0);
+        assert_eq!(status(&resp), Some(Status::Ok), "{resp:?}");
+        assert_eq!(read_f32(&ms[0], p0.out, 2), [4.0, 1.0]);
+        // The paused member's ring belongs to the frontend: untouched.
+        assert_eq!(ms[1].wait_used_for(0, Duration::from_millis(200)), None);
+
+        ms[1].resume_queue(0, base);
+        assert!(
+            ms[1].wait_interrupt(0, Duration::from_secs(20)),
+            "no interrupt once the ring ran again"
+        );
+        let resp = finish(&mut ms[1], 0, &p1);
+        assert_eq!(status(&resp), Some(Status::Ok), "{resp:?}");
+        assert_eq!(read_f32(&ms[1], p1.out, 2), [4.0, 1.0]);
+        assert_eq!(ms[0].config().generation.get(), 1, "a pause is no loss");
+
+        // The group goes on.
+        let pending: Vec<Pending> = ms
+            .iter_mut()
+            .map(|m| allreduce(m, 0, &[5.0], 2, true))
+            .collect();
+        for (m, p) in ms.iter_mut().zip(&pending) {
+            let resp = finish(m, 0, p);
+            assert_eq!(status(&resp), Some(Status::Ok), "{resp:?}");
+            assert_eq!(read_f32(m, p.out, 1), [10.0]);
+        }
+        assert!(!daemon.log().contains("member lost"), "{}", daemon.log());
     }
 }
 

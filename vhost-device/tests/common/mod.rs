@@ -447,9 +447,57 @@ impl Member {
         self.features & vhost::vhost_user::VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0
     }
 
-    /// Stops queue `q` as QEMU does when the driver resets the device.
+    /// Stops queue `q` with GET_VRING_BASE alone. QEMU does this when the
+    /// VM is paused (after SET_VRING_ENABLE 0, see [`Member::pause_queue`]),
+    /// and after RESET_DEVICE when the driver resets the device.
     pub fn stop_queue(&mut self, q: usize) -> u32 {
         self.fe.get_vring_base(q).expect("GET_VRING_BASE")
+    }
+
+    /// Stops queue `q` as QEMU does when the VM is paused; returns the
+    /// ring base to give [`Member::resume_queue`].
+    pub fn pause_queue(&mut self, q: usize) -> u32 {
+        if self.protocol_features_acked() {
+            self.fe
+                .set_vring_enable(q, false)
+                .expect("SET_VRING_ENABLE");
+        }
+        self.stop_queue(q)
+    }
+
+    /// Starts queue `q` again as QEMU does when a paused VM runs: the same
+    /// rings, not zeroed, from `base`, in QEMU's order (the call eventfd
+    /// comes last).
+    pub fn resume_queue(&mut self, q: usize, base: u32) {
+        let queue = &self.queues[q];
+        let host = |gpa: u64| self.mem.get_host_address(GuestAddress(gpa)).unwrap() as u64;
+        self.fe.set_vring_num(q, queue.size).expect("SET_VRING_NUM");
+        self.fe
+            .set_vring_base(q, base as u16)
+            .expect("SET_VRING_BASE");
+        self.fe
+            .set_vring_addr(
+                q,
+                &VringConfigData {
+                    queue_max_size: queue.size,
+                    queue_size: queue.size,
+                    flags: 0,
+                    desc_table_addr: host(queue.desc),
+                    used_ring_addr: host(queue.used),
+                    avail_ring_addr: host(queue.avail),
+                    log_addr: None,
+                },
+            )
+            .expect("SET_VRING_ADDR");
+        self.fe
+            .set_vring_kick(q, &queue.kick)
+            .expect("SET_VRING_KICK");
+        if self.protocol_features_acked() {
+            self.fe.set_vring_enable(q, true).expect("SET_VRING_ENABLE");
+        }
+        self.fe
+            .set_vring_call(q, &queue.call)
+            .expect("SET_VRING_CALL");
     }
 
     /// A fresh guest buffer of `len` bytes (64-byte aligned).
