@@ -40,6 +40,7 @@ fn wanted_protocol_features() -> VhostUserProtocolFeatures {
     VhostUserProtocolFeatures::CONFIG
         | VhostUserProtocolFeatures::MQ
         | VhostUserProtocolFeatures::REPLY_ACK
+        | VhostUserProtocolFeatures::RESET_DEVICE
 }
 
 /// Maps a vhost error to a transport error, recognising a vanished backend.
@@ -454,6 +455,19 @@ impl Transport for HostTransport {
     }
 
     fn reset(&mut self) -> Result<(), TransportError> {
+        // A stopped ring alone means a paused VM to the device, whose
+        // requests stay pending; RESET_DEVICE says the driver is gone, and
+        // is answered once the device no longer touches its buffers (this
+        // is what the patched QEMU sends when DRIVER_OK is cleared).
+        if self.queues.iter().any(Option::is_some)
+            && self
+                .protocol
+                .contains(VhostUserProtocolFeatures::RESET_DEVICE)
+        {
+            self.frontend
+                .reset_device()
+                .map_err(vhost_error("RESET_DEVICE"))?;
+        }
         for (index, q) in self.queues.iter_mut().enumerate() {
             if q.take().is_some() {
                 self.frontend
