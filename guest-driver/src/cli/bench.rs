@@ -1,13 +1,26 @@
 //! `dmlc-guest bench`: an nccl-tests style sweep over message sizes.
 //!
-//! Every rank runs the same loop; only rank 0 prints. Each size runs
+//! Every rank runs the same loop; rank 0 prints the table. Each size runs
 //! `warmup` untimed and `iters` timed collectives out of place, then the
 //! same in place. Iteration i uses slot i of a pool of buffers (per
 //! direction, `--rotate` bytes in all, default 2 x LLC / N capped at
 //! 512 MiB, so that the members' buffers of one direction together are
-//! twice the last-level cache), so large sizes are not cache-hot. Time is the median of the per-iteration
-//! times on rank 0. `#wrong` counts wrong elements of the last out-of-place
-//! iteration and of one extra in-place run on fresh data, summed over ranks.
+//! twice the last-level cache), so large sizes are not cache-hot and
+//! consecutive iterations reduce different data. Time is the median of the
+//! per-iteration times on rank 0; the members meet in a barrier before
+//! each timed collective, so a member still checking the last one does not
+//! show in the next one's time.
+//!
+//! Every iteration is checked, on every rank, by that rank. Before each
+//! collective the rank poisons its output (in place: copies its input back
+//! and poisons the rest), so an output the device did not write is caught;
+//! after it, the rank compares a digest of its output with the digest of
+//! the expected values, which it computes itself from every rank's inputs
+//! (a pure function of rank and position, [`Gen`]) with the scalar
+//! reference, never through the device. A digest that differs is followed
+//! by an element-by-element count. `#wrong` in the table is rank 0's own
+//! count; each rank prints its own count on its own line and exits 1 if it
+//! saw a wrong value: no count goes through the device under test.
 //!
 //! One loop, two paths ([`Engine`]):
 //!
@@ -34,7 +47,7 @@ use dmlc_guest::device::{Device, DmaBuf, Request};
 use dmlc_guest::tcp::{self, TcpComm, TcpError};
 use virtio_dmlc::{buffer_elems, BufferElems, Dtype, Opcode, ReduceOp};
 
-use super::data::{self, Gen};
+use super::data::{self, Digest, Gen};
 use super::reference::Case;
 use super::util::{llc_bytes, parse_dtype, parse_op, parse_opcode, parse_size, show_size, Stats};
 use super::{CliError, Ctx, Setup};
@@ -43,6 +56,10 @@ use super::{CliError, Ctx, Setup};
 const ROTATE_CAP: u64 = 512 << 20;
 /// Slot alignment inside the pools.
 const SLOT_ALIGN: u64 = 64;
+/// The byte an output is filled with before each collective.
+const POISON: u8 = 0xa5;
+/// Elements of expected values computed at a time.
+const CHUNK_ELEMS: u64 = 4096;
 /// Environment variable with this member's rank for `--transport tcp`.
 const RANK_ENV: &str = "DMLC_TASK_ID";
 
@@ -179,7 +196,28 @@ fn shape(opcode: Opcode, dtype: Dtype, world: u32, size: u64) -> Option<(u64, u6
 #[derive(Clone, Copy, Debug, Default)]
 struct Side {
     stats: Stats,
+    /// Wrong elements of this rank's outputs, over every iteration.
     wrong: u64,
+    /// Collectives whose output was checked.
+    checked: u64,
+    /// Collectives with at least one wrong element.
+    bad: u64,
+}
+
+/// What a sweep saw on this rank.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Outcome {
+    pub sizes: usize,
+    pub wrong_oop: u64,
+    pub wrong_ip: u64,
+    pub checked: u64,
+    pub bad: u64,
+}
+
+impl Outcome {
+    pub fn ok(&self) -> bool {
+        self.wrong_oop == 0 && self.wrong_ip == 0
+    }
 }
 
 /// What the sweep needs from a path. Both pools are `pool_bytes` long;
@@ -197,8 +235,6 @@ trait Engine {
     fn barrier(&mut self) -> Result<(), CliError>;
     /// One collective of `sh` on slot `slot`.
     fn run(&mut self, sh: &Shape, slot: u64, in_place: bool) -> Result<(), CliError>;
-    /// Both counts summed over the members.
-    fn sum(&mut self, counts: [u64; 2]) -> Result<[u64; 2], CliError>;
     /// Header lines that describe the path (rank 0 prints them).
     fn describe(&self) -> Vec<String>;
     /// The path's member of the JSON document, `"key": {...}`.
@@ -263,7 +299,7 @@ pub fn run(dev: &Device, args: &BenchArgs, setup: &Setup) -> Result<bool, CliErr
     }
     let plan = plan(args, dev.world_size(), dev.config().max_bytes.get())?;
     let mut engine = DeviceEngine::new(dev, args.queue, plan.pool_bytes)?;
-    sweep(&mut engine, args, &plan, setup)
+    Ok(sweep(&mut engine, args, &plan, setup)?.ok())
 }
 
 /// Runs the sweep over TCP between the members of `--peers`. Ok(true) if
@@ -321,7 +357,7 @@ fn tcp_sweep(
         transport: "tcp".into(),
         mode: "in-place communicator",
     };
-    sweep(&mut engine, args, plan, &setup)
+    Ok(sweep(&mut engine, args, plan, &setup)?.ok())
 }
 
 fn sweep(
@@ -329,7 +365,7 @@ fn sweep(
     args: &BenchArgs,
     plan: &Plan,
     setup: &Setup,
-) -> Result<bool, CliError> {
+) -> Result<Outcome, CliError> {
     let (world, rank) = (e.world(), e.rank());
     let dtype = args.dtype;
     let elem = dtype.size() as u64;
@@ -349,7 +385,7 @@ fn sweep(
         for p in 0..(plan.pool_bytes / elem) as usize {
             data::write(inp, elem as usize, p, gen.value(rank, p as u64));
         }
-        out.fill(0);
+        out.fill(POISON);
     }
     e.touch()?;
 
@@ -369,11 +405,14 @@ fn sweep(
             show_size(plan.rotate),
             show_size(llc_bytes())
         );
+        println!(
+            "# #wrong = wrong elements of rank 0's outputs over every iteration (outputs poisoned before each); every rank checks its own and prints its own count below"
+        );
         print_header();
     }
 
     let mut rows = Vec::new();
-    let mut all_ok = true;
+    let mut outcome = Outcome::default();
     for &(count, size) in &plan.sizes {
         let elems = buffer_elems(args.opcode, world, rank, root, count, false)
             .ok_or_else(|| CliError::Usage("count overflows".into()))?;
@@ -408,15 +447,12 @@ fn sweep(
             out_slot,
             slots,
         };
-        e.barrier()?;
-        let mut oop = timed(e, &sh, args, false)?;
-        let last = u64::from(args.iters + args.warmup - 1) % slots;
-        let wrong_oop = check_oop(e, &sh, &gen, last);
-        e.barrier()?;
-        let mut ip = timed(e, &sh, args, true)?;
-        let wrong_ip = check_ip(e, &sh, &gen)?;
-        [oop.wrong, ip.wrong] = e.sum([wrong_oop, wrong_ip])?;
-        all_ok &= oop.wrong == 0 && ip.wrong == 0;
+        let oop = timed(e, &sh, &gen, args, false)?;
+        let ip = timed(e, &sh, &gen, args, true)?;
+        outcome.wrong_oop += oop.wrong;
+        outcome.wrong_ip += ip.wrong;
+        outcome.checked += oop.checked + ip.checked;
+        outcome.bad += oop.bad + ip.bad;
         // Memory traffic: every member's input read once and output written once.
         let traffic: u64 = (0..world)
             .filter_map(|r| buffer_elems(args.opcode, world, r, root, count, false))
@@ -435,19 +471,36 @@ fn sweep(
         }
         rows.push(row);
     }
+    outcome.sizes = rows.len();
+    let total = outcome.wrong_oop + outcome.wrong_ip;
     if rank == 0 {
         if let Some(path) = &args.json {
             let doc = json(args, &e.json(), world, plan.rotate, setup, &rows);
             std::fs::write(path, doc).map_err(|err| CliError::Write(path.clone(), err))?;
         }
         println!(
-            "# {}: {} size(s), #wrong total {}",
-            if all_ok { "ok" } else { "WRONG VALUES" },
+            "# {}: {} size(s), #wrong total {total}",
+            if outcome.ok() { "ok" } else { "WRONG VALUES" },
             rows.len(),
-            rows.iter().map(|r| r.oop.wrong + r.ip.wrong).sum::<u64>()
         );
     }
-    Ok(all_ok)
+    // Every rank's own verdict, on its own line.
+    println!(
+        "# rank {rank} of {world}: {}, #wrong {total} (out-of-place {}, in-place {}) in {} checked collectives, {} of them wrong",
+        if outcome.ok() { "ok" } else { "WRONG VALUES" },
+        outcome.wrong_oop,
+        outcome.wrong_ip,
+        outcome.checked,
+        outcome.bad,
+    );
+    let _ = std::io::stdout().flush();
+    if !outcome.ok() {
+        eprintln!(
+            "dmlc-guest bench: rank {rank}: {total} wrong values in {} of {} collectives",
+            outcome.bad, outcome.checked
+        );
+    }
+    Ok(outcome)
 }
 
 /// One size: the request (the TCP path reads its fields too) and the
@@ -474,38 +527,81 @@ impl Shape {
             in_place,
         }
     }
-}
 
-fn timed(
-    e: &mut impl Engine,
-    sh: &Shape,
-    args: &BenchArgs,
-    in_place: bool,
-) -> Result<Side, CliError> {
-    let mut times = Vec::with_capacity(args.iters as usize);
-    for i in 0..u64::from(args.warmup + args.iters) {
-        let slot = i % sh.slots;
-        let t0 = Instant::now();
-        e.run(sh, slot, in_place)?;
-        let dt = t0.elapsed();
-        if i >= u64::from(args.warmup) {
-            times.push(dt.as_secs_f64() * 1e6);
+    fn elems(&self, in_place: bool) -> BufferElems {
+        if in_place {
+            self.ip_elems
+        } else {
+            self.elems
         }
     }
-    Ok(Side {
-        stats: Stats::of(&mut times),
-        wrong: 0,
-    })
+
+    /// The output elements of `case` that are checked.
+    fn checked(&self, case: &Case) -> std::ops::Range<u64> {
+        let r = case.checked_range();
+        let n = self.elems(case.in_place).output;
+        r.start.min(n)..r.end.min(n)
+    }
+
+    /// Index in every member's input pool of element 0 of slot `slot`'s
+    /// input.
+    fn base(&self, slot: u64) -> u64 {
+        slot * self.in_slot / self.req.dtype.size() as u64
+    }
 }
 
-/// Wrong elements in out-of-place slot `slot` (inputs are the pool's).
-fn check_oop(e: &impl Engine, sh: &Shape, gen: &Gen, slot: u64) -> u64 {
-    let case = sh.case(e.rank(), e.world(), false);
+/// Digest of the expected bytes of the checked range of `case` in slot
+/// `slot`, computed from every rank's inputs by the scalar reference.
+fn expected_digest(sh: &Shape, case: &Case, gen: &Gen, slot: u64) -> u64 {
     let elem = sh.req.dtype.size();
-    let base = slot * sh.in_slot / elem as u64;
-    let out = &e.out_pool()[(slot * sh.out_slot) as usize..];
-    case.checked_range()
-        .filter(|&j| j < sh.elems.output)
+    let base = sh.base(slot);
+    let range = sh.checked(case);
+    let mut d = Digest::default();
+    let mut buf = vec![0u8; CHUNK_ELEMS as usize * elem];
+    let mut j = range.start;
+    while j < range.end {
+        let n = (range.end - j).min(CHUNK_ELEMS);
+        for k in 0..n {
+            let want = case.expected(j + k, |r, i| gen.value(r, base + i));
+            data::write(&mut buf, elem, k as usize, want);
+        }
+        d.write(&buf[..n as usize * elem]);
+        j += n;
+    }
+    d.finish()
+}
+
+/// Makes slot `slot` of the output pool ready for a collective: the
+/// member's input copied in where it goes in place, poison everywhere else
+/// the collective may write.
+fn prepare(e: &mut impl Engine, sh: &Shape, slot: u64, in_place: bool) {
+    let elem = sh.req.dtype.size();
+    let b = sh.elems(in_place);
+    let (inp, out) = e.pools();
+    let o = (slot * sh.out_slot) as usize;
+    let out = &mut out[o..o + b.output as usize * elem];
+    out.fill(POISON);
+    if let Some((off, n)) = b.in_place_input {
+        let i = (slot * sh.in_slot) as usize;
+        let (off, n) = (off as usize * elem, n as usize * elem);
+        out[off..off + n].copy_from_slice(&inp[i..i + n]);
+    }
+}
+
+/// Wrong elements of the output of `case` in slot `slot`: 0 if its digest
+/// is `want`, else counted element by element (two NaNs are equal there,
+/// the payload of a propagated NaN is not specified).
+fn count_wrong(e: &impl Engine, sh: &Shape, case: &Case, gen: &Gen, slot: u64, want: u64) -> u64 {
+    let elem = sh.req.dtype.size();
+    let range = sh.checked(case);
+    let o = (slot * sh.out_slot) as usize;
+    let out = &e.out_pool()[o..];
+    let bytes = &out[range.start as usize * elem..range.end as usize * elem];
+    if Digest::of(bytes) == want {
+        return 0;
+    }
+    let base = sh.base(slot);
+    range
         .filter(|&j| {
             let want = case.expected(j, |r, i| gen.value(r, base + i));
             !data::same(sh.req.dtype, want, data::read(out, elem, j as usize))
@@ -513,29 +609,51 @@ fn check_oop(e: &impl Engine, sh: &Shape, gen: &Gen, slot: u64) -> u64 {
         .count() as u64
 }
 
-/// Runs one in-place collective on fresh data in slot 0 and counts wrong
-/// elements.
-fn check_ip(e: &mut impl Engine, sh: &Shape, gen: &Gen) -> Result<u64, CliError> {
-    let (rank, world) = (e.rank(), e.world());
-    let elem = sh.req.dtype.size();
-    if let Some((off, n)) = sh.ip_elems.in_place_input {
-        let (_, out) = e.pools();
-        for i in 0..n {
-            data::write(out, elem, (off + i) as usize, gen.value(rank, i));
+/// Runs the warm-up and timed collectives of one direction, every one
+/// prepared and checked.
+fn timed(
+    e: &mut impl Engine,
+    sh: &Shape,
+    gen: &Gen,
+    args: &BenchArgs,
+    in_place: bool,
+) -> Result<Side, CliError> {
+    let case = sh.case(e.rank(), e.world(), in_place);
+    let total = u64::from(args.warmup + args.iters);
+    let used = sh.slots.min(total);
+    let writes = sh.elems(in_place).output > 0;
+    // Computed before the first collective, so that no member is still
+    // computing while the others time.
+    let digests: Vec<u64> = if writes {
+        (0..used)
+            .map(|s| expected_digest(sh, &case, gen, s))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut side = Side::default();
+    let mut times = Vec::with_capacity(args.iters as usize);
+    for i in 0..total {
+        let slot = i % sh.slots;
+        if writes {
+            prepare(e, sh, slot, in_place);
+        }
+        e.barrier()?;
+        let t0 = Instant::now();
+        e.run(sh, slot, in_place)?;
+        let dt = t0.elapsed();
+        if i >= u64::from(args.warmup) {
+            times.push(dt.as_secs_f64() * 1e6);
+        }
+        if writes {
+            let wrong = count_wrong(e, sh, &case, gen, slot, digests[slot as usize]);
+            side.checked += 1;
+            side.wrong += wrong;
+            side.bad += u64::from(wrong > 0);
         }
     }
-    // Inputs of the extra run are gen.value(r, i) for every rank.
-    e.run(sh, 0, true)?;
-    let case = sh.case(rank, world, true);
-    let out = e.out_pool();
-    Ok(case
-        .checked_range()
-        .filter(|&j| j < sh.ip_elems.output)
-        .filter(|&j| {
-            let want = case.expected(j, |r, i| gen.value(r, i));
-            !data::same(sh.req.dtype, want, data::read(out, elem, j as usize))
-        })
-        .count() as u64)
+    side.stats = Stats::of(&mut times);
+    Ok(side)
 }
 
 /// The device path: requests on slices of two DMA pools.
@@ -544,7 +662,6 @@ struct DeviceEngine<'a> {
     queue: u16,
     inpool: DmaBuf,
     outpool: DmaBuf,
-    wrongbuf: DmaBuf,
 }
 
 impl<'a> DeviceEngine<'a> {
@@ -558,7 +675,6 @@ impl<'a> DeviceEngine<'a> {
             outpool: dev
                 .alloc(pool_bytes as usize)
                 .ctx("allocating the output pool")?,
-            wrongbuf: dev.alloc(16).ctx("allocating a buffer")?,
         })
     }
 }
@@ -639,21 +755,6 @@ impl Engine for DeviceEngine<'_> {
             .ctx("submit")?;
         self.dev.wait(h, None).ctx(sh.req.opcode.name())?;
         Ok(())
-    }
-
-    fn sum(&mut self, counts: [u64; 2]) -> Result<[u64; 2], CliError> {
-        // Summed on the device itself.
-        let w = self.wrongbuf.as_mut_slice();
-        w[..8].copy_from_slice(&counts[0].to_le_bytes());
-        w[8..16].copy_from_slice(&counts[1].to_le_bytes());
-        self.dev
-            .allreduce_in_place(Dtype::U64, ReduceOp::Sum, &self.wrongbuf, 2)
-            .ctx("summing #wrong")?;
-        let w = self.wrongbuf.as_slice();
-        Ok([
-            u64::from_le_bytes(w[..8].try_into().unwrap_or_default()),
-            u64::from_le_bytes(w[8..16].try_into().unwrap_or_default()),
-        ])
     }
 
     fn describe(&self) -> Vec<String> {
@@ -792,22 +893,6 @@ impl Engine for TcpEngine {
             }
             .into()
         })
-    }
-
-    fn sum(&mut self, counts: [u64; 2]) -> Result<[u64; 2], CliError> {
-        let mut w = [0u8; 16];
-        w[..8].copy_from_slice(&counts[0].to_le_bytes());
-        w[8..].copy_from_slice(&counts[1].to_le_bytes());
-        self.comm
-            .allreduce_raw(Dtype::U64, ReduceOp::Sum, &mut w)
-            .map_err(|source| BenchError::Comm {
-                what: "summing #wrong",
-                source,
-            })?;
-        Ok([
-            u64::from_le_bytes(w[..8].try_into().unwrap_or_default()),
-            u64::from_le_bytes(w[8..].try_into().unwrap_or_default()),
-        ])
     }
 
     fn describe(&self) -> Vec<String> {
@@ -1023,18 +1108,23 @@ mod tests {
         );
     }
 
-    fn args(extra: &[&str]) -> BenchArgs {
+    fn parse(argv: &[&str]) -> BenchArgs {
         #[derive(clap::Parser)]
         struct P {
             #[command(flatten)]
             a: BenchArgs,
         }
-        let argv = [
-            "bench", "-e", "64K", "-f", "16", "-n", "3", "-w", "1", "--rotate", "256K",
-        ];
-        <P as clap::Parser>::try_parse_from(argv.iter().chain(extra))
+        <P as clap::Parser>::try_parse_from(["bench"].iter().chain(argv))
             .expect("parses")
             .a
+    }
+
+    fn args(extra: &[&str]) -> BenchArgs {
+        let mut argv = vec![
+            "-e", "64K", "-f", "16", "-n", "3", "-w", "1", "--rotate", "256K",
+        ];
+        argv.extend_from_slice(extra);
+        parse(&argv)
     }
 
     /// Two members over loopback TCP: every collective the Communicator has,
@@ -1067,13 +1157,30 @@ mod tests {
         }
     }
 
-    /// A path that never writes its output: the sweep must say so.
-    struct Lazy {
+    /// A group of one whose collective copies the input to the output
+    /// (right for every opcode with one member), except that it writes
+    /// nothing in the collectives numbered in `skip` (0-based, in the
+    /// order of the sweep).
+    struct OneMember {
         inpool: Vec<u8>,
         outpool: Vec<u8>,
+        runs: u64,
+        skip: Vec<u64>,
     }
 
-    impl Engine for Lazy {
+    impl OneMember {
+        fn new(plan: &Plan, skip: &[u64]) -> Self {
+            let pool = plan.pool_bytes as usize;
+            OneMember {
+                inpool: vec![0; pool],
+                outpool: vec![0; pool],
+                runs: 0,
+                skip: skip.to_vec(),
+            }
+        }
+    }
+
+    impl Engine for OneMember {
         fn rank(&self) -> u32 {
             0
         }
@@ -1092,36 +1199,132 @@ mod tests {
         fn barrier(&mut self) -> Result<(), CliError> {
             Ok(())
         }
-        fn run(&mut self, _: &Shape, _: u64, _: bool) -> Result<(), CliError> {
+        fn run(&mut self, sh: &Shape, slot: u64, in_place: bool) -> Result<(), CliError> {
+            let k = self.runs;
+            self.runs += 1;
+            if self.skip.contains(&k) || in_place {
+                // In place the input already is the result.
+                return Ok(());
+            }
+            let n = sh.elems.input as usize * sh.req.dtype.size();
+            let (i, o) = ((slot * sh.in_slot) as usize, (slot * sh.out_slot) as usize);
+            self.outpool[o..o + n].copy_from_slice(&self.inpool[i..i + n]);
             Ok(())
-        }
-        fn sum(&mut self, counts: [u64; 2]) -> Result<[u64; 2], CliError> {
-            Ok(counts)
         }
         fn describe(&self) -> Vec<String> {
             Vec::new()
         }
         fn json(&self) -> String {
-            "\"lazy\": {}".into()
+            "\"one\": {}".into()
+        }
+    }
+
+    fn setup() -> Setup {
+        Setup {
+            transport: "test".into(),
+            mode: "none",
         }
     }
 
     #[test]
-    fn wrong_results_are_counted() {
+    fn a_right_path_has_no_wrong_value() {
         let a = args(&[]);
         let plan = plan(&a, 1, u64::MAX).expect("plan");
-        let pool = plan.pool_bytes as usize;
-        let mut e = Lazy {
-            inpool: vec![0; pool],
-            outpool: vec![0; pool],
+        let mut e = OneMember::new(&plan, &[]);
+        let out = sweep(&mut e, &a, &plan, &setup()).expect("sweep");
+        // 4 sizes (4 B .. 64 KiB, x16), 1 + 3 collectives per direction.
+        assert_eq!(out.sizes, 4);
+        assert_eq!(out.checked, 4 * 2 * 4);
+        assert!(out.ok(), "{out:?}");
+    }
+
+    /// A right output matches its expected digest: the element-by-element
+    /// count is only the slow path after a mismatch.
+    #[test]
+    fn a_right_output_matches_the_expected_digest() {
+        let a = args(&["--opcode", "allgather", "-d", "f16"]);
+        let plan = plan(&a, 1, u64::MAX).expect("plan");
+        let mut e = OneMember::new(&plan, &[]);
+        let gen = Gen {
+            dtype: Dtype::F16,
+            op: ReduceOp::Sum,
+            key: 99,
+            world: 1,
+            nans: false,
         };
-        let setup = Setup {
-            transport: "lazy".into(),
-            mode: "none",
+        for p in 0..plan.pool_bytes as usize / 2 {
+            data::write(&mut e.inpool, 2, p, gen.value(0, p as u64));
+        }
+        let req = Request::new(Opcode::Allgather, Dtype::F16, ReduceOp::Sum, 1000);
+        let elems = buffer_elems(Opcode::Allgather, 1, 0, 0, 1000, false).expect("elems");
+        let sh = Shape {
+            req,
+            elems,
+            ip_elems: buffer_elems(Opcode::Allgather, 1, 0, 0, 1000, true).expect("elems"),
+            in_slot: 2048,
+            out_slot: 2048,
+            slots: 3,
         };
-        // Out of place the output stays zero; in place it keeps the input,
-        // which is right for a group of one: only out-of-place is wrong.
-        assert!(!sweep(&mut e, &a, &plan, &setup).expect("sweep"));
+        let case = sh.case(0, 1, false);
+        prepare(&mut e, &sh, 2, false);
+        e.run(&sh, 2, false).expect("run");
+        let want = expected_digest(&sh, &case, &gen, 2);
+        assert_eq!(Digest::of(&e.outpool[2 * 2048..2 * 2048 + 2000]), want);
+        assert_eq!(count_wrong(&e, &sh, &case, &gen, 2, want), 0);
+        // Another slot's data is wrong here.
+        assert_eq!(
+            count_wrong(
+                &e,
+                &sh,
+                &case,
+                &gen,
+                2,
+                expected_digest(&sh, &case, &gen, 1)
+            ),
+            0,
+            "a digest mismatch is recounted element by element"
+        );
+        assert!(
+            count_wrong(
+                &e,
+                &sh,
+                &case,
+                &gen,
+                1,
+                expected_digest(&sh, &case, &gen, 1)
+            ) > 0
+        );
+    }
+
+    /// One collective whose output is not written, in the timed part of
+    /// the third size (a warm-up one of the fourth too): caught, counted
+    /// in the direction it happened, element by element.
+    #[test]
+    fn one_unwritten_output_is_counted() {
+        let a = args(&[]);
+        let plan = plan(&a, 1, u64::MAX).expect("plan");
+        // Collectives: 8 per size, out of place first.
+        let (third_size_oop_2, fourth_size_warmup) = (2 * 8 + 2, 3 * 8);
+        let mut e = OneMember::new(&plan, &[third_size_oop_2, fourth_size_warmup]);
+        let out = sweep(&mut e, &a, &plan, &setup()).expect("sweep");
+        // Sizes 4, 64, 1024 and 16384 B of f32: 256 and 4096 elements.
+        assert_eq!(out.wrong_oop, 256 + 4096, "{out:?}");
+        assert_eq!((out.wrong_ip, out.bad), (0, 2), "{out:?}");
+        assert!(!out.ok());
+    }
+
+    /// The same data as the iteration before is no excuse: with one slot
+    /// every iteration reuses the buffers, and an unwritten output still
+    /// holds the poison, not the last result.
+    #[test]
+    fn an_unwritten_output_in_a_reused_slot_is_caught() {
+        let a = parse(&[
+            "--rotate", "64", "-b", "128", "-e", "128", "-n", "3", "-w", "1",
+        ]);
+        let plan = plan(&a, 1, u64::MAX).expect("plan");
+        let mut e = OneMember::new(&plan, &[3]);
+        let out = sweep(&mut e, &a, &plan, &setup()).expect("sweep");
+        assert_eq!((out.wrong_oop, out.bad), (32, 1), "{out:?}");
     }
 
     #[test]

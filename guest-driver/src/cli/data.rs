@@ -134,6 +134,77 @@ pub fn write(buf: &mut [u8], size: usize, i: usize, v: u64) {
     buf[i * size..(i + 1) * size].copy_from_slice(&v.to_le_bytes()[..size]);
 }
 
+/// A streaming 64-bit digest of bytes, to compare a buffer with the value
+/// it should hold without keeping a second copy. Each 8-byte word goes
+/// through `h = (rotl(h, 5) ^ w) * K` (K odd), a bijection of `h` for a
+/// given word and of the word for a given `h`: two inputs that differ in
+/// exactly one word always get different digests. The result does not
+/// depend on how the bytes are split between `write` calls.
+#[derive(Clone, Debug)]
+pub struct Digest {
+    h: u64,
+    len: u64,
+    tail: [u8; 8],
+    tail_len: usize,
+}
+
+impl Default for Digest {
+    fn default() -> Self {
+        Digest {
+            h: 0x243f_6a88_85a3_08d3,
+            len: 0,
+            tail: [0; 8],
+            tail_len: 0,
+        }
+    }
+}
+
+impl Digest {
+    const K: u64 = 0x517c_c1b7_2722_0a95;
+
+    fn word(&mut self, w: u64) {
+        self.h = (self.h.rotate_left(5) ^ w).wrapping_mul(Self::K);
+    }
+
+    pub fn write(&mut self, mut bytes: &[u8]) {
+        self.len += bytes.len() as u64;
+        if self.tail_len > 0 {
+            let take = (8 - self.tail_len).min(bytes.len());
+            self.tail[self.tail_len..self.tail_len + take].copy_from_slice(&bytes[..take]);
+            self.tail_len += take;
+            bytes = &bytes[take..];
+            if self.tail_len < 8 {
+                return;
+            }
+            self.word(u64::from_le_bytes(self.tail));
+            self.tail_len = 0;
+        }
+        let mut words = bytes.chunks_exact(8);
+        for w in &mut words {
+            self.word(u64::from_le_bytes(w.try_into().unwrap_or_default()));
+        }
+        let rest = words.remainder();
+        self.tail[..rest.len()].copy_from_slice(rest);
+        self.tail_len = rest.len();
+    }
+
+    pub fn finish(mut self) -> u64 {
+        if self.tail_len > 0 {
+            let mut w = [0u8; 8];
+            w[..self.tail_len].copy_from_slice(&self.tail[..self.tail_len]);
+            self.word(u64::from_le_bytes(w));
+        }
+        mix64(self.h ^ self.len)
+    }
+
+    /// The digest of `bytes`.
+    pub fn of(bytes: &[u8]) -> u64 {
+        let mut d = Digest::default();
+        d.write(bytes);
+        d.finish()
+    }
+}
+
 /// Human-readable value of `bits` for messages.
 pub fn show(dtype: Dtype, bits: u64) -> String {
     match dtype {
@@ -178,6 +249,25 @@ mod tests {
         assert!((0..400).any(|i| (0..3).any(|r| is_nan(Dtype::F16, g.value(r, i)))));
         g.nans = false;
         assert!((0..400).all(|i| !is_nan(Dtype::F16, g.value(0, i))));
+    }
+
+    #[test]
+    fn digest_ignores_the_split_and_sees_one_changed_byte() {
+        let bytes: Vec<u8> = (0..1000u32).map(|i| mix64(u64::from(i)) as u8).collect();
+        let whole = Digest::of(&bytes);
+        for split in [0, 1, 7, 8, 9, 500, 999, 1000] {
+            let mut d = Digest::default();
+            d.write(&bytes[..split]);
+            d.write(&bytes[split..]);
+            assert_eq!(d.finish(), whole, "split at {split}");
+        }
+        for i in [0, 3, 8, 517, 999] {
+            let mut b = bytes.clone();
+            b[i] ^= 0x10;
+            assert_ne!(Digest::of(&b), whole, "byte {i}");
+        }
+        // The length counts: trailing zero bytes are not ignored.
+        assert_ne!(Digest::of(&[1, 0]), Digest::of(&[1]));
     }
 
     #[test]
