@@ -203,6 +203,29 @@ fn check(plan: &Plan, limits: &Limits, g: &GroupResult, f: &mut Figures) {
                 f.after_kill.other
             ));
         }
+        // Every survivor must have been told: a survivor that only gave
+        // its requests up (or never noticed) was left waiting by the device.
+        let victims: Vec<u32> = g
+            .ranks
+            .iter()
+            .filter(|r| r.victim)
+            .map(|r| r.rank)
+            .collect();
+        for r in g.ranks.iter().filter(|r| !r.victim && r.opened) {
+            if r.after_kill_peer_lost == 0 {
+                fail.push(format!(
+                    "rank {} never saw PEER_LOST after rank {} was closed ({} completed right, {} given up after the close)",
+                    r.rank,
+                    victims
+                        .iter()
+                        .map(u32::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    r.after_kill_ok,
+                    r.after_kill_abandoned
+                ));
+            }
+        }
         return;
     }
     if let Some(k) = &g.daemon_kill {
@@ -787,6 +810,41 @@ mod tests {
         g.ranks[0].wrong = 1;
         let f = evaluate(&plan(), &LIMITS, &g);
         assert_eq!(f.failures.len(), 2, "{:?}", f.failures);
+    }
+
+    /// Group B of --kill-one, 3 ranks, rank 2 closed half way.
+    fn closed_rank_group() -> GroupResult {
+        let mut g = group(1000, 20);
+        g.name = "B".into();
+        g.victim = true;
+        g.ranks.push(RankReport {
+            rank: 2,
+            opened: true,
+            group_id: 7,
+            victim: true,
+            after_kill_abandoned: 3,
+            ..Default::default()
+        });
+        for r in &mut g.ranks[..2] {
+            r.after_kill_ok = 1;
+            r.after_kill_peer_lost = 2;
+        }
+        g
+    }
+
+    #[test]
+    fn kill_one_passes_only_if_every_survivor_saw_peer_lost() {
+        let f = evaluate(&plan(), &LIMITS, &closed_rank_group());
+        assert!(f.passed(), "{:?}", f.failures);
+        let mut g = closed_rank_group();
+        g.ranks[1].after_kill_peer_lost = 0;
+        g.ranks[1].after_kill_abandoned = 4;
+        let f = evaluate(&plan(), &LIMITS, &g);
+        assert_eq!(
+            f.failures,
+            ["rank 1 never saw PEER_LOST after rank 2 was closed (1 completed right, 4 given up after the close)"]
+        );
+        assert!(table(&[(g, f)]).contains("FAIL"));
     }
 
     #[test]
