@@ -185,6 +185,13 @@ fn run<C: Collective + ?Sized>(
         test_set.len()
     );
 
+    // This rank's own fingerprint, printed before any check that goes
+    // through the collective: whoever reads every rank's output can
+    // compare them without trusting the device.
+    println!(
+        "rank {rank} model fingerprint {:#018x}",
+        model.fingerprint()
+    );
     let identical = check_identical(comm, model)?;
     if identical.passed() {
         println!(

@@ -179,14 +179,23 @@ impl Model {
         h.finish()
     }
 
-    /// Largest absolute difference between two models' parameters.
+    /// Largest absolute difference between two models' parameters; NaN if
+    /// a parameter of either model is NaN (or both are the same infinity):
+    /// a NaN anywhere is a difference, and NaN fails every `<=` tolerance.
+    /// (`f32::max` would drop it: max(NaN, x) is x.)
     pub fn max_abs_diff(&self, other: &Model) -> f32 {
         assert_eq!(self.params.len(), other.params.len(), "model shapes differ");
         self.params
             .iter()
             .zip(&other.params)
             .map(|(a, b)| (a - b).abs())
-            .fold(0.0, f32::max)
+            .fold(0.0, |m: f32, d| {
+                if m.is_nan() || d.is_nan() {
+                    f32::NAN
+                } else {
+                    m.max(d)
+                }
+            })
     }
 }
 
@@ -313,6 +322,18 @@ mod tests {
         b.params[7] += 0.25; // a bias, zero: the difference is exact
         assert_eq!(a.max_abs_diff(&b), 0.25);
         assert_ne!(a.fingerprint(), b.fingerprint());
+        // A NaN anywhere, in either model, is a difference.
+        for (i, which) in [(0, 0), (7, 1), (8, 0)] {
+            let (mut x, mut y) = (a.clone(), a.clone());
+            [&mut x, &mut y][which].params[i] = f32::NAN;
+            assert!(x.max_abs_diff(&y).is_nan(), "NaN at {i} in model {which}");
+            assert!(y.max_abs_diff(&x).is_nan(), "NaN at {i} in model {which}");
+        }
+        let mut n = a.clone();
+        n.params[0] = f32::NAN;
+        assert!(n.max_abs_diff(&n.clone()).is_nan(), "NaN in both");
+        n.params[0] = f32::INFINITY;
+        assert!(n.max_abs_diff(&n.clone()).is_nan(), "infinity in both");
         // -0.0 and 0.0 compare equal but are different bits.
         let mut c = Model::zeros(1, 1);
         let z = c.fingerprint();

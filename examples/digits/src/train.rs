@@ -390,6 +390,11 @@ mod tests {
         let r = check_single(&Settings::default(), &data, &t.model, DEFAULT_TOLERANCE).unwrap();
         assert!(r.passed());
         assert_eq!(r.max_abs_diff, 0.0);
+        // A distributed model with one NaN parameter fails the comparison.
+        let mut bad = t.model.clone();
+        bad.params[3] = f32::NAN;
+        let r = check_single(&Settings::default(), &data, &bad, DEFAULT_TOLERANCE).unwrap();
+        assert!(r.max_abs_diff.is_nan() && !r.passed(), "{}", r.max_abs_diff);
     }
 
     #[test]
