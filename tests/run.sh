@@ -7,15 +7,52 @@
 # fuzzing run, and last the system tests, which boot QEMU VMs with the
 # virtio-dmlc device (tests/system/).
 #
+# Every stage prints its duration when it ends, and a summary of all of them
+# comes last (also when a stage fails).
+#
 # Environment:
-#   CI=true            a test that cannot run on this machine fails instead of skipping
+#   CI=true            a test that cannot run on this machine fails instead of
+#                      skipping; as in the tests, any value but empty, "false"
+#                      or "0" counts (.ci/run sets CI=true)
 #   DMLC_CACHE=DIR     where slow build steps are cached (default ~/.cache/virtio-dmlc)
 #   DMLC_ACCEL=kvm     run the system tests' VMs under KVM instead of TCG
 #   DMLC_QEMU=PATH     a patched qemu-system-x86_64 to use instead of building one
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '\n==> %s\n' "$*"; }
+# Same rule as the tests' under_ci(): set, and not empty, "false" or "0".
+under_ci() {
+  case "${CI:-}" in
+  '' | false | 0) return 1 ;;
+  *) return 0 ;;
+  esac
+}
+
+stage=""
+stage_start=$SECONDS
+durations=()
+# Ends the running stage: prints its duration and keeps it for the summary.
+end_stage() {
+  [ -n "$stage" ] || return 0
+  local took=$((SECONDS - stage_start))
+  printf '<== %s: %d s\n' "$stage" "$took"
+  durations+=("$(printf '%6d s  %s' "$took" "$stage")")
+  stage=""
+}
+step() {
+  end_stage
+  stage="$*"
+  stage_start=$SECONDS
+  printf '\n==> %s\n' "$*"
+}
+summary() {
+  local rc=$?
+  end_stage
+  printf '\n== stage durations (%s after %d s)\n' \
+    "$([ "$rc" -eq 0 ] && echo passed || echo "FAILED, exit $rc")" "$SECONDS"
+  printf '%s\n' "${durations[@]}"
+}
+trap summary EXIT
 
 need_cmd() { command -v "$1" >/dev/null 2>&1; }
 
@@ -50,19 +87,23 @@ target/release/dmlc-soak --small 100000 --large 100 --progress-secs 0
 target/release/dmlc-soak --small 20000 --large 10 --kill-one --progress-secs 0
 target/release/dmlc-soak --small 20000 --large 10 --kill-daemon --progress-secs 0
 
-step "fuzzing: lint, then 60 s per target (cargo-fuzz, cached after the first install)"
-# The long run is fuzz/run.sh 600 (fuzz/README.md, docs/reliability.md).
+step "fuzzing: lint and the harness's own unit tests (stable, no cargo-fuzz)"
 cargo fmt --manifest-path fuzz/Cargo.toml -- --check
 cargo clippy --manifest-path fuzz/Cargo.toml --all-targets --locked -- -D warnings
+# The seeds' outcomes, the committed reproducers and mutated seeds, without
+# libFuzzer's instrumentation (the fuzz targets themselves have test = false).
+cargo test --manifest-path fuzz/Cargo.toml --locked --lib
+
+step "fuzzing: 60 s per target (cargo-fuzz, cached after the first install)"
+# The long run is fuzz/run.sh 600 (fuzz/README.md, docs/reliability.md).
 fuzz/run.sh 60
 
 step "system tests: patched QEMU (built once, then cached)"
-stage_start=$SECONDS
 if qemu_env=$(qemu-patches/build-qemu.sh --env); then
   eval "$qemu_env"
   export DMLC_QEMU DMLC_QEMU_FIRMWARE
   echo "QEMU: $DMLC_QEMU"
-elif [ "${CI:-}" = true ]; then
+elif under_ci; then
   echo "error: cannot build the patched QEMU; the system tests cannot run" >&2
   exit 1
 else
@@ -84,4 +125,3 @@ cargo test --locked -p dmlc-system-tests --test system -- --test-threads=1
 
 step "system tests: dmlc-qemu submit with the digits example on 2 VMs"
 cargo test --locked -p dmlc-qemu --test system -- --test-threads=1
-echo "system tests: $((SECONDS - stage_start)) s"
