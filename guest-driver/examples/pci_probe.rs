@@ -5,6 +5,7 @@
 //! ```text
 //! pci_probe [--addr BDF] [--irq] [--iters N] [--dma-mib N]
 //!           [--hold SECS] [--expect-in-use] [--recover SECS]
+//! pci_probe --hugefill SECS
 //! ```
 //!
 //! Run it as root in every VM of the group at the same time (each VM's
@@ -14,6 +15,10 @@
 //! open fails because another process holds the device. `--recover` runs
 //! allreduces for SECS seconds and reopens the device whenever it fails
 //! (the backend restarting), reporting each recovery.
+//! `--hugefill` does not open the device: it takes every free hugepage,
+//! fills it with 0x5a, prints `hugefill ready`, and for SECS seconds checks
+//! that nothing else writes it (a device still writing into the pages of a
+//! killed driver would); `hugefill clean` or `hugefill WRITTEN ...`.
 //! The last line is `PCI-PROBE OK` on success.
 //!
 //! To try it: build it (`cargo build -p dmlc-guest --example pci_probe`),
@@ -40,6 +45,7 @@ struct Args {
     hold: u64,
     expect_in_use: bool,
     recover: u64,
+    hugefill: Option<u64>,
 }
 
 fn parse_args() -> Res<Args> {
@@ -51,6 +57,7 @@ fn parse_args() -> Res<Args> {
         hold: 0,
         expect_in_use: false,
         recover: 0,
+        hugefill: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -63,6 +70,7 @@ fn parse_args() -> Res<Args> {
             "--hold" => a.hold = value()?.parse()?,
             "--expect-in-use" => a.expect_in_use = true,
             "--recover" => a.recover = value()?.parse()?,
+            "--hugefill" => a.hugefill = Some(value()?.parse()?),
             _ => return Err(format!("unknown argument {arg}").into()),
         }
     }
@@ -300,7 +308,79 @@ fn recover(a: &Args, opts: &OpenOptions, first: Device) -> Res<()> {
     Ok(())
 }
 
+/// Size of the guest's hugepages (x86_64 default).
+const HUGEPAGE: usize = 2 << 20;
+/// What `--hugefill` writes.
+const FILL: u64 = 0x5a5a_5a5a_5a5a_5a5a;
+
+/// `HugePages_Free` from /proc/meminfo.
+fn free_hugepages() -> Res<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo")?;
+    info.lines()
+        .find_map(|l| l.strip_prefix("HugePages_Free:"))
+        .ok_or("no HugePages_Free in /proc/meminfo")?
+        .trim()
+        .parse()
+        .map_err(Into::into)
+}
+
+/// `--hugefill SECS`: see the module comment.
+fn hugefill(secs: u64) -> Res<()> {
+    let pages = free_hugepages()?;
+    if pages == 0 {
+        return Err("no free hugepages to take".into());
+    }
+    let len = pages * HUGEPAGE;
+    // SAFETY: a new private anonymous mapping; nothing else refers to it,
+    // and the result is checked before use.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_HUGETLB | libc::MAP_POPULATE,
+            -1,
+            0,
+        )
+    };
+    if ptr == libc::MAP_FAILED {
+        return Err(format!(
+            "mmap of {pages} hugepages: {}",
+            std::io::Error::last_os_error()
+        )
+        .into());
+    }
+    let words = ptr.cast::<u64>();
+    let count = len / 8;
+    for i in 0..count {
+        // SAFETY: i < count, inside the mapping made above. Volatile: the
+        // point is to see writes that this program does not make.
+        unsafe { words.add(i).write_volatile(FILL) };
+    }
+    println!("hugefill ready: {pages} hugepages");
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while Instant::now() < deadline {
+        for i in 0..count {
+            // SAFETY: as above.
+            let v = unsafe { words.add(i).read_volatile() };
+            if v != FILL {
+                println!(
+                    "hugefill WRITTEN: byte {} of the taken hugepages holds {v:#018x}",
+                    i * 8
+                );
+                return Err("a freed hugepage was written by someone else".into());
+            }
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    println!("hugefill clean after {secs} s");
+    Ok(())
+}
+
 fn run(a: &Args) -> Res<()> {
+    if let Some(secs) = a.hugefill {
+        return hugefill(secs);
+    }
     let opts = options(a)?;
     let t = Instant::now();
     let dev = match Device::open_pci(a.addr.as_deref(), &opts) {

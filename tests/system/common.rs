@@ -372,14 +372,27 @@ pub fn metric(text: &str, name: &str) -> Option<f64> {
 }
 
 /// Sum of every sample of the metric family `name` (all label sets).
+/// Panics when the family has no sample: a missing metric is a failure,
+/// not a zero.
 pub fn metric_sum(text: &str, name: &str) -> f64 {
-    text.lines()
+    let samples: Vec<f64> = text
+        .lines()
         .filter(|l| {
             l.strip_prefix(name)
                 .is_some_and(|r| r.starts_with('{') || r.starts_with(' '))
         })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+        .map(|l| {
+            l.rsplit(' ')
+                .next()
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or_else(|| panic!("unreadable sample of {name}: {l:?}"))
+        })
+        .collect();
+    assert!(
+        !samples.is_empty(),
+        "metric {name} is missing from the daemon's metrics:\n{text}"
+    );
+    samples.iter().sum()
 }
 
 /// A [`Cluster`] that also prints every VM's console when the test fails

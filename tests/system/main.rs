@@ -22,6 +22,10 @@
 //! - `faults`: a VM killed in a collective (peer lost, a new VM rejoins);
 //!   the backend killed and restarted, with the same group id (the guests
 //!   never notice) and as a new group (the guests reopen the device).
+//! - `killed_driver`: a driver killed mid-collective; its freed hugepages
+//!   are never written afterwards.
+//! - `pause`: a VM stopped and resumed through QMP in a loop of
+//!   collectives; its migration refused.
 
 #[path = "../vm/harness.rs"]
 mod harness;
@@ -29,5 +33,7 @@ mod harness;
 mod collectives;
 mod common;
 mod faults;
+mod killed_driver;
+mod pause;
 mod plumbing;
 mod tcp_vs_device;

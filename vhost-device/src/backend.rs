@@ -84,6 +84,21 @@ struct Deferred {
     /// Chains were put in the used ring while the ring had no call
     /// eventfd: the driver is signalled once it has one.
     unsignalled: bool,
+    /// Where the ring was when it stopped: ring addresses and next
+    /// available index. A restart elsewhere is not a resume.
+    stopped_at: Option<RingPlace>,
+}
+
+/// A ring's addresses and next available index.
+type RingPlace = (u64, u64, u64, u16);
+
+fn ring_place(queue: &impl QueueT) -> RingPlace {
+    (
+        queue.desc_table(),
+        queue.avail_ring(),
+        queue.used_ring(),
+        queue.next_avail(),
+    )
 }
 
 impl Vring {
@@ -96,6 +111,21 @@ impl Vring {
             return;
         }
         let mut deferred = lock(&self.deferred);
+        let place = ring_place(state.get_queue());
+        if let Some(at) = deferred.stopped_at.take() {
+            if at != place && !deferred.chains.is_empty() {
+                // Not the driver that was paused: the guest set the rings up
+                // again without the reset that would have told us so (a
+                // frontend without the RESET_DEVICE patch). Its old chains
+                // must not land in the new rings.
+                warn!(
+                    "a ring restarted at {place:x?} after stopping at {at:x?}: \
+                     {} completion(s) kept for it dropped",
+                    deferred.chains.len()
+                );
+                deferred.chains.clear();
+            }
+        }
         let current = deferred.current.as_ref().map(|c| c.load(Ordering::Acquire));
         let chains = std::mem::take(&mut deferred.chains);
         let mut added = false;
@@ -220,6 +250,13 @@ impl VringT<AtomicMem> for Vring {
     }
 
     fn set_queue_ready(&self, ready: bool) {
+        if !ready {
+            let state = self.inner.get_ref();
+            let queue = state.get_queue();
+            if queue.ready() {
+                lock(&self.deferred).stopped_at = Some(ring_place(queue));
+            }
+        }
         self.inner
             .set_queue_ready(ready && !self.bad_size.load(Ordering::Acquire));
         if ready {

@@ -482,3 +482,107 @@ fn metrics_count_what_happened() {
     assert_eq!(metric(&body, "dmlc_members_connected"), 1.0);
     assert_eq!(metric(&body, "dmlc_generation"), 2.0);
 }
+
+/// A ring set up again at another place after a stop, without the reset
+/// that says the driver changed (a frontend without the RESET_DEVICE
+/// patch): the completion kept for the old ring is dropped, not written
+/// into the new one.
+#[test]
+fn a_ring_restarted_elsewhere_after_a_stop_gets_no_stale_completion() {
+    let mut daemon = Daemon::start(2, &["--timeout-ms", "60000"]);
+    let mut ms = members(&daemon, features(true, false), 1);
+    let _old = allreduce(&mut ms[1], 0, &[1.0], 1, true);
+    assert_eq!(ms[1].wait_used_for(0, Duration::from_millis(100)), None);
+    ms[1].pause_queue(0);
+    let p0 = allreduce(&mut ms[0], 0, &[2.0], 1, true);
+    assert_eq!(status(&finish(&mut ms[0], 0, &p0)), Some(Status::Ok));
+
+    // Zeroed rings from index 0: another driver's rings.
+    ms[1].start(features(true, false), 1, QUEUE_SIZE);
+    daemon.wait_for_log("completion(s) kept for it dropped");
+    assert_eq!(ms[1].wait_used_for(0, Duration::from_millis(200)), None);
+    let pending: Vec<Pending> = ms
+        .iter_mut()
+        .map(|m| allreduce(m, 0, &[4.0], 2, true))
+        .collect();
+    for (m, p) in ms.iter_mut().zip(&pending) {
+        let resp = finish(m, 0, p);
+        assert_eq!(status(&resp), Some(Status::Ok), "{resp:?}");
+        assert_eq!(read_f32(m, p.out, 1), [8.0]);
+    }
+}
+
+/// A frontend that reconnects again and again with a ring the daemon
+/// refuses (QEMU retries every second with the guest's setup): one loss,
+/// one warning, not one of each per attempt.
+#[test]
+fn a_frontend_that_keeps_failing_its_setup_costs_one_loss_and_one_warning() {
+    use vhost::vhost_user::message::VhostUserVringAddrFlags;
+    use vhost::{VhostBackend, VringConfigData};
+
+    let mut daemon = Daemon::start(2, &["--timeout-ms", "60000"]);
+    let mut m0 = Member::connect(&daemon.socket(0));
+    m0.start(features(true, false), 1, QUEUE_SIZE);
+    let mut ms = vec![m0];
+    // The first refused setup is a loss (the member was active from
+    // SET_FEATURES on); the repeats are not.
+    let attempts = 4;
+    for attempt in 1..=attempts {
+        let mut m = Member::connect(&daemon.socket(1));
+        m.fe.set_features(features(true, false))
+            .expect("SET_FEATURES");
+        m.fe.set_mem_table(&m.mem_table()).expect("SET_MEM_TABLE");
+        m.fe.set_vring_num(0, QUEUE_SIZE).expect("SET_VRING_NUM");
+        // Host addresses in no region of the memory table.
+        let nowhere = VringConfigData {
+            queue_max_size: QUEUE_SIZE,
+            queue_size: QUEUE_SIZE,
+            flags: VhostUserVringAddrFlags::empty().bits(),
+            desc_table_addr: 0x7f00_dead_0000,
+            used_ring_addr: 0x7f00_dead_2000,
+            avail_ring_addr: 0x7f00_dead_1000,
+            log_addr: None,
+        };
+        let _ = m.fe.set_vring_addr(0, &nowhere);
+        // The daemon closes the connection; wait until the close is logged.
+        let deadline = Instant::now() + PATIENCE;
+        while daemon
+            .log()
+            .matches("connection closed after an error")
+            .count()
+            < attempt
+        {
+            assert!(
+                Instant::now() < deadline,
+                "attempt {attempt}:\n{}",
+                daemon.log()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    let log = daemon.log();
+    assert_eq!(
+        ms[0].config().generation.get(),
+        2,
+        "a repeated refused setup was another loss:\n{log}"
+    );
+    let warnings = log
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("connection closed after an error"))
+        .count();
+    assert_eq!(warnings, 1, "{log}");
+
+    // A driver that sets the device up properly joins the group again.
+    let mut back = Member::connect(&daemon.socket(1));
+    back.start(features(true, false), 1, QUEUE_SIZE);
+    ms.push(back);
+    let pending: Vec<Pending> = ms
+        .iter_mut()
+        .map(|m| allreduce(m, 0, &[1.5], 3, true))
+        .collect();
+    for (m, p) in ms.iter_mut().zip(&pending) {
+        let resp = finish(m, 0, p);
+        assert_eq!(status(&resp), Some(Status::Ok), "{resp:?}");
+        assert_eq!(read_f32(m, p.out, 1), [3.0]);
+    }
+}
