@@ -223,8 +223,12 @@ pub fn parse(chain: DescriptorChain<&GuestMem>, limits: &Limits) -> Result<Reque
         descs.push(d);
     }
     // The iterator stops silently on a broken chain (bad index, loop, bad
-    // indirect table); the last descriptor then still says it has a next.
+    // indirect table, 2^32 bytes or more in total); the last descriptor
+    // then still says it has a next.
     let broken = descs.last().is_none_or(Descriptor::has_next);
+    if broken {
+        cut_loop(&mut descs);
+    }
     // The iterator keeps a chain under 4 GiB in total, so this fits.
     let writable_len: u64 = descs
         .iter()
@@ -438,6 +442,24 @@ pub fn parse(chain: DescriptorChain<&GuestMem>, limits: &Limits) -> Result<Reque
         writable_len: reject.writable_len,
         response: last.addr(),
     })
+}
+
+/// Ends the walk of a looped chain at the descriptor that closes the loop.
+///
+/// The iterator walks a loop until it has read as many descriptors as the
+/// table holds, so the descriptor it stops on depends on the loop's length
+/// against the table size. Whatever that size, the walk is cut instead
+/// just before the first descriptor that is identical (all 16 bytes) to
+/// one walked before: the descriptor before it is the last one reached.
+/// Within one table that is exactly a loop: a descriptor determines every
+/// descriptor after it, so a repeat means the walk would go round forever
+/// (and a chain that does not loop never repeats one).
+fn cut_loop(descs: &mut Vec<Descriptor>) {
+    let key = |d: &Descriptor| (d.addr().raw_value(), d.len(), d.flags(), d.next());
+    let mut seen = std::collections::HashSet::with_capacity(descs.len());
+    if let Some(repeat) = descs.iter().position(|d| !seen.insert(key(d))) {
+        descs.truncate(repeat);
+    }
 }
 
 /// Appends the host segments of one descriptor (a whole number of
@@ -960,6 +982,175 @@ mod tests {
             w.wait_for(&p, std::time::Duration::ZERO).unwrap().written,
             0
         );
+    }
+
+    /// Writes `n` raw descriptors `(addr, len, flags, next)` at `at`.
+    fn write_table(w: &World, at: u64, entries: &[(u64, u32, u16, u16)]) {
+        let mut bytes = Vec::new();
+        for &(addr, len, flags, next) in entries {
+            bytes.extend(addr.to_le_bytes());
+            bytes.extend(len.to_le_bytes());
+            bytes.extend(flags.to_le_bytes());
+            bytes.extend(next.to_le_bytes());
+        }
+        w.members[0].write(at, &bytes);
+    }
+
+    /// A looped chain gets the same answer whatever the loop's length
+    /// against the queue size (256 here: loops of 2 and 4 divide it, 3, 5
+    /// and 6 do not): the walk stops at the descriptor that closes the
+    /// loop, so a response there gets CHAIN, anything else no status.
+    #[test]
+    fn loops_of_every_length_end_at_the_closing_descriptor() {
+        let mut w = world();
+        let next = VRING_DESC_F_NEXT as u16;
+        let wr = VRING_DESC_F_WRITE as u16;
+        let mut base = 0u16;
+        for len in 2u16..=6 {
+            for back_to in 0..len - 1 {
+                // [header] [outputs of 8 bytes]* [response -> back_to]
+                let m = &mut w.members[0];
+                let h = m.header(&hdr(5, 0, 0, 0, 0, 0, 0, 0));
+                let resp = m.response();
+                for i in 0..len {
+                    let (addr, l, flags) = match i {
+                        0 => (h.addr, h.len, next),
+                        i if i == len - 1 => (resp.addr, resp.len, wr | next),
+                        _ => (m.alloc(8), 8, wr | next),
+                    };
+                    let nx = if i == len - 1 { back_to } else { i + 1 };
+                    m.raw_desc(0, base + i, addr, l, flags, base + nx);
+                }
+                let p = w.submit_head(0, 0, base, resp.addr);
+                let (written, r) = w.wait(&p);
+                assert_eq!(
+                    written as usize, RESP_SIZE,
+                    "loop of {len} back to {back_to}"
+                );
+                assert_eq!(
+                    (r.status.get(), r.detail.get()),
+                    (Status::BadRequest.raw(), bad::CHAIN),
+                    "loop of {len} back to {back_to}"
+                );
+                base += len;
+            }
+            // The same loop closed by an 8-byte output: no status, and the
+            // response-sized descriptor inside the loop is not written.
+            let m = &mut w.members[0];
+            let h = m.header(&hdr(5, 0, 0, 0, 0, 0, 0, 0));
+            let resp = m.response();
+            for i in 0..len {
+                let (addr, l, flags) = match i {
+                    0 => (h.addr, h.len, next),
+                    1 => (resp.addr, resp.len, wr | next),
+                    _ => (m.alloc(8), 8, wr | next),
+                };
+                let nx = if i == len - 1 { 0 } else { i + 1 };
+                m.raw_desc(0, base + i, addr, l, flags, base + nx);
+            }
+            if len > 2 {
+                no_status_at(&mut w, base, resp.addr);
+            }
+            base += len;
+        }
+    }
+
+    /// Submits the chain at `head` of member 0 and expects used length 0
+    /// and the 16 bytes at `resp` (filled with 0xee) untouched.
+    fn no_status_at(w: &mut World, head: u16, resp: u64) {
+        let p = w.submit_head(0, 0, head, resp);
+        let d = w
+            .wait_for(&p, std::time::Duration::ZERO)
+            .expect("completes at once");
+        assert_eq!(d.written, 0);
+        assert!(w.members[0]
+            .read(resp, RESP_SIZE)
+            .iter()
+            .all(|&b| b == 0xee));
+    }
+
+    /// Inside an indirect table the walk reads at most the table's entries
+    /// (its length / 16); a loop there ends at its closing descriptor too,
+    /// whatever the loop's length against the table's.
+    #[test]
+    fn a_loop_inside_an_indirect_table_ends_at_the_closing_descriptor() {
+        let mut w = world();
+        let next = VRING_DESC_F_NEXT as u16;
+        let wr = VRING_DESC_F_WRITE as u16;
+        let indirect = virtio_bindings::bindings::virtio_ring::VRING_DESC_F_INDIRECT as u16;
+        for (head, entries) in [(50u16, 8u32), (51, 9), (52, 3), (53, 4)] {
+            let m = &mut w.members[0];
+            let h = m.header(&hdr(5, 0, 0, 0, 0, 0, 0, 0));
+            let resp = m.response();
+            let out = m.alloc(8);
+            let table = m.alloc(16 * entries as usize);
+            // [header] [output] [response -> 0], then unused entries.
+            write_table(
+                &w,
+                table,
+                &[
+                    (h.addr, h.len, next, 1),
+                    (out, 8, wr | next, 2),
+                    (resp.addr, resp.len, wr | next, 0),
+                ],
+            );
+            w.members[0].raw_desc(0, head, table, 16 * entries, indirect, 0);
+            let p = w.submit_head(0, 0, head, resp.addr);
+            let (written, r) = w.wait(&p);
+            assert_eq!(written as usize, RESP_SIZE, "table of {entries}");
+            assert_eq!(r.detail.get(), bad::CHAIN, "table of {entries}");
+        }
+    }
+
+    /// A chain of 2^32 bytes or more is cut before the descriptor that
+    /// brings its total to 2^32: the walk stops at the descriptor before,
+    /// which gets CHAIN if it is a usable response (no status otherwise).
+    /// One byte less is a whole chain, checked further (here: its long
+    /// output is outside guest memory).
+    #[test]
+    fn a_chain_of_4_gib_is_cut_before_the_descriptor_that_reaches_it() {
+        let mut w = world();
+        let next = VRING_DESC_F_NEXT as u16;
+        let wr = VRING_DESC_F_WRITE as u16;
+        // [header 32] [early 16] [long] [response 16]: 64 + long in total.
+        for (head, long) in [
+            (60u16, u32::MAX - 47),
+            (64, u32::MAX - 63),
+            (68, u32::MAX - 64),
+        ] {
+            let m = &mut w.members[0];
+            let h = m.header(&hdr(0, F32, SUM, 0, 4, 0, 0, 0));
+            let early = m.response();
+            let resp = m.response();
+            m.raw_desc(0, head, h.addr, 32, next, head + 1);
+            m.raw_desc(0, head + 1, early.addr, 16, wr | next, head + 2);
+            m.raw_desc(0, head + 2, 0x10_0000, long, wr | next, head + 3);
+            m.raw_desc(0, head + 3, resp.addr, 16, wr, 0);
+            let p = w.submit_head(0, 0, head, resp.addr);
+            let done = w
+                .wait_for(&p, std::time::Duration::ZERO)
+                .expect("rejected at once");
+            let m = &w.members[0];
+            let read = |a: u64| {
+                <VirtioDmlcResp as zerocopy::FromBytes>::read_from_bytes(&m.read(a, RESP_SIZE))
+                    .unwrap()
+            };
+            let untouched = |a: u64| m.read(a, RESP_SIZE).iter().all(|&b| b == 0xee);
+            let total = 64 + u64::from(long);
+            if total > 1 << 32 {
+                // Cut before the long output: the early response gets it.
+                assert_eq!(done.written as usize, RESP_SIZE);
+                assert_eq!(read(early.addr).detail.get(), bad::CHAIN);
+                assert!(untouched(resp.addr));
+            } else if total == 1 << 32 {
+                // Cut before the response, after the long output.
+                assert_eq!(done.written, 0);
+                assert!(untouched(resp.addr) && untouched(early.addr));
+            } else {
+                assert_eq!(u64::from(done.written), total - 32);
+                assert_eq!(read(resp.addr).detail.get(), bad::ADDRESS);
+            }
+        }
     }
 
     #[test]

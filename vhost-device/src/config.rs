@@ -8,6 +8,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use clap::{Parser, ValueEnum};
 use thiserror::Error;
 
+use crate::fault::Faults;
 use crate::group::GroupConfig;
 
 /// Largest virtqueue size a split ring allows.
@@ -241,6 +242,8 @@ impl TryFrom<Args> for Config {
                 timeout: Duration::from_millis(args.timeout_ms),
                 reduce_threads,
                 group_id: args.group_id.unwrap_or_else(default_group_id),
+                // Tests only: the daemon fills it from DMLC_TEST_FAULTS.
+                faults: Faults::none(),
             },
             queue_size: args.queue_size as u16,
             poll: Duration::from_micros(args.poll_us),

@@ -22,6 +22,20 @@
 //! writing, so that once `member_lost` returns no completion for a request
 //! the member submitted before is made (its rings are gone).
 //!
+//! Generations: a change (a loss or a reset) takes effect at once under
+//! the state lock (new sequence numbers, new slots, responses carry the
+//! new generation), but config space shows the new generation only once
+//! every completion decided before the change has been delivered: the
+//! requests the change failed, and the collectives that were running or
+//! failing then (see [`Outgoing`]). A driver that sees the new generation
+//! in config space therefore finds every request of the old generation
+//! that will ever complete in its used ring already.
+//!
+//! Panics: a panic while a collective moves data (on the arriving thread
+//! or a reduction thread) is caught; the collective then fails on every
+//! member with `RESET`, as the whole group is reset (its state can no
+//! longer be trusted), and the threads keep serving.
+//!
 //! Running collectives: every collective is counted in `State::running`
 //! from the moment its slot fills (under the state lock) until its last
 //! byte has moved. `member_lost` waits, after failing the others' waiting
@@ -30,7 +44,8 @@
 //! or writes the lost member's buffers (the driver may reuse them after a
 //! reset), whichever thread runs the collective.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{btree_map, BTreeMap, BTreeSet, HashMap};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard};
@@ -47,6 +62,7 @@ use zerocopy::IntoBytes;
 
 use crate::chain::{self, Limits, Request};
 use crate::datapath::{self, SegRef};
+use crate::fault::{FaultState, Faults};
 use crate::metrics::{Held, Metrics};
 use crate::GuestMem;
 
@@ -73,6 +89,9 @@ pub struct GroupConfig {
     /// Reduction worker threads; 0 runs every collective on the arriving thread.
     pub reduce_threads: usize,
     pub group_id: u64,
+    /// Faults to inject, for tests only (default: none). The daemon fills
+    /// it from `DMLC_TEST_FAULTS` ([`crate::fault::faults_from_env`]).
+    pub faults: Faults,
 }
 
 /// How the engine hands a finished request back to its member's virtqueue.
@@ -112,8 +131,16 @@ struct Shared {
     /// Per member; see [`Gate`]. Mirrored in `State::members` for checks
     /// made under the state lock.
     gates: Vec<RwLock<Gate>>,
-    /// Mirror of `State::generation` for lock-free config reads.
+    /// The generation config space shows (`State::published`), for
+    /// lock-free reads.
     generation: AtomicU32,
+    /// The generation responses carry: the current one (`State::era`).
+    resp_generation: AtomicU32,
+    /// The test fault plan being carried out.
+    faults: FaultState,
+    /// Panics caught on reduction threads (for tests).
+    #[cfg(test)]
+    worker_panics: AtomicUsize,
 }
 
 struct Member {
@@ -128,7 +155,15 @@ struct Member {
 }
 
 struct State {
-    generation: u32,
+    /// Generation changes since start: the current generation is
+    /// `generation_of(era)`.
+    era: u64,
+    /// The era whose generation config space shows: the latest one such
+    /// that no completion decided in an earlier era is still undelivered.
+    published: u64,
+    /// Completions decided in an era (the key) and not yet delivered, by
+    /// number of batches ([`Outgoing`]).
+    outgoing: BTreeMap<u64, usize>,
     members: Vec<Member>,
     slots: HashMap<(u16, u64), Slot>,
     /// The deadline the timer thread sleeps until, if any.
@@ -201,6 +236,12 @@ impl Outcome {
     }
 }
 
+/// The generation of era `era`: 1 at start, +1 per change, wrapping from
+/// `u32::MAX` to 1 (never 0).
+fn generation_of(era: u64) -> u32 {
+    (era % u64::from(u32::MAX)) as u32 + 1
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
@@ -233,7 +274,9 @@ impl Group {
             num_queues,
             metrics: Metrics::new(),
             state: Mutex::new(State {
-                generation: 1,
+                era: 0,
+                published: 0,
+                outgoing: BTreeMap::new(),
                 members,
                 slots: HashMap::new(),
                 timer_target: None,
@@ -246,8 +289,22 @@ impl Group {
             quiet_cv: Condvar::new(),
             gates: (0..world).map(|_| RwLock::new(gate)).collect(),
             generation: AtomicU32::new(1),
+            resp_generation: AtomicU32::new(1),
+            faults: FaultState::new(config.faults.clone()),
+            #[cfg(test)]
+            worker_panics: AtomicUsize::new(0),
             cfg: config,
         });
+        for f in shared.cfg.faults.items() {
+            log::warn!("test fault planned: {f}");
+            if let crate::fault::Fault::SkipWrite { rank, .. } = *f {
+                if rank >= world {
+                    log::warn!(
+                        "test fault {f} names rank {rank}, but the group has {world} members"
+                    );
+                }
+            }
+        }
         shared.metrics.set_generation(1);
 
         let timer = {
@@ -304,12 +361,25 @@ impl Group {
         }
     }
 
+    /// Reduction threads still running (for tests).
+    #[cfg(test)]
+    pub(crate) fn live_workers(&self) -> usize {
+        self.workers.iter().filter(|w| !w.is_finished()).count()
+    }
+
+    /// Panics caught on reduction threads so far (for tests).
+    #[cfg(test)]
+    pub(crate) fn worker_panics(&self) -> usize {
+        self.shared.worker_panics.load(Ordering::Relaxed)
+    }
+
     /// The group's counters.
     pub fn metrics(&self) -> &Metrics {
         &self.shared.metrics
     }
 
-    /// The current generation (1 at start, +1 on every member loss or reset).
+    /// The generation config space shows (1 at start, +1 on every member
+    /// loss or reset, once the requests the change failed are completed).
     pub fn generation(&self) -> u32 {
         self.shared.generation.load(Ordering::Acquire)
     }
@@ -395,7 +465,7 @@ impl Group {
             }
         };
         if let Some(gate) = gate {
-            self.bump(Some((rank, gate)));
+            self.shared.bump(Some((rank, gate)), &[]);
         }
         self.wait_untouched(rank);
     }
@@ -427,53 +497,7 @@ impl Group {
     /// pending collective fails with RESET on every member, and sequence
     /// numbers restart. Members stay active.
     pub fn reset(&self) {
-        self.bump(None);
-    }
-
-    /// A generation change: `lost` is the lost member and its new gate, or
-    /// `None` for a reset.
-    fn bump(&self, lost: Option<(u32, Gate)>) {
-        let sh = &self.shared;
-        let outcome = match lost {
-            Some((rank, _)) => Outcome::fail(Status::PeerLost, 0, rank),
-            None => Outcome::fail(Status::Reset, 0, NO_PEER),
-        };
-        let mut failed = Vec::new();
-        {
-            let mut st = lock(&sh.state);
-            st.generation = st.generation.wrapping_add(1).max(1);
-            sh.generation.store(st.generation, Ordering::Release);
-            sh.metrics.set_generation(st.generation);
-            for m in &mut st.members {
-                m.seqs.iter_mut().for_each(|s| *s = 0);
-            }
-            let next_run = st.next_run;
-            if let Some((rank, gate)) = lost {
-                let m = &mut st.members[rank as usize];
-                m.gate = gate;
-                m.connected = false;
-                // A collective that includes this member's old requests
-                // started before now: every slot that would have started
-                // one later is dropped just below.
-                m.lost_before = next_run;
-                let connected = st.members.iter().filter(|m| m.connected).count();
-                sh.metrics.set_members_connected(connected as u32);
-            }
-            for (_, slot) in st.slots.drain() {
-                if let Slot::Waiting(w) = slot {
-                    for a in w.arrivals.into_iter().flatten() {
-                        if lost.is_some_and(|(rank, _)| a.rank == rank) {
-                            sh.metrics.dropped();
-                        } else {
-                            failed.push(a);
-                        }
-                    }
-                }
-            }
-        }
-        for a in &failed {
-            sh.deliver(a, outcome);
-        }
+        self.shared.bump(None, &[]);
     }
 
     /// Takes one chain popped from `queue` of member `rank`. Exactly one
@@ -519,9 +543,12 @@ impl Group {
                     sh.metrics.request(op);
                 }
                 let response = match (rej.error.status_detail(), rej.response) {
-                    (Some((status, detail)), Some(addr)) => {
-                        Some((&**mem, addr, Outcome::fail(status, detail, NO_PEER)))
-                    }
+                    (Some((status, detail)), Some(addr)) => Some((
+                        &**mem,
+                        addr,
+                        Outcome::fail(status, detail, NO_PEER),
+                        sh.resp_generation.load(Ordering::Acquire),
+                    )),
                     _ => None,
                 };
                 sh.finish(
@@ -580,8 +607,11 @@ impl Group {
                 if t.left > 0 {
                     st.slots.insert(key, Slot::TimedOut(t));
                 }
+                let era = st.era;
+                let batch = Outgoing::register(&self.shared, &mut st, era);
                 drop(st);
                 sh.deliver(&arrival, Outcome::fail(Status::Timeout, 0, peer));
+                drop(batch);
                 return;
             }
             Some(Slot::Waiting(w)) => w,
@@ -610,11 +640,11 @@ impl Group {
         // this point waits for it.
         let running = Running::start(&self.shared, &mut st);
         drop(st);
-        self.run(waiting, running);
+        self.run(key, waiting, running);
     }
 
-    /// Runs a collective whose members have all arrived.
-    fn run(&self, w: Waiting, running: Running) {
+    /// Runs collective `key`, whose members have all arrived.
+    fn run(&self, key: (u16, u64), w: Waiting, running: Running) {
         let sh = &self.shared;
         let arrivals: Vec<Arrival> = w.arrivals.into_iter().flatten().collect();
         let last = arrivals.iter().map(|a| a.at).max().unwrap_or(w.first);
@@ -637,20 +667,44 @@ impl Group {
             for a in &arrivals {
                 sh.deliver(a, out);
             }
+            running.delivered();
             return;
         }
-        for b in arrivals.iter().flat_map(|a| &a.req.bounces) {
-            // SAFETY: the arrival keeps its guest memory mapped, and no data
-            // movement of this collective has started.
-            unsafe { b.fill() };
-        }
 
-        let pieces = plan(&arrivals);
+        let mut pieces = plan(&arrivals);
+        let fired = if pieces.is_empty() {
+            None
+        } else {
+            sh.faults.next()
+        };
+        let mut skip_write = None;
+        let mut panic_now = false;
+        if let Some((nth, f)) = fired {
+            if let Some(rank) = f.skip_write {
+                log::warn!(
+                    "test fault: collective {nth} (queue {}, seq {}) leaves rank {rank}'s \
+                     outputs unwritten",
+                    key.0,
+                    key.1
+                );
+                skip_write = Some(rank);
+                forget_outputs(&mut pieces, rank as usize);
+            }
+            if f.panic {
+                log::warn!(
+                    "test fault: collective {nth} (queue {}, seq {}) panics in a part",
+                    key.0,
+                    key.1
+                );
+                panic_now = true;
+            }
+        }
         let total: usize = pieces.iter().map(Piece::len).sum();
         let reduce = reference.dtype.zip(reference.op);
         let opcode = reference.opcode;
         let mut job = Job {
             shared: sh.clone(),
+            key,
             opcode,
             reduce,
             arrivals,
@@ -658,13 +712,26 @@ impl Group {
             parts: Vec::new(),
             next: AtomicUsize::new(0),
             left: AtomicUsize::new(0),
+            failed: AtomicBool::new(false),
+            panic_at: None,
+            skip_write,
             running,
         };
+        // Bounced elements are loaded before any data moves (a panic here
+        // fails the collective like one in a part).
+        job.guarded(|| {
+            for b in job.arrivals.iter().flat_map(|a| &a.req.bounces) {
+                // SAFETY: the arrival keeps its guest memory mapped, and no
+                // data movement of this collective has started.
+                unsafe { b.fill() };
+            }
+        });
         let threads = self.workers.len();
         match &self.pool {
             Some(pool) if total >= SPLIT_THRESHOLD => {
                 job.parts = split(&job.pieces, threads);
                 job.left = AtomicUsize::new(job.parts.len());
+                job.panic_at = panic_now.then(|| job.parts.len() - 1);
                 sh.metrics.split();
                 let helpers = threads.min(job.parts.len().saturating_sub(1));
                 let job = Arc::new(job);
@@ -676,8 +743,9 @@ impl Group {
                 job.work();
             }
             _ => {
+                job.panic_at = panic_now.then(|| job.pieces.len().saturating_sub(1));
                 for (i, p) in job.pieces.iter().enumerate() {
-                    job.run_part(i, 0, p.len());
+                    job.run_unit(i, i, 0, p.len());
                 }
                 job.finish();
             }
@@ -706,22 +774,104 @@ impl Drop for Group {
 }
 
 impl Shared {
-    /// Completes an arrival with `out`.
+    /// Completes an arrival with `out`, in the current generation.
     fn deliver(&self, a: &Arrival, out: Outcome) {
+        let generation = self.resp_generation.load(Ordering::Acquire);
+        self.deliver_in(a, out, generation);
+    }
+
+    /// Completes an arrival with `out`; its response carries `generation`.
+    fn deliver_in(&self, a: &Arrival, out: Outcome, generation: u32) {
         self.finish(
             a.rank,
             a.epoch,
             a.queue,
             a.req.head,
             &a.done,
-            Some((&a.mem, a.req.response, out)),
+            Some((&a.mem, a.req.response, out, generation)),
             a.req.writable_len,
         );
     }
 
+    /// A generation change: `lost` is the lost member and its new gate, or
+    /// `None` for a reset. Every waiting collective fails (the lost
+    /// member's own requests are dropped), and so do the requests in
+    /// `extra` (those of a collective that failed inside the device); all
+    /// of them are completed, with the new generation in their response,
+    /// before config space shows it.
+    fn bump(self: &Arc<Shared>, lost: Option<(u32, Gate)>, extra: &[Arrival]) {
+        let sh = self;
+        let outcome = match lost {
+            Some((rank, _)) => Outcome::fail(Status::PeerLost, 0, rank),
+            None => Outcome::fail(Status::Reset, 0, NO_PEER),
+        };
+        let mut failed = Vec::new();
+        let (generation, batch) = {
+            let mut st = lock(&sh.state);
+            st.era += 1;
+            let generation = generation_of(st.era);
+            // New responses carry the new generation from now on; config
+            // space shows it once the failures below are delivered.
+            sh.resp_generation.store(generation, Ordering::Release);
+            for m in &mut st.members {
+                m.seqs.iter_mut().for_each(|s| *s = 0);
+            }
+            let next_run = st.next_run;
+            if let Some((rank, gate)) = lost {
+                let m = &mut st.members[rank as usize];
+                m.gate = gate;
+                m.connected = false;
+                // A collective that includes this member's old requests
+                // started before now: every slot that would have started
+                // one later is dropped just below.
+                m.lost_before = next_run;
+                let connected = st.members.iter().filter(|m| m.connected).count();
+                sh.metrics.set_members_connected(connected as u32);
+            }
+            for (_, slot) in st.slots.drain() {
+                if let Slot::Waiting(w) = slot {
+                    for a in w.arrivals.into_iter().flatten() {
+                        if lost.is_some_and(|(rank, _)| a.rank == rank) {
+                            sh.metrics.dropped();
+                        } else {
+                            failed.push(a);
+                        }
+                    }
+                }
+            }
+            // These requests belong to the era before the change.
+            let era = st.era - 1;
+            let batch = (!failed.is_empty() || !extra.is_empty())
+                .then(|| Outgoing::register(sh, &mut st, era));
+            sh.publish(&mut st);
+            (generation, batch)
+        };
+        for a in failed.iter().chain(extra) {
+            sh.deliver_in(a, outcome, generation);
+        }
+        drop(batch);
+    }
+
+    /// Makes the latest generation that may be shown visible in config
+    /// space: that of the current era, unless completions decided in an
+    /// earlier era are still undelivered.
+    fn publish(&self, st: &mut State) {
+        let target = match st.outgoing.keys().next() {
+            Some(&oldest) => oldest.min(st.era),
+            None => st.era,
+        };
+        if target > st.published {
+            st.published = target;
+            let generation = generation_of(target);
+            self.generation.store(generation, Ordering::Release);
+            self.metrics.set_generation(generation);
+        }
+    }
+
     /// Writes the response (if any) and completes the chain, with used
     /// length `writable_len` (or 0 without a response), unless the member
-    /// was lost since `epoch`. The response carries the current generation.
+    /// was lost since `epoch`. The response carries the generation given
+    /// with it.
     #[allow(clippy::too_many_arguments)]
     fn finish(
         &self,
@@ -730,7 +880,7 @@ impl Shared {
         queue: u16,
         head: u16,
         done: &Arc<dyn Completion>,
-        response: Option<(&GuestMem, GuestAddress, Outcome)>,
+        response: Option<(&GuestMem, GuestAddress, Outcome, u32)>,
         writable_len: u32,
     ) {
         let gate = read(&self.gates[rank as usize]);
@@ -739,12 +889,12 @@ impl Shared {
             return;
         }
         let written = match response {
-            Some((mem, addr, out)) => {
+            Some((mem, addr, out, generation)) => {
                 let resp = VirtioDmlcResp {
                     status: out.status.raw().into(),
                     detail: out.detail.into(),
                     peer: out.peer.into(),
-                    generation: self.generation.load(Ordering::Acquire).into(),
+                    generation: generation.into(),
                 };
                 if out.status != Status::Ok {
                     self.metrics.error(out.status);
@@ -769,7 +919,7 @@ impl Shared {
 }
 
 /// Fails the collectives whose deadline passed.
-fn timer_loop(sh: &Shared) {
+fn timer_loop(sh: &Arc<Shared>) {
     let mut st = lock(&sh.state);
     loop {
         if st.shutdown {
@@ -808,11 +958,14 @@ fn timer_loop(sh: &Shared) {
         }
         st.timer_target = next;
         if !failed.is_empty() {
+            let era = st.era;
+            let batch = Outgoing::register(sh, &mut st, era);
             drop(st);
             for (a, out) in &failed {
                 sh.deliver(a, *out);
             }
             drop(failed);
+            drop(batch);
             st = lock(&sh.state);
             continue;
         }
@@ -832,7 +985,16 @@ fn worker_loop(rx: &Mutex<mpsc::Receiver<Arc<Job>>>) {
     loop {
         let job = lock(rx).recv();
         match job {
-            Ok(job) => job.work(),
+            Ok(job) => {
+                // Panics in the data movement are caught inside `work`;
+                // this keeps the thread serving whatever else panics.
+                if let Err(payload) = catch_unwind(AssertUnwindSafe(|| job.work())) {
+                    log::error!(
+                        "reduction thread caught a panic outside the data movement: {}",
+                        panic_text(&*payload)
+                    );
+                }
+            }
             Err(_) => return,
         }
     }
@@ -995,9 +1157,31 @@ fn split(pieces: &[Piece], threads: usize) -> Vec<(usize, usize, usize)> {
     parts
 }
 
+/// Drops member `member`'s outputs from every step (the skip-write test
+/// fault): its buffers are read as usual but never written.
+fn forget_outputs(pieces: &mut [Piece], member: usize) {
+    for p in pieces {
+        match p {
+            Piece::Reduce { outputs, .. } => outputs.retain(|b| b.member != member),
+            Piece::Copy { dsts, .. } => dsts.retain(|b| b.member != member),
+        }
+    }
+}
+
+/// The text of a panic's payload.
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> &str {
+    payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
+}
+
 /// A collective being run: its members' requests and its steps.
 struct Job {
     shared: Arc<Shared>,
+    /// Its slot: queue and sequence number.
+    key: (u16, u64),
     opcode: Opcode,
     reduce: Option<(Dtype, ReduceOp)>,
     /// In rank order, all members.
@@ -1007,17 +1191,27 @@ struct Job {
     parts: Vec<(usize, usize, usize)>,
     next: AtomicUsize,
     left: AtomicUsize,
-    /// Ended once the last byte has moved (or when the job is dropped, if a
-    /// range panicked).
+    /// Some part panicked: the collective fails, and the parts not yet
+    /// started are skipped.
+    failed: AtomicBool,
+    /// The part (split) or piece (inline) that panics on purpose (test
+    /// fault).
+    panic_at: Option<usize>,
+    /// The member whose outputs are not written (test fault).
+    skip_write: Option<u32>,
+    /// Ended once the last byte has moved (or when the job is dropped).
     running: Running,
 }
 
 /// A collective counted in `State::running` until [`Running::end`] (or
 /// drop): while counted, it may read or write its members' guest memory.
+/// Its completions count in `State::outgoing` until
+/// [`Running::delivered`] (or drop).
 struct Running {
     shared: Arc<Shared>,
     id: u64,
     ended: AtomicBool,
+    batch: Mutex<Option<Outgoing>>,
 }
 
 impl Running {
@@ -1026,10 +1220,12 @@ impl Running {
         let id = st.next_run;
         st.next_run += 1;
         st.running.insert(id);
+        let era = st.era;
         Running {
             shared: shared.clone(),
             id,
             ended: AtomicBool::new(false),
+            batch: Mutex::new(Some(Outgoing::register(shared, st, era))),
         }
     }
 
@@ -1047,11 +1243,50 @@ impl Running {
             self.shared.quiet_cv.notify_all();
         }
     }
+
+    /// Every member's completion of the collective has been made.
+    fn delivered(&self) {
+        let batch = lock(&self.batch).take();
+        drop(batch);
+    }
 }
 
 impl Drop for Running {
     fn drop(&mut self) {
         self.end();
+        self.delivered();
+    }
+}
+
+/// A batch of completions decided under the state lock in era `era` and
+/// not yet delivered, counted in `State::outgoing` until dropped: while
+/// it lives, no later era's generation is shown in config space.
+struct Outgoing {
+    shared: Arc<Shared>,
+    era: u64,
+}
+
+impl Outgoing {
+    /// Counts a batch; `st` is the locked state of `shared`.
+    fn register(shared: &Arc<Shared>, st: &mut State, era: u64) -> Outgoing {
+        *st.outgoing.entry(era).or_insert(0) += 1;
+        Outgoing {
+            shared: shared.clone(),
+            era,
+        }
+    }
+}
+
+impl Drop for Outgoing {
+    fn drop(&mut self) {
+        let mut st = lock(&self.shared.state);
+        if let btree_map::Entry::Occupied(mut e) = st.outgoing.entry(self.era) {
+            *e.get_mut() -= 1;
+            if *e.get() == 0 {
+                e.remove();
+            }
+        }
+        self.shared.publish(&mut st);
     }
 }
 
@@ -1064,10 +1299,49 @@ impl Job {
             let Some(&(piece, start, len)) = self.parts.get(i) else {
                 return;
             };
-            self.run_part(piece, start, len);
+            self.run_unit(i, piece, start, len);
             if self.left.fetch_sub(1, Ordering::AcqRel) == 1 {
                 self.finish();
             }
+        }
+    }
+
+    /// Runs unit `unit` (a part, or a piece when inline): bytes
+    /// `start..start + len` of piece `piece`, unless the collective has
+    /// failed already. A panic fails the collective.
+    fn run_unit(&self, unit: usize, piece: usize, start: usize, len: usize) {
+        if self.failed.load(Ordering::Relaxed) {
+            return;
+        }
+        self.guarded(|| {
+            if self.panic_at == Some(unit) {
+                panic!("test fault: panic in part {unit} of a collective");
+            }
+            self.run_part(piece, start, len);
+        });
+    }
+
+    /// Runs `f`, a step of this collective's data movement; if it panics,
+    /// the collective fails (logged once, with its queue and sequence).
+    fn guarded(&self, f: impl FnOnce()) {
+        let Err(payload) = catch_unwind(AssertUnwindSafe(f)) else {
+            return;
+        };
+        let me = thread::current();
+        let name = me.name().unwrap_or("unnamed");
+        #[cfg(test)]
+        if name.starts_with("dmlc-reduce-") {
+            self.shared.worker_panics.fetch_add(1, Ordering::Relaxed);
+        }
+        if !self.failed.swap(true, Ordering::AcqRel) {
+            log::error!(
+                "{} collective (queue {}, seq {}) panicked on thread {name}: {}; \
+                 it fails with RESET on every member and the group is reset",
+                self.opcode,
+                self.key.0,
+                self.key.1,
+                panic_text(&*payload)
+            );
         }
     }
 
@@ -1113,20 +1387,37 @@ impl Job {
         }
     }
 
-    /// Writes every member's OK response and completes its chain.
+    /// Writes every member's response and completes its chain: OK, or,
+    /// if the data movement panicked, RESET for every member as the whole
+    /// group is reset.
     fn finish(&self) {
         let sh = &self.shared;
-        for b in self.arrivals.iter().flat_map(|a| &a.req.bounces) {
-            if b.output {
-                // SAFETY: the arrival keeps its guest memory mapped, and all
-                // data movement of this collective has finished.
-                unsafe { b.flush() };
-            }
+        if !self.failed.load(Ordering::Acquire) {
+            self.guarded(|| {
+                for (i, a) in self.arrivals.iter().enumerate() {
+                    if self.skip_write == Some(i as u32) {
+                        continue;
+                    }
+                    for b in a.req.bounces.iter().filter(|b| b.output) {
+                        // SAFETY: the arrival keeps its guest memory
+                        // mapped, and all data movement of this collective
+                        // has finished.
+                        unsafe { b.flush() };
+                    }
+                }
+            });
         }
         // Before any completion: a loss waiting for this collective must
         // not wait for the completions (they may need the lost member's
         // vring, and its responses are dropped anyway).
         self.running.end();
+        if self.failed.load(Ordering::Acquire) {
+            // Every member fails with RESET; the reset delivers them before
+            // config space shows the new generation.
+            sh.bump(None, &self.arrivals);
+            self.running.delivered();
+            return;
+        }
         for p in &self.pieces {
             match p {
                 Piece::Reduce { len, .. } => sh.metrics.reduced(*len as u64),
@@ -1137,6 +1428,7 @@ impl Job {
         for a in &self.arrivals {
             sh.deliver(a, Outcome::OK);
         }
+        self.running.delivered();
     }
 }
 

@@ -9,6 +9,7 @@
 //! - [`reduce`]: element-wise reduction kernels over raw memory;
 //! - [`datapath`]: chunked single-copy reduce and copy over scatter-gather lists;
 //! - [`chain`]: parsing and checking one descriptor chain into a request;
+//! - [`fault`]: fault injection for tests (`DMLC_TEST_FAULTS`);
 //! - [`group`]: matching, ordering, generations, timeouts, running collectives;
 //! - [`metrics`]: counters and their Prometheus text form;
 //! - [`backend`]: the `VhostUserBackend` of one member;
@@ -20,6 +21,7 @@ pub mod chain;
 pub mod config;
 pub mod daemon;
 pub mod datapath;
+pub mod fault;
 pub mod group;
 pub mod metrics;
 pub mod reduce;

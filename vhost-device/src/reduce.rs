@@ -13,8 +13,15 @@
 //! divided by the world size (integers: wrapping sum, then division
 //! truncating toward zero; floats: division in the accumulator type); f16 and
 //! bf16 accumulate in f32 and round to nearest-even once, at the end; float
-//! min and max give NaN if any input is NaN, and between equal values (such
-//! as -0 and +0) keep the lower rank's.
+//! min and max give the first NaN in rank order (quieted) if any input is
+//! NaN, and between equal values (such as -0 and +0) keep the lower rank's.
+//!
+//! NaN results are always quiet, for every float dtype, op and world size:
+//! min and max (which select an input) and a lone input (a world of one)
+//! set the quiet bit themselves; sum, prod and avg get a quiet NaN from the
+//! IEEE 754 arithmetic of the CPU (x86-64 SSE/AVX, AArch64), which quiets
+//! a signalling NaN operand; the narrowing to f16 and bf16 quiets too. The
+//! tests check every path on the CPU they run on.
 //!
 //! Sources are guest memory that another process shares and may change at
 //! any time, so the kernels read them only through unaligned raw-pointer
@@ -37,11 +44,14 @@ pub const CHUNK_BYTES: usize = 8 << 10;
 
 /// Arithmetic of an accumulator type.
 trait Num: Copy + Default + 'static {
+    /// A NaN with its quiet bit set; anything else unchanged.
+    fn quiet(self) -> Self;
     fn add(self, x: Self) -> Self;
     fn mul(self, x: Self) -> Self;
-    /// Minimum; keeps `self` on ties; NaN if either is NaN.
+    /// Minimum; keeps `self` on ties; if either is NaN, the first NaN
+    /// (`self` before `x`), quieted.
     fn min_of(self, x: Self) -> Self;
-    /// Maximum; keeps `self` on ties; NaN if either is NaN.
+    /// Maximum; as [`Num::min_of`].
     fn max_of(self, x: Self) -> Self;
     /// `self / world` (integers truncate toward zero).
     fn div_world(self, world: u32) -> Self;
@@ -55,8 +65,14 @@ trait Bits: Num {
 }
 
 macro_rules! float_num {
-    ($($t:ty),*) => {$(
+    ($($t:ty: $quiet_bit:expr),*) => {$(
         impl Num for $t {
+            #[inline(always)]
+            fn quiet(self) -> Self {
+                // A select, so that loops over it vectorise.
+                let quieted = <$t>::from_bits(self.to_bits() | $quiet_bit);
+                if self.is_nan() { quieted } else { self }
+            }
             #[inline(always)]
             fn add(self, x: Self) -> Self {
                 self + x
@@ -69,11 +85,12 @@ macro_rules! float_num {
             fn min_of(self, x: Self) -> Self {
                 // A NaN `x` fails the comparison and is taken; a NaN `self`
                 // is kept. Non-short-circuit `|` keeps the loop branch-free.
-                if self.is_nan() | (x >= self) { self } else { x }
+                // The selected NaN may be signalling: quiet it.
+                (if self.is_nan() | (x >= self) { self } else { x }).quiet()
             }
             #[inline(always)]
             fn max_of(self, x: Self) -> Self {
-                if self.is_nan() | (x <= self) { self } else { x }
+                (if self.is_nan() | (x <= self) { self } else { x }).quiet()
             }
             #[inline(always)]
             fn div_world(self, world: u32) -> Self {
@@ -82,11 +99,15 @@ macro_rules! float_num {
         }
     )*};
 }
-float_num!(f32, f64);
+float_num!(f32: 1 << 22, f64: 1 << 51);
 
 macro_rules! int_num {
     ($($t:ty: $div:ident),*) => {$(
         impl Num for $t {
+            #[inline(always)]
+            fn quiet(self) -> Self {
+                self
+            }
             #[inline(always)]
             fn add(self, x: Self) -> Self {
                 self.wrapping_add(x)
@@ -288,7 +309,8 @@ fn f16_to_f32(h: u16) -> f32 {
     f32::from_bits(bits | sign)
 }
 
-/// f32 to f16 bits, rounding to nearest-even (NaN gives a quiet NaN).
+/// f32 to f16 bits, rounding to nearest-even; a NaN gives a quiet NaN with
+/// the same sign and the top 10 payload bits, as F16C and `half` do.
 /// Branch-free like [`f16_to_f32`]; every case uses wrapping arithmetic
 /// because all of them are computed for every input.
 #[inline(always)]
@@ -297,7 +319,8 @@ fn f32_to_f16(f: f32) -> u16 {
     let sign = (x >> 16) & 0x8000;
     let a = x & 0x7fff_ffff;
     // |f| >= 2^16 is out of range even before rounding: Inf, or NaN.
-    let inf_nan = if a > 0x7f80_0000 { 0x7e00 } else { 0x7c00 };
+    let nan = 0x7e00 | ((a >> 13) & 0x03ff);
+    let inf_nan = if a > 0x7f80_0000 { nan } else { 0x7c00 };
     // |f| < 2^-14 becomes subnormal: adding 0.5 lines the f16 subnormal
     // step up with the f32 ulp, and the FPU rounds to nearest-even.
     let half = 0.5f32.to_bits();
@@ -392,7 +415,7 @@ unsafe fn read<E: Elem>(src: *const E::Raw, i: usize) -> E::Acc {
     E::widen(unsafe { src.add(i).read_unaligned() })
 }
 
-/// `acc = src` (one source needs no op).
+/// `acc = src` (one source needs no op; NaNs are quieted all the same).
 #[inline(always)]
 unsafe fn load_body<E: Elem>(acc: *mut u8, srcs: *const *const u8, n: usize) {
     // SAFETY: `acc` is our scratch, aligned and holding `n` accumulators
@@ -402,7 +425,7 @@ unsafe fn load_body<E: Elem>(acc: *mut u8, srcs: *const *const u8, n: usize) {
     let [src] = unsafe { sources::<E, 1>(srcs) };
     for (i, a) in acc.iter_mut().enumerate() {
         // SAFETY: `i < n`.
-        *a = unsafe { read::<E>(src, i) };
+        *a = unsafe { read::<E>(src, i) }.quiet();
     }
 }
 
@@ -884,19 +907,25 @@ pub(crate) mod reference {
     use half::{bf16, f16};
     use virtio_dmlc::{Dtype, ReduceOp};
 
-    fn fold_float<F>(op: ReduceOp, xs: &[F], world: u32, avg: impl Fn(F, u32) -> F) -> F
+    fn fold_float<F>(
+        op: ReduceOp,
+        xs: &[F],
+        world: u32,
+        quiet: impl Fn(F) -> F,
+        avg: impl Fn(F, u32) -> F,
+    ) -> F
     where
         F: Copy + PartialOrd + std::ops::Add<Output = F> + std::ops::Mul<Output = F>,
     {
         #[allow(clippy::eq_op)]
         let is_nan = |v: F| v != v;
-        let mut acc = xs[0];
+        let mut acc = quiet(xs[0]);
         for &x in &xs[1..] {
             acc = match op {
                 ReduceOp::Sum | ReduceOp::Avg => acc + x,
                 ReduceOp::Prod => acc * x,
                 ReduceOp::Min | ReduceOp::Max if is_nan(acc) => acc,
-                ReduceOp::Min | ReduceOp::Max if is_nan(x) => x,
+                ReduceOp::Min | ReduceOp::Max if is_nan(x) => quiet(x),
                 ReduceOp::Min if x < acc => x,
                 ReduceOp::Max if x > acc => x,
                 ReduceOp::Min | ReduceOp::Max => acc,
@@ -922,6 +951,23 @@ pub(crate) mod reference {
             ReduceOp::Bxor => xs.iter().fold(0, |a, &x| a ^ x),
         };
         wrap(v)
+    }
+
+    /// A NaN with its quiet bit set (written apart from the kernels').
+    fn quiet32(v: f32) -> f32 {
+        if v.is_nan() {
+            f32::from_bits(v.to_bits() | 0x0040_0000)
+        } else {
+            v
+        }
+    }
+
+    fn quiet64(v: f64) -> f64 {
+        if v.is_nan() {
+            f64::from_bits(v.to_bits() | 0x0008_0000_0000_0000)
+        } else {
+            v
+        }
     }
 
     /// Element `i` of every input.
@@ -954,7 +1000,7 @@ pub(crate) mod reference {
                         .into_iter()
                         .map(f32::from_ne_bytes)
                         .collect();
-                    let v = fold_float(op, &xs, world, |s, w| s / w as f32);
+                    let v = fold_float(op, &xs, world, quiet32, |s, w| s / w as f32);
                     out.extend_from_slice(&v.to_ne_bytes());
                 }
                 Dtype::F64 => {
@@ -962,7 +1008,7 @@ pub(crate) mod reference {
                         .into_iter()
                         .map(f64::from_ne_bytes)
                         .collect();
-                    let v = fold_float(op, &xs, world, |s, w| s / f64::from(w));
+                    let v = fold_float(op, &xs, world, quiet64, |s, w| s / f64::from(w));
                     out.extend_from_slice(&v.to_ne_bytes());
                 }
                 Dtype::F16 => {
@@ -970,7 +1016,7 @@ pub(crate) mod reference {
                         .into_iter()
                         .map(|b| f16::from_ne_bytes(b).to_f32())
                         .collect();
-                    let v = fold_float(op, &xs, world, |s, w| s / w as f32);
+                    let v = fold_float(op, &xs, world, quiet32, |s, w| s / w as f32);
                     out.extend_from_slice(&f16::from_f32(v).to_ne_bytes());
                 }
                 Dtype::Bf16 => {
@@ -978,7 +1024,7 @@ pub(crate) mod reference {
                         .into_iter()
                         .map(|b| bf16::from_ne_bytes(b).to_f32())
                         .collect();
-                    let v = fold_float(op, &xs, world, |s, w| s / w as f32);
+                    let v = fold_float(op, &xs, world, quiet32, |s, w| s / w as f32);
                     out.extend_from_slice(&bf16::from_f32(v).to_ne_bytes());
                 }
                 Dtype::I8 => int!(i8, 1),
@@ -1336,6 +1382,152 @@ mod tests {
                     reference::check(dtype, &out, &reference::reduce(dtype, op, 3, &refs))
                         .unwrap_or_else(|e| panic!("{isa:?} {op}: {e}"));
                 }
+            }
+        }
+    }
+
+    /// Raw bits of `v` as an element of `dtype` (little-endian bytes).
+    fn raw(dtype: Dtype, bits: u64) -> Vec<u8> {
+        bits.to_le_bytes()[..dtype.size()].to_vec()
+    }
+
+    /// (a signalling NaN, another one of the other sign, a quiet NaN) of
+    /// each float dtype, with payloads, and the quiet bit.
+    fn nans(dtype: Dtype) -> ([u64; 3], u64) {
+        match dtype {
+            Dtype::F32 => ([0x7f80_0001, 0xffa0_1234, 0x7fc0_0005], 1 << 22),
+            Dtype::F64 => (
+                [
+                    0x7ff0_0000_0000_0001,
+                    0xfff4_0000_0000_0abc,
+                    0x7ff8_0000_0000_0042,
+                ],
+                1 << 51,
+            ),
+            Dtype::F16 => ([0x7c01, 0xfd23, 0x7e05], 1 << 9),
+            Dtype::Bf16 => ([0x7f81, 0xffa3, 0x7fc3], 1 << 6),
+            _ => unreachable!(),
+        }
+    }
+
+    fn is_nan_bits(dtype: Dtype, bits: u64) -> bool {
+        match dtype {
+            Dtype::F32 => f32::from_bits(bits as u32).is_nan(),
+            Dtype::F64 => f64::from_bits(bits).is_nan(),
+            Dtype::F16 => f16::from_bits(bits as u16).is_nan(),
+            Dtype::Bf16 => bf16::from_bits(bits as u16).is_nan(),
+            _ => false,
+        }
+    }
+
+    /// Every float dtype, every op, every ISA, worlds of 1 to 5 (every
+    /// kernel grouping), a signalling or quiet NaN in each position: the
+    /// result is a quiet NaN; for min and max it is the first NaN in rank
+    /// order with its quiet bit set, bit for bit; lanes without a NaN
+    /// match the reference.
+    #[test]
+    fn nan_results_are_quiet_for_every_float_dtype_op_and_position() {
+        let floats_of = [Dtype::F32, Dtype::F64, Dtype::F16, Dtype::Bf16];
+        let ops = [
+            ReduceOp::Sum,
+            ReduceOp::Prod,
+            ReduceOp::Min,
+            ReduceOp::Max,
+            ReduceOp::Avg,
+        ];
+        let mut checked = 0;
+        for isa in Isa::available() {
+            for dtype in floats_of {
+                let (nan, quiet_bit) = nans(dtype);
+                let size = dtype.size();
+                let two = floats(dtype, &[2.0]);
+                let two_bits = {
+                    let mut b = [0u8; 8];
+                    b[..size].copy_from_slice(&two);
+                    u64::from_le_bytes(b)
+                };
+                for op in ops {
+                    let k = Kernel::with_isa(dtype, op, isa).unwrap();
+                    for world in 1..=5usize {
+                        // Element e: which inputs hold which NaN. Lane 0
+                        // has no NaN; lanes 1.. put NaN k at rank r, and
+                        // lane "all" has a different NaN at every rank.
+                        let mut lanes: Vec<Vec<u64>> = vec![vec![two_bits; world]];
+                        for r in 0..world {
+                            for &n in &nan {
+                                let mut l = vec![two_bits; world];
+                                l[r] = n;
+                                lanes.push(l);
+                            }
+                        }
+                        lanes.push((0..world).map(|r| nan[(r + 1) % 3]).collect());
+                        if world > 1 {
+                            // A quiet NaN first, a signalling one after it.
+                            let mut l = vec![two_bits; world];
+                            l[0] = nan[2];
+                            l[world - 1] = nan[0];
+                            lanes.push(l);
+                        }
+                        let inputs: Vec<Vec<u8>> = (0..world)
+                            .map(|r| lanes.iter().flat_map(|l| raw(dtype, l[r])).collect())
+                            .collect();
+                        let out = run_kernels(&k, &inputs, world as u32);
+                        let refs: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
+                        let want = reference::reduce(dtype, op, world as u32, &refs);
+                        for (e, lane) in lanes.iter().enumerate() {
+                            let mut b = [0u8; 8];
+                            b[..size].copy_from_slice(&out[e * size..(e + 1) * size]);
+                            let got = u64::from_le_bytes(b);
+                            let what = format!(
+                                "{isa:?} {dtype} {op} N={world} lane {lane:x?}: got {got:#x}"
+                            );
+                            let first_nan = lane.iter().copied().find(|&x| is_nan_bits(dtype, x));
+                            match first_nan {
+                                None => reference::check(
+                                    dtype,
+                                    &out[e * size..(e + 1) * size],
+                                    &want[e * size..(e + 1) * size],
+                                )
+                                .unwrap_or_else(|m| panic!("{what}: {m}")),
+                                Some(first) => {
+                                    assert!(is_nan_bits(dtype, got), "{what}: not a NaN");
+                                    assert_ne!(got & quiet_bit, 0, "{what}: signalling NaN");
+                                    if matches!(op, ReduceOp::Min | ReduceOp::Max) {
+                                        assert_eq!(
+                                            got,
+                                            first | quiet_bit,
+                                            "{what}: not the first NaN, quieted"
+                                        );
+                                    }
+                                }
+                            }
+                            checked += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert!(checked > 1000, "{checked}");
+    }
+
+    /// The baseline f16 narrowing gives the same NaN bits as F16C and
+    /// `half`: sign, quiet bit, the top 10 payload bits.
+    #[test]
+    fn f16_narrowing_of_nan_keeps_sign_and_payload() {
+        for bits in [
+            0x7f80_0001u32,
+            0xffa0_1234,
+            0x7fc0_0005,
+            0x7fff_ffff,
+            0xff80_2000,
+        ] {
+            let v = f32::from_bits(bits);
+            let want = f16::from_f32(v).to_bits();
+            assert_eq!(f32_to_f16(v), want, "{bits:#x}");
+            assert_eq!(want & 0x7e00, 0x7e00, "{bits:#x}");
+            #[cfg(target_arch = "x86_64")]
+            if has_avx2() {
+                assert_eq!(F16c::narrow(v), want, "F16C {bits:#x}");
             }
         }
     }

@@ -381,6 +381,7 @@ pub(crate) fn config(world: u32) -> GroupConfig {
         timeout: Duration::from_secs(60),
         reduce_threads: 0,
         group_id: 0x1234,
+        faults: crate::fault::Faults::none(),
     }
 }
 
