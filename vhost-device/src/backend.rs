@@ -1166,6 +1166,7 @@ mod tests {
             vring.set_queue_size(size);
             vring.set_queue_info(DESC, AVAIL, USED).unwrap();
             vring.set_queue_ready(true);
+            vring.set_enabled(true);
             let h = hdr(Opcode::Barrier.raw(), 0, 0, 0, 0, 9, 0, 0);
             guest
                 .write_slice(h.as_bytes(), GuestAddress(HEADER))

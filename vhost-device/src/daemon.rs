@@ -110,6 +110,8 @@ pub enum DaemonError {
     },
     #[error("cannot block the termination signals")]
     Signals(#[source] io::Error),
+    #[error("bad fault-injection plan")]
+    Faults(#[source] crate::fault::FaultSpecError),
 }
 
 /// What ends `start_backend`.
@@ -136,7 +138,21 @@ pub fn start_backend(config: Config) -> Result<(), DaemonError> {
     };
     // Before the group's threads start: binding changes the process umask.
     let listeners = bind_sockets(&config.socket_paths, config.socket_access)?;
-    let group = Group::new(config.group.clone());
+    let mut group_config = config.group.clone();
+    group_config.faults = crate::fault::faults_from_env().map_err(DaemonError::Faults)?;
+    if !group_config.faults.is_none() {
+        let items: Vec<String> = group_config
+            .faults
+            .items()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        warn!(
+            "DMLC_TEST_FAULTS is set: this daemon injects faults ({}); results will be wrong on purpose, for tests only",
+            items.join(", ")
+        );
+    }
+    let group = Group::new(group_config);
 
     let (stop_tx, stop_rx) = mpsc::channel();
     let result = (|| {

@@ -520,7 +520,7 @@ fn a_frontend_that_keeps_failing_its_setup_costs_one_loss_and_one_warning() {
     use vhost::vhost_user::message::VhostUserVringAddrFlags;
     use vhost::{VhostBackend, VringConfigData};
 
-    let mut daemon = Daemon::start(2, &["--timeout-ms", "60000"]);
+    let daemon = Daemon::start(2, &["--timeout-ms", "60000"]);
     let mut m0 = Member::connect(&daemon.socket(0));
     m0.start(features(true, false), 1, QUEUE_SIZE);
     let mut ms = vec![m0];
@@ -528,7 +528,7 @@ fn a_frontend_that_keeps_failing_its_setup_costs_one_loss_and_one_warning() {
     // SET_FEATURES on); the repeats are not.
     let attempts = 4;
     for attempt in 1..=attempts {
-        let mut m = Member::connect(&daemon.socket(1));
+        let m = Member::connect(&daemon.socket(1));
         m.fe.set_features(features(true, false))
             .expect("SET_FEATURES");
         m.fe.set_mem_table(&m.mem_table()).expect("SET_MEM_TABLE");
