@@ -319,7 +319,9 @@ impl Rig {
         let (_, _, body) = http_get(port, "/metrics");
         body.lines()
             .find_map(|l| l.strip_prefix("dmlc_requests_total{opcode=\"allreduce\"} "))
-            .map_or(0, |v| v.parse().unwrap())
+            .unwrap_or_else(|| panic!("no allreduce request counter in the metrics:\n{body}"))
+            .parse()
+            .unwrap()
     }
 
     /// The value of the metrics series `series` (a counter or a gauge).
