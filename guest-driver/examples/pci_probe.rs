@@ -277,7 +277,10 @@ fn recover(a: &Args, opts: &OpenOptions, first: Device) -> Res<()> {
             &req,
             &[input.all()],
             &[output.all()],
-            Some(Duration::from_secs(5)),
+            // Longer than a backend restart (kill, start, QEMU's 1 s
+            // reconnect) on a loaded machine: the wait should end because
+            // the driver sees the new group, not because it gave up.
+            Some(Duration::from_secs(20)),
         );
         match r {
             Ok(_) => {
