@@ -14,7 +14,8 @@ use virtio_queue::desc::split::Descriptor;
 use virtio_queue::DescriptorChain;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 
-use crate::oracle::{expect, Expected};
+use crate::guest::DESC_TABLE;
+use crate::oracle::{expect, walk_as, Deviations, Expected, BACKEND};
 
 /// How one chain came out, for the seed checks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,14 +26,32 @@ pub enum Outcome {
     Rejected(Option<(virtio_dmlc::Status, u32)>),
 }
 
-/// Parses `chain` (popped from `mem`) and panics if the result breaks an
-/// invariant.
-pub fn check(mem: &GuestMem, chain: DescriptorChain<&GuestMem>, limits: &Limits) -> Outcome {
+/// Parses `chain` (popped from `mem`, from the harness queue of
+/// `queue_size` entries) and panics if the result breaks an invariant.
+pub fn check(
+    mem: &GuestMem,
+    chain: DescriptorChain<&GuestMem>,
+    queue_size: u16,
+    limits: &Limits,
+) -> Outcome {
+    check_as(mem, chain, queue_size, limits, BACKEND)
+}
+
+/// [`check`], with the model's walk departing from the spec only by `dev`
+/// ([`crate::oracle::SPEC`]: not at all).
+pub fn check_as(
+    mem: &GuestMem,
+    chain: DescriptorChain<&GuestMem>,
+    queue_size: u16,
+    limits: &Limits,
+    dev: Deviations,
+) -> Outcome {
     let head = chain.head_index();
-    // The same walk the backend does; virtio-queue stops it silently on a
-    // broken chain, leaving NEXT set on the last descriptor seen.
-    let descs: Vec<Descriptor> = chain.clone().collect();
-    let want = expect(&descs, mem, limits);
+    // The spec's walk, done by the model itself from the tables in guest
+    // memory (the backend walks with virtio-queue's iterator).
+    let walked = walk_as(mem, DESC_TABLE, queue_size, head, dev);
+    let want = expect(&walked, mem, limits);
+    let descs = walked.descs;
     match (parse(chain, limits), want) {
         (
             Err(rej),

@@ -9,7 +9,7 @@
 //! written between runs, and it is cleared before every run, so one run
 //! never sees what another left behind.
 
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 use vhost_device_dmlc::GuestMem;
 use virtio_queue::{DescriptorChain, Queue, QueueT};
@@ -133,7 +133,17 @@ impl Layout {
 /// keeps them reachable, so the leak checker does not report them.
 static MEMORIES: Mutex<Vec<(Layout, &'static GuestMem)>> = Mutex::new(Vec::new());
 
-/// The guest memory of `layout`, with its control area cleared.
+/// Held for a whole run: the memories are shared, and the unit tests run
+/// in parallel threads.
+static RUN: Mutex<()> = Mutex::new(());
+
+/// Takes the guest memories for one run (until the guard is dropped).
+pub fn exclusive() -> MutexGuard<'static, ()> {
+    RUN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The guest memory of `layout`, with its control area cleared (take
+/// [`exclusive`] first).
 pub fn memory(layout: Layout) -> &'static GuestMem {
     let mut all = MEMORIES.lock().unwrap_or_else(|e| e.into_inner());
     let mem = match all.iter().find(|(l, _)| *l == layout) {

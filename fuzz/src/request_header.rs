@@ -181,6 +181,7 @@ fn pieces(len: u64, extra: usize, cuts: &mut impl Iterator<Item = u16>) -> Vec<u
 
 /// Runs one input.
 pub fn run(data: &[u8]) -> Outcome {
+    let _run = guest::exclusive();
     let case = Case::decode(data);
     let limits = case.limits();
     let mem = guest::memory(Layout::SINGLE);
@@ -199,7 +200,12 @@ pub fn run(data: &[u8]) -> Outcome {
         let at = table + 16 * i as u64;
         guest::write_desc(mem, at, addr, len, flags(i, w), i as u16 + 1);
     }
-    check(mem, guest::pop(mem, guest::MAX_QUEUE, 0), &limits)
+    check(
+        mem,
+        guest::pop(mem, guest::MAX_QUEUE, 0),
+        guest::MAX_QUEUE,
+        &limits,
+    )
 }
 
 fn mem_write(mem: &vhost_device_dmlc::GuestMem, at: u64, bytes: &[u8]) {
