@@ -608,11 +608,18 @@ impl DeviceComm {
         dev: &Device,
         bytes: usize,
     ) -> Result<&'a mut DmaBuf> {
-        if slot.as_ref().is_none_or(|b| b.len() < bytes) {
+        // A request whose wait failed may still hold the old one.
+        if slot
+            .as_ref()
+            .is_none_or(|b| b.len() < bytes || b.is_in_flight())
+        {
             *slot = None; // free the old one first
             *slot = Some(dev.alloc(bytes.max(64))?);
         }
-        Ok(slot.as_mut().expect("bounce buffer just set"))
+        let buf = slot.as_mut().expect("bounce buffer just set");
+        // `&mut` proves that the last call's borrows have ended.
+        buf.reclaim();
+        Ok(buf)
     }
 }
 

@@ -18,6 +18,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::path::Path;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -25,6 +26,7 @@ use virtio_dmlc::{
     bad, too_big, unsupported, BufferElems, Status, VirtioDmlcConfig, VirtioDmlcReq,
     VirtioDmlcResp, CONFIG_SIZE, FLAG_IN_PLACE, REQ_HEADER_SIZE, RESP_SIZE,
     VIRTIO_DMLC_F_REQ_TIMEOUT, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
+    VIRTIO_RING_F_INDIRECT_DESC,
 };
 pub use virtio_dmlc::{Dtype, Opcode, ReduceOp};
 use zerocopy::{FromBytes, IntoBytes};
@@ -33,7 +35,7 @@ use crate::dma::{DmaAlloc, DmaMemory, MemfdMemory, DMA_ALIGN};
 use crate::error::{Error, Result};
 use crate::host::{HostTransport, GUEST_BASE};
 use crate::transport::Transport;
-use crate::virtqueue::{QueueError, Segment, SplitQueue, MAX_QUEUE_SIZE};
+use crate::virtqueue::{QueueError, Segment, SplitQueue, DESC_SIZE, MAX_QUEUE_SIZE};
 
 /// How to open a device.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -146,12 +148,168 @@ fn bytes_of_mut<T: Element>(data: &mut [T]) -> &mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(data.as_mut_ptr().cast(), std::mem::size_of_val(data)) }
 }
 
+/// The memory of one [`DmaBuf`], shared with its [`BufSlice`]s and with the
+/// requests in flight that use it, and the record of who may touch it.
+struct BufMem {
+    alloc: DmaAlloc,
+    /// Bit 0 [`LENT_MUT`], bit 1 [`LENT_SHARED`], bits 2..32 the number of
+    /// requests in flight that only read the buffer, bits 32..64 the number
+    /// that write it.
+    state: AtomicU64,
+}
+
+/// A `&mut` borrow handed out by [`DmaBuf::as_mut_slice`] may be alive.
+const LENT_MUT: u64 = 1;
+/// A `&` borrow handed out by [`DmaBuf::as_slice`] may be alive.
+const LENT_SHARED: u64 = 2;
+const READER: u64 = 1 << 2;
+const READERS: u64 = ((1 << 30) - 1) << 2;
+const WRITER: u64 = 1 << 32;
+
+impl BufMem {
+    fn readers(state: u64) -> u64 {
+        (state & READERS) >> 2
+    }
+
+    fn writers(state: u64) -> u64 {
+        state >> 32
+    }
+
+    /// Applies `f` to the state atomically; `f` refuses with a reason.
+    fn update(&self, f: impl Fn(u64) -> std::result::Result<u64, &'static str>) -> Result<()> {
+        let mut cur = self.state.load(Ordering::Acquire);
+        loop {
+            let new = f(cur).map_err(|reason| Error::BufferBusy { reason })?;
+            match self
+                .state
+                .compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return Ok(()),
+                Err(now) => cur = now,
+            }
+        }
+    }
+
+    /// Before a shared CPU borrow: no request may be writing the buffer.
+    /// The borrow cannot be tracked past the reference, so the buffer stays
+    /// closed to device writes until `&mut` access shows it has ended.
+    fn lend_shared(&self) -> Result<()> {
+        self.update(|s| {
+            if Self::writers(s) > 0 {
+                return Err(
+                    "the buffer is in flight: a posted request may be writing it; \
+                            wait for the request before reading the buffer",
+                );
+            }
+            Ok((s & !LENT_MUT) | LENT_SHARED)
+        })
+    }
+
+    /// Before an exclusive CPU borrow (the caller holds `&mut DmaBuf`, so no
+    /// shared borrow is alive): no request may be using the buffer at all.
+    fn lend_mut(&self) -> Result<()> {
+        self.update(|s| {
+            if Self::writers(s) + Self::readers(s) > 0 {
+                return Err(
+                    "the buffer is in flight: a posted request may be reading or \
+                            writing it; wait for the request before writing the buffer",
+                );
+            }
+            Ok((s & !LENT_SHARED) | LENT_MUT)
+        })
+    }
+
+    /// Forgets the CPU borrows that `proof` shows have ended.
+    fn end_lent(&self, bits: u64) {
+        self.state.fetch_and(!bits, Ordering::AcqRel);
+    }
+
+    /// Takes the buffer for a request: refused while a CPU borrow that would
+    /// conflict may be alive.
+    fn lease(self: &Arc<Self>, write: bool) -> Result<Lease> {
+        self.update(|s| {
+            if s & LENT_MUT != 0 {
+                return Err(
+                    "the buffer may still be borrowed through DmaBuf::as_mut_slice; \
+                            use the DmaBuf (slice(), all()) to build the request",
+                );
+            }
+            if write && s & LENT_SHARED != 0 {
+                return Err("the buffer may still be borrowed through DmaBuf::as_slice \
+                            or as_elems, and the device would write it; take it back with \
+                            &mut access (DmaBuf::reclaim or as_mut_slice) first");
+            }
+            if write {
+                s.checked_add(WRITER)
+                    .ok_or("too many requests on one buffer")
+            } else if Self::readers(s) < READERS >> 2 {
+                Ok(s + READER)
+            } else {
+                Err("too many requests on one buffer")
+            }
+        })?;
+        Ok(Lease {
+            mem: Arc::clone(self),
+            write,
+        })
+    }
+}
+
+/// A request's hold on one buffer, from posting until its completion has
+/// been taken from the used ring (or the device is gone).
+struct Lease {
+    mem: Arc<BufMem>,
+    write: bool,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let unit = if self.write { WRITER } else { READER };
+        self.mem.state.fetch_sub(unit, Ordering::AcqRel);
+    }
+}
+
 /// A buffer in device-visible memory. The device reads and writes it in
-/// place. Do not touch a buffer while a request using it is in flight (the
-/// device may be writing it); the memory itself stays valid until every
-/// request using it has completed, even if the `DmaBuf` is dropped.
+/// place; the memory itself stays valid until every request using it has
+/// completed, even if the `DmaBuf` is dropped.
+///
+/// # Access while requests are in flight
+///
+/// The device writes a buffer behind the compiler's back, so a Rust
+/// reference into it must never be alive while the device may write (or,
+/// for `&mut`, read) it. The buffer keeps count of the requests in flight
+/// that use it (taken when a request is posted, given back when its
+/// completion is taken from the used ring), and of the CPU borrows it
+/// handed out:
+///
+/// - [`Self::as_slice`] and [`Self::as_elems`] panic while a request in
+///   flight may write the buffer; [`Self::as_mut_slice`] and
+///   [`Self::as_elems_mut`] while any request in flight uses it. The
+///   `try_` variants return [`Error::BufferBusy`] instead.
+/// - A reference carries no trace of when it ends, so a borrow counts as
+///   possibly alive until the borrow checker proves it over: an exclusive
+///   borrow until the `DmaBuf` is used again through `&self` (for example
+///   [`Self::slice`] or [`Self::all`], which every way of posting it goes
+///   through), a shared one until it is used through `&mut self`
+///   ([`Self::reclaim`], [`Self::as_mut_slice`]) or dropped. Posting a
+///   request that would write a buffer whose shared borrow may be alive, or
+///   use one whose exclusive borrow may be alive (a [`BufSlice`] made
+///   earlier and posted from another thread), fails with
+///   [`Error::BufferBusy`].
+///
+/// Why counts checked at run time rather than borrows tied to a request's
+/// lifetime: [`BufSlice`] and [`Handle`] are plain values that callers keep
+/// in collections, send to other threads and hand through the C ABI;
+/// lifetimes on them would change the type of every caller. The cost is one
+/// atomic operation per buffer per request, and the rule that a buffer
+/// read through `&self` must be taken back with `&mut` access before the
+/// device may write it again.
+///
+/// Several requests in flight on disjoint parts of one buffer are fine;
+/// the buffer is then in flight as a whole, so use separate buffers for
+/// requests whose results are read while others still run.
 pub struct DmaBuf {
-    alloc: Arc<DmaAlloc>,
+    mem: Arc<BufMem>,
     len: usize,
 }
 
@@ -166,34 +324,84 @@ impl DmaBuf {
         self.len == 0
     }
 
+    /// True while a posted request uses the buffer (until its completion
+    /// has been taken from the used ring).
+    pub fn is_in_flight(&self) -> bool {
+        let s = self.mem.state.load(Ordering::Acquire);
+        BufMem::readers(s) + BufMem::writers(s) > 0
+    }
+
     /// The bytes.
+    ///
+    /// # Panics
+    ///
+    /// While a request in flight may write the buffer (see the type's
+    /// documentation); [`Self::try_as_slice`] returns an error instead.
     pub fn as_slice(&self) -> &[u8] {
+        self.try_as_slice()
+            .unwrap_or_else(|e| panic!("DmaBuf::as_slice: {e}"))
+    }
+
+    /// The bytes, or [`Error::BufferBusy`] while a request in flight may
+    /// write them.
+    pub fn try_as_slice(&self) -> Result<&[u8]> {
+        self.mem.lend_shared()?;
         // SAFETY: the allocation holds at least `len` initialised (zeroed at
-        // allocation) bytes and lives as long as `self.alloc`.
-        unsafe { std::slice::from_raw_parts(self.alloc.as_ptr(), self.len) }
+        // allocation) bytes and lives as long as `self.mem`. No request in
+        // flight writes them, and none can be posted to write them while
+        // the borrow may be alive (`LENT_SHARED` refuses the lease until
+        // `&mut self` access or drop proves the borrow over).
+        Ok(unsafe { std::slice::from_raw_parts(self.mem.alloc.as_ptr(), self.len) })
     }
 
     /// The bytes, writable.
+    ///
+    /// # Panics
+    ///
+    /// While a request in flight uses the buffer; [`Self::try_as_mut_slice`]
+    /// returns an error instead.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in `as_slice`; `&mut self` excludes other borrows made
-        // through this handle.
-        unsafe { std::slice::from_raw_parts_mut(self.alloc.as_ptr(), self.len) }
+        self.try_as_mut_slice()
+            .unwrap_or_else(|e| panic!("DmaBuf::as_mut_slice: {e}"))
+    }
+
+    /// The bytes, writable, or [`Error::BufferBusy`] while a request in
+    /// flight uses them.
+    pub fn try_as_mut_slice(&mut self) -> Result<&mut [u8]> {
+        self.mem.lend_mut()?;
+        // SAFETY: as in `try_as_slice`; no request in flight uses the
+        // bytes, `&mut self` excludes other borrows made through this
+        // handle, and `LENT_MUT` refuses leases (a `BufSlice` made earlier)
+        // until the handle is used again through `&self`.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.mem.alloc.as_ptr(), self.len) })
     }
 
     /// The buffer as elements (`len / size_of::<T>()` of them; the start is
-    /// 64-byte aligned).
+    /// 64-byte aligned). Panics as [`Self::as_slice`] does.
     pub fn as_elems<T: Element>(&self) -> &[T] {
-        let n = self.len / std::mem::size_of::<T>();
+        let bytes = self.as_slice();
+        let n = bytes.len() / std::mem::size_of::<T>();
         // SAFETY: the start is DMA_ALIGN-aligned (enough for any Element),
-        // `n` elements fit in `len` bytes, and every bit pattern is valid.
-        unsafe { std::slice::from_raw_parts(self.alloc.as_ptr().cast(), n) }
+        // `n` elements fit in the borrowed bytes, every bit pattern is valid,
+        // and the borrow keeps the guarantees of `as_slice`.
+        unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast(), n) }
     }
 
-    /// The buffer as writable elements.
+    /// The buffer as writable elements. Panics as [`Self::as_mut_slice`] does.
     pub fn as_elems_mut<T: Element>(&mut self) -> &mut [T] {
-        let n = self.len / std::mem::size_of::<T>();
-        // SAFETY: as in `as_elems`, with `&mut self` for exclusivity.
-        unsafe { std::slice::from_raw_parts_mut(self.alloc.as_ptr().cast(), n) }
+        let bytes = self.as_mut_slice();
+        let n = bytes.len() / std::mem::size_of::<T>();
+        // SAFETY: as in `as_elems`, with the exclusive borrow of
+        // `as_mut_slice`.
+        unsafe { std::slice::from_raw_parts_mut(bytes.as_mut_ptr().cast(), n) }
+    }
+
+    /// Declares, by `&mut self`, that no borrow made by [`Self::as_slice`]
+    /// or [`Self::as_mut_slice`] is alive any more, so that requests may
+    /// write the buffer again. Needed only for a buffer that was read
+    /// through `&self` and is posted next without being written first.
+    pub fn reclaim(&mut self) {
+        self.mem.end_lent(LENT_MUT | LENT_SHARED);
     }
 
     /// `len` bytes at `offset`, for building requests.
@@ -207,8 +415,10 @@ impl DmaBuf {
             "slice {offset}+{len} out of a buffer of {} bytes",
             self.len
         );
+        // `&self` here proves that no `&mut` borrow of `as_mut_slice` is alive.
+        self.mem.end_lent(LENT_MUT);
         BufSlice {
-            alloc: Arc::clone(&self.alloc),
+            mem: Arc::clone(&self.mem),
             offset,
             len,
         }
@@ -221,14 +431,28 @@ impl DmaBuf {
 
     /// Device address of the first byte (for diagnostics).
     pub fn device_addr(&self) -> u64 {
-        self.alloc.paddr()
+        self.mem.alloc.paddr()
+    }
+
+    /// Host address of the first byte, for handing the buffer to code that
+    /// accesses it through raw pointers (the C ABI), which then keeps the
+    /// rules of the type's documentation itself.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.mem.alloc.as_ptr()
+    }
+}
+
+impl Drop for DmaBuf {
+    fn drop(&mut self) {
+        // No borrow of this handle outlives it; slices of it may be posted.
+        self.mem.end_lent(LENT_MUT | LENT_SHARED);
     }
 }
 
 impl fmt::Debug for DmaBuf {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("DmaBuf")
-            .field("addr", &format_args!("{:#x}", self.alloc.paddr()))
+            .field("addr", &format_args!("{:#x}", self.mem.alloc.paddr()))
             .field("len", &self.len)
             .finish()
     }
@@ -238,7 +462,7 @@ impl fmt::Debug for DmaBuf {
 /// keeps the memory alive.
 #[derive(Clone)]
 pub struct BufSlice {
-    alloc: Arc<DmaAlloc>,
+    mem: Arc<BufMem>,
     offset: usize,
     len: usize,
 }
@@ -263,7 +487,7 @@ impl BufSlice {
 impl fmt::Debug for BufSlice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("BufSlice")
-            .field("addr", &format_args!("{:#x}", self.alloc.paddr()))
+            .field("addr", &format_args!("{:#x}", self.mem.alloc.paddr()))
             .field("offset", &self.offset)
             .field("len", &self.len)
             .finish()
@@ -316,12 +540,69 @@ const NO_STATUS: u32 = u32::MAX;
 const MAX_DESC_LEN: usize = 1 << 31;
 /// How often a polling waiter checks that the device is still there.
 const ALIVE_CHECK: Duration = Duration::from_millis(10);
+/// A wait that has lasted this long starts watching the config space for a
+/// changed generation or group id ...
+const WATCH_AFTER: Duration = Duration::from_millis(1);
+/// ... and looks again this often (a config read is an MMIO read on PCI and
+/// a GET_CONFIG round trip on the host transport).
+const WATCH_EVERY: Duration = Duration::from_millis(5);
+/// The longest collective timeout the driver assumes for a request that
+/// leaves it to the device's default (`timeout_ms == 0`, or the timeout
+/// feature not negotiated): the default is a device setting the driver
+/// cannot read.
+pub const ASSUMED_DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+/// Added to a request's timeout to bound every wait for it: a collective
+/// whose members all arrived runs to completion, moving its data, after the
+/// timeout no longer applies.
+pub const WAIT_MARGIN: Duration = Duration::from_secs(60);
+/// Longest indirect descriptor table the device accepts (spec 5.X.6.2).
+const MAX_INDIRECT: usize = 65535;
+/// Offset of `generation` (followed by `group_id`) in the config space.
+const GENERATION_OFFSET: usize = std::mem::offset_of!(VirtioDmlcConfig, generation);
+
+/// What a request was posted under: the group generation and group id the
+/// driver knew. `confirmed` once a config read after posting showed them,
+/// so that the request is known to have been made available in that
+/// generation (a value cached before posting may be stale).
+#[derive(Clone, Copy, Debug)]
+struct Posted {
+    generation: u32,
+    group: u64,
+    confirmed: bool,
+}
 
 struct InFlight {
     serial: u64,
-    /// Buffers of the request, kept alive (not read) until the device is done.
-    _keep: Vec<Arc<DmaAlloc>>,
+    /// The request's holds on its buffers, released at completion.
+    _leases: Vec<Lease>,
+    /// The indirect descriptor table, if the chain needed one.
+    _table: Option<DmaAlloc>,
     has_resp: bool,
+    posted: Posted,
+    /// A wait for this request gives up at this moment, `after` (its
+    /// timeout plus [`WAIT_MARGIN`]) after posting: nothing waits forever
+    /// for a device that never answers.
+    bound: Instant,
+    after: Duration,
+}
+
+/// A look at the device a long wait takes now and then (see `wait_until`).
+type WatchFn<'a> = &'a mut dyn FnMut(&Queue) -> Result<()>;
+
+/// What [`post_locked`] needs besides the queue.
+struct PostCtx<'a> {
+    mem: &'a Arc<dyn DmaMemory>,
+    /// `VIRTIO_RING_F_INDIRECT_DESC` was negotiated.
+    indirect: bool,
+    posted: Posted,
+    after: Duration,
+}
+
+/// The in-flight record of `h`, if it is still in flight.
+fn in_flight_of(st: &mut QueueState, h: Handle) -> Option<&mut InFlight> {
+    st.in_flight[usize::from(h.head)]
+        .as_mut()
+        .filter(|r| r.serial == h.serial)
 }
 
 struct Completion {
@@ -423,6 +704,11 @@ pub struct Device {
     features: u64,
     poll: bool,
     bounce: Mutex<Option<DmaBuf>>,
+    /// Generation and group id as last read from the config space.
+    known_generation: AtomicU32,
+    known_group: AtomicU64,
+    /// [`WAIT_MARGIN`], shorter in tests.
+    wait_margin: Duration,
 }
 
 fn bit(b: u32) -> u64 {
@@ -466,7 +752,9 @@ impl Device {
                 "queue size {size} is not a power of two up to {MAX_QUEUE_SIZE}"
             )));
         }
-        let mut want = bit(VIRTIO_F_VERSION_1) | bit(VIRTIO_DMLC_F_REQ_TIMEOUT);
+        let mut want = bit(VIRTIO_F_VERSION_1)
+            | bit(VIRTIO_DMLC_F_REQ_TIMEOUT)
+            | bit(VIRTIO_RING_F_INDIRECT_DESC);
         if opts.event_idx {
             want |= bit(VIRTIO_RING_F_EVENT_IDX);
         }
@@ -518,6 +806,9 @@ impl Device {
             features,
             poll: opts.poll,
             bounce: Mutex::new(None),
+            known_generation: AtomicU32::new(config.generation.get()),
+            known_group: AtomicU64::new(config.group_id.get()),
+            wait_margin: WAIT_MARGIN,
         })
     }
 
@@ -568,14 +859,36 @@ impl Device {
 
     /// The config space, read afresh.
     pub fn try_config(&self) -> Result<VirtioDmlcConfig> {
-        read_config(&*self.transport)
+        let c = read_config(&*self.transport)?;
+        self.note_group(c.generation.get(), c.group_id.get());
+        Ok(c)
+    }
+
+    /// Reads `generation` and `group_id` (one config read of 12 bytes).
+    fn read_group(&self) -> Result<(u32, u64)> {
+        let mut raw = [0u8; 12];
+        self.transport.read_config(GENERATION_OFFSET, &mut raw)?;
+        let generation = u32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]);
+        let mut group = [0u8; 8];
+        group.copy_from_slice(&raw[4..]);
+        let group = u64::from_le_bytes(group);
+        self.note_group(generation, group);
+        Ok((generation, group))
+    }
+
+    fn note_group(&self, generation: u32, group: u64) {
+        self.known_generation.store(generation, Ordering::Relaxed);
+        self.known_group.store(group, Ordering::Relaxed);
     }
 
     /// Allocates a zeroed buffer of `bytes` in device-visible memory.
     pub fn alloc(&self, bytes: usize) -> Result<DmaBuf> {
         let alloc = DmaAlloc::new(&self.mem, bytes, DMA_ALIGN)?;
         Ok(DmaBuf {
-            alloc: Arc::new(alloc),
+            mem: Arc::new(BufMem {
+                alloc,
+                state: AtomicU64::new(0),
+            }),
             len: bytes,
         })
     }
@@ -589,28 +902,35 @@ impl Device {
         })
     }
 
-    /// Checks `req` and its buffers the way the device would (same order of
-    /// checks, same codes), without posting anything.
+    /// Checks `req` and its buffers the way the device would, without
+    /// posting anything: the checks of spec 5.X.6.7.3 that a driver-built
+    /// chain can fail, in the same order and with the same codes, so a
+    /// request refused here gets the status and detail the device would
+    /// give. Segments are counted (`max_segments`) and checked for element
+    /// alignment as descriptors, after the buffers are split where device
+    /// memory is not contiguous (at hugepage boundaries on PCI): a buffer
+    /// that spans such a boundary is two segments.
     pub fn check(&self, req: &Request, input: &[BufSlice], output: &[BufSlice]) -> Result<()> {
         let c = &self.config;
         let unsupported = |detail| Err(Error::Unsupported { detail });
+        // Step 3: known and supported opcode, dtype, op.
         if c.opcodes.get() & (1 << req.opcode.raw()) == 0 {
             return unsupported(unsupported::OPCODE);
         }
         let barrier = req.opcode == Opcode::Barrier;
-        if !barrier {
-            if c.dtypes.get() & (1 << req.dtype.raw()) == 0 {
-                return unsupported(unsupported::DTYPE);
+        if !barrier && c.dtypes.get() & (1 << req.dtype.raw()) == 0 {
+            return unsupported(unsupported::DTYPE);
+        }
+        if uses_op(req.opcode) {
+            if c.ops.get() & (1 << req.op.raw()) == 0 {
+                return unsupported(unsupported::OP);
             }
-            if uses_op(req.opcode) {
-                if c.ops.get() & (1 << req.op.raw()) == 0 {
-                    return unsupported(unsupported::OP);
-                }
-                if !req.op.supports(req.dtype) {
-                    return unsupported(unsupported::OP_FOR_DTYPE);
-                }
+            // Step 4: op valid for dtype.
+            if !req.op.supports(req.dtype) {
+                return unsupported(unsupported::OP_FOR_DTYPE);
             }
         }
+        // Step 5: flags (a `Request` cannot set reserved ones) and root.
         let world = c.world_size.get();
         let root_ok = if has_root(req.opcode) {
             req.root < world
@@ -620,13 +940,7 @@ impl Device {
         if !root_ok {
             return Err(Error::bad_request(bad::ROOT));
         }
-        if req.in_place && !input.is_empty() {
-            return Err(Error::bad_request(bad::IN_PLACE_INPUT));
-        }
-        let data = || input.iter().chain(output);
-        if barrier && (req.count != 0 || data().any(|s| !s.is_empty())) {
-            return Err(Error::bad_request(bad::BARRIER_DATA));
-        }
+        // Step 6: size arithmetic.
         let overflow = || Error::bad_request(bad::OVERFLOW);
         let elems = virtio_dmlc::buffer_elems(
             req.opcode,
@@ -640,22 +954,40 @@ impl Device {
         let size = if barrier { 1 } else { req.dtype.size() as u64 };
         let in_bytes = elems.input.checked_mul(size).ok_or_else(overflow)?;
         let out_bytes = elems.output.checked_mul(size).ok_or_else(overflow)?;
+        // Step 7: limits, bytes from the header, then segments as the
+        // device will see them.
         let max = c.max_bytes.get();
         if in_bytes > max || out_bytes > max {
             return Err(Error::TooBig {
                 detail: too_big::BYTES,
             });
         }
-        let segments = data().filter(|s| !s.is_empty()).count();
-        if segments as u64 > u64::from(c.max_segments.get()) {
+        let mut segments = 0u64;
+        let mut misaligned = false;
+        for s in input.iter().chain(output) {
+            for_each_piece(&s.mem.alloc, s.offset, s.len, &mut |_, len| {
+                if len != 0 {
+                    segments += 1;
+                    misaligned |= !u64::from(len).is_multiple_of(size);
+                }
+            });
+        }
+        if segments > u64::from(c.max_segments.get()) {
             return Err(Error::TooBig {
                 detail: too_big::SEGMENTS,
             });
         }
-        if data().any(|s| !(s.len as u64).is_multiple_of(size)) {
-            return Err(Error::bad_request(bad::SEGMENT_ALIGN));
+        // Step 8: lengths.
+        if barrier && (req.count != 0 || segments != 0) {
+            return Err(Error::bad_request(bad::BARRIER_DATA));
         }
         let total = |s: &[BufSlice]| s.iter().map(|s| s.len as u64).sum::<u64>();
+        if req.in_place && total(input) != 0 {
+            return Err(Error::bad_request(bad::IN_PLACE_INPUT));
+        }
+        if misaligned {
+            return Err(Error::bad_request(bad::SEGMENT_ALIGN));
+        }
         if total(input) != in_bytes {
             return Err(Error::bad_request(bad::INPUT_LENGTH));
         }
@@ -720,6 +1052,18 @@ impl Device {
         self.wait_deadline(h, deadline)
     }
 
+    /// The effective timeout of a request with this header, as far as the
+    /// driver can know it, plus [`WAIT_MARGIN`].
+    fn wait_bound(&self, header: &VirtioDmlcReq) -> Duration {
+        let ms = header.timeout_ms.get();
+        let timeout = if ms != 0 && self.features & bit(VIRTIO_DMLC_F_REQ_TIMEOUT) != 0 {
+            Duration::from_millis(u64::from(ms))
+        } else {
+            ASSUMED_DEFAULT_TIMEOUT
+        };
+        timeout + self.wait_margin
+    }
+
     fn post(
         &self,
         queue: u16,
@@ -729,30 +1073,69 @@ impl Device {
         deadline: Option<Instant>,
     ) -> Result<Handle> {
         let q = self.queue(queue)?;
-        let mut keep = Vec::new();
+        // One lease per buffer, a writing one if any descriptor writes it.
+        let mut uses: Vec<(&Arc<BufMem>, bool)> = Vec::new();
         for d in chain {
             if let RawDesc::Read(s) | RawDesc::Write(s) = d {
-                if !same_memory(s.alloc.memory(), &self.mem) {
+                if !same_memory(s.mem.alloc.memory(), &self.mem) {
                     return Err(Error::InvalidArgument(
                         "buffer from another device's memory".into(),
                     ));
                 }
-                if !keep.iter().any(|k| Arc::ptr_eq(k, &s.alloc)) {
-                    keep.push(Arc::clone(&s.alloc));
+                let write = matches!(d, RawDesc::Write(_));
+                match uses.iter_mut().find(|(m, _)| Arc::ptr_eq(m, &s.mem)) {
+                    Some((_, w)) => *w |= write,
+                    None => uses.push((&s.mem, write)),
                 }
             }
         }
-        let mut keep = Some(keep);
+        let leases = uses
+            .into_iter()
+            .map(|(m, write)| m.lease(write))
+            .collect::<Result<Vec<_>>>()?;
+        let mut keep = Some(leases);
+        let after = self.wait_bound(header);
+        let ctx = PostCtx {
+            mem: &self.mem,
+            indirect: self.features & bit(VIRTIO_RING_F_INDIRECT_DESC) != 0,
+            posted: Posted {
+                generation: self.known_generation.load(Ordering::Relaxed),
+                group: self.known_group.load(Ordering::Relaxed),
+                confirmed: false,
+            },
+            after,
+        };
         let (handle, notify) = if block {
-            self.wait_until(q, deadline, &mut |st: &mut QueueState| match post_locked(
-                st, q.index, header, chain, &mut keep,
-            ) {
-                Err(Error::QueueFull) => Ok(None),
-                r => r.map(Some),
-            })?
+            // Room appears when a request completes; if none of those in
+            // flight completes within its own bound, the device is stuck.
+            let mut room_bound: Option<(Instant, Duration)> = None;
+            self.wait_until(
+                q,
+                deadline,
+                &mut |st: &mut QueueState| match post_locked(
+                    st, q.index, header, chain, &mut keep, &ctx,
+                ) {
+                    Err(Error::QueueFull) => {
+                        let (until, after) = *room_bound.get_or_insert_with(|| {
+                            st.in_flight
+                                .iter()
+                                .flatten()
+                                .map(|r| (r.bound, r.after))
+                                .max()
+                                .unwrap_or((Instant::now() + after, after))
+                        });
+                        if Instant::now() >= until {
+                            return Err(Error::Unanswered { after });
+                        }
+                        Ok(None)
+                    }
+                    r => r.map(Some),
+                },
+                None,
+            )?
         } else {
             let mut st = q.lock();
-            let posted = post_locked(&mut st, q.index, header, chain, &mut keep);
+            let posted = post_locked(&mut st, q.index, header, chain, &mut keep, &ctx);
             q.release(st);
             posted?
         };
@@ -762,24 +1145,94 @@ impl Device {
         Ok(handle)
     }
 
-    /// Waits for a posted request. `None`: no limit (the device's own
-    /// collective timeout still ends it).
+    /// Waits for a posted request. `None`: no limit of the caller's; the
+    /// wait still ends, with [`Error::Unanswered`], once the request's own
+    /// timeout plus [`WAIT_MARGIN`] has passed (the device's default timeout
+    /// counts as [`ASSUMED_DEFAULT_TIMEOUT`]), and with
+    /// [`Error::RequestDropped`] when the device's generation or group id
+    /// changes while the request stays in flight.
     pub fn wait(&self, h: Handle, timeout: Option<Duration>) -> Result<Done> {
         self.wait_deadline(h, timeout.map(|t| Instant::now() + t))
     }
 
     fn wait_deadline(&self, h: Handle, deadline: Option<Instant>) -> Result<Done> {
         let q = self.queue(h.queue)?;
-        let c = self.wait_until(q, deadline, &mut |st: &mut QueueState| {
-            if let Some(c) = st.done.remove(&h.serial) {
-                return Ok(Some(c));
-            }
+        let bound = {
+            let st = q.lock();
             match &st.in_flight[usize::from(h.head)] {
-                Some(r) if r.serial == h.serial => Ok(None),
-                _ => Err(Error::UnknownHandle),
+                Some(r) if r.serial == h.serial => Some((r.bound, r.after)),
+                _ => None, // completed already, or unknown: `ready` tells
             }
-        })?;
-        completion_result(&c)
+        };
+        let (limit, unanswered) = match (deadline, bound) {
+            (Some(d), Some((b, after))) if b < d => (Some(b), Some(after)),
+            (None, Some((b, after))) => (Some(b), Some(after)),
+            (d, _) => (d, None),
+        };
+        let mut watch = |q: &Queue| self.watch(q, h);
+        let c = self.wait_until(
+            q,
+            limit,
+            &mut |st: &mut QueueState| {
+                if let Some(c) = st.done.remove(&h.serial) {
+                    return Ok(Some(c));
+                }
+                match &st.in_flight[usize::from(h.head)] {
+                    Some(r) if r.serial == h.serial => Ok(None),
+                    _ => Err(Error::UnknownHandle),
+                }
+            },
+            Some(&mut watch),
+        );
+        match (c, unanswered) {
+            (Err(Error::WaitTimeout), Some(after)) => Err(Error::Unanswered { after }),
+            (c, _) => completion_result(&c?),
+        }
+    }
+
+    /// One look at the config space for a waiter of `h` (spec 5.X.7.4): if
+    /// the generation or group id differs from what the request was posted
+    /// under, the device has put every request that the change failed in
+    /// the used ring already; one still in flight after draining the ring
+    /// once more was dropped (its member was reset or lost, or the device
+    /// restarted) and will never complete.
+    fn watch(&self, q: &Queue, h: Handle) -> Result<()> {
+        let (generation, group) = self.read_group()?;
+        let mut st = q.lock();
+        let mut verdict = Ok(());
+        let changed = match in_flight_of(&mut st, h) {
+            Some(r) if r.posted.generation == generation && r.posted.group == group => {
+                r.posted.confirmed = true;
+                false
+            }
+            Some(_) => true,
+            None => false,
+        };
+        if changed {
+            verdict = st.harvest();
+            if verdict.is_ok() {
+                if let Some(r) = in_flight_of(&mut st, h) {
+                    let was = r.posted;
+                    if was.confirmed {
+                        verdict = Err(Error::RequestDropped {
+                            generation: (was.generation, generation),
+                            group: (was.group, group),
+                        });
+                    } else {
+                        // What the driver knew at posting may have been stale
+                        // (the change may predate the request): from now on
+                        // the request is known to be in this generation.
+                        r.posted = Posted {
+                            generation,
+                            group,
+                            confirmed: true,
+                        };
+                    }
+                }
+            }
+        }
+        q.release(st);
+        verdict
     }
 
     /// True if the request has completed (its result waits in [`Self::wait`]).
@@ -795,13 +1248,18 @@ impl Device {
     /// Runs `ready` under the queue lock, after collecting completions, until
     /// it returns `Some`. Poll mode spins; interrupt mode lets one thread
     /// sleep on the transport while the others wait for it on a condvar.
+    /// `watch`, if given, runs without the lock once the wait has lasted
+    /// [`WATCH_AFTER`], then every [`WATCH_EVERY`]; its error ends the wait.
     fn wait_until<R>(
         &self,
         q: &Queue,
         deadline: Option<Instant>,
         ready: &mut dyn FnMut(&mut QueueState) -> Result<Option<R>>,
+        mut watch: Option<WatchFn<'_>>,
     ) -> Result<R> {
-        let mut last_check = Instant::now();
+        let started = Instant::now();
+        let mut last_check = started;
+        let mut next_watch = started + WATCH_AFTER;
         let mut spins = 0u32;
         loop {
             let mut st = q.lock();
@@ -811,14 +1269,28 @@ impl Device {
                 return Ok(r);
             }
             let now = Instant::now();
-            let remaining = match deadline {
-                Some(d) if now >= d => return Err(Error::WaitTimeout),
+            let mut remaining = match deadline {
+                Some(d) if now >= d => {
+                    q.release(st);
+                    return Err(Error::WaitTimeout);
+                }
                 Some(d) => Some(d - now),
                 None => None,
             };
             if now.duration_since(last_check) >= ALIVE_CHECK {
                 last_check = now;
                 self.transport.check_alive()?;
+            }
+            if let Some(w) = watch.as_mut() {
+                if now >= next_watch {
+                    q.release(st);
+                    w(q)?;
+                    next_watch = Instant::now() + WATCH_EVERY;
+                    continue;
+                }
+                // Sleep no longer than until the next look.
+                let until = next_watch - now;
+                remaining = Some(remaining.map_or(until, |r| r.min(until)));
             }
             if self.poll {
                 q.release(st);
@@ -1036,11 +1508,18 @@ impl Device {
     fn with_bounce<R>(&self, bytes: usize, f: impl FnOnce(&mut DmaBuf) -> Result<R>) -> Result<R> {
         match self.bounce.try_lock() {
             Ok(mut cached) => {
-                if cached.as_ref().is_none_or(|b| b.len() < bytes) {
+                // A request that never completed (its wait failed) may still
+                // hold the cached buffer: leave it to that request.
+                if cached
+                    .as_ref()
+                    .is_none_or(|b| b.len() < bytes || b.is_in_flight())
+                {
                     *cached = None; // free the old one first
                     *cached = Some(self.alloc(bytes)?);
                 }
                 let buf = cached.as_mut().expect("bounce buffer just set");
+                // Whatever borrowed it before has ended (`&mut` proves it).
+                buf.reclaim();
                 f(buf)
             }
             Err(_) => f(&mut self.alloc(bytes)?),
@@ -1162,35 +1641,52 @@ fn for_each_piece(alloc: &DmaAlloc, offset: usize, len: usize, f: &mut dyn FnMut
 }
 
 /// Posts one chain under the queue lock. Returns the handle and whether the
-/// device wants a notification.
+/// device wants a notification. A chain longer than the queue goes into an
+/// indirect descriptor table (one ring descriptor) if the device accepts
+/// those.
 fn post_locked(
     st: &mut QueueState,
     queue: u16,
     header: &VirtioDmlcReq,
     chain: &[RawDesc],
-    keep: &mut Option<Vec<Arc<DmaAlloc>>>,
+    keep: &mut Option<Vec<Lease>>,
+    ctx: &PostCtx<'_>,
 ) -> Result<(Handle, bool)> {
     let mut needed = 0usize;
     for d in chain {
         match d {
             RawDesc::Header | RawDesc::Response => needed += 1,
             RawDesc::Read(s) | RawDesc::Write(s) => {
-                for_each_piece(&s.alloc, s.offset, s.len, &mut |_, _| needed += 1)
+                for_each_piece(&s.mem.alloc, s.offset, s.len, &mut |_, _| needed += 1)
             }
         }
     }
     let size = usize::from(st.vq.size());
-    if needed > size {
+    let indirect = needed > size;
+    if indirect && !ctx.indirect {
         return Err(Error::InvalidArgument(format!(
-            "chain of {needed} descriptors is longer than the queue ({size})"
+            "chain of {needed} descriptors is longer than the queue ({size}), and the device \
+             does not offer indirect descriptors"
         )));
     }
-    if needed > usize::from(st.vq.num_free()) {
+    if indirect && needed > MAX_INDIRECT {
+        return Err(Error::InvalidArgument(format!(
+            "chain of {needed} descriptors is longer than an indirect table may be \
+             ({MAX_INDIRECT})"
+        )));
+    }
+    let ring_needed = if indirect { 1 } else { needed };
+    if ring_needed > usize::from(st.vq.num_free()) {
         st.harvest()?;
-        if needed > usize::from(st.vq.num_free()) {
+        if ring_needed > usize::from(st.vq.num_free()) {
             return Err(Error::QueueFull);
         }
     }
+    let table = if indirect {
+        Some(DmaAlloc::new(ctx.mem, needed * DESC_SIZE, DESC_SIZE)?)
+    } else {
+        None
+    };
     let head = st.vq.next_head();
     // SAFETY: the slot of a free head is ours: the device only reads it once
     // the chain is published below.
@@ -1232,7 +1728,7 @@ fn post_locked(
             }
             RawDesc::Read(s) | RawDesc::Write(s) => {
                 let writable = matches!(d, RawDesc::Write(_));
-                for_each_piece(&s.alloc, s.offset, s.len, &mut |addr, len| {
+                for_each_piece(&s.mem.alloc, s.offset, s.len, &mut |addr, len| {
                     segs.push(Segment {
                         addr,
                         len,
@@ -1242,7 +1738,10 @@ fn post_locked(
             }
         }
     }
-    let added = st.vq.add(&segs);
+    let added = match &table {
+        Some(t) => st.vq.add_indirect(t, &segs),
+        None => st.vq.add(&segs),
+    };
     st.scratch = segs;
     let got = added?;
     debug_assert_eq!(got, head);
@@ -1250,8 +1749,12 @@ fn post_locked(
     let serial = st.next_serial;
     st.in_flight[usize::from(head)] = Some(InFlight {
         serial,
-        _keep: keep.take().unwrap_or_default(),
+        _leases: keep.take().unwrap_or_default(),
+        _table: table,
         has_resp,
+        posted: ctx.posted,
+        bound: Instant::now() + ctx.after,
+        after: ctx.after,
     });
     let notify = st.vq.needs_notify();
     Ok((
@@ -1291,13 +1794,14 @@ fn completion_result(c: &Completion) -> Result<Done> {
 #[cfg(test)]
 mod tests {
     use std::os::fd::AsRawFd;
-    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::atomic::AtomicBool;
     use std::thread::JoinHandle;
 
     use virtio_dmlc::{mismatch, Status};
     use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
     use super::*;
+    use crate::dma::{DmaError, DmaRegion};
     use crate::host::poll_fds;
     use crate::transport::{QueueAddrs, TransportError};
     use crate::virtqueue::tests::{Chain, FakeRing, GUEST_BASE};
@@ -1312,6 +1816,8 @@ mod tests {
 
     #[derive(Default)]
     struct Shared {
+        /// Overrides the config's generation when not 0.
+        generation: AtomicU32,
         stop: AtomicBool,
         release: AtomicBool,
         dead: AtomicBool,
@@ -1324,6 +1830,7 @@ mod tests {
     /// it finds in reverse order, so completions are out of order.
     struct FakeTransport {
         config: VirtioDmlcConfig,
+        offered: u64,
         acked: u64,
         mem: Arc<MemfdMemory>,
         rings: Vec<FakeRing>,
@@ -1458,6 +1965,10 @@ mod tests {
         fn new(config: VirtioDmlcConfig, mem: Arc<MemfdMemory>) -> Self {
             FakeTransport {
                 config,
+                offered: bit(VIRTIO_F_VERSION_1)
+                    | bit(VIRTIO_RING_F_EVENT_IDX)
+                    | bit(VIRTIO_DMLC_F_REQ_TIMEOUT)
+                    | bit(VIRTIO_RING_F_INDIRECT_DESC),
                 acked: 0,
                 mem,
                 rings: Vec::new(),
@@ -1483,7 +1994,7 @@ mod tests {
 
     impl Transport for FakeTransport {
         fn device_features(&self) -> u64 {
-            bit(VIRTIO_F_VERSION_1) | bit(VIRTIO_RING_F_EVENT_IDX) | bit(VIRTIO_DMLC_F_REQ_TIMEOUT)
+            self.offered
         }
         fn negotiate(&mut self, features: u64) -> TResult<()> {
             self.acked = features;
@@ -1496,7 +2007,12 @@ mod tests {
             1024
         }
         fn read_config(&self, offset: usize, buf: &mut [u8]) -> TResult<()> {
-            buf.copy_from_slice(&self.config.as_bytes()[offset..offset + buf.len()]);
+            let mut config = self.config;
+            match self.shared.generation.load(Ordering::Relaxed) {
+                0 => {}
+                g => config.generation = g.into(),
+            }
+            buf.copy_from_slice(&config.as_bytes()[offset..offset + buf.len()]);
             Ok(())
         }
         fn setup_queue(&mut self, queue: u16, addrs: &QueueAddrs) -> TResult<()> {
@@ -1550,11 +2066,66 @@ mod tests {
     }
 
     fn open_fake(config: VirtioDmlcConfig, opts: &OpenOptions) -> (Device, Arc<Shared>) {
+        open_fake_with(config, opts, None, u64::MAX)
+    }
+
+    /// `page`: device memory that is contiguous only within pages of this
+    /// size (like hugepages); `features`: mask of what the fake offers.
+    fn open_fake_with(
+        config: VirtioDmlcConfig,
+        opts: &OpenOptions,
+        page: Option<u64>,
+        features: u64,
+    ) -> (Device, Arc<Shared>) {
         let mem = Arc::new(MemfdMemory::new(8 << 20, GUEST_BASE).unwrap());
-        let t = FakeTransport::new(config, Arc::clone(&mem));
+        let mut t = FakeTransport::new(config, Arc::clone(&mem));
+        t.offered &= features;
         let shared = Arc::clone(&t.shared);
-        let mem: Arc<dyn DmaMemory> = mem;
+        let mem: Arc<dyn DmaMemory> = match page {
+            Some(page) => Arc::new(PagedMemory { inner: mem, page }),
+            None => mem,
+        };
         (Device::open(Box::new(t), mem, opts).unwrap(), shared)
+    }
+
+    /// Memfd memory that reports its device ranges split at every `page`
+    /// boundary, as hugepage memory does where pages are not physically
+    /// adjacent. The addresses are the memfd's, so the fake device still
+    /// finds the bytes.
+    #[derive(Debug)]
+    struct PagedMemory {
+        inner: Arc<MemfdMemory>,
+        page: u64,
+    }
+
+    // SAFETY: every region and address comes from the inner memory, which
+    // keeps the promises; the ranges are only cut into pieces.
+    unsafe impl DmaMemory for PagedMemory {
+        fn alloc(&self, len: usize, align: usize) -> std::result::Result<DmaRegion, DmaError> {
+            self.inner.alloc(len, align)
+        }
+
+        unsafe fn dealloc(&self, region: &DmaRegion) {
+            // SAFETY: forwarded contract; the region came from `inner`.
+            unsafe { self.inner.dealloc(region) }
+        }
+
+        fn device_ranges(
+            &self,
+            region: &DmaRegion,
+            offset: usize,
+            len: usize,
+            f: &mut dyn FnMut(u64, usize),
+        ) {
+            let mut addr = region.paddr + offset as u64;
+            let end = addr + len as u64;
+            while addr < end {
+                let next = ((addr / self.page) + 1) * self.page;
+                let n = next.min(end) - addr;
+                f(addr, n as usize);
+                addr += n;
+            }
+        }
     }
 
     fn opts(poll: bool) -> OpenOptions {
@@ -1587,8 +2158,10 @@ mod tests {
         let (dev, _) = open_fake(world_of_one(), &opts(true));
         assert_eq!((dev.rank(), dev.world_size(), dev.num_queues()), (0, 1, 2));
         assert_eq!(dev.queue_size(), 16);
-        let want =
-            bit(VIRTIO_F_VERSION_1) | bit(VIRTIO_RING_F_EVENT_IDX) | bit(VIRTIO_DMLC_F_REQ_TIMEOUT);
+        let want = bit(VIRTIO_F_VERSION_1)
+            | bit(VIRTIO_RING_F_EVENT_IDX)
+            | bit(VIRTIO_DMLC_F_REQ_TIMEOUT)
+            | bit(VIRTIO_RING_F_INDIRECT_DESC);
         assert_eq!(dev.features(), want);
         assert_eq!(dev.config().group_id.get(), 7);
         let no_event = OpenOptions {
@@ -1613,7 +2186,7 @@ mod tests {
         dev.allreduce(Dtype::F32, ReduceOp::Sum, &input, &output, 4)
             .unwrap();
         assert_eq!(output.as_elems::<f32>(), [1.0, 2.0, 3.0, 4.0]);
-        let buf = filled(dev, &[5.0, 6.0]);
+        let mut buf = filled(dev, &[5.0, 6.0]);
         dev.allreduce_in_place(Dtype::F32, ReduceOp::Max, &buf, 2)
             .unwrap();
         assert_eq!(buf.as_elems::<f32>(), [5.0, 6.0]);
@@ -1631,6 +2204,9 @@ mod tests {
         dev.reduce_scatter(Dtype::F32, ReduceOp::Sum, &buf, &out, 2)
             .unwrap();
         assert_eq!(out.as_elems::<f32>(), [5.0, 6.0]);
+        // `buf` was read through `&self` above: take it back before the
+        // device may write it again.
+        buf.reclaim();
         dev.broadcast_in_place(Dtype::F32, 0, &buf, 2).unwrap();
         dev.reduce_in_place(Dtype::F32, ReduceOp::Sum, 0, &buf, 2)
             .unwrap();
@@ -2015,5 +2591,333 @@ mod tests {
         // Now it is free.
         let reuse: Vec<_> = (0..4).map(|_| dev.alloc(64).unwrap()).collect();
         assert!(reuse.iter().any(|b| b.device_addr() == addr));
+    }
+    #[test]
+    fn buffers_of_requests_in_flight_refuse_cpu_access() {
+        let (dev, shared) = open_fake(world_of_one(), &opts(true));
+        let mut input = filled(&dev, &[3.0; 16]);
+        let mut output = dev.alloc(64).unwrap();
+        let earlier = output.all();
+        let req = Request {
+            tag: HOLD,
+            ..Request::new(Opcode::Allreduce, Dtype::F32, ReduceOp::Sum, 16)
+        };
+        let h = dev
+            .submit(0, &req, &[input.all()], &[output.all()])
+            .unwrap();
+        assert!(output.is_in_flight() && input.is_in_flight());
+        // The device may write the output: no reading, no writing.
+        assert!(matches!(
+            output.try_as_slice(),
+            Err(Error::BufferBusy { .. })
+        ));
+        assert!(matches!(
+            output.try_as_mut_slice(),
+            Err(Error::BufferBusy { .. })
+        ));
+        let read =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| output.as_elems::<f32>()[0]));
+        let msg = read.unwrap_err();
+        let msg = msg.downcast_ref::<String>().unwrap();
+        assert!(
+            msg.contains("DmaBuf::as_slice: buffer busy: the buffer is in flight"),
+            "{msg}"
+        );
+        // The device only reads the input: reading it too is fine,
+        // writing is not.
+        assert_eq!(input.as_elems::<f32>()[0], 3.0);
+        assert!(matches!(
+            input.try_as_mut_slice(),
+            Err(Error::BufferBusy { .. })
+        ));
+        shared.release.store(true, Ordering::Release);
+        dev.wait(h, None).unwrap();
+        assert!(!output.is_in_flight());
+        assert_eq!(output.as_elems::<f32>(), [3.0; 16]);
+        // `output` was just read through `&self`: the device may not write
+        // it until `&mut` access shows that borrow over ...
+        let r16 = Request::new(Opcode::Allreduce, Dtype::F32, ReduceOp::Sum, 16);
+        let err = dev
+            .submit(0, &r16, &[input.all()], &[output.all()])
+            .unwrap_err();
+        assert!(matches!(err, Error::BufferBusy { .. }), "{err}");
+        assert!(err.to_string().contains("DmaBuf::reclaim"), "{err}");
+        // ... while it may still read it (as an input). `input` was read
+        // through `&self` too and is written now: take it back first.
+        input.reclaim();
+        let h = dev
+            .submit(0, &r16, &[output.all()], &[input.all()])
+            .unwrap();
+        dev.wait(h, None).unwrap();
+        output.reclaim();
+        let h = dev
+            .submit(0, &r16, &[input.all()], &[output.all()])
+            .unwrap();
+        dev.wait(h, None).unwrap();
+        // A slice made before an exclusive borrow cannot be posted while
+        // that borrow may be alive; using the buffer through `&self` again
+        // shows it has ended.
+        output.as_mut_slice().fill(0);
+        let err = dev
+            .submit(0, &r16, &[input.all()], std::slice::from_ref(&earlier))
+            .unwrap_err();
+        assert!(err.to_string().contains("as_mut_slice"), "{err}");
+        let _ = output.len();
+        let fresh = output.all();
+        let h = dev
+            .submit(0, &r16, &[input.all()], &[fresh, earlier])
+            .unwrap_err();
+        // (two output slices of 64 bytes: too long, but no longer busy)
+        assert!(
+            matches!(
+                h,
+                Error::BadRequest {
+                    detail: bad::OUTPUT_LENGTH,
+                    ..
+                }
+            ),
+            "{h}"
+        );
+    }
+
+    #[test]
+    fn a_stuck_bounce_buffer_is_replaced() {
+        let (mut dev, _shared) = open_fake(world_of_one(), &opts(true));
+        dev.wait_margin = Duration::from_millis(20);
+        let mut v = [1u32, 2, 3];
+        dev.allreduce_slice(ReduceOp::Sum, &mut v).unwrap();
+        // A held request on the cached bounce buffer, as if its wait had
+        // failed: the next convenience call must not panic or wait.
+        let bounce = dev.bounce.lock().unwrap().as_ref().unwrap().all();
+        let req = Request {
+            tag: HOLD,
+            timeout_ms: 10,
+            ..Request::new(Opcode::Allreduce, Dtype::U32, ReduceOp::Sum, 3)
+        };
+        let r = dev.submit(0, &req, &[], std::slice::from_ref(&bounce));
+        assert!(matches!(r, Err(Error::BadRequest { .. })), "{r:?}");
+        let inp = dev.alloc(12).unwrap();
+        // The convenience read the bounce buffer last: take it back.
+        dev.bounce.lock().unwrap().as_mut().unwrap().reclaim();
+        let h = dev.submit(0, &req, &[inp.all()], &[bounce]).unwrap();
+        dev.allreduce_slice(ReduceOp::Sum, &mut v).unwrap();
+        assert_eq!(v, [1, 2, 3]);
+        assert!(matches!(dev.wait(h, None), Err(Error::Unanswered { .. })));
+    }
+
+    #[test]
+    fn local_check_order_is_the_devices() {
+        let mut config = world_of_one();
+        config.max_segments = 3.into();
+        let (dev, _) = open_fake_with(config, &opts(true), Some(4096), u64::MAX);
+        let code = |r: Result<()>| match r {
+            Err(Error::BadRequest { detail, .. }) => ("bad", detail),
+            Err(Error::Unsupported { detail }) => ("unsupported", detail),
+            Err(Error::TooBig { detail }) => ("too_big", detail),
+            Ok(()) => ("ok", 0),
+            other => panic!("unexpected {other:?}"),
+        };
+        let buf = dev.alloc(4 * 4096).unwrap();
+        // Offsets below count from the first page boundary in `buf`.
+        let pad = (4096 - buf.device_addr() as usize % 4096) % 4096;
+        let s = |off, len| buf.slice(pad + off, len);
+        // Sizes (step 7) come before the in-place input rule (step 8).
+        let ip = Request {
+            in_place: true,
+            ..Request::new(Opcode::Allreduce, Dtype::U8, ReduceOp::Sum, (1 << 20) + 1)
+        };
+        assert_eq!(
+            code(dev.check(&ip, &[s(0, 4)], &[])),
+            ("too_big", too_big::BYTES)
+        );
+        // Segments (step 7) come before barrier data (step 8).
+        let barrier = Request::new(Opcode::Barrier, Dtype::U8, ReduceOp::Sum, 0);
+        let four: Vec<_> = (0..4).map(|i| s(i, 1)).collect();
+        assert_eq!(
+            code(dev.check(&barrier, &four, &[])),
+            ("too_big", too_big::SEGMENTS)
+        );
+        assert_eq!(
+            code(dev.check(&barrier, &four[..1], &[])),
+            ("bad", bad::BARRIER_DATA)
+        );
+        // Root (step 5) before barrier data; op for dtype (4) before root.
+        let rooted = Request { root: 1, ..barrier };
+        assert_eq!(
+            code(dev.check(&rooted, &four[..1], &[])),
+            ("bad", bad::ROOT)
+        );
+        let bxor = Request {
+            root: 1,
+            ..Request::new(Opcode::Allreduce, Dtype::F32, ReduceOp::Bxor, 1)
+        };
+        assert_eq!(
+            code(dev.check(&bxor, &[], &[])),
+            ("unsupported", unsupported::OP_FOR_DTYPE)
+        );
+        // An empty input of an in-place request is no input (as the device
+        // counts it).
+        let ip4 = Request {
+            in_place: true,
+            ..Request::new(Opcode::Allreduce, Dtype::F32, ReduceOp::Sum, 4)
+        };
+        assert_eq!(code(dev.check(&ip4, &[s(0, 0)], &[s(16, 16)])), ("ok", 0));
+        // Segments are counted after the split at page boundaries: one
+        // slice over two pages is two segments ...
+        let f32s = |n| Request::new(Opcode::Allreduce, Dtype::F32, ReduceOp::Sum, n);
+        assert_eq!(
+            code(dev.check(&f32s(1024), &[s(2048, 4096)], &[s(8192, 4096)])),
+            ("ok", 0)
+        );
+        assert_eq!(
+            code(dev.check(&f32s(2048), &[s(0, 8192)], &[s(4096, 8192)])),
+            ("too_big", too_big::SEGMENTS)
+        );
+        // ... and a piece that cuts an element is misaligned, although the
+        // slice as a whole is a whole number of elements.
+        assert_eq!(
+            code(dev.check(&f32s(2), &[s(4094, 8)], &[s(0, 8)])),
+            ("bad", bad::SEGMENT_ALIGN)
+        );
+        // The fake device gets what the check let through, split.
+        let mut input = dev.alloc(4 * 4096).unwrap();
+        let ipad = (4096 - input.device_addr() as usize % 4096) % 4096;
+        for (i, x) in input.as_elems_mut::<u32>().iter_mut().enumerate() {
+            *x = i as u32;
+        }
+        let output = dev.alloc(4 * 4096).unwrap();
+        let opad = (4096 - output.device_addr() as usize % 4096) % 4096;
+        let r = Request::new(Opcode::Allreduce, Dtype::U32, ReduceOp::Sum, 1024);
+        let (i, o) = (input.slice(ipad + 2048, 4096), output.slice(opad, 4096));
+        dev.check(&r, std::slice::from_ref(&i), std::slice::from_ref(&o))
+            .unwrap();
+        dev.call(0, &r, &[i], &[o], Some(Duration::from_secs(10)))
+            .unwrap();
+        let first = (ipad + 2048) as u32 / 4;
+        let want: Vec<u32> = (first..first + 1024).collect();
+        assert_eq!(&output.as_elems::<u32>()[opad / 4..opad / 4 + 1024], want);
+    }
+
+    #[test]
+    fn chains_longer_than_the_queue_go_indirect() {
+        let mut config = world_of_one();
+        config.max_segments = 64.into();
+        // 16 descriptors per queue; 2 + 2 x 12 pages = 26 descriptors.
+        let n = 12 * 4096;
+        let run = |features: u64| {
+            let (dev, _) = open_fake_with(config, &opts(true), Some(4096), features);
+            let mut input = dev.alloc(n).unwrap();
+            for (i, x) in input.as_elems_mut::<u32>().iter_mut().enumerate() {
+                *x = (i as u32).wrapping_mul(2_654_435_761);
+            }
+            let output = dev.alloc(n).unwrap();
+            let r = Request::new(Opcode::Allreduce, Dtype::U32, ReduceOp::Sum, n as u64 / 4);
+            let got = dev.call(
+                0,
+                &r,
+                &[input.all()],
+                &[output.all()],
+                Some(Duration::from_secs(10)),
+            );
+            let same = got.is_ok() && output.as_slice() == input.as_slice();
+            (dev.features(), got, same)
+        };
+        let (features, got, same) = run(u64::MAX);
+        assert_ne!(features & bit(VIRTIO_RING_F_INDIRECT_DESC), 0);
+        got.unwrap();
+        assert!(same, "the output is not the input");
+        let (features, got, _) = run(!bit(VIRTIO_RING_F_INDIRECT_DESC));
+        assert_eq!(features & bit(VIRTIO_RING_F_INDIRECT_DESC), 0);
+        let err = got.unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("does not offer indirect descriptors"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_generation_change_ends_the_wait_for_a_dropped_request() {
+        for poll in [true, false] {
+            let (dev, shared) = open_fake(world_of_one(), &opts(poll));
+            let h = dev.submit(0, &held_barrier(), &[], &[]).unwrap();
+            let t = Instant::now();
+            let err = std::thread::scope(|s| {
+                s.spawn(|| {
+                    std::thread::sleep(Duration::from_millis(30));
+                    shared.generation.store(2, Ordering::Relaxed);
+                });
+                dev.wait(h, Some(Duration::from_secs(20))).unwrap_err()
+            });
+            assert!(
+                matches!(
+                    err,
+                    Error::RequestDropped {
+                        generation: (1, 2),
+                        group: (7, 7)
+                    }
+                ),
+                "{err}"
+            );
+            assert!(err.to_string().contains("generation changed from 1 to 2"));
+            assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+            // A request posted after the change, before the driver read it,
+            // is not taken for a dropped one: it completes when the device
+            // answers.
+            shared.generation.store(3, Ordering::Relaxed);
+            let h2 = dev.submit(0, &held_barrier(), &[], &[]).unwrap();
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    std::thread::sleep(Duration::from_millis(40));
+                    shared.release.store(true, Ordering::Release);
+                });
+                dev.wait(h2, Some(Duration::from_secs(20))).unwrap();
+            });
+        }
+    }
+
+    #[test]
+    fn a_completion_in_the_ring_wins_over_a_generation_change() {
+        let (dev, shared) = open_fake(world_of_one(), &opts(true));
+        // The device completes (PEER_LOST) and then shows the new generation.
+        let mut hdr = held_barrier().header();
+        hdr.tag = (FAIL | u64::from(Status::PeerLost.raw()) | 1 << 16).into();
+        let h = dev
+            .submit_raw(0, &hdr, &[RawDesc::Header, RawDesc::Response])
+            .unwrap();
+        shared.generation.store(2, Ordering::Relaxed);
+        assert!(matches!(
+            dev.wait(h, None),
+            Err(Error::PeerLost { peer: 1 })
+        ));
+    }
+
+    #[test]
+    fn every_wait_is_bounded() {
+        for poll in [true, false] {
+            let (mut dev, _shared) = open_fake(world_of_one(), &opts(poll));
+            dev.wait_margin = Duration::from_millis(50);
+            let timed = Request {
+                timeout_ms: 30,
+                ..held_barrier()
+            };
+            let h = dev.submit(0, &timed, &[], &[]).unwrap();
+            let t = Instant::now();
+            let err = dev.wait(h, None).unwrap_err();
+            assert!(
+                matches!(err, Error::Unanswered { after } if after == Duration::from_millis(80)),
+                "{err}"
+            );
+            assert!(t.elapsed() >= Duration::from_millis(70));
+            assert!(err
+                .to_string()
+                .contains("has not completed the request within 80ms"));
+            // A caller's shorter timeout is still a plain WaitTimeout.
+            let h = dev.submit(0, &timed, &[], &[]).unwrap();
+            assert!(matches!(
+                dev.wait(h, Some(Duration::from_millis(5))),
+                Err(Error::WaitTimeout)
+            ));
+        }
     }
 }

@@ -48,6 +48,31 @@ pub enum Error {
     /// [`crate::device::Device::wait`] gave up before the request completed.
     #[error("timed out waiting for the request to complete")]
     WaitTimeout,
+    /// The device did not complete the request within its timeout plus a
+    /// margin ([`crate::device::WAIT_MARGIN`]): it is stuck or gone. The
+    /// request stays in flight (its buffers with it) until the device is
+    /// reset.
+    #[error(
+        "the device has not completed the request within {after:?} (its timeout plus a \
+         margin): the device is stuck or gone; reset and reopen it"
+    )]
+    Unanswered { after: std::time::Duration },
+    /// The device's generation or group id changed while the request was in
+    /// flight, and the request was not completed: the device dropped it
+    /// (its member was reset or lost, or the device restarted) and never
+    /// will complete it.
+    #[error("{}", dropped_text(*generation, *group))]
+    RequestDropped {
+        /// Generation the request was posted in, and the one seen now.
+        generation: (u32, u32),
+        /// Group id the request was posted in, and the one seen now.
+        group: (u64, u64),
+    },
+    /// A buffer cannot be used now: a request in flight uses it, or a
+    /// borrow of it that would conflict may still be alive (see
+    /// [`crate::device::DmaBuf`]).
+    #[error("buffer busy: {reason}")]
+    BufferBusy { reason: &'static str },
     /// Not enough free descriptors in the queue right now.
     #[error("queue is full")]
     QueueFull,
@@ -148,6 +173,21 @@ impl fmt::Display for MismatchText<'_> {
     }
 }
 
+fn dropped_text(generation: (u32, u32), group: (u64, u64)) -> String {
+    let change = if group.0 != group.1 {
+        format!("group id changed from {:#x} to {:#x}", group.0, group.1)
+    } else {
+        format!(
+            "generation changed from {} to {}",
+            generation.0, generation.1
+        )
+    };
+    format!(
+        "the device's {change} while the request was in flight, so the request was \
+         dropped; the device must be reset and reopened"
+    )
+}
+
 fn unsupported_text(detail: u32) -> &'static str {
     match detail {
         unsupported::OPCODE => "opcode",
@@ -206,6 +246,21 @@ mod tests {
             e.to_string(),
             "device backend disconnected (waiting for a completion)"
         );
+        assert_eq!(
+            Error::RequestDropped {
+                generation: (3, 4),
+                group: (7, 7)
+            }
+            .to_string(),
+            "the device's generation changed from 3 to 4 while the request was in flight, \
+             so the request was dropped; the device must be reset and reopened"
+        );
+        assert!(Error::RequestDropped {
+            generation: (3, 1),
+            group: (0x17, 0x2a)
+        }
+        .to_string()
+        .starts_with("the device's group id changed from 0x17 to 0x2a while"));
         assert!(matches!(
             Error::from(DmaError::OutOfMemory {
                 requested: 1,

@@ -502,8 +502,10 @@ pub unsafe extern "C" fn dmlc_alloc(
         if bytes == 0 {
             return Err(Fail::invalid("cannot allocate 0 bytes"));
         }
-        let mut buf = d.dev.alloc(bytes)?;
-        let data = buf.as_mut_slice().as_mut_ptr();
+        let buf = d.dev.alloc(bytes)?;
+        // C accesses the buffer through this pointer and keeps the rules of
+        // `DmaBuf` itself (dmlc_guest.h: no access while in flight).
+        let data = buf.as_ptr();
         let boxed = Box::new(DmlcBuffer {
             dev: Arc::clone(&d.dev),
             buf,
@@ -702,7 +704,11 @@ pub unsafe extern "C" fn dmlc_allreduce_host(
             send.cast()
         };
         let mut bounce = d.bounce.lock().unwrap_or_else(|e| e.into_inner());
-        if bounce.as_ref().is_none_or(|b| b.len() < bytes.max(1)) {
+        // A request whose wait failed may still hold the old one.
+        if bounce
+            .as_ref()
+            .is_none_or(|b| b.len() < bytes.max(1) || b.is_in_flight())
+        {
             *bounce = None; // free the old one before allocating
             *bounce = Some(d.dev.alloc(bytes.max(1))?);
         }

@@ -11,9 +11,10 @@
 //!    config BAR, so a second driver process fails with [`PciError::InUse`]
 //!    (as does one that has the BAR mapped without the lock);
 //! 4. takes the device from kernel drivers: a foreign one (virtio-pci) is
-//!    unbound and `driver_override` set to `none`; in interrupt mode it is
-//!    bound to `uio_pci_generic` if that is loaded (or kept there);
-//!    then maps the BARs the capabilities point at (sysfs `resourceN`,
+//!    unbound; the device is bound to `uio_pci_generic` if that is loaded
+//!    (or kept there), in every wait mode, and a file of its `/dev/uioN`
+//!    is opened and held (see below); otherwise `driver_override` is set
+//!    to `none`; then maps the BARs the capabilities point at (sysfs `resourceN`,
 //!    `MAP_SHARED`);
 //! 5. sets memory space and bus mastering in the command register;
 //! 6. resets the device (writes status 0 and waits until it reads 0), then
@@ -26,6 +27,15 @@
 //! `queue_notify_off` x multiplier. Device-visible memory comes from
 //! [`crate::hugepage::HugepageMemory`]: guest-physical addresses, since the
 //! guest has no IOMMU.
+//!
+//! A killed driver must not leave DMA in flight: whenever uio_pci_generic is
+//! loaded the device is bound to it (in poll mode too), and a file of its
+//! `/dev/uioN` is held open for the life of the transport. The kernel closes
+//! it when the process dies, uio_pci_generic then turns bus mastering off,
+//! and QEMU stops the device, so a pending collective cannot write into
+//! hugepages that another process owns next. Without uio_pci_generic
+//! nothing ties bus mastering to the process: the transport says so in a
+//! warning (once) and carries on.
 //!
 //! Completions are polled by default. In interrupt mode with the device
 //! bound to uio_pci_generic, a waiter sleeps on `/dev/uioN` (INTx; one file
@@ -466,25 +476,42 @@ impl Regs {
     }
 }
 
-/// The uio device of uio_pci_generic: one open file per queue, each a
-/// separate listener that sees every interrupt.
+/// The uio device of uio_pci_generic.
+///
+/// `guard` is opened at open and held for the life of the transport in
+/// every wait mode: uio_pci_generic turns bus mastering off when a file of
+/// it is closed, and the kernel closes it when the process dies (SIGKILL
+/// included), so a killed driver cannot leave the device doing DMA into
+/// hugepages that another process may own next (QEMU stops the device when
+/// bus mastering goes off). In interrupt mode there is also one open file
+/// per queue, each a separate listener that sees every interrupt.
 struct Uio {
     node: PathBuf,
+    _guard: File,
+    /// Open the per-queue listeners (interrupt mode).
+    listen: bool,
     files: Vec<Option<File>>,
 }
 
+/// The "no uio device" warning is given once per process.
+static NO_UIO_WARNED: AtomicBool = AtomicBool::new(false);
+
 impl Uio {
     fn open_listener(&self) -> std::result::Result<File, PciError> {
-        std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
-            .open(&self.node)
-            .map_err(|source| PciError::Uio {
-                path: self.node.display().to_string(),
-                source,
-            })
+        open_uio(&self.node)
     }
+}
+
+fn open_uio(node: &Path) -> std::result::Result<File, PciError> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(node)
+        .map_err(|source| PciError::Uio {
+            path: node.display().to_string(),
+            source,
+        })
 }
 
 /// A virtio-dmlc device driven through sysfs from userspace (see the
@@ -537,6 +564,33 @@ impl PciTransport {
         // a mapping made before it lets go.
         let lock = sysfs::lock_device(&info, caps.common.bar)?;
         let uio_node = bus.take_over(&info, interrupts)?;
+        // Held from before bus mastering is turned on until the transport
+        // is dropped (see `Uio`).
+        let uio = match uio_node {
+            Some(node) => {
+                let guard = open_uio(&node)?;
+                Some(Uio {
+                    node,
+                    _guard: guard,
+                    listen: interrupts,
+                    files: Vec::new(),
+                })
+            }
+            None => {
+                if !NO_UIO_WARNED.swap(true, Ordering::Relaxed) {
+                    log::warn!(
+                        "{}: not bound to {}: no file ties bus mastering to this process, so \
+                         if it is killed with requests in flight the device may still write \
+                         into its hugepages after another process got them (load {} to \
+                         prevent that)",
+                        info.bdf,
+                        sysfs::UIO_DRIVER,
+                        sysfs::UIO_DRIVER
+                    );
+                }
+                None
+            }
+        };
         let mut bars: Vec<BarMap> = Vec::new();
         for bar in [
             caps.common.bar,
@@ -577,10 +631,7 @@ impl PciTransport {
             features: 0,
             num_queues: 0,
             doorbells: Vec::new(),
-            uio: uio_node.map(|node| Uio {
-                node,
-                files: Vec::new(),
-            }),
+            uio,
             live: AtomicBool::new(false),
             group_id: AtomicU64::new(0),
             last_group_check: Mutex::new(Instant::now()),
@@ -606,8 +657,9 @@ impl PciTransport {
             t.num_queues,
             t.device_features,
             match &t.uio {
-                Some(u) => format!("interrupts through {}", u.node.display()),
-                None => "no interrupt source (polling)".into(),
+                Some(u) if u.listen => format!("interrupts through {}", u.node.display()),
+                Some(u) => format!("polling, bus mastering tied to {}", u.node.display()),
+                None => "no interrupt source (polling), no uio device".into(),
             }
         );
         Ok(t)
@@ -745,7 +797,7 @@ impl Transport for PciTransport {
             });
         }
         let index = usize::from(queue);
-        if let Some(uio) = &mut self.uio {
+        if let Some(uio) = self.uio.as_mut().filter(|u| u.listen) {
             // Opened once and kept: closing a uio file makes
             // uio_pci_generic turn bus mastering off.
             if uio.files[index].is_none() {
@@ -875,9 +927,12 @@ unsafe impl Sync for PciTransport {}
 impl Device {
     /// Opens the virtio-dmlc PCI device from inside a guest: `addr` is its
     /// PCI address (`0000:00:03.0`), `None` takes the first one. Needs root,
-    /// and `opts.dma_bytes` worth of free 2 MiB hugepages. In interrupt mode
-    /// (`opts.poll == false`) the device is bound to uio_pci_generic when that
-    /// is loaded; without it, waiting polls with short sleeps.
+    /// and `opts.dma_bytes` worth of free 2 MiB hugepages. The device is
+    /// bound to uio_pci_generic when that is loaded, in either wait mode, and
+    /// a file of its uio device is held open so that bus mastering ends with
+    /// the process (a killed driver leaves no DMA in flight); without
+    /// uio_pci_generic a warning says that nothing does, and interrupt mode
+    /// polls with short sleeps.
     pub fn open_pci(addr: Option<&str>, opts: &OpenOptions) -> Result<Device> {
         let transport = PciTransport::open(addr, !opts.poll).map_err(TransportError::from)?;
         let mem = HugepageMemory::new(opts.dma_bytes).map_err(|e| TransportError::Protocol {

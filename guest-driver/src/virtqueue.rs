@@ -25,6 +25,8 @@ use crate::transport::{QueueAddrs, RingAddr};
 pub const VRING_DESC_F_NEXT: u16 = 1;
 /// The device writes this descriptor's buffer.
 pub const VRING_DESC_F_WRITE: u16 = 2;
+/// The descriptor's buffer is a table of descriptors (`VIRTIO_RING_F_INDIRECT_DESC`).
+pub const VRING_DESC_F_INDIRECT: u16 = 4;
 /// Driver to device: no used-buffer notifications please (without event index).
 pub const VRING_AVAIL_F_NO_INTERRUPT: u16 = 1;
 /// Device to driver: no available-buffer notifications please (without event index).
@@ -32,7 +34,8 @@ pub const VRING_USED_F_NO_NOTIFY: u16 = 1;
 /// Largest split queue size.
 pub const MAX_QUEUE_SIZE: u16 = 32768;
 
-const DESC_SIZE: usize = 16;
+/// Size of one descriptor, in the ring and in an indirect table.
+pub const DESC_SIZE: usize = 16;
 const USED_ELEM_SIZE: usize = 8;
 
 /// Errors of the virtqueue.
@@ -50,6 +53,10 @@ pub enum QueueError {
     /// A chain must have at least one descriptor.
     #[error("empty descriptor chain")]
     Empty,
+    /// An indirect table's memory is too small or not contiguous for the
+    /// device.
+    #[error("indirect table of {len} bytes cannot hold {entries} descriptors in one device-contiguous piece")]
+    BadTable { entries: usize, len: usize },
     /// The device put an entry in the used ring for a chain not in flight.
     #[error("device returned descriptor {id}, which is not in flight")]
     BadUsedId { id: u32 },
@@ -265,7 +272,67 @@ impl SplitQueue {
         self.num_free -= n as u16;
         self.chain_len[usize::from(head)] = n as u16;
         self.in_flight += 1;
+        self.publish(head);
+        Ok(head)
+    }
 
+    /// Posts one chain as an indirect table (virtio 2.7.5.3): `segs` are
+    /// written into `table`, and one ring descriptor with
+    /// `VRING_DESC_F_INDIRECT` points at it. The caller keeps `table` alive,
+    /// unchanged, until [`Self::pop_used`] returns the head. Only for a
+    /// device that offered `VIRTIO_RING_F_INDIRECT_DESC`.
+    pub fn add_indirect(&mut self, table: &DmaAlloc, segs: &[Segment]) -> Result<u16, QueueError> {
+        let n = segs.len();
+        if n == 0 {
+            return Err(QueueError::Empty);
+        }
+        let bytes = n
+            .checked_mul(DESC_SIZE)
+            .filter(|&b| b <= table.len() && u32::try_from(b).is_ok())
+            .ok_or(QueueError::BadTable {
+                entries: n,
+                len: table.len(),
+            })?;
+        let mut pieces = 0;
+        table.device_ranges(0, bytes, &mut |_, _| pieces += 1);
+        if pieces != 1 {
+            return Err(QueueError::BadTable {
+                entries: n,
+                len: table.len(),
+            });
+        }
+        if self.num_free == 0 {
+            return Err(QueueError::Full { needed: 1, free: 0 });
+        }
+        for (i, s) in segs.iter().enumerate() {
+            let last = i + 1 == n;
+            let mut flags = if s.writable { VRING_DESC_F_WRITE } else { 0 };
+            if !last {
+                flags |= VRING_DESC_F_NEXT;
+            }
+            let next = if last { 0 } else { (i + 1) as u16 };
+            // SAFETY: entry `i < n` lies inside the table (`bytes <= len`),
+            // which the device reads only once the head is published below.
+            unsafe {
+                let p = table.as_ptr().add(i * DESC_SIZE);
+                ptr::write_volatile(p.cast::<u64>(), s.addr.to_le());
+                ptr::write_volatile(p.add(8).cast::<u32>(), s.len.to_le());
+                ptr::write_volatile(p.add(12).cast::<u16>(), flags.to_le());
+                ptr::write_volatile(p.add(14).cast::<u16>(), next.to_le());
+            }
+        }
+        let head = self.free_head;
+        self.write_desc(head, table.paddr(), bytes as u32, VRING_DESC_F_INDIRECT, 0);
+        self.free_head = self.next[usize::from(head)];
+        self.num_free -= 1;
+        self.chain_len[usize::from(head)] = 1;
+        self.in_flight += 1;
+        self.publish(head);
+        Ok(head)
+    }
+
+    /// Makes the chain at `head` available (ring entry, then index).
+    fn publish(&mut self, head: u16) {
         let slot = usize::from(self.avail_idx & (self.size - 1));
         // SAFETY: `ring[slot]` is inside the avail allocation, aligned.
         unsafe { ptr::write_volatile(self.avail_ptr(4 + 2 * slot), head.to_le()) };
@@ -275,7 +342,6 @@ impl SplitQueue {
         fence(Ordering::Release);
         self.avail_idx_atomic()
             .store(self.avail_idx.to_le(), Ordering::Release);
-        Ok(head)
     }
 
     /// True if the device wants a notification for what was published since
@@ -472,6 +538,34 @@ pub(crate) mod tests {
                         ptr::read_volatile(p.add(14).cast::<u16>()),
                     )
                 };
+                if flags & VRING_DESC_F_INDIRECT != 0 {
+                    // The table ends the chain (spec 5.X.6.2).
+                    let table = self.host(addr);
+                    let mut j = 0u16;
+                    loop {
+                        assert!(
+                            usize::from(j) * 16 < len as usize,
+                            "indirect index out of range"
+                        );
+                        let p = table.wrapping_add(16 * usize::from(j)).cast_const();
+                        // SAFETY: see the impl comment; the entry is inside
+                        // the table the driver published.
+                        let (a, l, f, nx) = unsafe {
+                            (
+                                ptr::read_volatile(p.cast::<u64>()),
+                                ptr::read_volatile(p.add(8).cast::<u32>()),
+                                ptr::read_volatile(p.add(12).cast::<u16>()),
+                                ptr::read_volatile(p.add(14).cast::<u16>()),
+                            )
+                        };
+                        chain.push((a, l, f));
+                        if f & VRING_DESC_F_NEXT == 0 {
+                            break;
+                        }
+                        j = nx;
+                    }
+                    break;
+                }
                 chain.push((addr, len, flags));
                 if flags & VRING_DESC_F_NEXT == 0 {
                     break;
@@ -680,6 +774,35 @@ pub(crate) mod tests {
         assert_eq!(chain.len(), 8);
         dev.push_used(u32::from(h), 0);
         q.pop_used().unwrap().unwrap();
+    }
+
+    #[test]
+    fn indirect_chains_take_one_ring_descriptor() {
+        let (m, mem) = memory(1 << 20);
+        let mut q = SplitQueue::new(&mem, 4, true).unwrap();
+        let mut dev = FakeRing::new(q.addrs(), true, &m);
+        let segs: Vec<_> = (0..10u64)
+            .map(|i| seg(GUEST_BASE + 0x1000 * i, 8, i >= 5))
+            .collect();
+        let small = DmaAlloc::new(&mem, 8 * DESC_SIZE, DESC_SIZE).unwrap();
+        assert!(matches!(
+            q.add_indirect(&small, &segs),
+            Err(QueueError::BadTable { entries: 10, .. })
+        ));
+        let table = DmaAlloc::new(&mem, 10 * DESC_SIZE, DESC_SIZE).unwrap();
+        let head = q.add_indirect(&table, &segs).unwrap();
+        assert_eq!((q.num_free(), q.in_flight()), (3, 1));
+        let (h, chain) = dev.pop_avail().unwrap();
+        assert_eq!(h, head);
+        let got: Vec<_> = chain
+            .iter()
+            .map(|&(a, l, f)| (a, l, f & VRING_DESC_F_WRITE != 0))
+            .collect();
+        let want: Vec<_> = segs.iter().map(|s| (s.addr, s.len, s.writable)).collect();
+        assert_eq!(got, want);
+        dev.push_used(u32::from(head), 40);
+        assert_eq!(q.pop_used().unwrap(), Some(Used { id: head, len: 40 }));
+        assert_eq!(q.num_free(), 4);
     }
 
     #[test]

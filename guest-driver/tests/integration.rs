@@ -340,3 +340,64 @@ fn no_socket_is_explained() {
         p.dump()
     );
 }
+
+/// The driver's generation watch (spec 5.X.7.4) against the real daemon:
+/// a peer lost while a wait watches the config space still ends that wait
+/// with the device's PEER_LOST (the daemon completes the request before the
+/// new generation is visible, and the watch drains the ring before it
+/// calls a request dropped); a daemon killed mid-wait ends it with a
+/// disconnect, not a hang.
+#[test]
+fn waits_watch_the_generation_without_mistaking_a_peer_loss() {
+    use dmlc_guest::{Device, Dtype, Error, Opcode, OpenOptions, ReduceOp, Request};
+    let _g = serial();
+    let mut backend = Backend::start(
+        "watch",
+        2,
+        &["--log-level", "warn", "--timeout-ms", "20000"],
+    );
+    let opts = OpenOptions {
+        dma_bytes: 8 << 20,
+        ..OpenOptions::default()
+    };
+    let open = |rank: u32| Device::open_host(&backend.socket(rank), &opts).expect("open");
+    let d0 = open(0);
+    let req = Request::new(Opcode::Allreduce, Dtype::F32, ReduceOp::Sum, 256);
+    let input = d0.alloc(1024).expect("alloc");
+    let output = d0.alloc(1024).expect("alloc");
+    for round in 0..3 {
+        let d1 = open(1);
+        let h = d0
+            .submit(0, &req, &[input.all()], &[output.all()])
+            .expect("submit");
+        let got = thread::scope(|s| {
+            let waiter = s.spawn(|| d0.wait(h, Some(Duration::from_secs(30))));
+            // Long enough for the wait to be reading the config.
+            thread::sleep(Duration::from_millis(50 + 20 * round));
+            drop(d1);
+            waiter.join().expect("waiter")
+        });
+        assert!(
+            matches!(got, Err(Error::PeerLost { peer: 1 })),
+            "round {round}: {got:?}\n{}",
+            backend.proc.dump()
+        );
+    }
+    let h = d0
+        .submit(0, &req, &[input.all()], &[output.all()])
+        .expect("submit");
+    let (got, after) = thread::scope(|s| {
+        let waiter = s.spawn(|| d0.wait(h, None));
+        thread::sleep(Duration::from_millis(50));
+        let killed = Instant::now();
+        backend.kill9();
+        let got = waiter.join().expect("waiter");
+        (got, killed.elapsed())
+    });
+    let err = got.expect_err("the wait must fail");
+    assert!(
+        err.to_string().contains("device backend disconnected"),
+        "{err}"
+    );
+    assert!(after < Duration::from_secs(5), "noticed after {after:?}");
+}

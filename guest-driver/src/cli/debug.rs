@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use dmlc_guest::device::{Device, Handle, Request};
+use dmlc_guest::device::{Device, DmaBuf, Handle, Request};
 use dmlc_guest::error::Error;
 use virtio_dmlc::{buffer_elems, Dtype, Opcode, ReduceOp};
 
@@ -210,9 +210,14 @@ fn multiqueue(dev: &Device, inflight: usize, iters: u64, count: u64) -> Result<(
     let inflight = inflight.max(1);
     let bytes = count as usize * 4;
     let slots = usize::from(queues) * inflight;
-    let input = dev.alloc(slots * bytes).ctx("alloc")?;
-    let output = dev.alloc(slots * bytes).ctx("alloc")?;
-    let mut input = input;
+    // One buffer per slot: a buffer is in flight as a whole, and slots are
+    // read and refilled while the others' requests run.
+    let mut inputs = Vec::with_capacity(slots);
+    let mut outputs = Vec::with_capacity(slots);
+    for _ in 0..slots {
+        inputs.push(dev.alloc(bytes).ctx("alloc")?);
+        outputs.push(dev.alloc(bytes).ctx("alloc")?);
+    }
     let value = |q: u16, k: u64, r: u32, i: u64| -> u32 {
         (u32::from(q) << 24) ^ ((k as u32) << 12) ^ (r << 8) ^ (i as u32)
     };
@@ -229,14 +234,15 @@ fn multiqueue(dev: &Device, inflight: usize, iters: u64, count: u64) -> Result<(
     let mut checked = 0u64;
     let mut complete = |q: u16,
                         pending: &mut Vec<VecDeque<(Handle, usize, u64)>>,
-                        free: &mut Vec<Vec<usize>>|
+                        free: &mut Vec<Vec<usize>>,
+                        outputs: &[DmaBuf]|
      -> Result<(), CliError> {
         let Some((h, slot, k)) = pending[usize::from(q)].pop_front() else {
             return Ok(());
         };
         dev.wait(h, Some(Duration::from_secs(60)))
             .ctx(&format!("allreduce on queue {q}"))?;
-        let out = &output.as_slice()[slot * bytes..(slot + 1) * bytes];
+        let out = outputs[slot].as_slice();
         for (i, c) in out.chunks_exact(4).enumerate() {
             let got = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
             let want = (0..world).fold(0u32, |a, r| a.wrapping_add(value(q, k, r, i as u64)));
@@ -253,11 +259,14 @@ fn multiqueue(dev: &Device, inflight: usize, iters: u64, count: u64) -> Result<(
     for k in 0..iters {
         for q in 0..queues {
             if free[usize::from(q)].is_empty() {
-                complete(q, &mut pending, &mut free)?;
+                complete(q, &mut pending, &mut free, &outputs)?;
             }
             let slot = free[usize::from(q)].pop().unwrap_or_default();
+            // Poison the output (this also takes back the borrow of the
+            // last check, so that the device may write it again).
+            outputs[slot].as_mut_slice().fill(0xa5);
             {
-                let b = &mut input.as_mut_slice()[slot * bytes..(slot + 1) * bytes];
+                let b = inputs[slot].as_mut_slice();
                 for (i, c) in b.chunks_exact_mut(4).enumerate() {
                     c.copy_from_slice(&value(q, k, rank, i as u64).to_le_bytes());
                 }
@@ -273,19 +282,14 @@ fn multiqueue(dev: &Device, inflight: usize, iters: u64, count: u64) -> Result<(
                 timeout_ms: 0,
             };
             let h = dev
-                .submit(
-                    q,
-                    &req,
-                    &[input.slice(slot * bytes, bytes)],
-                    &[output.slice(slot * bytes, bytes)],
-                )
+                .submit(q, &req, &[inputs[slot].all()], &[outputs[slot].all()])
                 .ctx("submit")?;
             pending[usize::from(q)].push_back((h, slot, k));
         }
     }
     for q in 0..queues {
         while !pending[usize::from(q)].is_empty() {
-            complete(q, &mut pending, &mut free)?;
+            complete(q, &mut pending, &mut free, &outputs)?;
         }
     }
     println!(

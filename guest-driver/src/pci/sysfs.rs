@@ -182,11 +182,15 @@ impl PciBus {
 
     /// Makes sure no kernel driver but `uio_pci_generic` holds the device.
     ///
-    /// A foreign driver (virtio-pci) is unbound. If `want_irq` and the
-    /// device is free, it is bound to uio_pci_generic when that driver is
-    /// loaded. Otherwise `driver_override` is set to `none` so that no
-    /// driver takes the device later. Returns the uio device node if the
-    /// device ends up bound to uio_pci_generic.
+    /// A foreign driver (virtio-pci) is unbound. If the device is free and
+    /// uio_pci_generic is loaded, the device is bound to it, whatever the
+    /// wait mode: an open file of its uio device ties bus mastering to the
+    /// process (uio_pci_generic turns it off when the file is closed, also
+    /// when the process is killed), and in interrupt mode it delivers INTx.
+    /// Otherwise `driver_override` is set to `none` so that no driver takes
+    /// the device later. Returns the uio device node if the device ends up
+    /// bound to uio_pci_generic. (`want_irq` only changes the warning when
+    /// uio_pci_generic is not loaded.)
     pub fn take_over(
         &self,
         dev: &PciDeviceInfo,
@@ -202,7 +206,7 @@ impl PciBus {
         }
         let override_path = dev.path.join("driver_override");
         let uio = self.root.join("drivers").join(UIO_DRIVER);
-        if want_irq && uio.exists() {
+        if uio.exists() {
             write_str(&override_path, UIO_DRIVER)?;
             match write_str(&uio.join("bind"), &dev.bdf) {
                 Ok(()) => return self.uio_node(dev).map(Some),
@@ -221,9 +225,10 @@ impl PciBus {
         Ok(None)
     }
 
-    /// `/dev/uioN` of a device bound to uio_pci_generic; waits briefly for
-    /// devtmpfs to create the node after a fresh bind.
-    fn uio_node(&self, dev: &PciDeviceInfo) -> Result<PathBuf, PciError> {
+    /// `/dev/uioN` of a device bound to uio_pci_generic (from its sysfs
+    /// `uio/uioN` entry); waits briefly for devtmpfs to create the node
+    /// after a fresh bind.
+    pub fn uio_node(&self, dev: &PciDeviceInfo) -> Result<PathBuf, PciError> {
         let dir = dev.path.join("uio");
         let name = std::fs::read_dir(&dir)
             .map_err(sysfs_error(&dir))?
@@ -616,11 +621,12 @@ mod tests {
         let bus = fake.bus();
         let d = bus.find(None, 0x1af4, 0x107f).unwrap();
         assert_eq!(d.driver, None);
-        // Poll mode leaves the device unbound.
-        assert_eq!(bus.take_over(&d, false).unwrap(), None);
-        assert_eq!(fake.read("devices/0000:00:02.0/driver_override"), "none");
-        assert_eq!(fake.read(&format!("drivers/{UIO_DRIVER}/bind")), "");
-        // Interrupt mode binds it.
+        // Poll mode binds it too: the uio file ties bus mastering to the
+        // process.
+        let node = bus.take_over(&d, false).unwrap().unwrap();
+        assert_eq!(node, fake.root.join("dev/uio3"));
+        std::fs::write(fake.root.join(format!("drivers/{UIO_DRIVER}/bind")), "").unwrap();
+        // So does interrupt mode.
         let node = bus.take_over(&d, true).unwrap().unwrap();
         assert_eq!(node, fake.root.join("dev/uio3"));
         assert_eq!(
@@ -635,6 +641,38 @@ mod tests {
         std::os::unix::fs::symlink(&uio, dev.join("driver")).unwrap();
         let d = bus.find(None, 0x1af4, 0x107f).unwrap();
         assert_eq!(bus.take_over(&d, false).unwrap(), Some(node));
+    }
+
+    #[test]
+    fn uio_node_is_found_from_the_sysfs_entry() {
+        let fake = FakeBus::new("uionode");
+        let uio = fake.root.join("drivers").join(UIO_DRIVER);
+        std::fs::create_dir_all(&uio).unwrap();
+        let dev = fake.root.join("devices/0000:00:02.0");
+        std::fs::remove_file(dev.join("driver")).unwrap();
+        std::os::unix::fs::symlink(&uio, dev.join("driver")).unwrap();
+        let bus = fake.bus();
+        let d = bus.find(None, 0x1af4, 0x107f).unwrap();
+        assert_eq!(d.driver.as_deref(), Some(UIO_DRIVER));
+        // Bound, but sysfs lists no uio device: an error naming the folder.
+        let err = bus.take_over(&d, false).unwrap_err().to_string();
+        assert!(err.contains("0000:00:02.0/uio"), "{err}");
+        // Other entries of the folder are not uio devices.
+        std::fs::create_dir_all(dev.join("uio/power")).unwrap();
+        assert!(bus.uio_node(&d).is_err());
+        std::fs::create_dir_all(dev.join("uio/uio7")).unwrap();
+        std::fs::write(fake.root.join("dev/uio7"), "").unwrap();
+        assert_eq!(bus.uio_node(&d).unwrap(), fake.root.join("dev/uio7"));
+        // Kept bound, in either mode, and nothing is unbound or overridden.
+        assert_eq!(
+            bus.take_over(&d, false).unwrap(),
+            Some(fake.root.join("dev/uio7"))
+        );
+        assert_eq!(fake.read("drivers/virtio-pci/unbind"), "");
+        assert_eq!(
+            fake.read("devices/0000:00:02.0/driver_override"),
+            "(null)\n"
+        );
     }
 
     #[test]
