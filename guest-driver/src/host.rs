@@ -455,19 +455,7 @@ impl Transport for HostTransport {
     }
 
     fn reset(&mut self) -> Result<(), TransportError> {
-        // A stopped ring alone means a paused VM to the device, whose
-        // requests stay pending; RESET_DEVICE says the driver is gone, and
-        // is answered once the device no longer touches its buffers (this
-        // is what the patched QEMU sends when DRIVER_OK is cleared).
-        if self.queues.iter().any(Option::is_some)
-            && self
-                .protocol
-                .contains(VhostUserProtocolFeatures::RESET_DEVICE)
-        {
-            self.frontend
-                .reset_device()
-                .map_err(vhost_error("RESET_DEVICE"))?;
-        }
+        let started = self.queues.iter().any(Option::is_some);
         for (index, q) in self.queues.iter_mut().enumerate() {
             if q.take().is_some() {
                 self.frontend
@@ -478,6 +466,25 @@ impl Transport for HostTransport {
                     .get_vring_base(index)
                     .map_err(vhost_error("GET_VRING_BASE"))?;
             }
+        }
+        // Stopped rings alone mean a paused VM to the device, whose
+        // requests stay pending; RESET_DEVICE says the driver is gone (what
+        // the patched QEMU sends when DRIVER_OK is cleared). After the stop:
+        // the reset clears the backend's features, and it would refuse the
+        // stop's SET_VRING_ENABLE. The device answers nothing to it, so a
+        // GET_FEATURES round trip makes sure it is done (and no longer
+        // touches our buffers) before we return.
+        if started
+            && self
+                .protocol
+                .contains(VhostUserProtocolFeatures::RESET_DEVICE)
+        {
+            self.frontend
+                .reset_device()
+                .map_err(vhost_error("RESET_DEVICE"))?;
+            self.frontend
+                .get_features()
+                .map_err(vhost_error("GET_FEATURES"))?;
         }
         Ok(())
     }
