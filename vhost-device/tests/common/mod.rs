@@ -234,6 +234,20 @@ pub struct TestQueue {
     kick: EventFd,
 }
 
+/// SET_VRING_ADDR's payload for `queue`, with `host` mapping guest
+/// addresses to the frontend's own.
+fn ring_addrs(queue: &TestQueue, host: impl Fn(u64) -> u64) -> VringConfigData {
+    VringConfigData {
+        queue_max_size: queue.size,
+        queue_size: queue.size,
+        flags: 0,
+        desc_table_addr: host(queue.desc),
+        used_ring_addr: host(queue.used),
+        avail_ring_addr: host(queue.avail),
+        log_addr: None,
+    }
+}
+
 /// A descriptor for [`Member::submit`]: guest address, length, device-writable.
 #[derive(Clone, Copy, Debug)]
 pub struct Desc {
@@ -417,18 +431,7 @@ impl Member {
             self.fe.set_vring_num(i, size).expect("SET_VRING_NUM");
             self.fe.set_vring_base(i, 0).expect("SET_VRING_BASE");
             self.fe
-                .set_vring_addr(
-                    i,
-                    &VringConfigData {
-                        queue_max_size: size,
-                        queue_size: size,
-                        flags: 0,
-                        desc_table_addr: host(queue.desc),
-                        used_ring_addr: host(queue.used),
-                        avail_ring_addr: host(queue.avail),
-                        log_addr: None,
-                    },
-                )
+                .set_vring_addr(i, &ring_addrs(&queue, host))
                 .expect("SET_VRING_ADDR");
             self.fe
                 .set_vring_kick(i, &queue.kick)
@@ -476,18 +479,7 @@ impl Member {
             .set_vring_base(q, base as u16)
             .expect("SET_VRING_BASE");
         self.fe
-            .set_vring_addr(
-                q,
-                &VringConfigData {
-                    queue_max_size: queue.size,
-                    queue_size: queue.size,
-                    flags: 0,
-                    desc_table_addr: host(queue.desc),
-                    used_ring_addr: host(queue.used),
-                    avail_ring_addr: host(queue.avail),
-                    log_addr: None,
-                },
-            )
+            .set_vring_addr(q, &ring_addrs(queue, host))
             .expect("SET_VRING_ADDR");
         self.fe
             .set_vring_kick(q, &queue.kick)
