@@ -203,11 +203,14 @@ fn allreduce_sizes(dev: &Device) -> Res<()> {
 
 fn latency(dev: &Device, iters: usize) -> Res<()> {
     let mut input = dev.alloc(4)?;
-    let output = dev.alloc(4)?;
+    let mut output = dev.alloc(4)?;
     let world = dev.world_size();
     let mut times = Vec::with_capacity(iters);
     for it in 0..iters + iters / 10 {
         input.as_elems_mut::<f32>()[0] = (dev.rank() + it as u32) as f32;
+        // The last run's result was read through `&self`; the device may
+        // write the buffer again only after `&mut` access ends that borrow.
+        output.reclaim();
         let t = Instant::now();
         dev.allreduce(Dtype::F32, ReduceOp::Sum, &input, &output, 1)?;
         let dt = t.elapsed();
@@ -242,11 +245,12 @@ fn latency(dev: &Device, iters: usize) -> Res<()> {
 /// resets it) and opens it again.
 fn recover(a: &Args, opts: &OpenOptions, first: Device) -> Res<()> {
     let end = Instant::now() + Duration::from_secs(a.recover);
-    let mut dev = Some(first);
+    let group_of = |d: &Device| d.config().group_id.get();
+    let mut dev = Some((group_of(&first), first));
     let mut ok = 0u64;
     let mut recoveries = 0u32;
     while Instant::now() < end {
-        let d = match dev.take() {
+        let (group, d) = match dev.take() {
             Some(d) => d,
             None => match Device::open_pci(a.addr.as_deref(), opts) {
                 Ok(d) => {
@@ -256,7 +260,7 @@ fn recover(a: &Args, opts: &OpenOptions, first: Device) -> Res<()> {
                         d.config().generation.get(),
                         d.config().group_id.get()
                     );
-                    d
+                    (group_of(&d), d)
                 }
                 Err(e) => {
                     println!("recover: reopen failed: {}", report(&e));
@@ -291,12 +295,20 @@ fn recover(a: &Args, opts: &OpenOptions, first: Device) -> Res<()> {
                     return Err(format!("recover: got {v:?}, want {want}").into());
                 }
                 ok += 1;
-                dev = Some(d);
+                dev = Some((group, d));
             }
             Err(e @ (Error::PeerLost { .. } | Error::Timeout { .. } | Error::Reset)) => {
-                // The group changed under us; the device itself is fine.
                 println!("recover: collective failed: {e}");
-                dev = Some(d);
+                // Recovery reads the config space (spec 5.X.6.9): a new
+                // group id means a restarted device, to be opened afresh.
+                let now = group_of(&d);
+                if now == group {
+                    dev = Some((group, d));
+                } else {
+                    println!(
+                        "recover: device failed: its group id changed from {group:#x} to {now:#x}"
+                    );
+                }
             }
             Err(e) => {
                 println!("recover: device failed: {}", report(&e));

@@ -424,11 +424,13 @@ fn queues(devs: &(Device, Device)) -> R<()> {
             let hs: Vec<_> = (0..3u16)
                 .map(|q| {
                     s.spawn(move || -> R<()> {
-                        let outs: Vec<_> =
+                        let mut outs: Vec<DmaBuf> =
                             (0..4).map(|_| dev.alloc(4)).collect::<Result<_, _>>()?;
                         let mut ins: Vec<_> =
                             (0..4).map(|_| dev.alloc(4)).collect::<Result<_, _>>()?;
                         for round in 0..100u32 {
+                            // Last round's results were read through `&self`.
+                            outs.iter_mut().for_each(DmaBuf::reclaim);
                             let mut hs = Vec::new();
                             for (k, (inp, out)) in ins.iter_mut().zip(&outs).enumerate() {
                                 let base = u32::from(q) * 1000 + round * 10 + k as u32;

@@ -18,7 +18,7 @@ struct Mode {
 
 const POLL: Mode = Mode {
     flag: "--poll",
-    log: "no interrupt source (polling)",
+    log: "polling, bus mastering tied to /dev/uio",
 };
 
 const INTERRUPT: Mode = Mode {

@@ -227,9 +227,10 @@ fn backend_restart_with_the_same_group_id_is_transparent() {
 
 /// Two VMs run allreduces in a loop that reopens the device when it fails
 /// (`pci_probe --recover`); the backend is killed with SIGKILL and started
-/// again as a new group (a new group id). QEMU reconnects, each guest's
-/// driver sees the group id change, reopens the device, and the allreduces
-/// work again.
+/// again as a new group (a new group id). QEMU reconnects and hands over
+/// its rings; the new group completes the request each guest had in flight
+/// with RESET (or the driver finds it dropped first), each guest sees the
+/// group id change, reopens the device, and the allreduces work again.
 #[test]
 fn backend_restart_as_a_new_group_and_the_guests_reopen() {
     let test = "backend_restart_as_a_new_group_and_the_guests_reopen";

@@ -71,6 +71,13 @@ pub struct Vring {
     /// put in the used ring when it runs again. Locked after the vring
     /// state, never before it.
     deferred: Arc<Mutex<Deferred>>,
+    /// The guest memory the ring lives in.
+    mem: AtomicMem,
+    /// Chains that were available when the ring first started on this
+    /// connection, not yet popped: the driver made them available before
+    /// this connection (a frontend handing its rings to a restarted
+    /// daemon). `None` until the first start.
+    earlier: Arc<Mutex<Option<u16>>>,
 }
 
 /// Completions waiting for a stopped ring to start again.
@@ -150,6 +157,37 @@ impl Vring {
         }
     }
 
+    /// At the ring's first start on this connection, counts the chains the
+    /// driver made available before it.
+    fn note_first_start(&self) {
+        let state = self.inner.get_ref();
+        let queue = state.get_queue();
+        if !queue.ready() {
+            return;
+        }
+        let mut earlier = lock(&self.earlier);
+        if earlier.is_none() {
+            let avail = queue
+                .avail_idx(&*self.mem.memory(), Ordering::Acquire)
+                .map_or(0, |idx| idx.0.wrapping_sub(queue.next_avail()));
+            // More than the queue holds: a broken ring, left to the checks
+            // that serve it.
+            *earlier = Some(if avail <= queue.size() { avail } else { 0 });
+        }
+    }
+
+    /// True if the next chain popped was made available before this
+    /// connection (counted by [`Self::note_first_start`]).
+    fn take_earlier(&self) -> bool {
+        match &mut *lock(&self.earlier) {
+            Some(n) if *n > 0 => {
+                *n -= 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Forgets the kept completions (the member was lost).
     fn drop_deferred(&self) {
         let mut deferred = lock(&self.deferred);
@@ -169,9 +207,11 @@ impl<'a> VringStateMutGuard<'a, AtomicMem> for Vring {
 impl VringT<AtomicMem> for Vring {
     fn new(mem: AtomicMem, max_queue_size: u16) -> Result<Self, virtio_queue::Error> {
         Ok(Vring {
-            inner: VringRwLock::new(mem, max_queue_size)?,
+            inner: VringRwLock::new(mem.clone(), max_queue_size)?,
             bad_size: Arc::new(AtomicBool::new(false)),
             deferred: Arc::new(Mutex::new(Deferred::default())),
+            mem,
+            earlier: Arc::new(Mutex::new(None)),
         })
     }
 
@@ -260,6 +300,7 @@ impl VringT<AtomicMem> for Vring {
         self.inner
             .set_queue_ready(ready && !self.bad_size.load(Ordering::Acquire));
         if ready {
+            self.note_first_start();
             self.flush_deferred();
         }
     }
@@ -323,6 +364,12 @@ pub struct BackendConfig {
     /// QEMU reconnects every second with the same setup, and each such
     /// connection would otherwise be one more loss for the peers.
     pub defer_activation: bool,
+    /// Serve the requests that a frontend's rings hold when they first
+    /// start on a connection (made available before it: QEMU hands its
+    /// rings to a restarted daemon) rather than complete them with RESET.
+    /// Right when the daemon restarts with the same fixed group id, so
+    /// that a restart is transparent to the drivers.
+    pub serve_earlier_requests: bool,
 }
 
 /// Per-queue state of one connection.
@@ -554,7 +601,15 @@ impl MemberBackend {
                 Next::Chain(chain) => {
                     self.submitted.store(true, Ordering::Release);
                     ring.in_flight.fetch_add(1, Ordering::AcqRel);
-                    self.group.submit(self.cfg.rank, queue, mem, chain, &done);
+                    let earlier = vring.take_earlier();
+                    if earlier && !self.cfg.serve_earlier_requests {
+                        // Made available to the group before this one: its
+                        // sequence number means nothing here.
+                        self.group
+                            .refuse_earlier(self.cfg.rank, queue, mem, chain, &done);
+                    } else {
+                        self.group.submit(self.cfg.rank, queue, mem, chain, &done);
+                    }
                     submitted += 1;
                 }
                 Next::Overrun(size) => {
@@ -1011,6 +1066,7 @@ mod tests {
             queue_size,
             poll: Duration::ZERO,
             defer_activation: false,
+            serve_earlier_requests: false,
         };
         MemberBackend::new(cfg, group.clone(), mem)
     }

@@ -173,6 +173,9 @@ pub struct Config {
     pub socket_access: SocketAccess,
     /// Settings of the group engine.
     pub group: GroupConfig,
+    /// `--group-id` was given: a restart with it continues the previous
+    /// group, so requests the frontends hand over are served.
+    pub fixed_group_id: bool,
     /// Largest virtqueue size offered to the frontend.
     pub queue_size: u16,
     /// How long to keep polling a queue after handling a kick.
@@ -233,6 +236,7 @@ impl TryFrom<Args> for Config {
                 mode: args.socket_mode,
                 group: args.socket_group,
             },
+            fixed_group_id: args.group_id.is_some(),
             group: GroupConfig {
                 world_size: args.socket_count,
                 // Both checked above to fit.

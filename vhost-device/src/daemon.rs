@@ -175,6 +175,7 @@ pub fn start_backend(config: Config) -> Result<(), DaemonError> {
                 queue_size: config.queue_size,
                 poll: config.poll,
                 defer_activation: false,
+                serve_earlier_requests: config.fixed_group_id,
             };
             let group = group.clone();
             let tx = stop_tx.clone();

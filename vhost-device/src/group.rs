@@ -500,16 +500,11 @@ impl Group {
         self.shared.bump(None, &[]);
     }
 
-    /// Takes one chain popped from `queue` of member `rank`. Exactly one
-    /// `done.complete(queue, head, len)` follows, now or later, from any
-    /// thread, unless the member is not active (see [`Group::member_ready`])
-    /// or is lost first. `len` is 0 for a chain without a usable response
-    /// descriptor, else the total length of its writable descriptors.
-    ///
-    /// `chain` must come from `mem`. The caller must not hold a lock that a
-    /// [`Completion`] of any member takes: the collective may run, and every
-    /// member's completion may be called, on this thread.
-    pub fn submit(
+    /// Completes a chain without running it, with `RESET`: a request that
+    /// was made available before this connection, which a new group must
+    /// not serve (spec 5.X.6.9). A malformed chain gets the status its
+    /// fault calls for, as in [`Group::submit`].
+    pub fn refuse_earlier(
         &self,
         rank: u32,
         queue: u16,
@@ -518,17 +513,51 @@ impl Group {
         done: &Arc<dyn Completion>,
     ) {
         let sh = &*self.shared;
+        let Some((req, gate)) = self.admit(rank, queue, mem, chain, done) else {
+            return;
+        };
+        sh.metrics.request(req.opcode);
+        let generation = sh.resp_generation.load(Ordering::Acquire);
+        let response = Some((
+            &**mem,
+            req.response,
+            Outcome::fail(Status::Reset, 0, NO_PEER),
+            generation,
+        ));
+        sh.finish(
+            rank,
+            gate.epoch,
+            queue,
+            req.head,
+            done,
+            response,
+            req.writable_len,
+        );
+    }
+
+    /// What `submit` and `refuse_earlier` share: the member must be known
+    /// and accepting, and the chain well formed; otherwise the chain is
+    /// answered here (or dropped) and `None` returned.
+    fn admit(
+        &self,
+        rank: u32,
+        queue: u16,
+        mem: &Arc<GuestMem>,
+        chain: DescriptorChain<&GuestMem>,
+        done: &Arc<dyn Completion>,
+    ) -> Option<(Request, Gate)> {
+        let sh = &*self.shared;
         let head = chain.head_index();
         if rank >= sh.world || queue >= sh.num_queues {
             log::error!("request from unknown member {rank} queue {queue}");
             sh.metrics.no_status();
             done.complete(queue, head, 0);
-            return;
+            return None;
         }
         let gate = *read(&sh.gates[rank as usize]);
         if !gate.accepting {
             sh.metrics.dropped();
-            return;
+            return None;
         }
         let limits = Limits {
             world_size: sh.world,
@@ -560,8 +589,32 @@ impl Group {
                     response,
                     rej.writable_len,
                 );
-                return;
+                return None;
             }
+        };
+        Some((req, gate))
+    }
+
+    /// Takes one chain popped from `queue` of member `rank`. Exactly one
+    /// `done.complete(queue, head, len)` follows, now or later, from any
+    /// thread, unless the member is not active (see [`Group::member_ready`])
+    /// or is lost first. `len` is 0 for a chain without a usable response
+    /// descriptor, else the total length of its writable descriptors.
+    ///
+    /// `chain` must come from `mem`. The caller must not hold a lock that a
+    /// [`Completion`] of any member takes: the collective may run, and every
+    /// member's completion may be called, on this thread.
+    pub fn submit(
+        &self,
+        rank: u32,
+        queue: u16,
+        mem: &Arc<GuestMem>,
+        chain: DescriptorChain<&GuestMem>,
+        done: &Arc<dyn Completion>,
+    ) {
+        let sh = &*self.shared;
+        let Some((req, gate)) = self.admit(rank, queue, mem, chain, done) else {
+            return;
         };
         sh.metrics.request(req.opcode);
 

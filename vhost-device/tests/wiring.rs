@@ -586,3 +586,54 @@ fn a_frontend_that_keeps_failing_its_setup_costs_one_loss_and_one_warning() {
         assert_eq!(read_f32(m, p.out, 1), [3.0]);
     }
 }
+
+/// A frontend hands its rings to a restarted daemon (QEMU reconnecting):
+/// the chain the old daemon had taken but not completed is available again.
+/// A new group completes it with RESET without running it, since its
+/// sequence number was the old group's; a daemon restarted with the same
+/// `--group-id` continues the group and serves it.
+#[test]
+fn requests_handed_over_to_a_restarted_daemon_are_reset_unless_the_group_id_is_fixed() {
+    for fixed in [false, true] {
+        let extra: &[&str] = if fixed {
+            &["--timeout-ms", "60000", "--group-id", "0x5ca1ab1e"]
+        } else {
+            &["--timeout-ms", "60000"]
+        };
+        let old = Daemon::start(2, extra);
+        let mut ms = members(&old, features(true, false), 1);
+        let p1 = allreduce(&mut ms[1], 0, &[3.0, -1.0], 1, true);
+        // Taken by the old daemon, pending: rank 0 has not arrived.
+        assert_eq!(ms[1].wait_used_for(0, Duration::from_millis(100)), None);
+
+        let new = Daemon::start(2, extra);
+        ms[1].hand_over(&new.socket(1), features(true, false));
+        let mut m0 = Member::connect(&new.socket(0));
+        m0.start(features(true, false), 1, QUEUE_SIZE);
+        if fixed {
+            // The same group: rank 1's request is its first collective.
+            let p0 = allreduce(&mut m0, 0, &[1.0, 2.0], 1, true);
+            let resp = finish(&mut m0, 0, &p0);
+            assert_eq!(status(&resp), Some(Status::Ok), "{resp:?}");
+            let resp = finish(&mut ms[1], 0, &p1);
+            assert_eq!(status(&resp), Some(Status::Ok), "{resp:?}");
+            assert_eq!(read_f32(&ms[1], p1.out, 2), [4.0, 1.0]);
+        } else {
+            let resp = finish(&mut ms[1], 0, &p1);
+            assert_eq!(status(&resp), Some(Status::Reset), "{resp:?}");
+            assert_eq!(resp.peer.get(), NO_PEER);
+            // Not run: the output keeps what the driver put there.
+            assert!(read_f32(&ms[1], p1.out, 2).iter().all(|x| x.is_nan()));
+            // The new group's first collective lines up on both members.
+            let p0 = allreduce(&mut m0, 0, &[1.0], 2, true);
+            let p1 = allreduce(&mut ms[1], 0, &[5.0], 2, true);
+            for (m, p) in [(&mut m0, &p0), (&mut ms[1], &p1)] {
+                let resp = finish(m, 0, p);
+                assert_eq!(status(&resp), Some(Status::Ok), "{resp:?}");
+                assert_eq!(read_f32(m, p.out, 1), [6.0]);
+            }
+        }
+        assert_eq!(m0.config().generation.get(), 1);
+        drop(old);
+    }
+}

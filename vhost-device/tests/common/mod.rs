@@ -300,6 +300,27 @@ pub struct Member {
     next_data: u64,
 }
 
+/// Connects to the backend at `path` and negotiates the protocol features:
+/// the frontend, the offered virtio features, the protocol features in
+/// use, and the number of queues.
+fn handshake(path: &Path) -> (Frontend, u64, VhostUserProtocolFeatures, u64) {
+    let mut fe = Frontend::connect(path, 64).expect("connect to the backend");
+    fe.set_owner().expect("SET_OWNER");
+    let features = fe.get_features().expect("GET_FEATURES");
+    let offered = fe.get_protocol_features().expect("GET_PROTOCOL_FEATURES");
+    let wanted = VhostUserProtocolFeatures::CONFIG
+        | VhostUserProtocolFeatures::MQ
+        | VhostUserProtocolFeatures::REPLY_ACK
+        | VhostUserProtocolFeatures::RESET_DEVICE;
+    let protocol = offered & wanted;
+    fe.set_protocol_features(protocol)
+        .expect("SET_PROTOCOL_FEATURES");
+    // Every later message asks for an ack, so a refused one fails here.
+    fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
+    let queue_num = fe.get_queue_num().expect("GET_QUEUE_NUM");
+    (fe, features, protocol, queue_num)
+}
+
 impl Member {
     /// Connects and negotiates the protocol features (not yet the virtio
     /// features: see [`Member::start`]).
@@ -314,20 +335,7 @@ impl Member {
     /// be at least `MEM_SIZE` long.
     pub fn connect_regions(path: &Path, regions: &[(u64, usize)]) -> Member {
         assert!(regions[0].0 == 0 && regions[0].1 >= MEM_SIZE);
-        let mut fe = Frontend::connect(path, 64).expect("connect to the backend");
-        fe.set_owner().expect("SET_OWNER");
-        let features = fe.get_features().expect("GET_FEATURES");
-        let offered = fe.get_protocol_features().expect("GET_PROTOCOL_FEATURES");
-        let wanted = VhostUserProtocolFeatures::CONFIG
-            | VhostUserProtocolFeatures::MQ
-            | VhostUserProtocolFeatures::REPLY_ACK
-            | VhostUserProtocolFeatures::RESET_DEVICE;
-        let protocol = offered & wanted;
-        fe.set_protocol_features(protocol)
-            .expect("SET_PROTOCOL_FEATURES");
-        // Every later message asks for an ack, so a refused one fails here.
-        fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
-        let queue_num = fe.get_queue_num().expect("GET_QUEUE_NUM");
+        let (fe, features, protocol, queue_num) = handshake(path);
 
         // Guest RAM shared with the backend through memfds, as QEMU does.
         let mem =
@@ -466,6 +474,31 @@ impl Member {
                 .expect("SET_VRING_ENABLE");
         }
         self.stop_queue(q)
+    }
+
+    /// Hands this member's rings, as they are, to the backend at `path` on
+    /// a new connection, as QEMU does when it reconnects to a restarted
+    /// daemon: it could not read the ring base from the dead one, so each
+    /// ring starts again at the driver's used index, and chains the old
+    /// backend had taken but not completed are available again.
+    pub fn hand_over(&mut self, path: &Path, features: u64) {
+        let (fe, offered, protocol, queue_num) = handshake(path);
+        self.fe = fe;
+        self.features = offered;
+        self.protocol = protocol;
+        self.queue_num = queue_num;
+        self.fe.set_features(features).expect("SET_FEATURES");
+        self.fe
+            .set_mem_table(&self.mem_table())
+            .expect("SET_MEM_TABLE");
+        for q in 0..self.queues.len() {
+            let used: u16 = self
+                .mem
+                .load(GuestAddress(self.queues[q].used + 2), Ordering::Acquire)
+                .map(u16::from_le)
+                .unwrap();
+            self.resume_queue(q, u32::from(used));
+        }
     }
 
     /// Starts queue `q` again as QEMU does when a paused VM runs: the same
