@@ -6,6 +6,7 @@
 //! pci_probe [--addr BDF] [--irq] [--iters N] [--dma-mib N]
 //!           [--hold SECS] [--expect-in-use] [--recover SECS]
 //! pci_probe --hugefill SECS
+//! pci_probe --features-check [--addr BDF]
 //! ```
 //!
 //! Run it as root in every VM of the group at the same time (each VM's
@@ -19,6 +20,10 @@
 //! fills it with 0x5a, prints `hugefill ready`, and for SECS seconds checks
 //! that nothing else writes it (a device still writing into the pages of a
 //! killed driver would); `hugefill clean` or `hugefill WRITTEN ...`.
+//! `--features-check` offers the device feature sets that spec 5.X.8.1
+//! says it must refuse (no VIRTIO_F_VERSION_1; a bit it never offered) and
+//! one it must accept, bypassing the driver's own checks, and fails unless
+//! the device clears FEATURES_OK exactly for the first two.
 //! The last line is `PCI-PROBE OK` on success.
 //!
 //! To try it: build it (`cargo build -p dmlc-guest --example pci_probe`),
@@ -46,6 +51,7 @@ struct Args {
     expect_in_use: bool,
     recover: u64,
     hugefill: Option<u64>,
+    features_check: bool,
 }
 
 fn parse_args() -> Res<Args> {
@@ -58,6 +64,7 @@ fn parse_args() -> Res<Args> {
         expect_in_use: false,
         recover: 0,
         hugefill: None,
+        features_check: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -71,6 +78,7 @@ fn parse_args() -> Res<Args> {
             "--expect-in-use" => a.expect_in_use = true,
             "--recover" => a.recover = value()?.parse()?,
             "--hugefill" => a.hugefill = Some(value()?.parse()?),
+            "--features-check" => a.features_check = true,
             _ => return Err(format!("unknown argument {arg}").into()),
         }
     }
@@ -392,9 +400,53 @@ fn hugefill(secs: u64) -> Res<()> {
     Ok(())
 }
 
+/// Offers the device feature sets it must refuse and one it must take
+/// (spec 5.X.8.1), printing one line per set.
+fn features_check(addr: Option<&str>) -> Res<()> {
+    use dmlc_guest::pci::PciTransport;
+    use dmlc_guest::transport::Transport;
+    use virtio_dmlc::VIRTIO_F_VERSION_1;
+
+    let mut t = PciTransport::open(addr, false)?;
+    let offered = t.device_features();
+    let version_1 = 1u64 << VIRTIO_F_VERSION_1;
+    // The highest bit the device does not offer.
+    let foreign = (0..64).rev().map(|b| 1u64 << b).find(|b| offered & b == 0);
+    let foreign = foreign.ok_or("the device offers all 64 feature bits")?;
+    let cases = [
+        ("without VIRTIO_F_VERSION_1", offered & !version_1, false),
+        ("with a bit never offered", offered | foreign, false),
+        ("VIRTIO_F_VERSION_1 alone", version_1, true),
+        ("everything offered", offered, true),
+    ];
+    println!("features-check: device offers {offered:#x}");
+    let mut wrong = 0;
+    for (what, features, kept_expected) in cases {
+        let kept = t.offer_features_unchecked(features)?;
+        let verdict = if kept == kept_expected { "ok" } else { "WRONG" };
+        println!(
+            "features-check: {what} ({features:#x}): {} ({verdict})",
+            if kept { "kept" } else { "refused" }
+        );
+        if kept != kept_expected {
+            wrong += 1;
+        }
+    }
+    // Leave the device reset for whoever opens it next.
+    t.reset()?;
+    if wrong > 0 {
+        return Err(format!("{wrong} feature set(s) answered against spec 5.X.8.1").into());
+    }
+    println!("PCI-PROBE OK");
+    Ok(())
+}
+
 fn run(a: &Args) -> Res<()> {
     if let Some(secs) = a.hugefill {
         return hugefill(secs);
+    }
+    if a.features_check {
+        return features_check(a.addr.as_deref());
     }
     let opts = options(a)?;
     let t = Instant::now();

@@ -695,6 +695,28 @@ impl PciTransport {
         self.features
     }
 
+    /// Resets the device and offers it `features` as they are, without the
+    /// driver's own check (VIRTIO_F_VERSION_1 required); returns whether
+    /// the device kept FEATURES_OK. A refusal leaves FAILED set until the
+    /// next reset. For conformance probes (`pci_probe --features-check`);
+    /// drivers use [`Transport::negotiate`].
+    pub fn offer_features_unchecked(
+        &mut self,
+        features: u64,
+    ) -> std::result::Result<bool, PciError> {
+        self.live.store(false, Ordering::Relaxed);
+        self.features = 0;
+        self.regs.begin()?;
+        match self.regs.write_features(features) {
+            Ok(()) => {
+                self.features = features;
+                Ok(true)
+            }
+            Err(PciError::FeaturesRefused { .. }) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Sets `set` and clears `clear` in the PCI command register.
     fn update_command(&self, set: u16, clear: u16) -> std::result::Result<(), PciError> {
         let _g = self.command.lock().unwrap_or_else(|e| e.into_inner());

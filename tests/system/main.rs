@@ -16,7 +16,8 @@
 //! emulation). `CI=true` turns a missing QEMU or KVM into a failure instead
 //! of a SKIP line. Each test prints its timings past the output capture.
 //!
-//! - `plumbing`: the device in sysfs, the backend's connections, `info`.
+//! - `plumbing`: the device in sysfs, the backend's connections, `info`;
+//!   feature sets the device must refuse (FEATURES_OK cleared).
 //! - `collectives`: `selftest --quick` on 2 VMs (polling) and 4 VMs
 //!   (interrupts).
 //! - `faults`: a VM killed in a collective (peer lost, a new VM rejoins);

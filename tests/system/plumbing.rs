@@ -67,3 +67,47 @@ fn two_vms_see_the_device_and_the_backend_sees_both() {
         );
     }
 }
+
+/// QEMU's device model clears FEATURES_OK for the feature sets that spec
+/// 5.X.8.1 says the device must refuse (qemu-patches 0006: no
+/// VIRTIO_F_VERSION_1, a bit it never offered), keeps it for valid ones,
+/// and the device opens normally afterwards.
+#[test]
+fn the_device_refuses_the_feature_sets_the_spec_forbids() {
+    let test = "the_device_refuses_the_feature_sets_the_spec_forbids";
+    let Some(env) = setup(test) else {
+        return;
+    };
+    let backend = Backend::start(&env, "feat", 1, &[]);
+    let job = format!("pci_probe --features-check && {}", guest("info"));
+    let t = Instant::now();
+    let mut vms = Vms::start(&env, &[vm(&job, &backend.socket(0))], &env.opts);
+    let out = vms.wait_ok("1 VM");
+    let text = &out[0].output;
+    for want in [
+        "features-check: without VIRTIO_F_VERSION_1",
+        "features-check: with a bit never offered",
+    ] {
+        let line = text.lines().find(|l| l.starts_with(want));
+        assert!(
+            line.is_some_and(|l| l.ends_with(": refused (ok)")),
+            "{want}: {line:?}:\n{text}"
+        );
+    }
+    for want in [
+        "features-check: VIRTIO_F_VERSION_1 alone",
+        "features-check: everything offered",
+    ] {
+        let line = text.lines().find(|l| l.starts_with(want));
+        assert!(
+            line.is_some_and(|l| l.ends_with(": kept (ok)")),
+            "{want}: {line:?}:\n{text}"
+        );
+    }
+    assert!(text.contains("PCI-PROBE OK"), "{text}");
+    assert!(
+        text.contains("world size    1\n"),
+        "info after the refusals:\n{text}"
+    );
+    progress(&format!("{test}: 1 VM in {:.1?}", t.elapsed()));
+}
