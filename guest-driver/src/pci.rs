@@ -913,7 +913,7 @@ impl Transport for PciTransport {
         if self.live.load(Ordering::Relaxed) {
             if s & status::DRIVER_OK == 0 {
                 return Err(TransportError::Disconnected {
-                    during: "the device lost DRIVER_OK",
+                    during: "the device was reset behind the driver: DRIVER_OK cleared",
                 });
             }
             self.check_group()?;

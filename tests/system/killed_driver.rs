@@ -85,3 +85,54 @@ fn killed_driver_leaves_no_dma_into_its_freed_hugepages() {
         t.elapsed()
     ));
 }
+
+/// A device reset the driver did not ask for (here: bus mastering turned
+/// off through sysfs, which makes the patched QEMU send RESET_DEVICE) while
+/// its collective waits: the backend drops the member's request and bumps
+/// the generation, and the driver's wait ends at once with an error that
+/// says so (DRIVER_OK cleared, or the request dropped: spec 5.X.7.4,
+/// whichever look at the device comes first) instead of lasting until its
+/// bound.
+#[test]
+fn a_reset_behind_the_drivers_back_ends_its_wait_at_once() {
+    let test = "a_reset_behind_the_drivers_back_ends_its_wait_at_once";
+    let Some(env) = setup(test) else {
+        return;
+    };
+    // Rank 1 never comes: without the drop, rank 0 would wait 120 s.
+    let backend = Backend::start(&env, "dropped", 2, &["--timeout-ms", "120000"]);
+    let driver = guest("debug allreduce --count 4 --iters 1");
+    let job = format!(
+        "{driver} > /tmp/driver.log 2>&1 & pid=$!; sleep 5; \
+         printf '\\002' | dd of=/sys/bus/pci/devices/0000:00:01.0/config bs=1 seek=4 \
+         conv=notrunc 2>/dev/null; echo bus mastering off; \
+         wait $pid; echo \"driver exit $?\"; cat /tmp/driver.log"
+    );
+    let mut spec = vm(job, &backend.socket(0));
+    spec.bind = Some("uio_pci_generic".to_owned());
+    let t = Instant::now();
+    let mut vms = Vms::start(&env, &[spec], &env.opts);
+    let out = vms.wait_ok("1 VM");
+    let text = &out[0].output;
+    let log = backend.log_text();
+    assert!(
+        log.contains("rank 0: device reset, member lost"),
+        "turning bus mastering off did not reset the device:\n{log}"
+    );
+    assert!(
+        text.contains("generation changed from 1 to 2 while the request was in flight")
+            || text.contains("the device was reset behind the driver: DRIVER_OK cleared"),
+        "the driver did not report the reset:\n{text}"
+    );
+    let exit = text.lines().find_map(|l| l.strip_prefix("driver exit "));
+    assert!(
+        exit.is_some_and(|c| c != "0"),
+        "the driver must fail: {exit:?}\n{text}"
+    );
+    let took = t.elapsed();
+    assert!(
+        took < Duration::from_secs(100),
+        "the wait lasted until some other bound ({took:?}):\n{text}"
+    );
+    progress(&format!("{test}: the driver failed at once, in {took:.1?}"));
+}
