@@ -1149,8 +1149,8 @@ impl Device {
     /// wait still ends, with [`Error::Unanswered`], once the request's own
     /// timeout plus [`WAIT_MARGIN`] has passed (the device's default timeout
     /// counts as [`ASSUMED_DEFAULT_TIMEOUT`]), and with
-    /// [`Error::RequestDropped`] when the device's generation or group id
-    /// changes while the request stays in flight.
+    /// [`Error::RequestDropped`] when the device's group id changes while
+    /// the request stays in flight.
     pub fn wait(&self, h: Handle, timeout: Option<Duration>) -> Result<Done> {
         self.wait_deadline(h, timeout.map(|t| Instant::now() + t))
     }
@@ -1191,17 +1191,20 @@ impl Device {
     }
 
     /// One look at the config space for a waiter of `h` (spec 5.X.7.4): if
-    /// the generation or group id differs from what the request was posted
-    /// under, the device has put every request that the change failed in
-    /// the used ring already; one still in flight after draining the ring
-    /// once more was dropped (its member was reset or lost, or the device
-    /// restarted) and will never complete.
+    /// the group id differs from the one the request was posted under, the
+    /// device implementation restarted; a request still in flight after
+    /// draining the ring once more was dropped and will never complete.
     fn watch(&self, q: &Queue, h: Handle) -> Result<()> {
         let (generation, group) = self.read_group()?;
         let mut st = q.lock();
         let mut verdict = Ok(());
+        // Only a new group id: a new generation alone either failed the
+        // request (it is in the used ring) or came before the device took
+        // it (it completes by matching or by timeout). A member that was
+        // itself lost learns it from its transport (device reset, DRIVER_OK
+        // cleared, connection closed).
         let changed = match in_flight_of(&mut st, h) {
-            Some(r) if r.posted.generation == generation && r.posted.group == group => {
+            Some(r) if r.posted.group == group => {
                 r.posted.confirmed = true;
                 false
             }
@@ -1818,6 +1821,8 @@ mod tests {
     struct Shared {
         /// Overrides the config's generation when not 0.
         generation: AtomicU32,
+        /// Overrides the config's group id when not 0.
+        group: AtomicU64,
         stop: AtomicBool,
         release: AtomicBool,
         dead: AtomicBool,
@@ -2011,6 +2016,10 @@ mod tests {
             match self.shared.generation.load(Ordering::Relaxed) {
                 0 => {}
                 g => config.generation = g.into(),
+            }
+            match self.shared.group.load(Ordering::Relaxed) {
+                0 => {}
+                g => config.group_id = g.into(),
             }
             buf.copy_from_slice(&config.as_bytes()[offset..offset + buf.len()]);
             Ok(())
@@ -2837,15 +2846,29 @@ mod tests {
     }
 
     #[test]
-    fn a_generation_change_ends_the_wait_for_a_dropped_request() {
+    fn a_group_id_change_ends_the_wait_for_a_dropped_request() {
         for poll in [true, false] {
             let (dev, shared) = open_fake(world_of_one(), &opts(poll));
+            // A new generation alone: the device may have taken the request
+            // after the change, so the wait goes on until it answers.
+            let h = dev.submit(0, &held_barrier(), &[], &[]).unwrap();
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    std::thread::sleep(Duration::from_millis(30));
+                    shared.generation.store(2, Ordering::Relaxed);
+                    std::thread::sleep(Duration::from_millis(60));
+                    shared.release.store(true, Ordering::Release);
+                });
+                dev.wait(h, Some(Duration::from_secs(20))).unwrap();
+            });
+            shared.release.store(false, Ordering::Release);
+
             let h = dev.submit(0, &held_barrier(), &[], &[]).unwrap();
             let t = Instant::now();
             let err = std::thread::scope(|s| {
                 s.spawn(|| {
                     std::thread::sleep(Duration::from_millis(30));
-                    shared.generation.store(2, Ordering::Relaxed);
+                    shared.group.store(9, Ordering::Relaxed);
                 });
                 dev.wait(h, Some(Duration::from_secs(20))).unwrap_err()
             });
@@ -2853,18 +2876,18 @@ mod tests {
                 matches!(
                     err,
                     Error::RequestDropped {
-                        generation: (1, 2),
-                        group: (7, 7)
+                        generation: (2, 2),
+                        group: (7, 9)
                     }
                 ),
                 "{err}"
             );
-            assert!(err.to_string().contains("generation changed from 1 to 2"));
+            assert!(err.to_string().contains("group id changed from 0x7 to 0x9"));
             assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
             // A request posted after the change, before the driver read it,
             // is not taken for a dropped one: it completes when the device
             // answers.
-            shared.generation.store(3, Ordering::Relaxed);
+            shared.group.store(11, Ordering::Relaxed);
             let h2 = dev.submit(0, &held_barrier(), &[], &[]).unwrap();
             std::thread::scope(|s| {
                 s.spawn(|| {

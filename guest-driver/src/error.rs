@@ -57,10 +57,10 @@ pub enum Error {
          margin): the device is stuck or gone; reset and reopen it"
     )]
     Unanswered { after: std::time::Duration },
-    /// The device's generation or group id changed while the request was in
-    /// flight, and the request was not completed: the device dropped it
-    /// (its member was reset or lost, or the device restarted) and never
-    /// will complete it.
+    /// The device's group id changed while the request was in flight, and
+    /// the request was not completed: the device implementation restarted
+    /// and never will complete it. (A new generation alone does not end a
+    /// wait: spec 5.X.7.4.)
     #[error("{}", dropped_text(*generation, *group))]
     RequestDropped {
         /// Generation the request was posted in, and the one seen now.

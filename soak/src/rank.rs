@@ -20,6 +20,10 @@ const WAIT_SLICE: Duration = Duration::from_millis(250);
 /// After group B's rank is closed or its daemon killed, how long its ranks
 /// wait for an outcome before they give a request up.
 pub const AFTER_KILL_GRACE: Duration = Duration::from_secs(2);
+/// --kill-one: how long the victim waits, with nothing in flight, for the
+/// daemon to take its peers' next requests before it closes (generous for
+/// a loaded 2-core machine; the daemon takes a request in microseconds).
+const VICTIM_PAUSE: Duration = Duration::from_millis(500);
 /// Error messages kept per rank.
 const MAX_MESSAGES: usize = 5;
 
@@ -528,6 +532,20 @@ impl Worker<'_> {
             }
             match self.victim.filter(|k| k.seq == seq).map(|k| k.what) {
                 Some(KillWhat::Rank) => {
+                    // Close while the peers wait for this rank: finish what
+                    // it posted (the peers then post their next requests,
+                    // which the daemon takes and holds for this rank), give
+                    // the daemon a moment to take them, then go away. Every
+                    // survivor then has requests that the loss must fail
+                    // with PEER_LOST; a close between two rounds of
+                    // completions would leave them none.
+                    while let Some(p) = pending.pop_front() {
+                        let slot = p.slot;
+                        if !self.finish_small(p, &slots[slot].1) {
+                            break;
+                        }
+                    }
+                    std::thread::sleep(VICTIM_PAUSE);
                     self.close_as_victim(pending.len() as u64);
                     return false;
                 }
@@ -776,8 +794,8 @@ impl Worker<'_> {
         }
     }
 
-    /// --kill-one: closes this rank's device with `in_flight` requests
-    /// posted, as a VM that goes away would.
+    /// --kill-one: closes this rank's device (with `in_flight` requests
+    /// posted, if any), as a VM that goes away would.
     fn close_as_victim(&mut self, in_flight: u64) {
         *lock(&self.g.killed_at) = Some(Instant::now());
         self.rep.victim = true;
