@@ -684,13 +684,15 @@ mod tests {
             .spawn()
             .unwrap();
         // Once `sleep` has exec'd, it maps its own binary and must show up
-        // as a holder of it.
+        // as a holder of it (among any other `sleep` running on the
+        // machine).
+        let pid = child.id().to_string();
         let mut found = Vec::new();
         for _ in 0..200 {
-            if let Ok(exe) = std::fs::read_link(format!("/proc/{}/exe", child.id())) {
+            if let Ok(exe) = std::fs::read_link(format!("/proc/{pid}/exe")) {
                 if exe != me {
                     found = holders_of(&exe);
-                    if !found.is_empty() {
+                    if found.iter().any(|h| h.starts_with(&format!("{pid} "))) {
                         break;
                     }
                 }
@@ -700,7 +702,7 @@ mod tests {
         child.kill().unwrap();
         child.wait().unwrap();
         assert!(
-            found.iter().any(|h| h.starts_with(&child.id().to_string())),
+            found.iter().any(|h| h.starts_with(&format!("{pid} "))),
             "{found:?}"
         );
     }
