@@ -57,9 +57,50 @@ pub struct Summary {
     pub single: bool,
     pub max_abs_diff: f64,
     pub tolerance: f64,
-    /// Slowest VM boot, seconds.
+    /// The job's timeline, as the launcher saw it.
+    pub times: Times,
+    /// Slowest rank's phases inside its program, milliseconds: joining the
+    /// job (device: open and DMA setup; TCP: connecting), loading the data,
+    /// training (the trainer's total_ms) and the checks after it.
+    pub init_ms: f64,
+    pub load_ms: f64,
+    pub total_ms: f64,
+    pub checks_ms: f64,
+}
+
+/// Where a run's wall time went, seconds, from the launcher's clock.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Times {
+    /// Preparing the guest image (a cache lookup once built).
+    pub image_s: f64,
+    /// Slowest VM, from QEMU's start to its program's start.
     pub boot_s: f64,
+    /// Slowest rank, from its program's start to its exit.
+    pub program_s: f64,
+    /// From the last exit to the VMs and the backend gone.
+    pub shutdown_s: f64,
     pub wall_s: f64,
+}
+
+impl Times {
+    fn of(outcome: &Outcome) -> Times {
+        let slowest = |f: &dyn Fn(&crate::job::RankOutcome) -> Option<Duration>| {
+            outcome
+                .ranks
+                .iter()
+                .filter_map(f)
+                .max()
+                .unwrap_or(Duration::ZERO)
+                .as_secs_f64()
+        };
+        Times {
+            image_s: outcome.image.as_secs_f64(),
+            boot_s: slowest(&|r| r.boot),
+            program_s: slowest(&|r| Some(r.total?.saturating_sub(r.boot?))),
+            shutdown_s: outcome.shutdown.as_secs_f64(),
+            wall_s: outcome.wall.as_secs_f64(),
+        }
+    }
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -77,11 +118,7 @@ fn median(v: &mut [f64]) -> f64 {
 
 impl Summary {
     /// Reads the reports (one JSON text per rank, rank order).
-    pub fn from_reports(
-        texts: &[String],
-        boot_s: f64,
-        wall_s: f64,
-    ) -> Result<Summary, ReportError> {
+    pub fn from_reports(texts: &[String], times: Times) -> Result<Summary, ReportError> {
         let mut reports = Vec::new();
         for (rank, text) in texts.iter().enumerate() {
             reports.push(Value::parse(text).map_err(|e| ReportError::Json(rank, e))?);
@@ -113,8 +150,11 @@ impl Summary {
             single: true,
             max_abs_diff: 0.0,
             tolerance: 0.0,
-            boot_s,
-            wall_s,
+            times,
+            init_ms: 0.0,
+            load_ms: 0.0,
+            total_ms: 0.0,
+            checks_ms: 0.0,
         };
         for (rank, r) in reports.iter().enumerate() {
             let steps = r
@@ -144,6 +184,14 @@ impl Summary {
                 s.accuracy = num(rank, r, "test_accuracy")?;
             }
             s.train_ms = s.train_ms.max(train_ms);
+            let phases = r
+                .get("phases_ms")
+                .ok_or(ReportError::Field(rank, "phases_ms"))?;
+            let phase = |key| num(rank, phases, key);
+            s.init_ms = s.init_ms.max(phase("init")?);
+            s.load_ms = s.load_ms.max(phase("load")?);
+            s.total_ms = s.total_ms.max(phase("train")?);
+            s.checks_ms = s.checks_ms.max(phase("checks")?);
             let fp = r
                 .get("identical_weights")
                 .and_then(|o| o.get("fingerprint"))
@@ -170,6 +218,13 @@ impl Summary {
 
     pub fn passed(&self) -> bool {
         self.identical && self.single
+    }
+
+    /// The slowest program's time outside the phases it measured itself
+    /// (process start, leaving the job, writing and sending the report).
+    pub fn program_rest_s(&self) -> f64 {
+        let measured = (self.init_ms + self.load_ms + self.total_ms + self.checks_ms) / 1e3;
+        (self.times.program_s - measured).max(0.0)
     }
 }
 
@@ -225,17 +280,47 @@ pub fn table(dev: &Summary, tcp: &Summary, n: usize) -> String {
             format!("{} ({:.1e})", yes(dev.single), dev.max_abs_diff),
             format!("{} ({:.1e})", yes(tcp.single), tcp.max_abs_diff),
         ),
-        (
-            "VM boot (slowest)".into(),
-            format!("{:.1} s", dev.boot_s),
-            format!("{:.1} s", tcp.boot_s),
-        ),
-        (
-            "whole job (wall)".into(),
-            format!("{:.1} s", dev.wall_s),
-            format!("{:.1} s", tcp.wall_s),
-        ),
     ];
+    let secs = |v: f64| format!("{v:.1} s");
+    let ms_as_secs = |v: f64| format!("{:.1} s", v / 1e3);
+    let (d, c) = (&dev.times, &tcp.times);
+    let timeline: Vec<(String, String, String)> = vec![
+        ("guest image".into(), secs(d.image_s), secs(c.image_s)),
+        ("VM boot (slowest)".into(), secs(d.boot_s), secs(c.boot_s)),
+        (
+            "  join the job (open, DMA / connect)".into(),
+            ms_as_secs(dev.init_ms),
+            ms_as_secs(tcp.init_ms),
+        ),
+        (
+            "  load the data".into(),
+            ms_as_secs(dev.load_ms),
+            ms_as_secs(tcp.load_ms),
+        ),
+        (
+            "  training".into(),
+            ms_as_secs(dev.total_ms),
+            ms_as_secs(tcp.total_ms),
+        ),
+        (
+            "  checks (single-process rerun)".into(),
+            ms_as_secs(dev.checks_ms),
+            ms_as_secs(tcp.checks_ms),
+        ),
+        (
+            "  rest of the program (start, exit, report)".into(),
+            secs(dev.program_rest_s()),
+            secs(tcp.program_rest_s()),
+        ),
+        (
+            "program, slowest rank".into(),
+            secs(d.program_s),
+            secs(c.program_s),
+        ),
+        ("shutdown".into(), secs(d.shutdown_s), secs(c.shutdown_s)),
+        ("whole job (wall)".into(), secs(d.wall_s), secs(c.wall_s)),
+    ];
+    let rows: Vec<(String, String, String)> = rows.into_iter().chain(timeline).collect();
     let w0 = rows.iter().map(|r| r.0.len()).max().unwrap_or(0);
     let w1 = rows.iter().map(|r| r.1.len()).max().unwrap_or(0).max(6);
     let w2 = rows.iter().map(|r| r.2.len()).max().unwrap_or(0).max(3);
@@ -284,14 +369,8 @@ fn run_one(job: &Job, qemu: &vm::Qemu) -> Result<(Outcome, Summary), i32> {
             let _ = std::fs::write(dir.join(format!("rank{rank}.json")), text);
         }
     }
-    let boot = outcome
-        .ranks
-        .iter()
-        .filter_map(|r| r.boot)
-        .max()
-        .unwrap_or(Duration::ZERO);
     let summary = texts
-        .and_then(|t| Summary::from_reports(&t, boot.as_secs_f64(), outcome.wall.as_secs_f64()))
+        .and_then(|t| Summary::from_reports(&t, Times::of(&outcome)))
         .map_err(|e| job_error(&e))?;
     Ok((outcome, summary))
 }
@@ -332,14 +411,9 @@ pub fn run(a: DemoArgs) -> i32 {
     ];
     args.extend(a.trainer_args.iter().cloned());
     let n = usize::from(a.num_workers);
-    let mut summaries = Vec::new();
-    for (i, transport) in [Transport::Device, Transport::Tcp].into_iter().enumerate() {
-        let title = match transport {
-            Transport::Device => "gradients through the virtio-dmlc device",
-            Transport::Tcp => "gradients over TCP between the VMs (virtio-net)",
-        };
-        progress(&format!("run {}/2: {n} workers, {title}", i + 1));
-        let job = Job {
+    let jobs: Vec<Job> = [Transport::Device, Transport::Tcp]
+        .into_iter()
+        .map(|transport| Job {
             num_workers: n,
             vcpus: m.vcpus,
             memory_mib: m.memory,
@@ -354,13 +428,26 @@ pub fn run(a: DemoArgs) -> i32 {
             program: Program::Host(trainer.clone()),
             args: args.clone(),
             fetch: vec![GUEST_REPORT.to_owned()],
+        })
+        .collect();
+    // Both runs use the same image: build it (if the cache lacks it) before
+    // either run's clock starts, so that neither pays for it.
+    if let Err(e) = prepare::image(&jobs[0].image_files()) {
+        return job_error(&e);
+    }
+    let mut summaries = Vec::new();
+    for (i, job) in jobs.iter().enumerate() {
+        let title = match job.transport {
+            Transport::Device => "gradients through the virtio-dmlc device",
+            Transport::Tcp => "gradients over TCP between the VMs (virtio-net)",
         };
-        match run_one(&job, &qemu) {
+        progress(&format!("run {}/2: {n} workers, {title}", i + 1));
+        match run_one(job, &qemu) {
             Ok((_, s)) => summaries.push(s),
             Err(code) => {
                 progress(&format!(
                     "the {} run failed; stopping the demo",
-                    transport.as_str()
+                    job.transport.as_str()
                 ));
                 return code;
             }
@@ -387,6 +474,7 @@ mod tests {
              {{\"step\":1,\"loss\":1.0,\"compute_ms\":3,\"exchange_ms\":{}}},\
              {{\"step\":2,\"loss\":0.5,\"compute_ms\":2,\"exchange_ms\":{}}}],\
              \"total_ms\":{},\"test_accuracy\":0.9,\
+             \"phases_ms\":{{\"init\":100,\"load\":50,\"train\":900,\"checks\":200}},\
              \"identical_weights\":{{\"pass\":true,\"fingerprint\":\"{fp}\"}},\
              \"single_process\":{{\"pass\":true,\"max_abs_diff\":1e-7,\"tolerance\":0.0001}},\
              \"pass\":true}}",
@@ -403,7 +491,14 @@ mod tests {
             report(0, "0xab", [0.1, 0.2, 0.3]),
             report(1, "0xab", [0.4, 0.5, 0.6]),
         ];
-        let s = Summary::from_reports(&texts, 4.0, 9.0).unwrap();
+        let times = Times {
+            image_s: 0.5,
+            boot_s: 4.0,
+            program_s: 1.5,
+            shutdown_s: 0.5,
+            wall_s: 9.0,
+        };
+        let s = Summary::from_reports(&texts, times).unwrap();
         assert_eq!(s.steps, 3);
         assert_eq!(s.compute_ms, 2.0);
         assert!((s.exchange_ms - 0.35).abs() < 1e-12);
@@ -418,12 +513,15 @@ mod tests {
         let t = table(&s, &s, 2);
         assert!(t.contains("exchange per step (median)"));
         assert!(t.contains("tcp / device: 1.0x for the last rank"));
+        // 1.5 s of program, 1.25 s of it in measured phases.
+        assert!((s.program_rest_s() - 0.25).abs() < 1e-9);
+        assert!(t.contains("whole job (wall)"), "{t}");
     }
 
     #[test]
     fn different_fingerprints_fail_the_identical_check() {
         let texts = [report(0, "0xab", [0.1; 3]), report(1, "0xac", [0.1; 3])];
-        let s = Summary::from_reports(&texts, 0.0, 0.0).unwrap();
+        let s = Summary::from_reports(&texts, Times::default()).unwrap();
         assert!(!s.identical);
         assert!(!s.passed());
     }
@@ -431,11 +529,11 @@ mod tests {
     #[test]
     fn broken_reports_are_errors() {
         assert!(matches!(
-            Summary::from_reports(&["{".to_owned()], 0.0, 0.0),
+            Summary::from_reports(&["{".to_owned()], Times::default()),
             Err(ReportError::Json(0, _))
         ));
         assert!(matches!(
-            Summary::from_reports(&["{}".to_owned()], 0.0, 0.0),
+            Summary::from_reports(&["{}".to_owned()], Times::default()),
             Err(ReportError::Field(0, "steps"))
         ));
     }

@@ -142,6 +142,10 @@ pub struct RankOutcome {
 pub struct Outcome {
     pub end: End,
     pub ranks: Vec<RankOutcome>,
+    /// Preparing the guest image (a cache lookup once it is built).
+    pub image: Duration,
+    /// From the last program's exit to the VMs and the backend gone.
+    pub shutdown: Duration,
     pub wall: Duration,
 }
 
@@ -208,7 +212,7 @@ impl Job {
     }
 
     /// Host files to put in the image.
-    fn image_files(&self) -> Vec<(PathBuf, String)> {
+    pub fn image_files(&self) -> Vec<(PathBuf, String)> {
         let mut files = Vec::new();
         if let Program::Host(p) = &self.program {
             files.push((p.clone(), self.guest_program()));
@@ -274,6 +278,7 @@ impl Job {
         let started = Instant::now();
         let tmp = TempDir::new()?;
         let image = prepare::image(&self.image_files())?;
+        let image_took = started.elapsed();
         if let Some(sig) = signals::received() {
             return Err(PrepareError::Interrupted(sig).into());
         }
@@ -321,6 +326,7 @@ impl Job {
         let cluster = vm::Cluster::start(qemu, &image, &specs, &opts).map_err(JobError::Cluster)?;
         let mut monitor = Monitor::new(&cluster, self.num_workers, &token, self.log_dir.as_deref());
         let end = monitor.run(out, &mut backend, self.timeout);
+        let programs_done = Instant::now();
         monitor.flush(out);
         if let Some(dir) = &self.log_dir {
             save_logs(&cluster, self.num_workers, dir);
@@ -332,6 +338,8 @@ impl Job {
         Ok(Outcome {
             end,
             ranks,
+            image: image_took,
+            shutdown: programs_done.elapsed(),
             wall: started.elapsed(),
         })
     }
@@ -1073,6 +1081,8 @@ mod tests {
         let o = |end, ranks| Outcome {
             end,
             ranks,
+            image: Duration::ZERO,
+            shutdown: Duration::ZERO,
             wall: Duration::ZERO,
         };
         assert_eq!(

@@ -12,7 +12,7 @@ use clap::Parser;
 use thiserror::Error;
 
 use dmlc_example_digits::data::{self, DataError, DEFAULT_TEST_SIZE};
-use dmlc_example_digits::report::{median, Report};
+use dmlc_example_digits::report::{median, Phases, Report};
 use dmlc_example_digits::train::{
     check_identical, check_single, train, Collective, CommError, Settings, TrainError,
     DEFAULT_TOLERANCE,
@@ -117,24 +117,34 @@ impl Collective for RabitWorker {
 /// Joins the job, trains, checks, and leaves; returns whether both checks
 /// passed.
 fn job(args: &Args) -> Result<bool, MainError> {
+    let t = Instant::now();
     rabit::init().map_err(MainError::Init)?;
+    let init_ms = ms_since(t);
     let transport = rabit::with(|r| r.transport()).map_err(MainError::Init)?;
-    let passed = run(&mut RabitWorker, transport, args)?;
+    let passed = run(&mut RabitWorker, transport, args, init_ms)?;
     // Waits for every rank, so none leaves while others still talk to it.
     rabit::finalize().map_err(MainError::Finalize)?;
     Ok(passed)
 }
 
-/// Runs the job on `comm`; returns whether both checks passed.
+fn ms_since(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+/// Runs the job on `comm` (joined in `init_ms`); returns whether both
+/// checks passed.
 fn run<C: Collective + ?Sized>(
     comm: &mut C,
     transport: &str,
     args: &Args,
+    init_ms: f64,
 ) -> Result<bool, MainError> {
     let rank = comm.rank();
     let ranks = comm.world_size();
+    let t = Instant::now();
     let all = data::load(&args.data)?;
     let (train_set, test_set) = all.split(args.test_size)?;
+    let load_ms = ms_since(t);
     let settings = Settings {
         steps: args.steps,
         lr: args.lr,
@@ -177,6 +187,7 @@ fn run<C: Collective + ?Sized>(
         median(steps, |s| s.exchange_ms)
     );
 
+    let t_checks = Instant::now();
     let model = &trained.model;
     let correct = model.correct(&test_set);
     println!(
@@ -215,6 +226,16 @@ fn run<C: Collective + ?Sized>(
         reference.tolerance
     );
 
+    let phases = Phases {
+        init_ms,
+        load_ms,
+        train_ms: total_ms,
+        checks_ms: ms_since(t_checks),
+    };
+    println!(
+        "phases init_ms {:.1} load_ms {:.1} train_ms {:.1} checks_ms {:.1}",
+        phases.init_ms, phases.load_ms, phases.train_ms, phases.checks_ms
+    );
     let report = Report {
         rank,
         world_size: ranks,
@@ -224,6 +245,7 @@ fn run<C: Collective + ?Sized>(
         test_samples: test_set.len(),
         steps: &trained.steps,
         total_ms,
+        phases,
         test_correct: correct,
         identical,
         reference: &reference,

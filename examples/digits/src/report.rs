@@ -32,9 +32,22 @@ pub struct Report<'a> {
     pub steps: &'a [StepStats],
     /// Wall time of the distributed training, milliseconds.
     pub total_ms: f64,
+    /// Where the rank's time went.
+    pub phases: Phases,
     pub test_correct: usize,
     pub identical: Identical,
     pub reference: &'a Reference,
+}
+
+/// A rank's time by phase, milliseconds: joining the job (for the device:
+/// opening it and setting up DMA memory), loading the data, training,
+/// and the checks after training.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Phases {
+    pub init_ms: f64,
+    pub load_ms: f64,
+    pub train_ms: f64,
+    pub checks_ms: f64,
 }
 
 /// Mean of one per-step quantity (0 if there are no steps).
@@ -120,6 +133,15 @@ impl Report<'_> {
             number(mean(self.steps, |s| s.exchange_ms)),
             number(median(self.steps, |s| s.compute_ms)),
             number(median(self.steps, |s| s.exchange_ms))
+        );
+        let p = &self.phases;
+        let _ = write!(
+            o,
+            "\"phases_ms\":{{\"init\":{},\"load\":{},\"train\":{},\"checks\":{}}},",
+            number(p.init_ms),
+            number(p.load_ms),
+            number(p.train_ms),
+            number(p.checks_ms)
         );
         let _ = write!(
             o,
@@ -227,6 +249,12 @@ mod tests {
             test_samples: 4,
             steps: &steps,
             total_ms: 12.5,
+            phases: Phases {
+                init_ms: 1.5,
+                load_ms: 2.0,
+                train_ms: 12.5,
+                checks_ms: 0.25,
+            },
             test_correct: 3,
             identical: Identical {
                 fingerprint: 0xab,
@@ -241,6 +269,7 @@ mod tests {
             "\"lr\":1,\"l2\":0.0001,",
             "{\"step\":1,\"loss\":null,\"compute_ms\":3,\"exchange_ms\":1.5}",
             "\"mean_compute_ms\":2,\"mean_exchange_ms\":1,\"median_compute_ms\":2,\"median_exchange_ms\":1,",
+            "\"phases_ms\":{\"init\":1.5,\"load\":2,\"train\":12.5,\"checks\":0.25},",
             "\"test_correct\":3,\"test_accuracy\":0.75,",
             "\"identical_weights\":{\"pass\":true,\"fingerprint\":\"0x00000000000000ab\"",
             "\"single_process\":{\"pass\":false,\"max_abs_diff\":0.25,",
