@@ -110,8 +110,9 @@ pub struct Args {
     pub reduce_threads: Option<usize>,
 
     /// After handling a kick, keep polling the queue for new requests this
-    /// many microseconds before sleeping again; 0 wakes only on the guest's
-    /// notification.
+    /// many microseconds before sleeping again, while the machine has a
+    /// CPU to spare (no more runnable threads than CPUs, looked at every
+    /// 10 ms); 0 wakes only on the guest's notification.
     #[arg(long, value_name = "US", default_value_t = 0)]
     pub poll_us: u64,
 

@@ -13,6 +13,7 @@
 //! - [`group`]: matching, ordering, generations, timeouts, running collectives;
 //! - [`metrics`]: counters and their Prometheus text form;
 //! - [`backend`]: the `VhostUserBackend` of one member;
+//! - [`spare_cpu`]: whether busy-polling would take a CPU from the ranks;
 //! - [`config`]: command-line options and the daemon's configuration;
 //! - [`daemon`]: the per-socket serve loops and the metrics endpoint.
 
@@ -25,6 +26,7 @@ pub mod fault;
 pub mod group;
 pub mod metrics;
 pub mod reduce;
+pub mod spare_cpu;
 
 /// Guest memory as the backend sees it (no dirty-page bitmap).
 pub type GuestMem = vm_memory::GuestMemoryMmap<()>;
