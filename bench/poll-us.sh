@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Backend busy-polling (--poll-us) against none, on the host transport, in
+# one run (see docs/benchmarks.md, "Backend polling").
+#
+#   bench/poll-us.sh [--ranks N] [--repeat K] [--iters I] [--polls "0 50 200"]
+#
+# For each repetition and each poll time (interleaved, so that the
+# machine's noise spreads over all of them), runs `dmlc-guest local` with N
+# ranks and a 4 B allreduce `bench`, and keeps rank 0's p50 (out of place
+# and in place). Prints the median over the repetitions for each poll time
+# and its ratio to --poll-us 0 from the same run.
+set -euo pipefail
+
+ranks=2 repeat=5 iters=2000 polls="0 50 200"
+while [ $# -gt 0 ]; do
+    case $1 in
+        --ranks) ranks=$2; shift 2 ;;
+        --repeat) repeat=$2; shift 2 ;;
+        --iters) iters=$2; shift 2 ;;
+        --polls) polls=$2; shift 2 ;;
+        -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+        *) echo "poll-us.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+case " $polls " in *" 0 "*) ;; *) echo "poll-us.sh: --polls must include 0 (the baseline)" >&2; exit 2 ;; esac
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+cargo build --release -q -p dmlc-guest -p vhost-device-dmlc
+target=${CARGO_TARGET_DIR:-$root/target}/release
+raw=$(mktemp)
+trap 'rm -f "$raw"' EXIT
+
+echo "# poll-us.sh: $ranks ranks, 4 B f32 sum allreduce, $iters iterations, $repeat repetitions; $(nproc) CPUs, load average $(cut -d' ' -f1-3 /proc/loadavg)"
+for rep in $(seq "$repeat"); do
+    for p in $polls; do
+        line=$("$target/dmlc-guest" local --ranks "$ranks" --backend "$target/vhost-device-dmlc" \
+            --poll-us "$p" -- bench -b 4 -e 4 -n "$iters" -w $((iters / 10)) 2>&1 |
+            awk '$1 == "4" { print $6, $10 }')
+        [ -n "$line" ] || { echo "poll-us.sh: no result for --poll-us $p (rep $rep)" >&2; exit 1; }
+        echo "$p $line" >>"$raw"
+        echo "  rep $rep --poll-us $p: p50 oop/ip $line us" >&2
+    done
+done
+awk -v polls="$polls" '
+    function median(a, n,   i, j, t) {
+        for (i = 2; i <= n; i++) for (j = i; j > 1 && a[j-1] > a[j]; j--) { t = a[j]; a[j] = a[j-1]; a[j-1] = t }
+        return n % 2 ? a[(n+1)/2] : (a[n/2] + a[n/2+1]) / 2
+    }
+    { n[$1]++; o[$1, n[$1]] = $2; i[$1, n[$1]] = $3 }
+    END {
+        printf "%10s %14s %14s %10s %10s\n", "--poll-us", "p50 oop (us)", "p50 ip (us)", "oop / 0", "ip / 0"
+        k = split(polls, ps, " ")
+        for (x = 1; x <= k; x++) {
+            p = ps[x]
+            for (r = 1; r <= n[p]; r++) { ao[r] = o[p, r]; ai[r] = i[p, r] }
+            mo[p] = median(ao, n[p]); mi[p] = median(ai, n[p])
+        }
+        for (x = 1; x <= k; x++) {
+            p = ps[x]
+            printf "%10s %14.2f %14.2f %9.2fx %9.2fx\n", p, mo[p], mi[p], mo[p] / mo[0], mi[p] / mi[0]
+        }
+    }' "$raw"
