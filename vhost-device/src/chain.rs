@@ -224,11 +224,11 @@ pub fn parse(chain: DescriptorChain<&GuestMem>, limits: &Limits) -> Result<Reque
     }
     // The iterator stops silently on a broken chain (bad index, loop, bad
     // indirect table, 2^32 bytes or more in total); the last descriptor
-    // then still says it has a next.
-    let broken = descs.last().is_none_or(Descriptor::has_next);
-    if broken {
-        cut_loop(&mut descs);
-    }
+    // then still says it has a next. A repeated descriptor stops the walk
+    // too (spec 5.X.6.7.1), even where the iterator went on (a direct
+    // descriptor and an identical entry of its indirect table).
+    let ended_early = descs.last().is_none_or(Descriptor::has_next);
+    let broken = cut_loop(&mut descs) || ended_early;
     // The iterator keeps a chain under 4 GiB in total, so this fits.
     let writable_len: u64 = descs
         .iter()
@@ -453,12 +453,24 @@ pub fn parse(chain: DescriptorChain<&GuestMem>, limits: &Limits) -> Result<Reque
 /// one walked before: the descriptor before it is the last one reached.
 /// Within one table that is exactly a loop: a descriptor determines every
 /// descriptor after it, so a repeat means the walk would go round forever
-/// (and a chain that does not loop never repeats one).
-fn cut_loop(descs: &mut Vec<Descriptor>) {
+/// (and a chain that does not loop never repeats one). Returns whether it
+/// cut.
+fn cut_loop(descs: &mut Vec<Descriptor>) -> bool {
     let key = |d: &Descriptor| (d.addr().raw_value(), d.len(), d.flags(), d.next());
-    let mut seen = std::collections::HashSet::with_capacity(descs.len());
-    if let Some(repeat) = descs.iter().position(|d| !seen.insert(key(d))) {
-        descs.truncate(repeat);
+    // Every chain goes through here: short ones (the usual 4 to 8
+    // descriptors) are scanned without allocating.
+    let repeat = if descs.len() <= 32 {
+        (1..descs.len()).find(|&i| descs[..i].iter().any(|d| key(d) == key(&descs[i])))
+    } else {
+        let mut seen = std::collections::HashSet::with_capacity(descs.len());
+        descs.iter().position(|d| !seen.insert(key(d)))
+    };
+    match repeat {
+        Some(at) => {
+            descs.truncate(at);
+            true
+        }
+        None => false,
     }
 }
 
