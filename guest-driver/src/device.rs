@@ -51,7 +51,16 @@ pub struct OpenOptions {
     pub dma_bytes: usize,
     /// Set up at most this many queues; 0 (the default) = all the device has.
     pub max_queues: u16,
+    /// With `poll` false: busy-poll for a while before sleeping (the hybrid
+    /// wait), at most this long; how long within that bound the driver
+    /// learns from its recent waits. Zero (the default): sleep at once.
+    pub spin_cap: Duration,
 }
+
+/// The hybrid wait's bound that `--hybrid` (and `DMLC_POLL=hybrid`) use:
+/// several times a TCG round trip (about 30 us), and little next to a wait
+/// for a late peer (milliseconds).
+pub const HYBRID_SPIN_CAP: Duration = Duration::from_micros(200);
 
 impl Default for OpenOptions {
     fn default() -> Self {
@@ -61,6 +70,7 @@ impl Default for OpenOptions {
             event_idx: true,
             dma_bytes: 256 << 20,
             max_queues: 0,
+            spin_cap: Duration::ZERO,
         }
     }
 }
@@ -557,6 +567,10 @@ pub const ASSUMED_DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
 pub const WAIT_MARGIN: Duration = Duration::from_secs(60);
 /// Longest indirect descriptor table the device accepts (spec 5.X.6.2).
 const MAX_INDIRECT: usize = 65535;
+fn duration_ns(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
 /// Offset of `generation` (followed by `group_id`) in the config space.
 const GENERATION_OFFSET: usize = std::mem::offset_of!(VirtioDmlcConfig, generation);
 
@@ -703,6 +717,10 @@ pub struct Device {
     config: VirtioDmlcConfig,
     features: u64,
     poll: bool,
+    /// The hybrid wait's bound (zero: none) and its running estimate of a
+    /// wait's length, nanoseconds (each wait counted up to the bound).
+    spin_cap: Duration,
+    wait_estimate_ns: AtomicU64,
     bounce: Mutex<Option<DmaBuf>>,
     /// Generation and group id as last read from the config space.
     known_generation: AtomicU32,
@@ -805,6 +823,12 @@ impl Device {
             config,
             features,
             poll: opts.poll,
+            spin_cap: if opts.poll {
+                Duration::ZERO
+            } else {
+                opts.spin_cap
+            },
+            wait_estimate_ns: AtomicU64::new(duration_ns(opts.spin_cap) / 2),
             bounce: Mutex::new(None),
             known_generation: AtomicU32::new(config.generation.get()),
             known_group: AtomicU64::new(config.group_id.get()),
@@ -1264,11 +1288,16 @@ impl Device {
         let mut last_check = started;
         let mut next_watch = started + WATCH_AFTER;
         let mut spins = 0u32;
+        let hybrid = !self.spin_cap.is_zero();
+        let spin_until = started + self.spin_budget();
         loop {
             let mut st = q.lock();
             st.harvest()?;
             if let Some(r) = ready(&mut st)? {
                 q.release(st);
+                if hybrid {
+                    self.learn_wait(started.elapsed());
+                }
                 return Ok(r);
             }
             let now = Instant::now();
@@ -1295,7 +1324,9 @@ impl Device {
                 let until = next_watch - now;
                 remaining = Some(remaining.map_or(until, |r| r.min(until)));
             }
-            if self.poll {
+            if self.poll || (hybrid && now < spin_until) {
+                // Interrupts stay off while spinning (the hybrid wait arms
+                // them only to sleep, and takes them off again after).
                 q.release(st);
                 spins = spins.wrapping_add(1);
                 if spins.is_multiple_of(128) {
@@ -1320,11 +1351,36 @@ impl Device {
                 } else {
                     self.transport.wait_interrupt(q.index, remaining)
                 };
-                q.lock().sleeping = false;
+                {
+                    let mut st = q.lock();
+                    st.sleeping = false;
+                    if hybrid {
+                        st.vq.set_interrupts(false);
+                    }
+                }
                 q.cond.notify_all();
                 woke?;
             }
         }
+    }
+
+    /// How long the hybrid wait spins before it sleeps: twice the recent
+    /// waits' typical length, within a twentieth of the bound and the
+    /// bound (zero without the hybrid wait).
+    fn spin_budget(&self) -> Duration {
+        let cap = duration_ns(self.spin_cap);
+        let estimate = self.wait_estimate_ns.load(Ordering::Relaxed);
+        Duration::from_nanos(estimate.saturating_mul(2).clamp(cap / 20, cap))
+    }
+
+    /// Folds one wait's length (up to the bound) into the estimate: an
+    /// average that weighs the last eight waits most.
+    fn learn_wait(&self, took: Duration) {
+        let cap = duration_ns(self.spin_cap);
+        let sample = duration_ns(took).min(cap);
+        let old = self.wait_estimate_ns.load(Ordering::Relaxed);
+        let new = (old.saturating_mul(7).saturating_add(sample)) / 8;
+        self.wait_estimate_ns.store(new, Ordering::Relaxed);
     }
 
     // Blocking conveniences on DmaBufs (queue 0). Each takes the first
@@ -2252,6 +2308,49 @@ mod tests {
         exercise_conveniences(&dev);
         assert_eq!(shared.signals.load(Ordering::Relaxed), 0);
         assert!(shared.notifies.load(Ordering::Relaxed) > 0);
+    }
+
+    fn hybrid() -> OpenOptions {
+        OpenOptions {
+            spin_cap: HYBRID_SPIN_CAP,
+            ..opts(false)
+        }
+    }
+
+    /// The hybrid wait: completions that come while it spins need no
+    /// interrupt; a wait longer than the spin sleeps on one and still
+    /// completes.
+    #[test]
+    fn the_hybrid_wait_spins_first_then_sleeps() {
+        let (dev, shared) = open_fake(world_of_one(), &hybrid());
+        assert!(!dev.is_polling());
+        // The fake answers within microseconds, inside the spin: learning
+        // from these waits brings the budget down towards its floor.
+        for _ in 0..50 {
+            dev.barrier().unwrap();
+        }
+        let spin = dev.spin_budget();
+        assert!(spin < HYBRID_SPIN_CAP, "{spin:?}");
+        assert!(spin >= HYBRID_SPIN_CAP / 20, "{spin:?}");
+        // A held request, released after 50 ms: longer than any spin.
+        let h = dev.submit(0, &held_barrier(), &[], &[]).unwrap();
+        let before = shared.signals.load(Ordering::Relaxed);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(50));
+                shared.release.store(true, Ordering::Release);
+            });
+            dev.wait(h, Some(Duration::from_secs(20))).unwrap();
+        });
+        assert!(
+            shared.signals.load(Ordering::Relaxed) > before,
+            "the long wait did not sleep on the interrupt"
+        );
+        // Long waits push the budget up to the bound, never past it.
+        for _ in 0..50 {
+            dev.learn_wait(Duration::from_millis(50));
+        }
+        assert_eq!(dev.spin_budget(), HYBRID_SPIN_CAP);
     }
 
     #[test]

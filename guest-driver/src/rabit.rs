@@ -54,7 +54,7 @@
 //! | `DMLC_DEVICE` | `pci` (the first virtio-dmlc PCI device, inside a VM) or `pci:0000:00:04.0` |
 //! | `DMLC_SOCKET` | path of a backend socket: this process plays the VM (host transport) |
 //! | `DMLC_DMA_BYTES` | device-visible memory to set aside, e.g. `16M` (default 256M; in a VM it comes from hugepages) |
-//! | `DMLC_POLL` | `1` (default) busy-polls for completions, `0` sleeps on interrupts |
+//! | `DMLC_POLL` | `1` (default) busy-polls for completions, `0` sleeps on interrupts, `hybrid` spins up to 200 us (as long as recent waits suggest) and then sleeps |
 //! | `DMLC_TCP_PEERS` | TCP only: `ip:port,...` of every worker in rank order |
 //! | `DMLC_TCP_CONNECT_TIMEOUT_S` | TCP only: how long to wait for slow peers (default 60) |
 //! | `DMLC_TCP_IO_TIMEOUT_S` | TCP only: how long a collective waits for a silent peer (default 120, 0 = forever) |
@@ -347,7 +347,11 @@ impl Config {
             open.poll = match v.as_str() {
                 "1" | "true" | "yes" => true,
                 "0" | "false" | "no" => false,
-                _ => return Err(bad("DMLC_POLL", &v, "expected 1 or 0")),
+                "hybrid" => {
+                    open.spin_cap = crate::device::HYBRID_SPIN_CAP;
+                    false
+                }
+                _ => return Err(bad("DMLC_POLL", &v, "expected 1, 0 or hybrid")),
             };
         }
         let tcp_peers = match var(tcp::PEERS_ENV) {
@@ -750,7 +754,7 @@ mod tests {
         assert!(err(&[("DMLC_DEVICE", "pci"), ("DMLC_SOCKET", "/s")]).contains("set only one"));
         assert!(err(&[("DMLC_DEVICE", "usb")]).contains("expected pci"));
         assert!(err(&[("DMLC_DMA_BYTES", "lots")]).contains("not a size"));
-        assert!(err(&[("DMLC_POLL", "maybe")]).contains("expected 1 or 0"));
+        assert!(err(&[("DMLC_POLL", "maybe")]).contains("expected 1, 0 or hybrid"));
         assert!(err(&[("DMLC_TCP_PEERS", "nowhere")]).starts_with("invalid DMLC_TCP_PEERS"));
         assert!(err(&[("DMLC_TCP_IO_TIMEOUT_S", "-1")]).contains("seconds"));
     }

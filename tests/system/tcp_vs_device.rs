@@ -1,7 +1,8 @@
 //! The device against TCP between the same two VMs, in the same run, all
 //! measured by `dmlc-guest bench` with the same sizes and iterations: over
 //! the device (`--pci`) polling for completions, then sleeping on
-//! interrupts (uio_pci_generic), then over the TCP Communicator on
+//! interrupts (uio_pci_generic), then with the hybrid wait (`--hybrid`:
+//! spin up to 200 us, then sleep), then over the TCP Communicator on
 //! virtio-net (`--transport tcp`). Rank 0's tables are printed side by side
 //! with the p50 ratios and the goals (device at least 10x faster
 //! than TCP at 4 B and 50x at 1 MiB). Only correctness is asserted (every
@@ -166,9 +167,10 @@ fn comparison(devs: &[(&str, &Table)], tcp: &Table) -> String {
 
 /// The runs of each VM's job, in order: what rank 0's header says, and the
 /// command (the TCP run's peers and rank are added per VM).
-const RUNS: [(&str, &str); 3] = [
+const RUNS: [(&str, &str); 4] = [
     ("device poll", ""),
     ("device interrupt", "--interrupt "),
+    ("device hybrid", "--hybrid "),
     ("tcp", "tcp"),
 ];
 
@@ -234,7 +236,7 @@ fn device_vs_tcp_between_two_vms() {
     let text = &out[0].output;
     let tabs = tables(text);
     assert_eq!(tabs.len(), RUNS.len(), "rank 0: one table per run:\n{text}");
-    let (poll, intr, tcp) = (&tabs[0], &tabs[1], &tabs[2]);
+    let (poll, intr, hybrid, tcp) = (&tabs[0], &tabs[1], &tabs[2], &tabs[3]);
     for (tab, want) in [
         (
             poll,
@@ -244,18 +246,26 @@ fn device_vs_tcp_between_two_vms() {
             intr,
             "transport virtio-pci (first 1af4:107f device), mode interrupt,",
         ),
+        (
+            hybrid,
+            "transport virtio-pci (first 1af4:107f device), mode hybrid,",
+        ),
         (tcp, "transport tcp,"),
     ] {
         assert!(tab.header.contains(want), "want {want:?}: {}", tab.header);
     }
     check(poll, "device poll", text);
     check(intr, "device interrupt", text);
+    check(hybrid, "device hybrid", text);
     check(tcp, "tcp", text);
     progress(&format!(
         "{test}: 2 VMs in {elapsed:.1?} (boot {:.1?}, slowest job end {:.1?})\n{}",
         out.iter().map(|o| o.boot).max().unwrap_or_default(),
         out.iter().map(|o| o.total).max().unwrap_or_default(),
-        comparison(&[("poll", poll), ("interrupt", intr)], tcp)
+        comparison(
+            &[("poll", poll), ("interrupt", intr), ("hybrid", hybrid)],
+            tcp
+        )
     ));
     // The device runs went through the backend: every collective of both
     // directions and sizes, and no error.
@@ -263,7 +273,7 @@ fn device_vs_tcp_between_two_vms() {
         .metrics()
         .unwrap_or_else(|e| panic!("metrics after the run: {e}"));
     let collectives = metric_sum(&m, "dmlc_collectives_total");
-    let least = (2 * SIZES.len() * 2 * (50 + 5)) as f64;
+    let least = (3 * SIZES.len() * 2 * (50 + 5)) as f64;
     assert!(
         collectives >= least,
         "backend counted {collectives} collectives, the device runs make at least {least}:\n{m}"

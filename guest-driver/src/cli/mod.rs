@@ -52,6 +52,10 @@ struct Globals {
     /// polling.
     #[arg(long, global = true)]
     interrupt: bool,
+    /// Busy-poll for a while, then sleep until the device signals: spins
+    /// up to 200 us, as long as recent waits suggest a completion is near.
+    #[arg(long, global = true)]
+    hybrid: bool,
     /// Descriptors per virtqueue, a power of two [default: 256].
     #[arg(long, global = true, value_name = "N")]
     queue_size: Option<u16>,
@@ -62,12 +66,41 @@ struct Globals {
 }
 
 impl Globals {
+    /// The default options with the wait the flags chose.
+    fn wait_options(&self) -> OpenOptions {
+        OpenOptions {
+            poll: !self.interrupt && !self.hybrid,
+            spin_cap: if self.hybrid {
+                dmlc_guest::device::HYBRID_SPIN_CAP
+            } else {
+                std::time::Duration::ZERO
+            },
+            ..OpenOptions::default()
+        }
+    }
+
+    /// How completions are waited for, as the output names it.
+    fn mode(&self) -> &'static str {
+        if self.interrupt {
+            "interrupt"
+        } else if self.hybrid {
+            "hybrid"
+        } else {
+            "poll"
+        }
+    }
+
     fn validate(&self) -> Result<(), CliError> {
         // clap's conflicts do not span a global flag given before and after
         // the subcommand, so check here.
-        if self.poll && self.interrupt {
+        if [self.poll, self.interrupt, self.hybrid]
+            .iter()
+            .filter(|&&f| f)
+            .count()
+            > 1
+        {
             return Err(CliError::Usage(
-                "--poll and --interrupt exclude each other".into(),
+                "--poll, --interrupt and --hybrid exclude each other".into(),
             ));
         }
         Ok(())
@@ -119,10 +152,7 @@ impl Globals {
     /// Opens the device over virtio-pci; DMA memory comes from hugepages, so
     /// unless --dma says otherwise take what is free, up to `dma_need`.
     fn open_pci(&self, bdf: Option<String>, dma_need: u64) -> Result<(Device, Setup), CliError> {
-        let mut opts = OpenOptions {
-            poll: !self.interrupt,
-            ..OpenOptions::default()
-        };
+        let mut opts = self.wait_options();
         if let Some(q) = self.queue_size {
             opts.queue_size = q;
         }
@@ -141,7 +171,7 @@ impl Globals {
         })?;
         let setup = Setup {
             transport: format!("virtio-pci ({name})"),
-            mode: if self.interrupt { "interrupt" } else { "poll" },
+            mode: self.mode(),
         };
         Ok((dev, setup))
     }
@@ -151,10 +181,7 @@ impl Globals {
             return self.open_pci(bdf, dma_need);
         }
         let socket = self.socket()?;
-        let mut opts = OpenOptions {
-            poll: !self.interrupt,
-            ..OpenOptions::default()
-        };
+        let mut opts = self.wait_options();
         if let Some(q) = self.queue_size {
             opts.queue_size = q;
         }
@@ -169,7 +196,7 @@ impl Globals {
         })?;
         let setup = Setup {
             transport: format!("host (vhost-user {})", socket.display()),
-            mode: if self.interrupt { "interrupt" } else { "poll" },
+            mode: self.mode(),
         };
         Ok((dev, setup))
     }
