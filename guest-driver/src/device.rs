@@ -797,7 +797,9 @@ impl Device {
         for index in 0..nq as u16 {
             let size = size.min(transport.max_queue_size(index));
             let mut vq = SplitQueue::new(&mem, size, event_idx)?;
-            vq.set_interrupts(!opts.poll);
+            // Off while polling, and while the hybrid wait spins (it arms
+            // them only to sleep).
+            vq.set_interrupts(!opts.poll && opts.spin_cap.is_zero());
             let slots = DmaAlloc::new(&mem, usize::from(size) * SLOT_SIZE, DMA_ALIGN)?;
             transport.setup_queue(index, &vq.addrs())?;
             queues.push(Queue {

@@ -162,13 +162,16 @@ impl Vring {
     fn note_first_start(&self) {
         let state = self.inner.get_ref();
         let queue = state.get_queue();
-        if !queue.ready() {
+        let mem = self.mem.memory();
+        // A ring without valid addresses yet is not started; its checks
+        // come when it is served.
+        if !queue.ready() || !queue.is_valid(&*mem) {
             return;
         }
         let mut earlier = lock(&self.earlier);
         if earlier.is_none() {
             let avail = queue
-                .avail_idx(&*self.mem.memory(), Ordering::Acquire)
+                .avail_idx(&*mem, Ordering::Acquire)
                 .map_or(0, |idx| idx.0.wrapping_sub(queue.next_avail()));
             // More than the queue holds: a broken ring, left to the checks
             // that serve it.
@@ -358,6 +361,8 @@ pub struct BackendConfig {
     pub queue_size: u16,
     /// How long to keep polling a queue after it ran dry; zero: never.
     pub poll: Duration,
+    /// Poll even when no CPU is spare ([`crate::spare_cpu`]).
+    pub poll_anyway: bool,
     /// Join the group at the driver's first request rather than at
     /// SET_FEATURES. The daemon sets it after a connection of this rank
     /// failed before its first request (a ring the daemon refused, say):
@@ -644,7 +649,7 @@ impl MemberBackend {
     fn poll(&self, queue: u16, vring: &Vring) -> usize {
         // With every CPU busy, the next kick comes sooner if this thread
         // sleeps than if it spins.
-        if !crate::spare_cpu::spare_cpu() {
+        if !self.cfg.poll_anyway && !crate::spare_cpu::spare_cpu() {
             return 0;
         }
         let mut submitted = 0;
@@ -1074,6 +1079,7 @@ mod tests {
             num_queues: 1,
             queue_size,
             poll: Duration::ZERO,
+            poll_anyway: false,
             defer_activation: false,
             serve_earlier_requests: false,
         };

@@ -116,6 +116,11 @@ pub struct Args {
     #[arg(long, value_name = "US", default_value_t = 0)]
     pub poll_us: u64,
 
+    /// Poll (with --poll-us) even when no CPU is spare, for machines where
+    /// the backend has CPUs of its own (pinned, or isolated).
+    #[arg(long)]
+    pub poll_anyway: bool,
+
     /// How long a collective waits for missing members before it fails with
     /// TIMEOUT, in milliseconds.
     #[arg(long, value_name = "MS", default_value_t = 30_000)]
@@ -181,6 +186,8 @@ pub struct Config {
     pub queue_size: u16,
     /// How long to keep polling a queue after handling a kick.
     pub poll: Duration,
+    /// Poll even when no CPU is spare.
+    pub poll_anyway: bool,
     /// Where to serve metrics, if anywhere.
     pub metrics_addr: Option<SocketAddr>,
     /// Log level.
@@ -252,6 +259,7 @@ impl TryFrom<Args> for Config {
             },
             queue_size: args.queue_size as u16,
             poll: Duration::from_micros(args.poll_us),
+            poll_anyway: args.poll_anyway,
             metrics_addr: args.metrics_addr,
             log_level: args.log_level,
         })

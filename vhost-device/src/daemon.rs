@@ -174,6 +174,7 @@ pub fn start_backend(config: Config) -> Result<(), DaemonError> {
                 num_queues: config.group.num_queues,
                 queue_size: config.queue_size,
                 poll: config.poll,
+                poll_anyway: config.poll_anyway,
                 defer_activation: false,
                 serve_earlier_requests: config.fixed_group_id,
             };

@@ -19,13 +19,14 @@ use virtio_dmlc::{
     VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
 };
 
-const FLAGS: [&str; 14] = [
+const FLAGS: [&str; 15] = [
     "--socket-path",
     "--socket-count",
     "--queues",
     "--queue-size",
     "--reduce-threads",
     "--poll-us",
+    "--poll-anyway",
     "--timeout-ms",
     "--max-bytes",
     "--max-segments",
