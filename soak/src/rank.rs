@@ -270,6 +270,7 @@ pub fn run(plan: &Plan, g: &GroupShared, global: &Global, rank: u32, socket: &Pa
         event_idx: true,
         dma_bytes: plan.dma_bytes,
         max_queues: 1,
+        ..OpenOptions::default()
     };
     let dev = match open(&opts, plan, socket, rank) {
         Ok(dev) => dev,
