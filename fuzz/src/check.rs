@@ -15,7 +15,7 @@ use virtio_queue::DescriptorChain;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 
 use crate::guest::DESC_TABLE;
-use crate::oracle::{expect, walk_as, Deviations, Expected, BACKEND};
+use crate::oracle::{expect, walk, Expected};
 
 /// How one chain came out, for the seed checks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,22 +34,10 @@ pub fn check(
     queue_size: u16,
     limits: &Limits,
 ) -> Outcome {
-    check_as(mem, chain, queue_size, limits, BACKEND)
-}
-
-/// [`check`], with the model's walk departing from the spec only by `dev`
-/// ([`crate::oracle::SPEC`]: not at all).
-pub fn check_as(
-    mem: &GuestMem,
-    chain: DescriptorChain<&GuestMem>,
-    queue_size: u16,
-    limits: &Limits,
-    dev: Deviations,
-) -> Outcome {
     let head = chain.head_index();
     // The spec's walk, done by the model itself from the tables in guest
     // memory (the backend walks with virtio-queue's iterator).
-    let walked = walk_as(mem, DESC_TABLE, queue_size, head, dev);
+    let walked = walk(mem, DESC_TABLE, queue_size, head);
     let want = expect(&walked, mem, limits);
     let descs = walked.descs;
     match (parse(chain, limits), want) {

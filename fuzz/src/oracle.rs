@@ -31,89 +31,42 @@ pub struct Walk {
 /// Largest indirect table the device accepts, in entries (5.X.6.2).
 const MAX_INDIRECT_ENTRIES: u32 = 65535;
 
-/// Where the backend's walk (virtio-queue's iterator, then
-/// `chain::parse`'s loop cut) is known to depart from 5.X.6.7.1. [`walk`]
-/// models them ([`BACKEND`]) so that the fuzz targets keep checking
-/// everything else; [`walk_as`] with [`SPEC`] is the spec's own walk, and
-/// the ignored tests at the end of this file pin what it gives where the
-/// backend differs. Drop a deviation here once the backend is fixed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Deviations {
-    /// An indirect table is not checked to lie inside guest memory as a
-    /// whole (the spec: such a table is unusable, the walk stops before
-    /// the descriptor that refers to it); the walk reads its entries one
-    /// by one and stops only before an entry outside guest memory.
-    pub table_checked_per_entry: bool,
-    /// A descriptor that repeats one reached before (all 16 bytes) stops
-    /// the walk only if the walk stops early anyway (the spec: always). It
-    /// matters only when the two lie in different tables (the direct one
-    /// and an indirect one): within one table a repeat is a loop, so that
-    /// walk never ends on its own.
-    pub repeat_only_in_broken_walk: bool,
-}
-
-/// The backend's walk, as of vhost-device/src/chain.rs (a repeat always
-/// stops the walk since 2026-12-01).
-pub const BACKEND: Deviations = Deviations {
-    table_checked_per_entry: true,
-    repeat_only_in_broken_walk: false,
-};
-
-/// The walk of 5.X.6.7.1 as written.
-pub const SPEC: Deviations = Deviations {
-    table_checked_per_entry: false,
-    repeat_only_in_broken_walk: false,
-};
-
-/// The walk the fuzz targets hold the backend to: [`walk_as`] with the
-/// known deviations ([`BACKEND`]).
-pub fn walk(mem: &GuestMem, table: u64, queue_size: u16, head: u16) -> Walk {
-    walk_as(mem, table, queue_size, head, BACKEND)
-}
-
 /// Walks the chain at `head` of the split queue whose descriptor table of
-/// `queue_size` entries is at guest address `table`, as 5.X.6.7.1 says
-/// (up to the deviations `dev`): descriptor by descriptor, into an
+/// `queue_size` entries is at guest address `table`, as 5.X.6.7.1 says:
+/// descriptor by descriptor, into an
 /// indirect table when a descriptor refers to one, stopping before the
 /// next descriptor when it repeats one already reached (all 16 bytes: a
 /// loop, closed by the last descriptor reached), when its index is not
 /// below the size of its table, when it refers to an unusable indirect
-/// table, or when the lengths reached, its own included, would add up to
+/// table, when it is an entry of an indirect table that lies outside guest
+/// memory, or when the lengths reached, its own included, would add up to
 /// 2^32 bytes or more.
-pub fn walk_as(mem: &GuestMem, table: u64, queue_size: u16, head: u16, dev: Deviations) -> Walk {
+pub fn walk(mem: &GuestMem, table: u64, queue_size: u16, head: u16) -> Walk {
     let mut descs = Vec::new();
     let mut reached = std::collections::HashSet::new();
-    // Where the first repeat came, while the walk goes on past it.
-    let mut first_repeat = None;
     let mut total = 0u64;
     // The table being walked: address, entries, whether indirect; and
     // how many of its entries the walk has read.
     let (mut base, mut entries, mut indirect) = (table, u32::from(queue_size), false);
     let mut read = 0u32;
     let mut index = head;
-    let stop = |mut descs: Vec<Descriptor>, first_repeat: Option<usize>| {
-        if let Some(at) = first_repeat {
-            descs.truncate(at);
-        }
-        Walk {
-            descs,
-            complete: false,
-        }
+    let stop = |descs: Vec<Descriptor>| Walk {
+        descs,
+        complete: false,
     };
     loop {
         // Each entry at most once: a walk that has read them all and still
-        // has NEXT is a loop closed by its last descriptor. (Without the
-        // deviation a repeat stops the walk first.)
+        // has NEXT is a loop closed by its last descriptor.
         if u32::from(index) >= entries || read == entries {
-            return stop(descs, first_repeat);
+            return stop(descs);
         }
         read += 1;
         let at = base.checked_add(16 * u64::from(index));
         let mut raw = [0u8; 16];
         let Some(at) = at.filter(|&at| inside(mem, at, 16)) else {
-            // Only an indirect table read entry by entry gets here (the
-            // harness queue lies inside guest memory).
-            return stop(descs, first_repeat);
+            // An indirect table's entry outside guest memory (the harness
+            // queue lies inside it): the walk stops before it.
+            return stop(descs);
         };
         mem.read_slice(&mut raw, GuestAddress(at))
             .expect("the entry is inside guest memory");
@@ -127,13 +80,9 @@ pub fn walk_as(mem: &GuestMem, table: u64, queue_size: u16, head: u16, dev: Devi
         if flags & F_INDIRECT != 0 {
             // 5.X.6.2: it ends the chain (its NEXT and next are ignored);
             // the walk goes on at entry 0 of its table, if usable.
-            let usable = !indirect
-                && len != 0
-                && len % 16 == 0
-                && len / 16 <= MAX_INDIRECT_ENTRIES
-                && (dev.table_checked_per_entry || inside(mem, addr, u64::from(len)));
+            let usable = !indirect && len != 0 && len % 16 == 0 && len / 16 <= MAX_INDIRECT_ENTRIES;
             if !usable {
-                return stop(descs, first_repeat);
+                return stop(descs);
             }
             (base, entries, indirect) = (addr, len / 16, true);
             (index, read) = (0, 0);
@@ -141,14 +90,11 @@ pub fn walk_as(mem: &GuestMem, table: u64, queue_size: u16, head: u16, dev: Devi
         }
         // A loop: the descriptor that closes it is the last one reached.
         if !reached.insert(raw) {
-            if !dev.repeat_only_in_broken_walk {
-                return stop(descs, None);
-            }
-            first_repeat = first_repeat.or(Some(descs.len()));
+            return stop(descs);
         }
         total += u64::from(len);
         if total >= 1 << 32 {
-            return stop(descs, first_repeat);
+            return stop(descs);
         }
         descs.push(Descriptor::new(addr, len, flags, next));
         if flags & F_NEXT == 0 {
