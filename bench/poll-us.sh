@@ -3,22 +3,25 @@
 # one run (see docs/benchmarks.md, "Backend polling").
 #
 #   bench/poll-us.sh [--ranks N] [--repeat K] [--iters I] [--polls "0 50 200"]
+#                    [--backend PATH]
 #
 # For each repetition and each poll time (interleaved, so that the
 # machine's noise spreads over all of them), runs `dmlc-guest local` with N
 # ranks and a 4 B allreduce `bench`, and keeps rank 0's p50 (out of place
 # and in place). Prints the median over the repetitions for each poll time
-# and its ratio to --poll-us 0 from the same run.
+# and its ratio to --poll-us 0 from the same run. --backend runs another
+# vhost-device-dmlc build (an older commit's, say) instead of this tree's.
 set -euo pipefail
 
-ranks=2 repeat=5 iters=2000 polls="0 50 200"
+ranks=2 repeat=5 iters=2000 polls="0 50 200" backend=
 while [ $# -gt 0 ]; do
     case $1 in
         --ranks) ranks=$2; shift 2 ;;
         --repeat) repeat=$2; shift 2 ;;
         --iters) iters=$2; shift 2 ;;
         --polls) polls=$2; shift 2 ;;
-        -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+        --backend) backend=$2; shift 2 ;;
+        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
         *) echo "poll-us.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -28,13 +31,15 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 cargo build --release -q -p dmlc-guest -p vhost-device-dmlc
 target=${CARGO_TARGET_DIR:-$root/target}/release
+backend=${backend:-$target/vhost-device-dmlc}
+[ -x "$backend" ] || { echo "poll-us.sh: $backend is not an executable" >&2; exit 2; }
 raw=$(mktemp)
 trap 'rm -f "$raw"' EXIT
 
-echo "# poll-us.sh: $ranks ranks, 4 B f32 sum allreduce, $iters iterations, $repeat repetitions; $(nproc) CPUs, load average $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "# poll-us.sh: backend $backend; $ranks ranks, 4 B f32 sum allreduce, $iters iterations, $repeat repetitions; $(nproc) CPUs, load average $(cut -d' ' -f1-3 /proc/loadavg)"
 for rep in $(seq "$repeat"); do
     for p in $polls; do
-        line=$("$target/dmlc-guest" local --ranks "$ranks" --backend "$target/vhost-device-dmlc" \
+        line=$("$target/dmlc-guest" local --ranks "$ranks" --backend "$backend" \
             --poll-us "$p" -- bench -b 4 -e 4 -n "$iters" -w $((iters / 10)) 2>&1 |
             awk '$1 == "4" { print $6, $10 }')
         [ -n "$line" ] || { echo "poll-us.sh: no result for --poll-us $p (rep $rep)" >&2; exit 1; }
