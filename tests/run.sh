@@ -114,7 +114,7 @@ fi
 step "system tests: release builds of the guest program and the backend"
 # The guests run dmlc-guest (stripped into the image) and pci_probe under
 # emulation, where a debug build is many times slower.
-cargo build --release --locked -p dmlc-guest -p vhost-device-dmlc -p dmlc-example-digits --bins --example pci_probe
+cargo build --release --locked -p dmlc-guest -p vhost-device-dmlc -p dmlc-example-digits --bins && cargo build --release --locked -p dmlc-driver --example pci_probe
 export DMLC_GUEST_BIN=$PWD/target/release/dmlc-guest
 export DMLC_TRAINER_BIN=$PWD/target/release/dmlc-train-digits
 export DMLC_PCI_PROBE_BIN=$PWD/target/release/examples/pci_probe

@@ -7,9 +7,10 @@ use std::fmt::Write as _;
 use std::io;
 use std::time::Duration;
 
+use dmlc_vm as vm;
+use serde::Deserialize;
+
 use crate::job::{Job, Outcome, Program, Transport};
-use crate::json::Value;
-use crate::vm;
 use crate::{
     accel, backend_path, check_executable, job_error, prepare, progress, report, sibling,
     usage_error, DemoArgs,
@@ -26,9 +27,47 @@ pub enum ReportError {
     #[error("rank {0} sent no JSON report back")]
     Missing(usize),
     #[error("rank {0}'s JSON report is not valid")]
-    Json(usize, #[source] crate::json::JsonError),
-    #[error("rank {0}'s JSON report lacks {1}")]
-    Field(usize, &'static str),
+    Json(usize, #[source] serde_json::Error),
+}
+
+/// What the demo reads of a trainer's `--json` report (see
+/// examples/digits/src/report.rs); other members are ignored. The trainer
+/// writes a number that is not finite as null: an optional one reads as NaN.
+#[derive(Debug, Deserialize)]
+struct Report {
+    steps: Vec<Step>,
+    test_accuracy: f64,
+    phases_ms: Phases,
+    identical_weights: IdenticalWeights,
+    single_process: SingleProcess,
+}
+
+#[derive(Debug, Deserialize)]
+struct Step {
+    loss: Option<f64>,
+    compute_ms: Option<f64>,
+    exchange_ms: Option<f64>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Phases {
+    init: f64,
+    load: f64,
+    train: f64,
+    checks: f64,
+}
+
+#[derive(Debug, Deserialize)]
+struct IdenticalWeights {
+    pass: bool,
+    fingerprint: String,
+}
+
+#[derive(Debug, Deserialize)]
+struct SingleProcess {
+    pass: bool,
+    max_abs_diff: Option<f64>,
+    tolerance: Option<f64>,
 }
 
 /// The numbers of one run, over all ranks.
@@ -119,21 +158,13 @@ fn median(v: &mut [f64]) -> f64 {
 impl Summary {
     /// Reads the reports (one JSON text per rank, rank order).
     pub fn from_reports(texts: &[String], times: Times) -> Result<Summary, ReportError> {
-        let mut reports = Vec::new();
-        for (rank, text) in texts.iter().enumerate() {
-            reports.push(Value::parse(text).map_err(|e| ReportError::Json(rank, e))?);
-        }
-        let num = |rank: usize, v: &Value, key: &'static str| {
-            v.get(key)
-                .and_then(Value::as_f64)
-                .ok_or(ReportError::Field(rank, key))
-        };
-        let flag = |rank: usize, v: &Value, obj: &'static str| {
-            v.get(obj)
-                .and_then(|o| o.get("pass"))
-                .and_then(Value::as_bool)
-                .ok_or(ReportError::Field(rank, obj))
-        };
+        let reports = texts
+            .iter()
+            .enumerate()
+            .map(|(rank, text)| {
+                serde_json::from_str::<Report>(text).map_err(|e| ReportError::Json(rank, e))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let (mut compute, mut exchange) = (Vec::new(), Vec::new());
         // Per step, the smallest exchange time over the ranks.
         let mut last_in: Vec<f64> = Vec::new();
@@ -156,18 +187,13 @@ impl Summary {
             total_ms: 0.0,
             checks_ms: 0.0,
         };
+        let nan = |v: Option<f64>| v.unwrap_or(f64::NAN);
         for (rank, r) in reports.iter().enumerate() {
-            let steps = r
-                .get("steps")
-                .and_then(Value::as_array)
-                .ok_or(ReportError::Field(rank, "steps"))?;
             let mut train_ms = 0.0;
-            for (i, st) in steps.iter().enumerate() {
-                // A non-finite number is written as null: count it as NaN.
-                let get = |k| st.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN);
-                compute.push(get("compute_ms"));
-                let x = get("exchange_ms");
-                train_ms += get("compute_ms") + x;
+            for (i, st) in r.steps.iter().enumerate() {
+                let x = nan(st.exchange_ms);
+                compute.push(nan(st.compute_ms));
+                train_ms += nan(st.compute_ms) + x;
                 exchange.push(x);
                 match last_in.get_mut(i) {
                     Some(m) => *m = m.min(x),
@@ -175,40 +201,22 @@ impl Summary {
                 }
             }
             if rank == 0 {
-                s.steps = steps.len();
-                s.final_loss = steps
-                    .last()
-                    .and_then(|st| st.get("loss"))
-                    .and_then(Value::as_f64)
-                    .unwrap_or(f64::NAN);
-                s.accuracy = num(rank, r, "test_accuracy")?;
+                s.steps = r.steps.len();
+                s.final_loss = nan(r.steps.last().and_then(|st| st.loss));
+                s.accuracy = r.test_accuracy;
+                s.fingerprint = r.identical_weights.fingerprint.clone();
             }
             s.train_ms = s.train_ms.max(train_ms);
-            let phases = r
-                .get("phases_ms")
-                .ok_or(ReportError::Field(rank, "phases_ms"))?;
-            let phase = |key| num(rank, phases, key);
-            s.init_ms = s.init_ms.max(phase("init")?);
-            s.load_ms = s.load_ms.max(phase("load")?);
-            s.total_ms = s.total_ms.max(phase("train")?);
-            s.checks_ms = s.checks_ms.max(phase("checks")?);
-            let fp = r
-                .get("identical_weights")
-                .and_then(|o| o.get("fingerprint"))
-                .and_then(Value::as_str)
-                .ok_or(ReportError::Field(rank, "identical_weights"))?;
-            if rank == 0 {
-                s.fingerprint = fp.to_owned();
-            }
-            s.identical &= flag(rank, r, "identical_weights")? && fp == s.fingerprint;
-            s.single &= flag(rank, r, "single_process")?;
-            let sp = r
-                .get("single_process")
-                .ok_or(ReportError::Field(rank, "single_process"))?;
-            s.max_abs_diff = s
-                .max_abs_diff
-                .max(num(rank, sp, "max_abs_diff").unwrap_or(f64::NAN));
-            s.tolerance = num(rank, sp, "tolerance").unwrap_or(f64::NAN);
+            s.init_ms = s.init_ms.max(r.phases_ms.init);
+            s.load_ms = s.load_ms.max(r.phases_ms.load);
+            s.total_ms = s.total_ms.max(r.phases_ms.train);
+            s.checks_ms = s.checks_ms.max(r.phases_ms.checks);
+            let iw = &r.identical_weights;
+            s.identical &= iw.pass && iw.fingerprint == s.fingerprint;
+            let sp = &r.single_process;
+            s.single &= sp.pass;
+            s.max_abs_diff = s.max_abs_diff.max(nan(sp.max_abs_diff));
+            s.tolerance = nan(sp.tolerance);
         }
         s.compute_ms = median(&mut compute);
         s.exchange_ms = median(&mut exchange);
@@ -465,24 +473,32 @@ pub fn run(a: DemoArgs) -> i32 {
 
 #[cfg(test)]
 mod tests {
+    use serde_json::json;
+
     use super::*;
 
     fn report(rank: u32, fp: &str, exchange: [f64; 3]) -> String {
-        format!(
-            "{{\"rank\":{rank},\"world_size\":2,\"transport\":\"device\",\"steps\":[\
-             {{\"step\":0,\"loss\":2.3,\"compute_ms\":1,\"exchange_ms\":{}}},\
-             {{\"step\":1,\"loss\":1.0,\"compute_ms\":3,\"exchange_ms\":{}}},\
-             {{\"step\":2,\"loss\":0.5,\"compute_ms\":2,\"exchange_ms\":{}}}],\
-             \"total_ms\":{},\"test_accuracy\":0.9,\
-             \"phases_ms\":{{\"init\":100,\"load\":50,\"train\":900,\"checks\":200}},\
-             \"identical_weights\":{{\"pass\":true,\"fingerprint\":\"{fp}\"}},\
-             \"single_process\":{{\"pass\":true,\"max_abs_diff\":1e-7,\"tolerance\":0.0001}},\
-             \"pass\":true}}",
-            exchange[0],
-            exchange[1],
-            exchange[2],
-            10 + rank
-        )
+        let steps: Vec<_> = [(2.3, 1), (1.0, 3), (0.5, 2)]
+            .into_iter()
+            .zip(exchange)
+            .enumerate()
+            .map(|(step, ((loss, compute), x))| {
+                json!({"step": step, "loss": loss, "compute_ms": compute, "exchange_ms": x})
+            })
+            .collect();
+        json!({
+            "rank": rank,
+            "world_size": 2,
+            "transport": "device",
+            "steps": steps,
+            "total_ms": 10 + rank,
+            "test_accuracy": 0.9,
+            "phases_ms": {"init": 100, "load": 50, "train": 900, "checks": 200},
+            "identical_weights": {"pass": true, "fingerprint": fp},
+            "single_process": {"pass": true, "max_abs_diff": 1e-7, "tolerance": 0.0001},
+            "pass": true,
+        })
+        .to_string()
     }
 
     #[test]
@@ -532,9 +548,23 @@ mod tests {
             Summary::from_reports(&["{".to_owned()], Times::default()),
             Err(ReportError::Json(0, _))
         ));
-        assert!(matches!(
-            Summary::from_reports(&["{}".to_owned()], Times::default()),
-            Err(ReportError::Field(0, "steps"))
-        ));
+        match Summary::from_reports(&["{}".to_owned()], Times::default()) {
+            Err(ReportError::Json(0, e)) => assert!(e.to_string().contains("`steps`"), "{e}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn null_numbers_read_as_nan() {
+        let mut v: serde_json::Value = serde_json::from_str(&report(0, "0xab", [0.1; 3])).unwrap();
+        v["steps"][2]["loss"] = serde_json::Value::Null;
+        v["single_process"]
+            .as_object_mut()
+            .unwrap()
+            .remove("tolerance");
+        let s = Summary::from_reports(&[v.to_string()], Times::default()).unwrap();
+        assert!(s.final_loss.is_nan());
+        assert!(s.tolerance.is_nan());
+        assert_eq!(s.steps, 3);
     }
 }

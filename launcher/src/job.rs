@@ -2,27 +2,31 @@
 //! environment, every rank's output streamed as it comes, and a teardown
 //! that leaves nothing behind whatever ends the job.
 //!
-//! The VM harness (tests/vm/harness.rs) boots the VMs and kills them when
+//! The VM harness (the `dmlc-vm` crate) boots the VMs and kills them when
 //! its `Cluster` is dropped; it reports output only at the end, so this
 //! module follows the consoles itself (`vmI.log` in the cluster's
 //! directory) and decides when the job is over.
 
+use std::borrow::Cow;
 use std::fmt::Write as _;
-use std::fs::{self, File};
+use std::fs::{self, File, Permissions};
 use std::io::{self, Read, Seek, SeekFrom, Write};
-use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use base64::engine::{DecodePaddingMode, GeneralPurpose, GeneralPurposeConfig};
+use base64::{alphabet, Engine as _};
+use dmlc_vm as vm;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
+use tempfile::TempDir;
 
 use crate::prepare::{self, PrepareError};
 use crate::signals;
-use crate::vm;
 
 /// Port every rank listens on with `--transport tcp`.
 pub const TCP_PORT: u16 = 9091;
@@ -179,15 +183,10 @@ impl Outcome {
 }
 
 /// Quotes a word for the guest's `sh`.
-pub fn shell_quote(word: &str) -> String {
-    if !word.is_empty()
-        && word
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c))
-    {
-        return word.to_owned();
-    }
-    format!("'{}'", word.replace('\'', "'\\''"))
+pub fn shell_quote(word: &str) -> Cow<'_, str> {
+    // Only NUL cannot be quoted, and words from argv (or --env, checked)
+    // hold none.
+    shlex::try_quote(word).expect("a command-line word holds no NUL")
 }
 
 /// A token unique to this process and moment.
@@ -224,13 +223,14 @@ impl Job {
     /// The shell command line each VM runs. `token` marks the fetched files
     /// on the console.
     pub fn command_line(&self, token: &str) -> String {
-        let mut words = vec![shell_quote(&self.guest_program())];
+        let program = self.guest_program();
+        let mut words = vec![shell_quote(&program)];
         words.extend(self.args.iter().map(|a| shell_quote(a)));
         let run = words.join(" ");
         if self.fetch.is_empty() {
             return format!("exec {run}");
         }
-        let files: Vec<String> = self.fetch.iter().map(|f| shell_quote(f)).collect();
+        let files: Vec<Cow<str>> = self.fetch.iter().map(|f| shell_quote(f)).collect();
         format!(
             "{run}\ns=$?\nfor f in {}; do if [ -f \"$f\" ]; then \
              echo \"DMLC-FETCH {token} BEGIN $f\"; base64 \"$f\"; \
@@ -276,7 +276,7 @@ impl Job {
     /// [`Job::run`] with QEMU already prepared.
     pub fn run_with(&self, qemu: &vm::Qemu, out: &mut dyn Write) -> Result<Outcome, JobError> {
         let started = Instant::now();
-        let tmp = TempDir::new()?;
+        let tmp = private_dir()?;
         let image = prepare::image(&self.image_files())?;
         let image_took = started.elapsed();
         if let Some(sig) = signals::received() {
@@ -287,9 +287,9 @@ impl Job {
         }
         let backend_log = match &self.log_dir {
             Some(dir) => dir.join("backend.log"),
-            None => tmp.path.join("backend.log"),
+            None => tmp.path().join("backend.log"),
         };
-        let sock = tmp.path.join("dmlc.sock");
+        let sock = tmp.path().join("dmlc.sock");
         let mut backend = Backend::start(&self.backend, &sock, self.num_workers, &backend_log)?;
 
         let token = unique();
@@ -310,6 +310,8 @@ impl Job {
             timeout: self
                 .timeout
                 .unwrap_or(Duration::from_secs(u64::from(u32::MAX))),
+            // $TMPDIR, as the launcher's own directory.
+            tmp_dir: None,
         };
         crate::progress(&format!(
             "booting {} VM{} ({}, {} vCPU, {} MiB each; transport {})",
@@ -364,25 +366,12 @@ fn save_logs(cluster: &vm::Cluster, n: usize, dir: &Path) {
 }
 
 /// A private directory for the backend's sockets and log, removed on drop.
-struct TempDir {
-    path: PathBuf,
-}
-
-impl TempDir {
-    fn new() -> Result<TempDir, JobError> {
-        let path = std::env::temp_dir().join(format!("dmlc-qemu-{}", unique()));
-        fs::DirBuilder::new()
-            .mode(0o700)
-            .create(&path)
-            .map_err(|e| JobError::Io(path.clone(), e))?;
-        Ok(TempDir { path })
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.path);
-    }
+fn private_dir() -> Result<TempDir, JobError> {
+    tempfile::Builder::new()
+        .prefix("dmlc-qemu-")
+        .permissions(Permissions::from_mode(0o700))
+        .tempdir()
+        .map_err(|e| JobError::Io(std::env::temp_dir(), e))
 }
 
 /// The vhost-device-dmlc process.
@@ -641,27 +630,23 @@ impl Console {
 /// Decodes standard base64, skipping characters outside the alphabet
 /// (a stray kernel message cannot stop the rest from decoding).
 fn decode_base64(text: &str) -> Vec<u8> {
-    let mut out = Vec::with_capacity(text.len() / 4 * 3);
-    let mut acc = 0u32;
-    let mut bits = 0;
-    for c in text.bytes() {
-        let v = match c {
-            b'A'..=b'Z' => c - b'A',
-            b'a'..=b'z' => c - b'a' + 26,
-            b'0'..=b'9' => c - b'0' + 52,
-            b'+' => 62,
-            b'/' => 63,
-            _ => continue,
-        };
-        acc = (acc << 6) | u32::from(v);
-        bits += 6;
-        if bits >= 8 {
-            bits -= 8;
-            out.push((acc >> bits) as u8);
-            acc &= (1 << bits) - 1;
-        }
+    // Padding is dropped with the rest of what is not in the alphabet, and
+    // a cut-off last group decodes as far as it goes.
+    const LENIENT: GeneralPurpose = GeneralPurpose::new(
+        &alphabet::STANDARD,
+        GeneralPurposeConfig::new()
+            .with_decode_padding_mode(DecodePaddingMode::RequireNone)
+            .with_decode_allow_trailing_bits(true),
+    );
+    let mut clean: Vec<u8> = text
+        .bytes()
+        .filter(|&c| c.is_ascii_alphanumeric() || c == b'+' || c == b'/')
+        .collect();
+    // One character left over holds no whole byte.
+    if clean.len() % 4 == 1 {
+        clean.pop();
     }
-    out
+    LENIENT.decode(&clean).unwrap_or_default()
 }
 
 /// The state of a process in /proc: `None` if it is gone.
@@ -936,12 +921,14 @@ mod tests {
     }
 
     #[test]
-    fn quotes_only_what_needs_it() {
-        assert_eq!(shell_quote("--steps=5"), "--steps=5");
+    fn quoted_words_reach_the_guest_unchanged() {
+        assert_eq!(shell_quote("/usr/bin/x"), "/usr/bin/x");
         assert_eq!(shell_quote(""), "''");
         assert_eq!(shell_quote("a b"), "'a b'");
-        assert_eq!(shell_quote("it's"), "'it'\\''s'");
         assert_eq!(shell_quote("$HOME"), "'$HOME'");
+        let words = ["--steps=5", "it's", "a\"$b`c\\", "~/x", "*", "\n"];
+        let line: Vec<Cow<str>> = words.iter().map(|w| shell_quote(w)).collect();
+        assert_eq!(shlex::split(&line.join(" ")).unwrap(), words);
     }
 
     #[test]
@@ -949,7 +936,7 @@ mod tests {
         let j = job();
         assert_eq!(
             j.command_line("t"),
-            "exec /usr/local/bin/train --data 'it'\\''s here'"
+            "exec /usr/local/bin/train --data \"it's here\""
         );
         assert_eq!(
             j.image_files(),
@@ -1028,9 +1015,8 @@ mod tests {
 
     #[test]
     fn console_streams_job_lines_and_reads_the_exit() {
-        let dir = std::env::temp_dir().join(format!("dmlc-qemu-test-{}", unique()));
-        fs::create_dir_all(&dir).unwrap();
-        let mut c = console(&dir);
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = console(dir.path());
         let mut out = Vec::new();
         fs::write(
             &c.log,
@@ -1061,7 +1047,6 @@ mod tests {
             vec![("/r.json".to_owned(), b"{\"a\":1}".to_vec())]
         );
         assert_eq!(c.boot_tail, vec!["boot noise".to_owned()]);
-        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -1070,6 +1055,8 @@ mod tests {
         assert_eq!(decode_base64("Zm9v\nYg=="), b"foob");
         assert_eq!(decode_base64("Zm9vYmE="), b"fooba");
         assert_eq!(decode_base64(""), b"");
+        assert_eq!(decode_base64("Zm9v\r\n[ ]: *\nYmFy"), b"foobar");
+        assert_eq!(decode_base64("Zm9vY"), b"foo");
     }
 
     #[test]

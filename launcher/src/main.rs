@@ -2,12 +2,8 @@
 //! virtio-dmlc allreduce device (or TCP over virtio-net) between them, the
 //! way dmlc-submit runs one with its local, ssh or mpi backends.
 
-#[path = "../../tests/vm/harness.rs"]
-mod vm;
-
 mod demo;
 mod job;
-mod json;
 mod prepare;
 mod signals;
 
@@ -22,6 +18,7 @@ use std::time::Duration;
 
 use clap::error::ErrorKind;
 use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
+use dmlc_vm as vm;
 
 use job::{Job, Outcome, Program, Transport};
 

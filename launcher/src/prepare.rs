@@ -11,11 +11,11 @@ use std::process::{Command, ExitStatus, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use dmlc_vm as vm;
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 
 use crate::signals;
-use crate::vm;
 
 /// Errors of this module.
 #[derive(Debug, thiserror::Error)]
@@ -78,19 +78,6 @@ pub fn run_script(script: &Path, args: &[OsString]) -> Result<String, PrepareErr
     Ok(out)
 }
 
-/// The value of the last stdout line `KEY=value`.
-fn key_line(script: &Path, out: &str, key: &'static str) -> Result<String, PrepareError> {
-    let prefix = format!("{key}=");
-    out.lines()
-        .rev()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .map(str::to_owned)
-        .ok_or(PrepareError::Output {
-            script: script.to_owned(),
-            key,
-        })
-}
-
 /// QEMU with the vhost-user-dmlc device: `DMLC_QEMU` if set, else the
 /// patched build (built on the first run, with progress on the terminal).
 pub fn qemu() -> Result<vm::Qemu, PrepareError> {
@@ -119,20 +106,15 @@ pub fn qemu() -> Result<vm::Qemu, PrepareError> {
 /// The guest image with `extra` files (host path, absolute guest path),
 /// debug info stripped from ELF files.
 pub fn image(extra: &[(PathBuf, String)]) -> Result<vm::Image, PrepareError> {
-    let script = vm::repo_root()?.join("tests/image/build-image.sh");
-    let mut args = vec![OsString::from("--strip")];
-    for (host, guest) in extra {
-        let mut a = host.as_os_str().to_owned();
-        a.push(":");
-        a.push(guest);
-        args.push(a);
-    }
+    let script = vm::Image::script()?;
+    let files: Vec<(&Path, &str)> = extra
+        .iter()
+        .map(|(host, guest)| (host.as_path(), guest.as_str()))
+        .collect();
+    let args = vm::Image::script_args(&files, &vm::ImageOptions { strip: true });
     crate::progress("preparing the guest image (tests/image/build-image.sh)");
     let out = run_script(&script, &args)?;
-    Ok(vm::Image {
-        initrd: PathBuf::from(key_line(&script, &out, "DMLC_INITRD")?),
-        kernel: PathBuf::from(key_line(&script, &out, "DMLC_KERNEL")?),
-    })
+    Ok(vm::Image::from_script_output(&script, &out)?)
 }
 
 /// The digits data (examples/digits/fetch-data.sh prints its path).

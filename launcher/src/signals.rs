@@ -1,36 +1,29 @@
 //! SIGINT, SIGTERM and SIGHUP set a flag that the launcher polls, so that
 //! every exit path goes through the same teardown (VMs, backend, temp dir).
 
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::io;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, LazyLock};
 
-use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
+use nix::sys::signal::Signal;
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 
 /// The last stopping signal received, 0 if none.
-static RECEIVED: AtomicI32 = AtomicI32::new(0);
+static RECEIVED: LazyLock<Arc<AtomicUsize>> = LazyLock::new(|| Arc::new(AtomicUsize::new(0)));
 
 /// Errors of this module.
 #[derive(Debug, thiserror::Error)]
 pub enum SignalError {
-    #[error("cannot install the handler for {0}")]
-    Install(Signal, #[source] nix::Error),
-}
-
-extern "C" fn on_signal(sig: libc::c_int) {
-    // Only an atomic store: async-signal-safe.
-    RECEIVED.store(sig, Ordering::SeqCst);
+    #[error("cannot install the handler for {}", name(*.0))]
+    Install(i32, #[source] io::Error),
 }
 
 /// Installs the handlers (once, at start).
 pub fn install() -> Result<(), SignalError> {
-    let action = SigAction::new(
-        SigHandler::Handler(on_signal),
-        SaFlags::SA_RESTART,
-        SigSet::empty(),
-    );
-    for sig in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
-        // SAFETY: the handler only stores into an atomic, which is
-        // async-signal-safe, and replaces no handler that Rust code relies on.
-        unsafe { sigaction(sig, &action) }.map_err(|e| SignalError::Install(sig, e))?;
+    for sig in [SIGINT, SIGTERM, SIGHUP] {
+        // Each stores its own number: the launcher reports which one came.
+        signal_hook::flag::register_usize(sig, Arc::clone(&RECEIVED), sig as usize)
+            .map_err(|e| SignalError::Install(sig, e))?;
     }
     Ok(())
 }
@@ -39,7 +32,7 @@ pub fn install() -> Result<(), SignalError> {
 pub fn received() -> Option<i32> {
     match RECEIVED.load(Ordering::SeqCst) {
         0 => None,
-        sig => Some(sig),
+        sig => i32::try_from(sig).ok(),
     }
 }
 
@@ -48,4 +41,19 @@ pub fn name(sig: i32) -> String {
     Signal::try_from(sig)
         .map(|s| s.as_str().to_owned())
         .unwrap_or_else(|_| format!("signal {sig}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_signal_is_recorded_not_fatal() {
+        install().unwrap();
+        assert_eq!(received(), None);
+        signal_hook::low_level::raise(SIGHUP).unwrap();
+        assert_eq!(received(), Some(SIGHUP));
+        assert_eq!(name(SIGHUP), "SIGHUP");
+        assert_eq!(name(0), "signal 0");
+    }
 }

@@ -14,9 +14,6 @@
 //! line. `DMLC_BACKEND_BIN` and `DMLC_TRAINER_BIN` choose other builds of
 //! the backend and the trainer (e.g. release ones).
 
-#[path = "../../tests/vm/harness.rs"]
-mod vm;
-
 use std::fs;
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::os::unix::fs::PermissionsExt;
@@ -26,8 +23,10 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use dmlc_vm as vm;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
+use tempfile::TempDir;
 
 /// Progress on the real stderr (past the test harness's capture).
 fn progress(line: &str) {
@@ -39,11 +38,12 @@ fn under_ci() -> bool {
 }
 
 /// What a test needs: QEMU, the binaries, and a private TMPDIR for the
-/// launcher (empty again when the launcher has cleaned up).
+/// launcher (empty again when the launcher has cleaned up; kept when the
+/// test fails).
 struct Env {
     qemu: vm::Qemu,
     backend: PathBuf,
-    tmp: PathBuf,
+    tmp: TempDir,
     _turn: MutexGuard<'static, ()>,
 }
 
@@ -89,15 +89,23 @@ fn setup(test: &str) -> Option<Env> {
         }
     };
     let backend = workspace_bin("DMLC_BACKEND_BIN", "vhost-device-dmlc", "vhost-device-dmlc");
-    let tmp = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("launcher-{test}"));
-    let _ = fs::remove_dir_all(&tmp);
-    fs::create_dir_all(&tmp).unwrap();
+    let tmp = tempfile::Builder::new()
+        .prefix(&format!("launcher-{test}-"))
+        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+        .unwrap();
     Some(Env {
         qemu,
         backend,
         tmp,
         _turn: turn,
     })
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        // What a failed test left is kept for a look.
+        self.tmp.disable_cleanup(thread::panicking());
+    }
 }
 
 impl Env {
@@ -109,7 +117,7 @@ impl Env {
             .env("DMLC_QEMU", &self.qemu.binary)
             .env("DMLC_QEMU_FIRMWARE", firmware)
             .env("DMLC_BACKEND", &self.backend)
-            .env("TMPDIR", &self.tmp)
+            .env("TMPDIR", self.tmp.path())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -120,12 +128,12 @@ impl Env {
     /// process mentions it (QEMU's console and socket paths, the
     /// backend's socket path all lie under it).
     fn assert_nothing_left(&self) {
-        let left: Vec<_> = fs::read_dir(&self.tmp)
+        let left: Vec<_> = fs::read_dir(self.tmp.path())
             .unwrap()
             .map(|e| e.unwrap().path())
             .collect();
         assert!(left.is_empty(), "files left behind: {left:?}");
-        let needle = self.tmp.to_string_lossy().into_owned();
+        let needle = self.tmp.path().to_string_lossy().into_owned();
         let procs = processes_mentioning(&needle);
         assert!(procs.is_empty(), "processes left behind: {procs:?}");
     }
@@ -272,7 +280,7 @@ fn digits_trains_on_two_vms_through_the_device() {
         String::from_utf8_lossy(&out.stderr)
     );
     let data = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-    let logs = env.tmp.with_file_name("launcher-digits-logs");
+    let logs = env.tmp.path().with_file_name("launcher-digits-logs");
     let _ = fs::remove_dir_all(&logs);
     let files = format!("{data}:/data/digits.csv.gz");
     let args = [
@@ -423,7 +431,7 @@ fn a_timeout_stops_the_job() {
 fn a_vm_that_dies_is_reported_with_qemus_message() {
     let Some(env) = setup("vm-dies") else { return };
     // A "QEMU" that fails after a moment, as one with a bad option would.
-    let fake = env.tmp.with_file_name("launcher-fake-qemu");
+    let fake = env.tmp.path().with_file_name("launcher-fake-qemu");
     fs::write(
         &fake,
         "#!/bin/sh\necho 'fake qemu: cannot start' >&2\nsleep 1\nexit 1\n",

@@ -3,12 +3,14 @@
 
 use std::fs;
 use std::io;
-use std::os::unix::fs::{DirBuilderExt, FileTypeExt};
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
+use serde::Serialize;
+use tempfile::TempDir;
 use thiserror::Error;
 
 /// Name of the daemon binary.
@@ -57,34 +59,15 @@ pub fn backend_path(explicit: Option<&Path>) -> Result<PathBuf, DaemonError> {
     }
 }
 
-/// A private folder for the sockets, removed on drop.
-pub struct TempDir {
-    path: PathBuf,
-}
-
-impl TempDir {
-    pub fn new() -> Result<TempDir, DaemonError> {
-        let nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos());
-        let path =
-            std::env::temp_dir().join(format!("dmlc-soak-{}-{nanos:08x}", std::process::id()));
-        fs::DirBuilder::new()
-            .mode(0o700)
-            .create(&path)
-            .map_err(|e| DaemonError::TempDir(path.clone(), e))?;
-        Ok(TempDir { path })
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.path);
-    }
+/// A private folder (mode 0700) for the sockets, removed on drop; its
+/// name carries this process's pid.
+pub fn temp_dir() -> Result<TempDir, DaemonError> {
+    let prefix = format!("dmlc-soak-{}-", std::process::id());
+    tempfile::Builder::new()
+        .prefix(&prefix)
+        .permissions(fs::Permissions::from_mode(0o700))
+        .tempdir()
+        .map_err(|e| DaemonError::TempDir(std::env::temp_dir().join(prefix + "*"), e))
 }
 
 /// One group's daemon; killed and reaped on drop.
@@ -207,7 +190,7 @@ impl Drop for Daemon {
 }
 
 /// A daemon's resources at one moment.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Usage {
     /// Anonymous resident memory, KiB (the daemon's own allocations).
     pub rss_anon_kib: u64,
@@ -257,9 +240,8 @@ mod tests {
 
     #[test]
     fn temp_dir_is_private_and_removed() {
-        use std::os::unix::fs::PermissionsExt;
         let path = {
-            let t = TempDir::new().unwrap();
+            let t = temp_dir().unwrap();
             let mode = fs::metadata(t.path()).unwrap().permissions().mode();
             assert_eq!(mode & 0o777, 0o700);
             t.path().to_path_buf()

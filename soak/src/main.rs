@@ -17,10 +17,11 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use serde::Serialize;
 use thiserror::Error;
 
 use crate::args::{Args, ArgsError, QUEUE_SIZE};
-use crate::daemon::{Daemon, DaemonError, DaemonSpec, TempDir};
+use crate::daemon::{Daemon, DaemonError, DaemonSpec};
 use crate::pattern::Kind;
 use crate::rank::{Global, GroupShared, Kill, KillWhat, Plan, RankReport, INTERRUPTED};
 use crate::report::{DaemonKill, GroupResult, Limits};
@@ -162,27 +163,44 @@ fn expected_exit(plan: &Plan, sh: &GroupShared) -> bool {
             .is_some_and(|k| k.what == KillWhat::Daemon && k.group == sh.index)
 }
 
-fn config_json(args: &Args, plan: &Plan) -> String {
-    format!(
-        "{{\"groups\": {}, \"ranks\": {}, \"small\": {}, \"small_bytes\": {}, \"window\": {}, \
-         \"large\": {}, \"large_bytes\": {}, \"rounds\": {}, \"poll\": {}, \"kill_one\": {}, \
-         \"kill_daemon\": {}, \"max_rss_growth\": {}, \"max_stall_ms\": {}, \"timeout_ms\": {}, \"dma_bytes\": {}}}",
-        args.groups,
-        args.ranks,
-        args.small,
-        args.small_bytes,
-        args.window,
-        args.large,
-        args.large_bytes,
-        args.rounds,
-        args.poll,
-        args.kill_one,
-        args.kill_daemon,
-        args.max_rss_growth,
-        args.max_stall_ms,
-        args.timeout_ms,
-        plan.dma_bytes
-    )
+/// The options, as the JSON's `config`.
+#[derive(Serialize)]
+struct ConfigJson {
+    groups: u32,
+    ranks: u32,
+    small: u64,
+    small_bytes: u64,
+    window: u32,
+    large: u64,
+    large_bytes: u64,
+    rounds: u32,
+    poll: bool,
+    kill_one: bool,
+    kill_daemon: bool,
+    max_rss_growth: u64,
+    max_stall_ms: u64,
+    timeout_ms: u64,
+    dma_bytes: usize,
+}
+
+fn config_json(args: &Args, plan: &Plan) -> ConfigJson {
+    ConfigJson {
+        groups: args.groups,
+        ranks: args.ranks,
+        small: args.small,
+        small_bytes: args.small_bytes,
+        window: args.window,
+        large: args.large,
+        large_bytes: args.large_bytes,
+        rounds: args.rounds,
+        poll: args.poll,
+        kill_one: args.kill_one,
+        kill_daemon: args.kill_daemon,
+        max_rss_growth: args.max_rss_growth,
+        max_stall_ms: args.max_stall_ms,
+        timeout_ms: args.timeout_ms,
+        dma_bytes: plan.dma_bytes,
+    }
 }
 
 fn rate(n: u64, prev: u64, dt: f64) -> String {
@@ -215,7 +233,7 @@ fn run(args: &Args) -> Result<bool, SoakError> {
         backend.display()
     );
     // Declared before the daemons so it is removed after they stop.
-    let dir = TempDir::new()?;
+    let dir = daemon::temp_dir()?;
     let id_base = u64::from(std::process::id()) << 16 | 0xd000;
     let mut daemons = Vec::new();
     for g in 0..args.groups as usize {

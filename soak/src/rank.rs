@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use dmlc_guest::transport::TransportError;
-use dmlc_guest::{Device, DmaBuf, Done, Dtype, Error, Handle, OpenOptions, ReduceOp, Request};
+use dmlc_driver::transport::TransportError;
+use dmlc_driver::{Device, DmaBuf, Done, Dtype, Error, Handle, OpenOptions, ReduceOp, Request};
 use virtio_dmlc::Opcode;
 
 use crate::daemon::{self, Usage};
@@ -252,7 +252,7 @@ struct Pending {
 }
 
 enum Waited {
-    Done(dmlc_guest::Result<Done>),
+    Done(dmlc_driver::Result<Done>),
     /// Given up: the run stops, the group lost a rank, or the wait limit.
     GaveUp,
 }
@@ -310,7 +310,7 @@ pub fn run(plan: &Plan, g: &GroupShared, global: &Global, rank: u32, socket: &Pa
 }
 
 fn open(opts: &OpenOptions, plan: &Plan, socket: &Path, rank: u32) -> Result<Device, String> {
-    let dev = Device::open_host(socket, opts)
+    let dev = dmlc_driver::host::open(socket, opts)
         .map_err(|e| format!("opening {} failed: {e}", socket.display()))?;
     let cfg = dev.config();
     if dev.rank() != rank || dev.world_size() != plan.ranks {

@@ -3,6 +3,8 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
+use serde::Serialize;
+
 use crate::daemon::Usage;
 use crate::rank::{Plan, RankReport, RoundTime, Sample, AFTER_KILL_GRACE};
 
@@ -79,7 +81,7 @@ pub struct Figures {
 }
 
 /// Outcomes in the group that had a rank closed, after the close.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct AfterKill {
     pub ok: u64,
     pub peer_lost: u64,
@@ -479,152 +481,155 @@ fn kill_round_rates(g: &GroupResult, round: u32, what: &str) -> Option<String> {
     ))
 }
 
-fn json_str(s: &str) -> String {
-    let mut o = String::with_capacity(s.len() + 2);
-    o.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => o.push_str("\\\""),
-            '\\' => o.push_str("\\\\"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(o, "\\u{:04x}", c as u32);
-            }
-            c => o.push(c),
-        }
-    }
-    o.push('"');
-    o
+/// A figure for the JSON: rounded to 3 decimals, null if not finite.
+fn num(x: f64) -> Option<f64> {
+    x.is_finite().then(|| (x * 1e3).round() / 1e3)
 }
 
-fn json_usage(u: Option<Usage>) -> String {
-    match u {
-        Some(u) => format!(
-            "{{\"rss_anon_kib\": {}, \"vm_rss_kib\": {}, \"fds\": {}}}",
-            u.rss_anon_kib, u.vm_rss_kib, u.fds
-        ),
-        None => "null".into(),
-    }
-}
-
-fn num(x: f64) -> String {
-    if x.is_finite() {
-        format!("{x:.3}")
-    } else {
-        "null".into()
-    }
-}
-
-/// The figures as JSON; `config` is a JSON object of the options.
-pub fn json(
-    config: &str,
-    wall: Duration,
+/// The JSON document (`--json FILE`).
+#[derive(Serialize)]
+struct Doc<'a, C> {
+    config: &'a C,
+    wall_s: Option<f64>,
     passed: bool,
-    groups: &[(GroupResult, Figures)],
-) -> String {
-    let mut s = String::new();
-    let _ = write!(
-        s,
-        "{{\n  \"config\": {config},\n  \"wall_s\": {},\n  \"passed\": {passed},\n  \"groups\": [",
-        num(wall.as_secs_f64())
-    );
-    for (i, (g, f)) in groups.iter().enumerate() {
-        let samples: Vec<String> = g
-            .samples
-            .iter()
-            .map(|x| {
-                format!(
-                    "{{\"rounds_done\": {}, \"rss_anon_kib\": {}, \"vm_rss_kib\": {}, \"fds\": {}}}",
-                    x.rounds_done, x.usage.rss_anon_kib, x.usage.vm_rss_kib, x.usage.fds
-                )
-            })
-            .collect();
-        let failures: Vec<String> = f.failures.iter().map(|m| json_str(m)).collect();
-        let noticed: Vec<String> = f
-            .noticed_ms
-            .iter()
-            .map(|ms| ms.map_or("null".into(), num))
-            .collect();
-        // null unless every rank saw the transport error.
-        let noticed_max = f
+    groups: Vec<GroupJson<'a>>,
+}
+
+/// One group of the document.
+#[derive(Serialize)]
+struct GroupJson<'a> {
+    name: &'a str,
+    group_id: u64,
+    daemon_pid: u32,
+    killed_rank: bool,
+    killed_daemon: bool,
+    passed: bool,
+    small_collectives: u64,
+    large_collectives: u64,
+    bytes: u64,
+    submitted: u64,
+    completions_checked: u64,
+    lost: u64,
+    duplicated: u64,
+    wrong: u64,
+    failed: u64,
+    generation_changes: u64,
+    small_latency_us: Latency,
+    small_per_s: Option<f64>,
+    large_gbps: Option<f64>,
+    large_traffic_gbps: Option<f64>,
+    large_max_ms: Option<f64>,
+    warm_up: Option<Usage>,
+    end: Option<Usage>,
+    max_rss_anon_kib: u64,
+    after_kill: AfterKill,
+    noticed_ms: Vec<Option<f64>>,
+    /// null unless every rank saw the transport error.
+    noticed_max_ms: Option<f64>,
+    kill_round: Option<u32>,
+    daemon_exit: Option<&'a str>,
+    samples: Vec<SampleJson>,
+    failures: &'a [String],
+    notes: Vec<&'a str>,
+}
+
+#[derive(Serialize)]
+struct Latency {
+    p50: Option<f64>,
+    p99: Option<f64>,
+    max: Option<f64>,
+}
+
+#[derive(Serialize)]
+struct SampleJson {
+    rounds_done: u32,
+    #[serde(flatten)]
+    usage: Usage,
+}
+
+impl<'a> GroupJson<'a> {
+    fn new(g: &'a GroupResult, f: &'a Figures) -> Self {
+        let noticed_max_ms = f
             .noticed_ms
             .iter()
             .try_fold(None::<f64>, |m, ms| {
                 ms.map(|x| Some(m.map_or(x, |m| m.max(x))))
             })
             .flatten()
-            .map_or("null".into(), num);
-        let daemon_exit = g
-            .daemon_exit
-            .as_deref()
-            .or(g
-                .daemon_kill
-                .as_ref()
-                .and_then(|k| k.exit.as_ref().map(|e| e.0.as_str())))
-            .map_or("null".into(), json_str);
-        let notes: Vec<String> = g
-            .ranks
-            .iter()
-            .flat_map(|r| r.messages.iter().map(|m| json_str(m)))
-            .collect();
-        let _ = write!(
-            s,
-            "{}\n    {{\"name\": {}, \"group_id\": {}, \"daemon_pid\": {}, \"killed_rank\": {}, \
-             \"killed_daemon\": {}, \
-             \"passed\": {}, \"small_collectives\": {}, \"large_collectives\": {}, \"bytes\": {}, \
-             \"submitted\": {}, \"completions_checked\": {}, \"lost\": {}, \"duplicated\": {}, \"wrong\": {}, \
-             \"failed\": {}, \"generation_changes\": {}, \
-             \"small_latency_us\": {{\"p50\": {}, \"p99\": {}, \"max\": {}}}, \
-             \"small_per_s\": {}, \"large_gbps\": {}, \"large_traffic_gbps\": {}, \
-             \"large_max_ms\": {}, \"warm_up\": {}, \"end\": {}, \"max_rss_anon_kib\": {}, \
-             \"after_kill\": {{\"ok\": {}, \"peer_lost\": {}, \"other\": {}, \"abandoned\": {}, \
-             \"disconnected\": {}}}, \"noticed_ms\": [{}], \"noticed_max_ms\": {}, \"kill_round\": {}, \
-             \"daemon_exit\": {}, \
-             \"samples\": [{}], \"failures\": [{}], \"notes\": [{}]}}",
-            if i == 0 { "" } else { "," },
-            json_str(&g.name),
-            g.group_id,
-            g.daemon_pid,
-            g.victim,
-            g.daemon_kill.is_some(),
-            f.passed(),
-            f.small,
-            f.large,
-            f.bytes,
-            f.submitted,
-            f.checked,
-            f.lost,
-            f.duplicated,
-            f.wrong,
-            f.failed,
-            f.generation_changes,
-            num(f.p50_us),
-            num(f.p99_us),
-            num(f.max_us),
-            num(f.small_rate),
-            num(f.large_gbps),
-            num(f.large_traffic_gbps),
-            num(f.large_max_ms),
-            json_usage(f.warm),
-            json_usage(f.end),
-            f.max_rss_anon_kib,
-            f.after_kill.ok,
-            f.after_kill.peer_lost,
-            f.after_kill.other,
-            f.after_kill.abandoned,
-            f.after_kill.disconnected,
-            noticed.join(", "),
-            noticed_max,
-            g.daemon_kill
-                .as_ref()
-                .map_or("null".into(), |k| k.round.to_string()),
+            .and_then(num);
+        let daemon_exit = g.daemon_exit.as_deref().or(g
+            .daemon_kill
+            .as_ref()
+            .and_then(|k| k.exit.as_ref().map(|e| e.0.as_str())));
+        GroupJson {
+            name: &g.name,
+            group_id: g.group_id,
+            daemon_pid: g.daemon_pid,
+            killed_rank: g.victim,
+            killed_daemon: g.daemon_kill.is_some(),
+            passed: f.passed(),
+            small_collectives: f.small,
+            large_collectives: f.large,
+            bytes: f.bytes,
+            submitted: f.submitted,
+            completions_checked: f.checked,
+            lost: f.lost,
+            duplicated: f.duplicated,
+            wrong: f.wrong,
+            failed: f.failed,
+            generation_changes: f.generation_changes,
+            small_latency_us: Latency {
+                p50: num(f.p50_us),
+                p99: num(f.p99_us),
+                max: num(f.max_us),
+            },
+            small_per_s: num(f.small_rate),
+            large_gbps: num(f.large_gbps),
+            large_traffic_gbps: num(f.large_traffic_gbps),
+            large_max_ms: num(f.large_max_ms),
+            warm_up: f.warm,
+            end: f.end,
+            max_rss_anon_kib: f.max_rss_anon_kib,
+            after_kill: f.after_kill,
+            noticed_ms: f.noticed_ms.iter().map(|ms| ms.and_then(num)).collect(),
+            noticed_max_ms,
+            kill_round: g.daemon_kill.as_ref().map(|k| k.round),
             daemon_exit,
-            samples.join(", "),
-            failures.join(", "),
-            notes.join(", ")
-        );
+            samples: g
+                .samples
+                .iter()
+                .map(|x| SampleJson {
+                    rounds_done: x.rounds_done,
+                    usage: x.usage,
+                })
+                .collect(),
+            failures: &f.failures,
+            notes: g
+                .ranks
+                .iter()
+                .flat_map(|r| r.messages.iter().map(String::as_str))
+                .collect(),
+        }
     }
-    s.push_str("\n  ]\n}\n");
-    s
+}
+
+/// The figures as JSON; `config` is the options.
+pub fn json(
+    config: &impl Serialize,
+    wall: Duration,
+    passed: bool,
+    groups: &[(GroupResult, Figures)],
+) -> String {
+    let doc = Doc {
+        config,
+        wall_s: num(wall.as_secs_f64()),
+        passed,
+        groups: groups.iter().map(|(g, f)| GroupJson::new(g, f)).collect(),
+    };
+    // Plain structs with string keys: serializing cannot fail.
+    let mut text = serde_json::to_string_pretty(&doc).expect("the report serializes");
+    text.push('\n');
+    text
 }
 
 #[cfg(test)]
@@ -777,13 +782,15 @@ mod tests {
         );
         let t = table(&[(killed_group(), f.clone())]);
         assert!(t.contains("KILLED"), "{t}");
-        let j = json("{}", Duration::from_secs(1), true, &[(killed_group(), f)]);
-        assert!(j.contains("\"noticed_max_ms\": 5.000"), "{j}");
-        assert!(j.contains("\"killed_daemon\": true"), "{j}");
-        assert!(
-            j.contains("\"daemon_exit\": \"signal: 9 (SIGKILL)\""),
-            "{j}"
-        );
+        let j = json(&(), Duration::from_secs(1), true, &[(killed_group(), f)]);
+        let doc: serde_json::Value = serde_json::from_str(&j).expect("valid JSON");
+        let b = &doc["groups"][0];
+        assert_eq!(b["noticed_max_ms"], 5.0, "{j}");
+        assert_eq!(b["noticed_ms"], serde_json::json!([3.0, 5.0]), "{j}");
+        assert_eq!(b["killed_daemon"], true, "{j}");
+        assert_eq!(b["kill_round"], 1, "{j}");
+        assert_eq!(b["daemon_exit"], "signal: 9 (SIGKILL)", "{j}");
+        assert_eq!(b["after_kill"]["disconnected"], 2, "{j}");
     }
 
     #[test]
@@ -847,16 +854,90 @@ mod tests {
         assert!(table(&[(g, f)]).contains("FAIL"));
     }
 
+    /// Every key of the document, with the values of a clean group; a note
+    /// that needs escaping survives.
     #[test]
-    fn json_escapes_and_balances() {
-        assert_eq!(json_str("a\"b\\c\n"), "\"a\\\"b\\\\c\\u000a\"");
+    fn json_has_every_key() {
         let mut g = group(1000, 20);
-        g.ranks[0].messages.push("quote \" here".into());
+        g.ranks[0].messages.push("quote \" here\n".into());
         let f = evaluate(&plan(), &LIMITS, &g);
-        let j = json("{}", Duration::from_secs(1), true, &[(g, f)]);
-        let opens = j.matches(['{', '[']).count();
-        let closes = j.matches(['}', ']']).count();
-        assert_eq!(opens, closes, "{j}");
-        assert!(j.contains("\"completions_checked\": 24"), "{j}");
+        let config = serde_json::json!({"groups": 1});
+        let j = json(&config, Duration::from_millis(1500), true, &[(g, f)]);
+        let doc: serde_json::Value = serde_json::from_str(&j).expect("valid JSON");
+        let keys = |v: &serde_json::Value| -> Vec<String> {
+            let mut k: Vec<String> = v.as_object().expect("object").keys().cloned().collect();
+            k.sort();
+            k
+        };
+        assert_eq!(keys(&doc), ["config", "groups", "passed", "wall_s"]);
+        assert_eq!(doc["config"], config);
+        assert_eq!(
+            (doc["wall_s"].as_f64(), doc["passed"].as_bool()),
+            (Some(1.5), Some(true))
+        );
+        let a = &doc["groups"][0];
+        let mut want = vec![
+            "name",
+            "group_id",
+            "daemon_pid",
+            "killed_rank",
+            "killed_daemon",
+            "passed",
+            "small_collectives",
+            "large_collectives",
+            "bytes",
+            "submitted",
+            "completions_checked",
+            "lost",
+            "duplicated",
+            "wrong",
+            "failed",
+            "generation_changes",
+            "small_latency_us",
+            "small_per_s",
+            "large_gbps",
+            "large_traffic_gbps",
+            "large_max_ms",
+            "warm_up",
+            "end",
+            "max_rss_anon_kib",
+            "after_kill",
+            "noticed_ms",
+            "noticed_max_ms",
+            "kill_round",
+            "daemon_exit",
+            "samples",
+            "failures",
+            "notes",
+        ];
+        // Written in this order.
+        let body = &j[j.find("\"name\"").expect("a group")..];
+        let at: Vec<usize> = want
+            .iter()
+            .map(|k| body.find(&format!("\"{k}\"")).expect("key written"))
+            .collect();
+        assert!(at.windows(2).all(|w| w[0] < w[1]), "{j}");
+        want.sort_unstable();
+        assert_eq!(keys(a), want);
+        assert_eq!(a["name"], "A");
+        assert_eq!(a["completions_checked"], 24);
+        assert_eq!(keys(&a["small_latency_us"]), ["max", "p50", "p99"]);
+        assert_eq!(a["small_latency_us"]["p50"], 1.0);
+        assert_eq!(
+            keys(&a["after_kill"]),
+            ["abandoned", "disconnected", "ok", "other", "peer_lost"]
+        );
+        let usage = serde_json::json!({"rss_anon_kib": 1000, "vm_rss_kib": 2000, "fds": 20});
+        assert_eq!(a["warm_up"], usage);
+        assert_eq!(a["samples"][0]["rounds_done"], 1);
+        assert_eq!(
+            keys(&a["samples"][0]),
+            ["fds", "rounds_done", "rss_anon_kib", "vm_rss_kib"]
+        );
+        for null in ["noticed_max_ms", "kill_round", "daemon_exit"] {
+            assert!(a[null].is_null(), "{null}: {j}");
+        }
+        assert_eq!(a["noticed_ms"], serde_json::json!([]));
+        assert_eq!(a["notes"], serde_json::json!(["quote \" here\n"]));
     }
 }

@@ -5,19 +5,15 @@
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 
+use serde_json::Value;
+
 fn soak() -> Command {
     Command::new(env!("CARGO_BIN_EXE_dmlc-soak"))
 }
 
-/// The daemon built next to the test's binaries (target/<profile>/).
+/// The daemon (another package: built on demand if missing).
 fn backend() -> PathBuf {
-    let bin = PathBuf::from(env!("CARGO_BIN_EXE_dmlc-soak")).with_file_name("vhost-device-dmlc");
-    assert!(
-        bin.is_file(),
-        "{} is missing: build it first (cargo build -p vhost-device-dmlc)",
-        bin.display()
-    );
-    bin
+    dmlc_test_support::backend_bin()
 }
 
 fn text(out: &Output) -> String {
@@ -50,17 +46,17 @@ fn run_soak(name: &str, args: &str) -> (Output, String) {
     (out, j)
 }
 
-/// The value of `"key": ` in the first object of group `name` of `json`.
-fn group_field<'a>(json: &'a str, name: &str, key: &str) -> &'a str {
-    let at = json
-        .find(&format!("\"name\": \"{name}\""))
-        .unwrap_or_else(|| panic!("no group {name} in {json}"));
-    let rest = &json[at..];
-    let k = rest
-        .find(&format!("\"{key}\": "))
-        .unwrap_or_else(|| panic!("no {key} in group {name}: {json}"));
-    let v = &rest[k + key.len() + 4..];
-    &v[..v.find([',', '}']).unwrap()]
+/// The JSON report `j`, parsed.
+fn parse(j: &str) -> Value {
+    serde_json::from_str(j).unwrap_or_else(|e| panic!("not a JSON report ({e}): {j:?}"))
+}
+
+/// Group `name` of the report `doc`.
+fn group<'a>(doc: &'a Value, name: &str) -> &'a Value {
+    doc["groups"]
+        .as_array()
+        .and_then(|gs| gs.iter().find(|g| g["name"] == name))
+        .unwrap_or_else(|| panic!("no group {name} in {doc}"))
 }
 
 #[test]
@@ -87,12 +83,16 @@ fn tiny_soak_passes_and_reports_every_figure() {
     let passed = stdout.lines().filter(|l| l.ends_with(" PASS")).count();
     assert_eq!(passed, 2, "{t}");
     assert!(stdout.contains("dmlc-soak: PASSED"), "{t}");
-    for g in ["A", "B"] {
-        assert_eq!(group_field(&j, g, "small_collectives"), "3000", "{j}");
-        assert_eq!(group_field(&j, g, "large_collectives"), "4", "{j}");
+    let doc = parse(&j);
+    assert_eq!(doc["passed"], true, "{j}");
+    assert_eq!(doc["config"]["small"], 3000, "{j}");
+    for name in ["A", "B"] {
+        let g = group(&doc, name);
+        assert_eq!(g["small_collectives"], 3000, "{j}");
+        assert_eq!(g["large_collectives"], 4, "{j}");
         // 4 ranks checked every completion.
-        assert_eq!(group_field(&j, g, "completions_checked"), "12016", "{j}");
-        assert_eq!(group_field(&j, g, "submitted"), "12016", "{j}");
+        assert_eq!(g["completions_checked"], 12016, "{j}");
+        assert_eq!(g["submitted"], 12016, "{j}");
         for zero in [
             "lost",
             "duplicated",
@@ -100,15 +100,13 @@ fn tiny_soak_passes_and_reports_every_figure() {
             "failed",
             "generation_changes",
         ] {
-            assert_eq!(group_field(&j, g, zero), "0", "{zero} in {j}");
+            assert_eq!(g[zero], 0, "{zero} in {j}");
         }
-        assert_eq!(group_field(&j, g, "passed"), "true", "{j}");
-        assert_ne!(group_field(&j, g, "warm_up"), "null", "{j}");
+        assert_eq!(g["passed"], true, "{j}");
+        assert!(g["warm_up"]["rss_anon_kib"].as_u64() > Some(0), "{j}");
+        assert!(g["small_latency_us"]["p99"].as_f64() > Some(0.0), "{j}");
     }
-    assert_ne!(
-        group_field(&j, "A", "group_id"),
-        group_field(&j, "B", "group_id")
-    );
+    assert_ne!(group(&doc, "A")["group_id"], group(&doc, "B")["group_id"]);
 }
 
 #[test]
@@ -119,13 +117,15 @@ fn kill_one_closes_a_rank_of_b_and_a_still_passes() {
     );
     let t = text(&out);
     assert!(out.status.success(), "{t}");
-    assert_eq!(group_field(&j, "A", "killed_rank"), "false", "{j}");
-    assert_eq!(group_field(&j, "A", "passed"), "true", "{j}");
-    assert_eq!(group_field(&j, "A", "small_collectives"), "4000", "{j}");
-    assert_eq!(group_field(&j, "B", "killed_rank"), "true", "{j}");
+    let doc = parse(&j);
+    let (a, b) = (group(&doc, "A"), group(&doc, "B"));
+    assert_eq!(a["killed_rank"], false, "{j}");
+    assert_eq!(a["passed"], true, "{j}");
+    assert_eq!(a["small_collectives"], 4000, "{j}");
+    assert_eq!(b["killed_rank"], true, "{j}");
     // B stopped near the middle (the close follows small collective 2500).
-    let b: u64 = group_field(&j, "B", "small_collectives").parse().unwrap();
-    assert!((2400..=2501).contains(&b), "{j}");
+    let small = b["small_collectives"].as_u64().expect("a count");
+    assert!((2400..=2501).contains(&small), "{j}");
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("KILLED"),
         "{t}"
@@ -153,12 +153,14 @@ fn kill_daemon_kills_b_s_daemon_and_a_still_passes() {
     let _ = std::fs::remove_file(&json);
     let t = text(&out);
     assert!(out.status.success(), "{t}");
+    let doc = parse(&j);
+    let (a, b) = (group(&doc, "A"), group(&doc, "B"));
     // A did all its work, every check passing.
-    assert_eq!(group_field(&j, "A", "killed_daemon"), "false", "{j}");
-    assert_eq!(group_field(&j, "A", "passed"), "true", "{j}");
-    assert_eq!(group_field(&j, "A", "small_collectives"), "4000", "{j}");
-    assert_eq!(group_field(&j, "A", "large_collectives"), "2", "{j}");
-    assert_eq!(group_field(&j, "A", "completions_checked"), "16008", "{j}");
+    assert_eq!(a["killed_daemon"], false, "{j}");
+    assert_eq!(a["passed"], true, "{j}");
+    assert_eq!(a["small_collectives"], 4000, "{j}");
+    assert_eq!(a["large_collectives"], 2, "{j}");
+    assert_eq!(a["completions_checked"], 16008, "{j}");
     for zero in [
         "lost",
         "duplicated",
@@ -166,24 +168,21 @@ fn kill_daemon_kills_b_s_daemon_and_a_still_passes() {
         "failed",
         "generation_changes",
     ] {
-        assert_eq!(group_field(&j, "A", zero), "0", "{zero} in {j}");
+        assert_eq!(a[zero], 0, "{zero} in {j}");
     }
-    assert_ne!(group_field(&j, "A", "end"), "null", "{j}");
+    assert!(!a["end"].is_null(), "{j}");
     // B's daemon died of the kill, near the middle (after small
     // collective 2500), and all 4 ranks saw the transport error in time.
-    assert_eq!(group_field(&j, "B", "killed_daemon"), "true", "{j}");
-    assert_eq!(group_field(&j, "B", "passed"), "true", "{j}");
-    assert_eq!(group_field(&j, "B", "kill_round"), "2", "{j}");
-    assert_eq!(
-        group_field(&j, "B", "daemon_exit"),
-        "\"signal: 9 (SIGKILL)\"",
-        "{j}"
-    );
-    assert_eq!(group_field(&j, "B", "disconnected"), "4", "{j}");
-    assert_eq!(group_field(&j, "B", "other"), "0", "{j}");
-    let b: u64 = group_field(&j, "B", "small_collectives").parse().unwrap();
-    assert!((2400..=2501).contains(&b), "{j}");
-    let noticed: f64 = group_field(&j, "B", "noticed_max_ms").parse().unwrap();
+    assert_eq!(b["killed_daemon"], true, "{j}");
+    assert_eq!(b["passed"], true, "{j}");
+    assert_eq!(b["kill_round"], 2, "{j}");
+    assert_eq!(b["daemon_exit"], "signal: 9 (SIGKILL)", "{j}");
+    assert_eq!(b["after_kill"]["disconnected"], 4, "{j}");
+    assert_eq!(b["after_kill"]["other"], 0, "{j}");
+    let small = b["small_collectives"].as_u64().expect("a count");
+    assert!((2400..=2501).contains(&small), "{j}");
+    assert_eq!(b["noticed_ms"].as_array().map(Vec::len), Some(4), "{j}");
+    let noticed = b["noticed_max_ms"].as_f64().expect("every rank noticed");
     assert!(noticed <= 2000.0, "{j}");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -196,7 +195,7 @@ fn kill_daemon_kills_b_s_daemon_and_a_still_passes() {
         "{t}"
     );
     // Group A's daemon was stopped and the socket folder removed.
-    let pid = group_field(&j, "A", "daemon_pid");
+    let pid = &a["daemon_pid"];
     let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
     assert!(
         !String::from_utf8_lossy(&cmdline).contains(&tag),

@@ -6,8 +6,9 @@
 
 use std::time::{Duration, Instant};
 
+use dmlc_vm::{Options, VmSpec};
+
 use crate::common::{guest, metric_sum, progress, setup, vm, Backend, Vms};
-use crate::harness::{Options, VmSpec};
 
 /// How the guests wait for completions: dmlc-guest's flag, and what the PCI
 /// transport logs (at info level) when it opens the device that way.
@@ -40,7 +41,7 @@ fn selftest_group(test: &str, n: usize, mode: Mode, timeout: Duration) {
                 guest(&format!("{} selftest --quick", mode.flag)),
                 &backend.socket(r),
             )
-            .env("RUST_LOG", "dmlc_guest=info")
+            .env("RUST_LOG", "dmlc_driver=info")
         })
         .collect();
     let opts = Options {

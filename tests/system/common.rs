@@ -11,7 +11,8 @@ use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use crate::harness::{Accel, Cluster, Error, Image, ImageOptions, Options, Outcome, Qemu, VmSpec};
+use dmlc_vm::{Accel, Cluster, Error, Image, ImageOptions, Options, Outcome, Qemu, VmSpec};
+use tempfile::TempDir;
 
 /// The guest program's command line `dmlc-guest ARGS`, driving the device
 /// over PCI. `--pci` goes last: it takes an optional PCI address, so right
@@ -78,12 +79,9 @@ fn image() -> Image {
             let probe = existing_bin(
                 "DMLC_PCI_PROBE_BIN",
                 "examples/pci_probe",
-                "-p dmlc-guest --example pci_probe",
+                "-p dmlc-driver --example pci_probe",
             );
-            let opts = ImageOptions {
-                strip: true,
-                ..ImageOptions::default()
-            };
+            let opts = ImageOptions { strip: true };
             let t = Instant::now();
             let files = [
                 (guest.as_path(), "/usr/bin/dmlc-guest"),
@@ -146,6 +144,8 @@ pub fn setup(test: &str) -> Option<Env> {
     let image = image();
     let opts = Options {
         accel,
+        // The VMs' logs go under target/ with the test's own.
+        tmp_dir: Some(env!("CARGO_TARGET_TMPDIR").into()),
         ..Options::default()
     };
     Some(Env {
@@ -169,16 +169,13 @@ pub fn chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-/// A fresh directory for one test's sockets, short enough for socket paths.
-fn socket_dir(name: &str) -> PathBuf {
-    let stamp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    let dir =
-        std::env::temp_dir().join(format!("dmlc-sys-{name}-{}-{stamp:x}", std::process::id()));
-    fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("mkdir {}: {e}", dir.display()));
-    dir
+/// A fresh directory for one test's sockets, in the temp dir: short enough
+/// for socket paths.
+fn socket_dir(name: &str) -> TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("dmlc-sys-{name}-"))
+        .tempdir()
+        .unwrap_or_else(|e| panic!("cannot make a socket directory: {e}"))
 }
 
 /// The `vhost-device-dmlc` daemon of one test, logging at info level to a
@@ -186,7 +183,8 @@ fn socket_dir(name: &str) -> PathBuf {
 pub struct Backend {
     bin: PathBuf,
     args: Vec<String>,
-    dir: PathBuf,
+    /// Sockets and log; kept when the test fails.
+    dir: TempDir,
     base: PathBuf,
     count: usize,
     log: PathBuf,
@@ -199,7 +197,7 @@ impl Backend {
     /// with `extra` options, and waits until it listens.
     pub fn start(env: &Env, name: &str, count: usize, extra: &[&str]) -> Backend {
         let dir = socket_dir(name);
-        let base = dir.join("dmlc.sock");
+        let base = dir.path().join("dmlc.sock");
         let mut args = vec![
             "--socket-path".to_owned(),
             base.display().to_string(),
@@ -214,7 +212,7 @@ impl Backend {
         let mut b = Backend {
             bin: env.backend_bin.clone(),
             args,
-            log: dir.join("backend.log"),
+            log: dir.path().join("backend.log"),
             dir,
             base,
             count,
@@ -357,8 +355,7 @@ impl Drop for Backend {
         if thread::panicking() {
             eprintln!("----- backend log ({})", self.log.display());
             eprintln!("{}", self.log_text());
-        } else {
-            let _ = fs::remove_dir_all(&self.dir);
+            self.dir.disable_cleanup(true);
         }
     }
 }

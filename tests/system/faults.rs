@@ -3,10 +3,11 @@
 
 use std::time::{Duration, Instant};
 
+use dmlc_vm::{Options, VmSpec};
+
 use crate::common::{
     console, guest, kill_qemu, metric, metric_sum, progress, setup, vm, wait_console, Backend, Vms,
 };
-use crate::harness::{Options, VmSpec};
 
 /// `iter K ok` lines in a console.
 fn ok_iters(text: &str) -> usize {

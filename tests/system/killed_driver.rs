@@ -10,8 +10,9 @@
 
 use std::time::{Duration, Instant};
 
+use dmlc_vm::Options;
+
 use crate::common::{console, guest, metric, progress, setup, vm, wait_console, Backend, Vms};
-use crate::harness::Options;
 
 #[test]
 fn killed_driver_leaves_no_dma_into_its_freed_hugepages() {

@@ -6,7 +6,7 @@
 //! the tests also take turns by themselves):
 //!
 //! ```text
-//! cargo build -p dmlc-guest -p vhost-device-dmlc --bins --example pci_probe
+//! cargo build -p dmlc-guest -p vhost-device-dmlc --bins && cargo build -p dmlc-driver --example pci_probe
 //! cargo test -p dmlc-system-tests --test system -- --test-threads=1
 //! ```
 //!
@@ -27,9 +27,6 @@
 //!   are never written afterwards.
 //! - `pause`: a VM stopped and resumed through QMP in a loop of
 //!   collectives; its migration refused.
-
-#[path = "../vm/harness.rs"]
-mod harness;
 
 mod collectives;
 mod common;

@@ -9,10 +9,10 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use dmlc_vm::Options;
 use serde_json::{json, Value};
 
 use crate::common::{console, guest, metric, progress, setup, vm, wait_console, Backend, Vms};
-use crate::harness::Options;
 
 /// A QMP connection to one QEMU (`-qmp unix:PATH,server=on,wait=off`).
 struct Qmp {

@@ -4,8 +4,9 @@
 
 use std::time::{Duration, Instant};
 
+use dmlc_vm::VmSpec;
+
 use crate::common::{guest, progress, setup, vm, Backend, Vms};
-use crate::harness::VmSpec;
 
 #[test]
 fn two_vms_see_the_device_and_the_backend_sees_both() {

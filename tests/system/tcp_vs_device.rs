@@ -13,8 +13,9 @@
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
+use dmlc_vm::{vm_ip, Options, VmSpec};
+
 use crate::common::{guest, metric_sum, progress, setup, vm, Backend, Vms};
-use crate::harness::{vm_ip, Options, VmSpec};
 
 /// Sizes and iterations of both runs: 4 B to 1 MiB in steps of 8 (7 sizes,
 /// both goal sizes among them).

@@ -4,27 +4,27 @@
 //! jobs go through fw_cfg, two VMs talk over virtio-net, and failures
 //! (a VM that dies, a job that hangs) are reported and every VM is killed.
 //!
-//! Wire it into a workspace crate that has `thiserror` as a dependency:
-//! `[[test]] name = "vm-smoke" path = "../tests/vm/smoke.rs"`.
-//! Needs QEMU (see tests/vm/README.md); boots seven TCG VMs in all.
+//! Needs QEMU (see vm-harness/README.md); boots seven TCG VMs in all.
 
-#[path = "harness.rs"]
-mod harness;
-
-use harness::{run_ok, Cluster, Error, Image, ImageOptions, Options, Qemu, VmSpec};
+use dmlc_vm::{run_ok, Cluster, Error, Image, ImageOptions, Options, Qemu, VmSpec};
 use std::fs;
 use std::path::Path;
 use std::time::Duration;
+
+/// The default options, with the VMs' logs under target/.
+fn options() -> Options {
+    Options {
+        tmp_dir: Some(env!("CARGO_TARGET_TMPDIR").into()),
+        ..Options::default()
+    }
+}
 
 /// QEMU and an image holding this test binary as /usr/bin/vm-smoke (a
 /// dynamically linked Rust program: proves the ldd copy).
 fn setup() -> (Qemu, Image) {
     let qemu = Qemu::from_env().unwrap_or_else(|e| panic!("qemu: {e}"));
     let exe = std::env::current_exe().expect("current_exe");
-    let opts = ImageOptions {
-        strip: true,
-        ..ImageOptions::default()
-    };
+    let opts = ImageOptions { strip: true };
     let image = Image::build(&[(exe.as_path(), "/usr/bin/vm-smoke")], &opts)
         .unwrap_or_else(|e| panic!("image: {e}"));
     (qemu, image)
@@ -55,7 +55,7 @@ fn job_runs_in_a_set_up_guest_and_reports_its_status() {
                for m in virtio_pci virtio_net uio_pci_generic qemu_fw_cfg; do \
                grep -q \"^$m \" /proc/modules && echo \"mod $m\"; done; exit 3";
     let spec = VmSpec::new(job).env("RANK", "7").env("WORDS", "two words");
-    let mut cluster = Cluster::start(&qemu, &image, &[spec], &Options::default()).unwrap();
+    let mut cluster = Cluster::start(&qemu, &image, &[spec], &options()).unwrap();
     let out = cluster.wait().unwrap().remove(0);
     eprintln!("boot {:?}, exit {:?}", out.boot, out.total);
     eprint!("{}", out.output);
@@ -83,7 +83,7 @@ fn long_job_goes_through_fw_cfg() {
          test -r /sys/firmware/qemu_fw_cfg/by_name/opt/dmlc/cmd/raw"
     ))
     .env("BIG", "y".repeat(1000));
-    let out = run_ok(&qemu, &image, &[spec], &Options::default()).unwrap();
+    let out = run_ok(&qemu, &image, &[spec], &options()).unwrap();
     assert_eq!(out[0].output, "len=4000 env=1000\n");
 }
 
@@ -99,7 +99,7 @@ fn two_vms_talk_over_virtio_net() {
     let opts = Options {
         net: true,
         timeout: Duration::from_secs(180),
-        ..Options::default()
+        ..options()
     };
     let out = run_ok(&qemu, &image, &[server, client], &opts).unwrap();
     assert_eq!(out[0].output, "hello-over-net\n");
@@ -109,7 +109,7 @@ fn two_vms_talk_over_virtio_net() {
 fn vm_that_dies_early_is_reported() {
     let (qemu, image) = setup();
     let spec = VmSpec::new("echo bye; poweroff -f");
-    let mut cluster = Cluster::start(&qemu, &image, &[spec], &Options::default()).unwrap();
+    let mut cluster = Cluster::start(&qemu, &image, &[spec], &options()).unwrap();
     let err = cluster.wait().unwrap_err();
     assert!(matches!(err, Error::EarlyExit { vm: 0, .. }), "{err}");
 }
@@ -120,7 +120,7 @@ fn timeout_is_reported_and_kills_every_vm() {
     let specs = [VmSpec::new("sleep 1000"), VmSpec::new("true")];
     let opts = Options {
         timeout: Duration::from_secs(30),
-        ..Options::default()
+        ..options()
     };
     let mut cluster = Cluster::start(&qemu, &image, &specs, &opts).unwrap();
     let dir = cluster.dir().to_string_lossy().into_owned();

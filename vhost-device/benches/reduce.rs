@@ -1,5 +1,7 @@
 //! Reduction micro-benchmark: an f32 sum allreduce of N members through
-//! `datapath::reduce_range`, against memcpy of the same memory traffic.
+//! the backend's `datapath::reduce_range` (this crate's kernels over
+//! scatter-gather lists), against memcpy of the same memory traffic; and,
+//! with `--kernels`, every kernel of this crate in cache.
 //!
 //! ```text
 //! cargo bench -p vhost-device-dmlc --bench reduce -- [options]
@@ -29,8 +31,8 @@
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
+use dmlc_reduce::{Isa, Kernel, Scratch, CHUNK_BYTES};
 use vhost_device_dmlc::datapath::{reduce_range_chunked, HostSeg, SegRef};
-use vhost_device_dmlc::reduce::{Isa, Kernel, Scratch, CHUNK_BYTES};
 use virtio_dmlc::{Dtype, ReduceOp};
 
 struct Opts {
@@ -124,7 +126,7 @@ fn parse_args() -> Opts {
             "--kernels" => opts.kernels = true,
             "--json" => opts.json = Some(value()),
             other => {
-                panic!("unknown option {other:?} (see the comment at the top of benches/reduce.rs)")
+                panic!("unknown option {other:?} (see the comment at the top of reduce/benches/reduce.rs)")
             }
         }
     }
@@ -565,32 +567,27 @@ fn main() {
         println!("{}", kernels(&opts));
     }
     if let Some(path) = &opts.json {
-        let mut json = String::from("[\n");
-        for (i, r) in rows.iter().enumerate() {
-            let sep = if i + 1 == rows.len() { "" } else { "," };
-            writeln!(
-                json,
-                "  {{\"members\": {}, \"size\": {}, \"threads\": {}, \"chunk\": {}, \
-                 \"reduce_s\": {:e}, \"memcpy_s\": {:e}, \"reduce_cpu_s\": {:e}, \
-                 \"memcpy_cpu_s\": {:e}, \"reduce_gbps\": {:.3}, \"memcpy_gbps\": {:.3}, \
-                 \"ratio\": {:.4}, \"cpu_ratio\": {:.4}, \"wrong\": {}}}{sep}",
-                r.members,
-                r.size,
-                r.threads,
-                r.chunk,
-                r.reduce.wall,
-                r.memcpy.wall,
-                r.reduce.cpu,
-                r.memcpy.cpu,
-                r.traffic() / r.reduce.wall / 1e9,
-                r.traffic() / r.memcpy.wall / 1e9,
-                r.ratio(),
-                r.cpu_ratio(),
-                r.wrong
-            )
-            .unwrap();
-        }
-        json.push_str("]\n");
+        let json: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "members": r.members,
+                    "size": r.size,
+                    "threads": r.threads,
+                    "chunk": r.chunk,
+                    "reduce_s": r.reduce.wall,
+                    "memcpy_s": r.memcpy.wall,
+                    "reduce_cpu_s": r.reduce.cpu,
+                    "memcpy_cpu_s": r.memcpy.cpu,
+                    "reduce_gbps": r.traffic() / r.reduce.wall / 1e9,
+                    "memcpy_gbps": r.traffic() / r.memcpy.wall / 1e9,
+                    "ratio": r.ratio(),
+                    "cpu_ratio": r.cpu_ratio(),
+                    "wrong": r.wrong,
+                })
+            })
+            .collect();
+        let json = serde_json::to_string_pretty(&json).expect("rows serialise") + "\n";
         std::fs::write(path, json).unwrap_or_else(|e| panic!("cannot write {path}: {e}"));
     }
     eprintln!("done in {:.1} s", started.elapsed().as_secs_f64());

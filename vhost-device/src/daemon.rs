@@ -24,6 +24,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use log::{debug, error, info, warn};
+use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::iterator::Signals;
 use thiserror::Error;
 use vhost::vhost_user::{Error as VhostUserError, Listener};
 use vhost_user_backend::VhostUserDaemon;
@@ -108,7 +110,7 @@ pub enum DaemonError {
         #[source]
         source: io::Error,
     },
-    #[error("cannot block the termination signals")]
+    #[error("cannot install the handler of the termination signals")]
     Signals(#[source] io::Error),
     #[error("bad fault-injection plan")]
     Faults(#[source] crate::fault::FaultSpecError),
@@ -123,10 +125,10 @@ enum Stop {
 /// Runs the daemon until SIGINT or SIGTERM (then `Ok`, after removing the
 /// sockets) or until a rank cannot accept connections any more.
 ///
-/// Blocks SIGINT and SIGTERM in the calling thread, and so in every thread
-/// started after it, so that one thread can wait for them.
+/// SIGINT and SIGTERM are caught by signal-hook's handler and read by one
+/// thread, which stops the daemon.
 pub fn start_backend(config: Config) -> Result<(), DaemonError> {
-    let signals = block_termination_signals()?;
+    let mut signals = Signals::new([SIGINT, SIGTERM]).map_err(DaemonError::Signals)?;
     raise_fd_limit();
     // Before the sockets, so that failing here leaves no socket behind.
     let metrics = match config.metrics_addr {
@@ -158,7 +160,9 @@ pub fn start_backend(config: Config) -> Result<(), DaemonError> {
     let result = (|| {
         let tx = stop_tx.clone();
         spawn("dmlc-signals", move || {
-            let _ = tx.send(Stop::Signal(wait_for_signal(&signals)));
+            if let Some(sig) = signals.forever().next() {
+                let _ = tx.send(Stop::Signal(sig));
+            }
         })?;
         if let Some(listener) = metrics {
             let addr = listener.local_addr().ok();
@@ -728,42 +732,6 @@ fn raise_fd_limit() {
             lim.rlim_cur,
             lim.rlim_max
         );
-    }
-}
-
-/// Blocks SIGINT and SIGTERM in this thread (and the threads it starts
-/// later) and returns the set, for [`wait_for_signal`].
-fn block_termination_signals() -> Result<libc::sigset_t, DaemonError> {
-    // SAFETY: sigset_t is a plain C struct; all zeroes is a valid value that
-    // sigemptyset then initialises properly.
-    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
-    // SAFETY: `set` is a valid, writable sigset_t; these calls only write it
-    // and fail only for invalid signal numbers, which these are not.
-    unsafe {
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGINT);
-        libc::sigaddset(&mut set, libc::SIGTERM);
-    }
-    // SAFETY: `set` is initialised; a null old-set pointer is allowed.
-    let rc = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
-    if rc != 0 {
-        return Err(DaemonError::Signals(io::Error::from_raw_os_error(rc)));
-    }
-    Ok(set)
-}
-
-/// Waits until one of the blocked signals in `set` arrives.
-fn wait_for_signal(set: &libc::sigset_t) -> i32 {
-    loop {
-        let mut sig = 0;
-        // SAFETY: `set` is an initialised sigset_t and `sig` a valid place
-        // for the result.
-        let rc = unsafe { libc::sigwait(set, &mut sig) };
-        if rc == 0 {
-            return sig;
-        }
-        error!("sigwait failed: {}", io::Error::from_raw_os_error(rc));
-        thread::sleep(Duration::from_millis(100));
     }
 }
 

@@ -6,8 +6,8 @@
 //! collective straight over the members' guest memory ([`datapath`]).
 //!
 //! Module map:
-//! - [`reduce`]: element-wise reduction kernels over raw memory;
-//! - [`datapath`]: chunked single-copy reduce and copy over scatter-gather lists;
+//! - [`datapath`]: chunked single-copy reduce and copy over scatter-gather
+//!   lists (the arithmetic is `dmlc_reduce`'s kernels);
 //! - [`chain`]: parsing and checking one descriptor chain into a request;
 //! - [`fault`]: fault injection for tests (`DMLC_TEST_FAULTS`);
 //! - [`group`]: matching, ordering, generations, timeouts, running collectives;
@@ -25,7 +25,6 @@ pub mod datapath;
 pub mod fault;
 pub mod group;
 pub mod metrics;
-pub mod reduce;
 pub mod spare_cpu;
 
 /// Guest memory as the backend sees it (no dirty-page bitmap).

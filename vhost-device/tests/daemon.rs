@@ -1,8 +1,6 @@
 //! The daemon as a process: options, sockets, signals, metrics, and the
 //! vhost-user handshake with a minimal frontend.
 
-mod common;
-
 use std::io::{Read, Write};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -11,7 +9,10 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{free_port, http_get, run, Daemon, Desc, Member, TempDir, BIN, PATIENCE};
+use dmlc_test_support::frontend::{Desc, Member};
+use dmlc_test_support::{
+    backend_bin, free_local_addr, http_get, run_backend, temp_dir, Backend, PATIENCE,
+};
 use vhost::vhost_user::{Frontend, VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost::VhostBackend;
 use virtio_dmlc::{
@@ -39,9 +40,9 @@ const FLAGS: [&str; 15] = [
 
 #[test]
 fn help_mentions_every_flag() {
-    let out = run(&["--help"]);
-    assert!(out.status.success());
-    let help = String::from_utf8(out.stdout).unwrap();
+    let out = run_backend(&["--help"], PATIENCE);
+    assert!(out.exit_status().success());
+    let help = out.stdout();
     for flag in FLAGS {
         let line = help
             .lines()
@@ -57,8 +58,8 @@ fn help_mentions_every_flag() {
 
 #[test]
 fn bad_options_fail_with_a_clear_message() {
-    let dir = TempDir::new();
-    let base = dir.0.join("d.sock");
+    let dir = temp_dir("bad-options");
+    let base = dir.path().join("d.sock");
     let base = base.to_str().unwrap();
     let cases: [(&[&str], &str); 8] = [
         (
@@ -76,25 +77,25 @@ fn bad_options_fail_with_a_clear_message() {
     for (extra, message) in cases {
         let mut args = vec!["--socket-path", base];
         args.extend_from_slice(extra);
-        let out = run(&args);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{extra:?} was accepted");
+        let out = run_backend(&args, PATIENCE);
+        let stderr = out.stderr();
+        assert!(!out.exit_status().success(), "{extra:?} was accepted");
         assert!(stderr.contains("error"), "{extra:?}: {stderr}");
         assert!(stderr.contains(message), "{extra:?}: {stderr}");
     }
     assert!(
-        !dir.0.join("d.sock0").exists(),
+        !dir.path().join("d.sock0").exists(),
         "a refused run left a socket"
     );
 
-    let out = run(&[]);
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--socket-path"));
+    let out = run_backend(&[], PATIENCE);
+    assert!(!out.exit_status().success());
+    assert!(out.stderr().contains("--socket-path"));
 }
 
 #[test]
 fn sockets_appear_and_are_removed_on_sigterm() {
-    let mut daemon = Daemon::start(2, &[]);
+    let mut daemon = Backend::start("sigterm", 2, &[]);
     for rank in 0..2 {
         let path = daemon.socket(rank);
         let meta = std::fs::symlink_metadata(&path).unwrap();
@@ -102,7 +103,7 @@ fn sockets_appear_and_are_removed_on_sigterm() {
     }
     assert!(!daemon.socket(2).exists());
     daemon.wait_for_log("listening on");
-    let status = daemon.terminate();
+    let status = daemon.terminate(PATIENCE);
     assert!(status.success(), "exit status {status}");
     for rank in 0..2 {
         assert!(!daemon.socket(rank).exists(), "socket {rank} left behind");
@@ -111,51 +112,52 @@ fn sockets_appear_and_are_removed_on_sigterm() {
 
 #[test]
 fn stale_socket_is_replaced_but_other_files_are_kept() {
-    let dir = TempDir::new();
+    let dir = temp_dir("stale");
     // A socket file nobody serves, as a killed daemon leaves behind.
-    drop(UnixListener::bind(dir.0.join("d.sock0")).unwrap());
-    let mut daemon = Daemon::start_in(dir, 1, &[]);
+    drop(UnixListener::bind(Backend::socket_in(dir.path(), 0)).unwrap());
+    let mut daemon = Backend::start_in(dir, 1, &[]);
     daemon.assert_running();
-    assert!(daemon.terminate().success());
+    assert!(daemon.terminate(PATIENCE).success());
 
-    let dir = TempDir::new();
-    std::fs::write(dir.0.join("d.sock1"), "not a socket").unwrap();
-    let base = dir.0.join("d.sock");
-    let out = run(&[
-        "--socket-path",
-        base.to_str().unwrap(),
-        "--socket-count",
-        "2",
-    ]);
-    assert_eq!(out.status.code(), Some(1));
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let dir = temp_dir("not-a-socket");
+    std::fs::write(dir.path().join("d.sock1"), "not a socket").unwrap();
+    let base = dir.path().join("d.sock");
+    let out = run_backend(
+        &[
+            "--socket-path",
+            base.to_str().unwrap(),
+            "--socket-count",
+            "2",
+        ],
+        PATIENCE,
+    );
+    assert_eq!(out.exit_status().code(), Some(1));
+    let stderr = out.stderr();
     assert!(stderr.contains("is not a socket"), "{stderr}");
     assert_eq!(
-        std::fs::read_to_string(dir.0.join("d.sock1")).unwrap(),
+        std::fs::read_to_string(dir.path().join("d.sock1")).unwrap(),
         "not a socket"
     );
-    assert!(!dir.0.join("d.sock0").exists(), "socket 0 left behind");
+    assert!(!dir.path().join("d.sock0").exists(), "socket 0 left behind");
 }
 
 #[test]
 fn second_daemon_on_the_same_path_is_refused() {
-    let mut first = Daemon::start(1, &[]);
-    let base = first.dir().join("d.sock");
-    let out = run(&["--socket-path", base.to_str().unwrap()]);
-    assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("in use by another process"));
+    let mut first = Backend::start("second", 1, &[]);
+    let out = run_backend(&["--socket-path", first.base().to_str().unwrap()], PATIENCE);
+    assert_eq!(out.exit_status().code(), Some(1));
+    assert!(out.stderr().contains("in use by another process"));
     first.assert_running();
     assert!(first.socket(0).exists());
 }
 
 #[test]
 fn metrics_endpoint_answers() {
-    let port = free_port();
-    let addr = format!("127.0.0.1:{port}");
-    let mut daemon = Daemon::start(2, &["--metrics-addr", &addr]);
+    let addr = free_local_addr();
+    let mut daemon = Backend::start("metrics", 2, &["--metrics-addr", &addr]);
     daemon.wait_for_log("metrics at");
 
-    let (status, head, body) = http_get(port, "/metrics");
+    let (status, head, body) = http_get(&addr, "/metrics");
     assert_eq!(status, "HTTP/1.1 200 OK");
     let head = head.to_ascii_lowercase();
     assert!(
@@ -165,12 +167,12 @@ fn metrics_endpoint_answers() {
     assert!(body.contains("# HELP"), "{body}");
     assert!(body.contains("# TYPE"), "{body}");
 
-    let (status, _, _) = http_get(port, "/");
+    let (status, _, _) = http_get(&addr, "/");
     assert_eq!(status, "HTTP/1.1 404 Not Found");
-    let (status, _, _) = http_get(port, "/metrics/more");
+    let (status, _, _) = http_get(&addr, "/metrics/more");
     assert_eq!(status, "HTTP/1.1 404 Not Found");
     // Still serving after the 404s.
-    let (status, _, _) = http_get(port, "/metrics?x=1");
+    let (status, _, _) = http_get(&addr, "/metrics?x=1");
     assert_eq!(status, "HTTP/1.1 200 OK");
     daemon.assert_running();
 }
@@ -190,7 +192,8 @@ fn expected_features() -> u64 {
 
 #[test]
 fn each_socket_reads_its_own_rank_from_config_space() {
-    let daemon = Daemon::start(
+    let daemon = Backend::start(
+        "config",
         2,
         &[
             "--queues",
@@ -237,7 +240,7 @@ fn each_socket_reads_its_own_rank_from_config_space() {
 
 #[test]
 fn daemon_survives_disconnect_and_reconnect() {
-    let mut daemon = Daemon::start(2, &[]);
+    let mut daemon = Backend::start("reconnect", 2, &[]);
     let mut m = Member::connect(&daemon.socket(1));
     let first = m.config();
     // Negotiate and start the rings, so that the member counts as present.
@@ -271,7 +274,7 @@ fn daemon_survives_disconnect_and_reconnect() {
 /// Waits until the log holds `text` at least `n` times and returns the log.
 /// The daemon logs a connection just after it starts serving it, so a
 /// frontend may have its first answer before the line is written.
-fn wait_for_count(daemon: &mut Daemon, text: &str, n: usize) -> String {
+fn wait_for_count(daemon: &mut Backend, text: &str, n: usize) -> String {
     let deadline = Instant::now() + PATIENCE;
     loop {
         let log = daemon.log();
@@ -301,7 +304,7 @@ fn socket_access(path: &Path) -> (u32, u32) {
 
 #[test]
 fn sockets_are_private_by_default() {
-    let mut daemon = Daemon::start(3, &[]);
+    let mut daemon = Backend::start("private", 3, &[]);
     for rank in 0..3 {
         let (mode, _) = socket_access(&daemon.socket(rank));
         assert_eq!(mode, 0o600, "socket {rank}: mode {mode:04o}");
@@ -312,7 +315,7 @@ fn sockets_are_private_by_default() {
 #[test]
 fn socket_mode_option_sets_the_mode() {
     for (option, want) in [("0660", 0o660), ("640", 0o640), ("0o700", 0o700)] {
-        let mut daemon = Daemon::start(2, &["--socket-mode", option]);
+        let mut daemon = Backend::start("mode", 2, &["--socket-mode", option]);
         for rank in 0..2 {
             let (mode, _) = socket_access(&daemon.socket(rank));
             assert_eq!(
@@ -320,16 +323,16 @@ fn socket_mode_option_sets_the_mode() {
                 "--socket-mode {option}: socket {rank} has {mode:04o}"
             );
         }
-        assert!(daemon.terminate().success());
+        assert!(daemon.terminate(PATIENCE).success());
     }
 }
 
 /// Starts the daemon with umask 0, so that anything it creates without
 /// choosing a mode is open to everyone; returns the mode of socket 0.
 fn mode_under_umask_zero(extra: &[&str]) -> (u32, u32) {
-    let dir = TempDir::new();
-    let base = dir.0.join("d.sock");
-    let mut command = Command::new(BIN);
+    let dir = temp_dir("umask");
+    let base = dir.path().join("d.sock");
+    let mut command = Command::new(backend_bin());
     // SAFETY: umask and prctl are async-signal-safe and touch no memory of
     // ours. The daemon dies with the test even if the test is killed.
     unsafe {
@@ -348,7 +351,7 @@ fn mode_under_umask_zero(extra: &[&str]) -> (u32, u32) {
         .stderr(Stdio::null())
         .spawn()
         .expect("start vhost-device-dmlc");
-    let socket = dir.0.join("d.sock0");
+    let socket = dir.path().join("d.sock0");
     let deadline = Instant::now() + PATIENCE;
     while !socket.exists() {
         assert!(child.try_wait().unwrap().is_none(), "the daemon exited");
@@ -374,11 +377,15 @@ fn socket_group_option_gives_the_sockets_to_the_group() {
     // Root may give a file to any group; another user only to its own.
     let gid = if euid == 0 { 4242 } else { egid };
     let gid_text = gid.to_string();
-    let mut daemon = Daemon::start(2, &["--socket-mode", "0660", "--socket-group", &gid_text]);
+    let mut daemon = Backend::start(
+        "group",
+        2,
+        &["--socket-mode", "0660", "--socket-group", &gid_text],
+    );
     for rank in 0..2 {
         assert_eq!(socket_access(&daemon.socket(rank)), (0o660, gid));
     }
-    assert!(daemon.terminate().success());
+    assert!(daemon.terminate(PATIENCE).success());
     // Same under umask 0: the group bits only come once the group is set.
     assert_eq!(
         mode_under_umask_zero(&["--socket-mode", "0660", "--socket-group", &gid_text]),
@@ -388,8 +395,8 @@ fn socket_group_option_gives_the_sockets_to_the_group() {
 
 #[test]
 fn bad_socket_modes_and_groups_exit_2_without_sockets() {
-    let dir = TempDir::new();
-    let base = dir.0.join("d.sock");
+    let dir = temp_dir("bad-modes");
+    let base = dir.path().join("d.sock");
     let base = base.to_str().unwrap();
     let cases: [(&str, &str, &str); 9] = [
         ("--socket-mode", "0999", "is not an octal mode"),
@@ -405,16 +412,23 @@ fn bad_socket_modes_and_groups_exit_2_without_sockets() {
     for (flag, value, message) in cases {
         // FLAG=VALUE, so that "-600" reaches the parser as a value.
         let option = format!("{flag}={value}");
-        let out = run(&["--socket-path", base, "--socket-count", "2", &option]);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{flag} {value:?}: {stderr}");
+        let out = run_backend(
+            &["--socket-path", base, "--socket-count", "2", &option],
+            PATIENCE,
+        );
+        let stderr = out.stderr();
+        assert_eq!(
+            out.exit_status().code(),
+            Some(2),
+            "{flag} {value:?}: {stderr}"
+        );
         assert!(stderr.contains("error"), "{flag} {value:?}: {stderr}");
         assert!(stderr.contains(message), "{flag} {value:?}: {stderr}");
         assert!(stderr.contains(flag), "{flag} {value:?}: {stderr}");
     }
     for rank in 0..2 {
         assert!(
-            !dir.0.join(format!("d.sock{rank}")).exists(),
+            !dir.path().join(format!("d.sock{rank}")).exists(),
             "a refused run left socket {rank}"
         );
     }
@@ -455,7 +469,7 @@ fn barrier_succeeds(members: &mut [Member], tag: u64, generation: u32) {
 
 #[test]
 fn second_frontend_on_a_served_rank_is_refused() {
-    let mut daemon = Daemon::start(2, &[]);
+    let mut daemon = Backend::start("intruder", 2, &[]);
     let mut members: Vec<Member> = (0..2)
         .map(|rank| {
             let mut m = Member::connect(&daemon.socket(rank));
@@ -512,7 +526,7 @@ fn second_frontend_on_a_served_rank_is_refused() {
 
 #[test]
 fn frontend_reconnecting_at_once_is_served() {
-    let mut daemon = Daemon::start(1, &[]);
+    let mut daemon = Backend::start("at-once", 1, &[]);
     for round in 0..5 {
         // Connects right after the previous frontend hung up, before the
         // daemon may have seen it go.

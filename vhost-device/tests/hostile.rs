@@ -11,18 +11,16 @@
 //! between canary guard bytes, checked in every member's memory, and
 //! readable buffers must not change).
 
-mod common;
-
 use std::io::{Read, Write};
 use std::net::Shutdown;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
-use common::{
-    free_port, http_get, Daemon, Desc, Member, PATIENCE, VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT,
-    VRING_DESC_F_WRITE,
+use dmlc_test_support::frontend::{
+    memfd, Desc, Member, VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE,
 };
+use dmlc_test_support::{free_local_addr, metric, Backend, PATIENCE};
 use vhost::vhost_user::{VhostUserFrontend, VhostUserVirtioFeatures};
 use vhost::VhostBackend;
 use virtio_dmlc::{
@@ -74,7 +72,7 @@ struct Peer {
 }
 
 impl Peer {
-    fn connect(daemon: &Daemon, rank: u32, hostile: bool) -> Peer {
+    fn connect(daemon: &Backend, rank: u32, hostile: bool) -> Peer {
         let path = daemon.socket(rank);
         let mut m = if hostile {
             Member::connect_regions(&path, &REGIONS)
@@ -274,21 +272,21 @@ struct Sent {
 
 /// The daemon, one hostile member and honest ones.
 struct Rig {
-    daemon: Daemon,
+    daemon: Backend,
     peers: Vec<Option<Peer>>,
     hostile: u32,
     n: u32,
     round: u64,
     generation: u32,
     cases: usize,
-    /// The daemon's metrics port, where a test needs to know that requests
-    /// reached the engine.
-    metrics: Option<u16>,
+    /// The daemon's metrics address, where a test needs to know that
+    /// requests reached the engine.
+    metrics: Option<String>,
 }
 
 impl Rig {
     fn new(n: u32, hostile: u32, extra: &[&str]) -> Rig {
-        let daemon = Daemon::start(n, extra);
+        let daemon = Backend::start("hostile", n, extra);
         let peers = (0..n)
             .map(|r| Some(Peer::connect(&daemon, r, r == hostile)))
             .collect();
@@ -306,33 +304,21 @@ impl Rig {
 
     /// As [`Rig::new`], with the metrics endpoint on.
     fn with_metrics(n: u32, hostile: u32, extra: &[&str]) -> Rig {
-        let port = free_port();
-        let addr = format!("127.0.0.1:{port}");
+        let addr = free_local_addr();
         let mut rig = Rig::new(n, hostile, &[extra, &["--metrics-addr", &addr]].concat());
-        rig.metrics = Some(port);
+        rig.metrics = Some(addr);
         rig
     }
 
     /// Allreduce requests the daemon has taken from the rings so far.
     fn taken(&self) -> u64 {
-        let port = self.metrics.expect("a rig with metrics");
-        let (_, _, body) = http_get(port, "/metrics");
-        body.lines()
-            .find_map(|l| l.strip_prefix("dmlc_requests_total{opcode=\"allreduce\"} "))
-            .unwrap_or_else(|| panic!("no allreduce request counter in the metrics:\n{body}"))
-            .parse()
-            .unwrap()
+        self.metric("dmlc_requests_total{opcode=\"allreduce\"}")
     }
 
     /// The value of the metrics series `series` (a counter or a gauge).
     fn metric(&self, series: &str) -> u64 {
-        let port = self.metrics.expect("a rig with metrics");
-        let (_, _, body) = http_get(port, "/metrics");
-        body.lines()
-            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
-            .unwrap_or_else(|| panic!("{series} missing in\n{body}"))
-            .parse()
-            .unwrap()
+        let addr = self.metrics.as_deref().expect("a rig with metrics");
+        metric(addr, series) as u64
     }
 
     /// The honest members submit the valid allreduce, and this returns once
@@ -1863,7 +1849,7 @@ fn raw_case_done(rig: &mut Rig, what: &str, s: UnixStream) {
 #[test]
 fn vhost_user_messages_out_of_order_or_malformed() {
     let mut rig = Rig::new(2, 1, &["--queue-size", "256"]);
-    let memfd = common::memfd(1 << 20);
+    let memfd = memfd(1 << 20);
     let efd = EventFd::new(EFD_NONBLOCK).unwrap();
 
     // Framed messages on a fresh connection, with what the daemon must do.

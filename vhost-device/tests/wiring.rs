@@ -2,11 +2,10 @@
 //! daemon's backends hand them to the group engine, and the answers come
 //! back through the used rings.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::{free_port, http_get, Daemon, Desc, Member, PATIENCE};
+use dmlc_test_support::frontend::{Desc, Member};
+use dmlc_test_support::{free_local_addr, metric, Backend, PATIENCE};
 use vhost::vhost_user::VhostUserFrontend;
 use vhost::vhost_user::VhostUserVirtioFeatures;
 use virtio_dmlc::{
@@ -31,8 +30,8 @@ fn features(event_idx: bool, req_timeout: bool) -> u64 {
 }
 
 /// Connects one member per socket and starts `queues` queues on each.
-fn members(daemon: &Daemon, features: u64, queues: u16) -> Vec<Member> {
-    (0..daemon.count)
+fn members(daemon: &Backend, features: u64, queues: u16) -> Vec<Member> {
+    (0..daemon.ranks())
         .map(|rank| {
             let mut m = Member::connect(&daemon.socket(rank));
             m.start(features, queues, QUEUE_SIZE);
@@ -131,7 +130,7 @@ fn read_f32(m: &Member, addr: u64, n: usize) -> Vec<f32> {
 /// Two members, two queues, a few rounds each: every member gets the sum,
 /// and the driver gets an interrupt.
 fn allreduce_rounds(extra: &[&str], event_idx: bool) {
-    let daemon = Daemon::start(2, &[&["--queues", "2"], extra].concat());
+    let daemon = Backend::start("rounds", 2, &[&["--queues", "2"], extra].concat());
     let mut ms = members(&daemon, features(event_idx, false), 2);
     let n = 1000;
     for round in 0..3u64 {
@@ -181,7 +180,7 @@ fn allreduce_with_busy_polling() {
 #[test]
 fn busy_polling_finds_requests_without_a_kick() {
     // Polling whether or not a CPU is spare: the tests run side by side.
-    let daemon = Daemon::start(2, &["--poll-us", "2000000", "--poll-anyway"]);
+    let daemon = Backend::start("busy-poll", 2, &["--poll-us", "2000000", "--poll-anyway"]);
     let mut ms = members(&daemon, features(true, false), 1);
     let input = [1.0f32, 2.0, 3.0];
     // The first round is kicked; it leaves both workers polling.
@@ -206,7 +205,7 @@ fn busy_polling_finds_requests_without_a_kick() {
 
 #[test]
 fn without_polling_an_unkicked_request_waits_for_the_kick() {
-    let daemon = Daemon::start(1, &[]);
+    let daemon = Backend::start("no-poll", 1, &[]);
     let mut ms = members(&daemon, features(true, false), 1);
     let m = &mut ms[0];
     // Enabling a ring makes the worker look at it once, possibly after the
@@ -224,7 +223,7 @@ fn without_polling_an_unkicked_request_waits_for_the_kick() {
 
 #[test]
 fn guest_mistakes_get_answers_and_the_daemon_keeps_serving() {
-    let mut daemon = Daemon::start(2, &["--queues", "2"]);
+    let mut daemon = Backend::start("mistakes", 2, &["--queues", "2"]);
     let mut ms = members(&daemon, features(true, false), 2);
 
     // An unknown opcode is answered at once, without the other member.
@@ -278,7 +277,7 @@ fn guest_mistakes_get_answers_and_the_daemon_keeps_serving() {
 
 #[test]
 fn a_member_that_disconnects_fails_the_waiting_collective_promptly() {
-    let mut daemon = Daemon::start(2, &["--timeout-ms", "60000"]);
+    let mut daemon = Backend::start("disconnect", 2, &["--timeout-ms", "60000"]);
     let mut ms = members(&daemon, features(true, false), 1);
     let p = allreduce(&mut ms[0], 0, &[1.0, 2.0], 1, true);
     // Let the request reach the engine before the peer goes.
@@ -310,7 +309,7 @@ fn a_member_that_disconnects_fails_the_waiting_collective_promptly() {
 
 #[test]
 fn a_reset_loses_the_member_until_it_starts_again() {
-    let mut daemon = Daemon::start(2, &["--timeout-ms", "60000"]);
+    let mut daemon = Backend::start("reset", 2, &["--timeout-ms", "60000"]);
     let mut ms = members(&daemon, features(false, false), 1);
     let p = allreduce(&mut ms[0], 0, &[3.0], 1, true);
     assert_eq!(ms[0].wait_used_for(0, Duration::from_millis(100)), None);
@@ -344,7 +343,7 @@ fn a_reset_loses_the_member_until_it_starts_again() {
 #[test]
 fn a_stopped_ring_is_a_pause_and_its_requests_complete_after_it_runs_again() {
     for protocol in [false, true] {
-        let mut daemon = Daemon::start(2, &["--timeout-ms", "60000"]);
+        let mut daemon = Backend::start("pause", 2, &["--timeout-ms", "60000"]);
         let mut ms = members(&daemon, features(protocol, false), 1);
         let p1 = allreduce(&mut ms[1], 0, &[3.0, -1.0], 1, true);
         // Popped and pending: rank 0 has not arrived.
@@ -389,7 +388,7 @@ fn a_stopped_ring_is_a_pause_and_its_requests_complete_after_it_runs_again() {
 #[test]
 fn timeouts_come_from_the_option_or_the_request() {
     // Device default: 300 ms.
-    let daemon = Daemon::start(2, &["--timeout-ms", "300"]);
+    let daemon = Backend::start("timeouts", 2, &["--timeout-ms", "300"]);
     let mut ms = members(&daemon, features(true, false), 1);
     let started = Instant::now();
     let p = allreduce(&mut ms[0], 0, &[1.0], 1, true);
@@ -402,7 +401,7 @@ fn timeouts_come_from_the_option_or_the_request() {
 
     // A long default, a short per-request timeout, honoured only because
     // the driver acked VIRTIO_DMLC_F_REQ_TIMEOUT.
-    let daemon = Daemon::start(2, &["--timeout-ms", "60000"]);
+    let daemon = Backend::start("timeouts-req", 2, &["--timeout-ms", "60000"]);
     let mut ms = members(&daemon, features(true, true), 1);
     let m = &mut ms[0];
     let hdr = m.alloc(REQ_HEADER_SIZE);
@@ -422,7 +421,7 @@ fn timeouts_come_from_the_option_or_the_request() {
 
 #[test]
 fn a_device_reset_loses_the_member() {
-    let mut daemon = Daemon::start(2, &["--timeout-ms", "60000"]);
+    let mut daemon = Backend::start("device-reset", 2, &["--timeout-ms", "60000"]);
     let mut ms = members(&daemon, features(true, false), 1);
     let p = allreduce(&mut ms[0], 0, &[3.0], 1, true);
     assert_eq!(ms[0].wait_used_for(0, Duration::from_millis(100)), None);
@@ -433,20 +432,10 @@ fn a_device_reset_loses_the_member() {
     assert_eq!(resp.peer.get(), 1);
 }
 
-/// The value of the metric line that starts with `name`.
-fn metric(body: &str, name: &str) -> f64 {
-    body.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
-        .unwrap_or_else(|| panic!("no metric {name} in\n{body}"))
-        .parse()
-        .unwrap()
-}
-
 #[test]
 fn metrics_count_what_happened() {
-    let port = free_port();
-    let addr = format!("127.0.0.1:{port}");
-    let mut daemon = Daemon::start(2, &["--metrics-addr", &addr]);
+    let addr = free_local_addr();
+    let mut daemon = Backend::start("metrics", 2, &["--metrics-addr", &addr]);
     let mut ms = members(&daemon, features(true, false), 1);
 
     let pending: Vec<Pending> = ms
@@ -465,23 +454,21 @@ fn metrics_count_what_happened() {
         Some(Status::Unsupported)
     );
 
-    let (_, _, body) = http_get(port, "/metrics");
     assert_eq!(
-        metric(&body, "dmlc_collectives_total{opcode=\"allreduce\"}"),
+        metric(&addr, "dmlc_collectives_total{opcode=\"allreduce\"}"),
         1.0
     );
     assert_eq!(
-        metric(&body, "dmlc_errors_total{status=\"unsupported\"}"),
+        metric(&addr, "dmlc_errors_total{status=\"unsupported\"}"),
         1.0
     );
-    assert_eq!(metric(&body, "dmlc_members_connected"), 2.0);
-    assert_eq!(metric(&body, "dmlc_generation"), 1.0);
+    assert_eq!(metric(&addr, "dmlc_members_connected"), 2.0);
+    assert_eq!(metric(&addr, "dmlc_generation"), 1.0);
 
     drop(ms.pop());
     daemon.wait_for_log("rank 1: frontend disconnected, member lost");
-    let (_, _, body) = http_get(port, "/metrics");
-    assert_eq!(metric(&body, "dmlc_members_connected"), 1.0);
-    assert_eq!(metric(&body, "dmlc_generation"), 2.0);
+    assert_eq!(metric(&addr, "dmlc_members_connected"), 1.0);
+    assert_eq!(metric(&addr, "dmlc_generation"), 2.0);
 }
 
 /// A ring set up again at another place after a stop, without the reset
@@ -490,7 +477,7 @@ fn metrics_count_what_happened() {
 /// into the new one.
 #[test]
 fn a_ring_restarted_elsewhere_after_a_stop_gets_no_stale_completion() {
-    let mut daemon = Daemon::start(2, &["--timeout-ms", "60000"]);
+    let mut daemon = Backend::start("restarted-ring", 2, &["--timeout-ms", "60000"]);
     let mut ms = members(&daemon, features(true, false), 1);
     let _old = allreduce(&mut ms[1], 0, &[1.0], 1, true);
     assert_eq!(ms[1].wait_used_for(0, Duration::from_millis(100)), None);
@@ -521,7 +508,7 @@ fn a_frontend_that_keeps_failing_its_setup_costs_one_loss_and_one_warning() {
     use vhost::vhost_user::message::VhostUserVringAddrFlags;
     use vhost::{VhostBackend, VringConfigData};
 
-    let daemon = Daemon::start(2, &["--timeout-ms", "60000"]);
+    let daemon = Backend::start("failing-setup", 2, &["--timeout-ms", "60000"]);
     let mut m0 = Member::connect(&daemon.socket(0));
     m0.start(features(true, false), 1, QUEUE_SIZE);
     let mut ms = vec![m0];
@@ -601,13 +588,13 @@ fn requests_handed_over_to_a_restarted_daemon_are_reset_unless_the_group_id_is_f
         } else {
             &["--timeout-ms", "60000"]
         };
-        let old = Daemon::start(2, extra);
+        let old = Backend::start("old", 2, extra);
         let mut ms = members(&old, features(true, false), 1);
         let p1 = allreduce(&mut ms[1], 0, &[3.0, -1.0], 1, true);
         // Taken by the old daemon, pending: rank 0 has not arrived.
         assert_eq!(ms[1].wait_used_for(0, Duration::from_millis(100)), None);
 
-        let new = Daemon::start(2, extra);
+        let new = Backend::start("new", 2, extra);
         ms[1].hand_over(&new.socket(1), features(true, false));
         let mut m0 = Member::connect(&new.socket(0));
         m0.start(features(true, false), 1, QUEUE_SIZE);

@@ -6,7 +6,7 @@
 //! gradient descent over any [`train::Collective`] and checks the result,
 //! [`local`] plays N ranks with threads (tests), [`report`] writes the JSON
 //! summary. The binary `dmlc-train-digits` runs it over the rabit-style API
-//! of `dmlc-guest` (see examples/README.md).
+//! of `dmlc-comm` (see examples/README.md).
 
 pub mod data;
 pub mod local;

@@ -1,6 +1,6 @@
 //! `dmlc-train-digits`: data-parallel softmax regression on the
 //! handwritten-digits data, one process per rank, gradients summed through
-//! the dmlc-guest rabit API (the device, or TCP, as the DMLC environment
+//! the dmlc-comm rabit API (the device, or TCP, as the DMLC environment
 //! says).
 
 use std::fs;
@@ -11,13 +11,13 @@ use std::time::Instant;
 use clap::Parser;
 use thiserror::Error;
 
+use dmlc_comm::rabit::{self, Op, RabitError};
 use dmlc_example_digits::data::{self, DataError, DEFAULT_TEST_SIZE};
 use dmlc_example_digits::report::{median, Phases, Report};
 use dmlc_example_digits::train::{
     check_identical, check_single, train, Collective, CommError, Settings, TrainError,
     DEFAULT_TOLERANCE,
 };
-use dmlc_guest::rabit::{self, Op, RabitError};
 
 /// Trains softmax regression on the handwritten-digits data across the ranks
 /// of a DMLC job (rank and world size from DMLC_TASK_ID / DMLC_NUM_WORKER,

@@ -3,7 +3,7 @@
 //!
 //! ```json
 //! {"rank":0,"world_size":2,"transport":"device",
-//!  "settings":{"steps":100,"lr":1,"l2":0.0001,"batch":0,"seed":42},
+//!  "settings":{"steps":100,"lr":1.0,"l2":0.0001,"batch":0,"seed":42},
 //!  "train_samples":1500,"test_samples":297,
 //!  "steps":[{"step":0,"loss":2.30,"compute_ms":1.2,"exchange_ms":0.05},...],
 //!  "total_ms":310.5,"mean_compute_ms":1.1,"mean_exchange_ms":0.04,
@@ -15,7 +15,7 @@
 //! ```
 //! Numbers that are not finite are written as `null`.
 
-use std::fmt::Write;
+use serde::Serialize;
 
 use crate::train::{Identical, Reference, Settings, StepStats};
 
@@ -91,126 +91,127 @@ impl Report<'_> {
     /// The report as one JSON object.
     pub fn to_json(&self) -> String {
         let s = self.settings;
-        let mut o = String::new();
-        // Writing to a String cannot fail.
-        let _ = write!(
-            o,
-            "{{\"rank\":{},\"world_size\":{},\"transport\":{},",
-            self.rank,
-            self.world_size,
-            string(self.transport)
-        );
-        let _ = write!(
-            o,
-            "\"settings\":{{\"steps\":{},\"lr\":{},\"l2\":{},\"batch\":{},\"seed\":{}}},",
-            s.steps,
-            number32(s.lr),
-            number32(s.l2),
-            s.batch,
-            s.seed
-        );
-        let _ = write!(
-            o,
-            "\"train_samples\":{},\"test_samples\":{},\"steps\":[",
-            self.train_samples, self.test_samples
-        );
-        for (i, st) in self.steps.iter().enumerate() {
-            let _ = write!(
-                o,
-                "{}{{\"step\":{},\"loss\":{},\"compute_ms\":{},\"exchange_ms\":{}}}",
-                if i == 0 { "" } else { "," },
-                st.step,
-                number(st.loss),
-                number(st.compute_ms),
-                number(st.exchange_ms)
-            );
-        }
-        let _ = write!(
-            o,
-            "],\"total_ms\":{},\"mean_compute_ms\":{},\"mean_exchange_ms\":{},\"median_compute_ms\":{},\"median_exchange_ms\":{},",
-            number(self.total_ms),
-            number(mean(self.steps, |s| s.compute_ms)),
-            number(mean(self.steps, |s| s.exchange_ms)),
-            number(median(self.steps, |s| s.compute_ms)),
-            number(median(self.steps, |s| s.exchange_ms))
-        );
         let p = &self.phases;
-        let _ = write!(
-            o,
-            "\"phases_ms\":{{\"init\":{},\"load\":{},\"train\":{},\"checks\":{}}},",
-            number(p.init_ms),
-            number(p.load_ms),
-            number(p.train_ms),
-            number(p.checks_ms)
-        );
-        let _ = write!(
-            o,
-            "\"test_correct\":{},\"test_accuracy\":{},",
-            self.test_correct,
-            number(self.accuracy())
-        );
         let id = &self.identical;
-        let _ = write!(
-            o,
-            "\"identical_weights\":{{\"pass\":{},\"fingerprint\":\"{:#018x}\",\"min\":\"{:#018x}\",\"max\":\"{:#018x}\"}},",
-            id.passed(),
-            id.fingerprint,
-            id.min,
-            id.max
-        );
         let r = self.reference;
-        let _ = write!(
-            o,
-            "\"single_process\":{{\"pass\":{},\"max_abs_diff\":{},\"tolerance\":{}}},\"pass\":{}}}",
-            r.passed(),
-            number32(r.max_abs_diff),
-            number32(r.tolerance),
-            self.passed()
-        );
-        o
+        let doc = ReportJson {
+            rank: self.rank,
+            world_size: self.world_size,
+            transport: self.transport,
+            settings: SettingsJson {
+                steps: s.steps,
+                lr: s.lr,
+                l2: s.l2,
+                batch: s.batch,
+                seed: s.seed,
+            },
+            train_samples: self.train_samples,
+            test_samples: self.test_samples,
+            steps: self
+                .steps
+                .iter()
+                .map(|st| StepJson {
+                    step: st.step,
+                    loss: st.loss,
+                    compute_ms: st.compute_ms,
+                    exchange_ms: st.exchange_ms,
+                })
+                .collect(),
+            total_ms: self.total_ms,
+            mean_compute_ms: mean(self.steps, |s| s.compute_ms),
+            mean_exchange_ms: mean(self.steps, |s| s.exchange_ms),
+            median_compute_ms: median(self.steps, |s| s.compute_ms),
+            median_exchange_ms: median(self.steps, |s| s.exchange_ms),
+            phases_ms: PhasesJson {
+                init: p.init_ms,
+                load: p.load_ms,
+                train: p.train_ms,
+                checks: p.checks_ms,
+            },
+            test_correct: self.test_correct,
+            test_accuracy: self.accuracy(),
+            identical_weights: IdenticalJson {
+                pass: id.passed(),
+                fingerprint: format!("{:#018x}", id.fingerprint),
+                min: format!("{:#018x}", id.min),
+                max: format!("{:#018x}", id.max),
+            },
+            single_process: SingleJson {
+                pass: r.passed(),
+                max_abs_diff: r.max_abs_diff,
+                tolerance: r.tolerance,
+            },
+            pass: self.passed(),
+        };
+        // Plain structs with string keys: serializing cannot fail (a number
+        // that is not finite is written as null).
+        serde_json::to_string(&doc).expect("the report serializes")
     }
 }
 
-/// A JSON number; `null` for NaN and infinities, which JSON lacks.
-fn number(v: f64) -> String {
-    if v.is_finite() {
-        // Display of f64 is the shortest round-trip form, never exponent
-        // notation: valid JSON.
-        format!("{v}")
-    } else {
-        "null".to_string()
-    }
+/// The JSON document, in the order of the example above.
+#[derive(Serialize)]
+struct ReportJson<'a> {
+    rank: u32,
+    world_size: u32,
+    transport: &'a str,
+    settings: SettingsJson,
+    train_samples: usize,
+    test_samples: usize,
+    steps: Vec<StepJson>,
+    total_ms: f64,
+    mean_compute_ms: f64,
+    mean_exchange_ms: f64,
+    median_compute_ms: f64,
+    median_exchange_ms: f64,
+    phases_ms: PhasesJson,
+    test_correct: usize,
+    test_accuracy: f64,
+    identical_weights: IdenticalJson,
+    single_process: SingleJson,
+    pass: bool,
 }
 
-/// An f32 as a JSON number, in its own shortest form (0.0001 rather than
-/// the f64 widening's 0.00009999999747378752).
-fn number32(v: f32) -> String {
-    if v.is_finite() {
-        format!("{v}")
-    } else {
-        "null".to_string()
-    }
+/// f32s are written in their own shortest form (0.0001 rather than the
+/// f64 widening's 0.00009999999747378752).
+#[derive(Serialize)]
+struct SettingsJson {
+    steps: u32,
+    lr: f32,
+    l2: f32,
+    batch: usize,
+    seed: u64,
 }
 
-/// A JSON string literal.
-fn string(s: &str) -> String {
-    let mut o = String::with_capacity(s.len() + 2);
-    o.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => o.push_str("\\\""),
-            '\\' => o.push_str("\\\\"),
-            '\n' => o.push_str("\\n"),
-            '\r' => o.push_str("\\r"),
-            '\t' => o.push_str("\\t"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(o, "\\u{:04x}", c as u32);
-            }
-            c => o.push(c),
-        }
-    }
-    o.push('"');
-    o
+#[derive(Serialize)]
+struct StepJson {
+    step: u32,
+    loss: f64,
+    compute_ms: f64,
+    exchange_ms: f64,
+}
+
+#[derive(Serialize)]
+struct PhasesJson {
+    init: f64,
+    load: f64,
+    train: f64,
+    checks: f64,
+}
+
+#[derive(Serialize)]
+struct IdenticalJson {
+    pass: bool,
+    fingerprint: String,
+    min: String,
+    max: String,
+}
+
+#[derive(Serialize)]
+struct SingleJson {
+    pass: bool,
+    max_abs_diff: f32,
+    tolerance: f32,
 }
 
 #[cfg(test)]
@@ -243,7 +244,7 @@ mod tests {
         let r = Report {
             rank: 1,
             world_size: 2,
-            transport: "de\"v",
+            transport: "de\"v\u{1}\t",
             settings: &settings,
             train_samples: 1500,
             test_samples: 4,
@@ -264,20 +265,55 @@ mod tests {
             reference: &reference,
         };
         let j = r.to_json();
-        for needle in [
-            "{\"rank\":1,\"world_size\":2,\"transport\":\"de\\\"v\",",
-            "\"lr\":1,\"l2\":0.0001,",
-            "{\"step\":1,\"loss\":null,\"compute_ms\":3,\"exchange_ms\":1.5}",
-            "\"mean_compute_ms\":2,\"mean_exchange_ms\":1,\"median_compute_ms\":2,\"median_exchange_ms\":1,",
-            "\"phases_ms\":{\"init\":1.5,\"load\":2,\"train\":12.5,\"checks\":0.25},",
-            "\"test_correct\":3,\"test_accuracy\":0.75,",
-            "\"identical_weights\":{\"pass\":true,\"fingerprint\":\"0x00000000000000ab\"",
-            "\"single_process\":{\"pass\":false,\"max_abs_diff\":0.25,",
+        // f32s in their own shortest form.
+        assert!(j.contains("\"lr\":1.0,\"l2\":0.0001,"), "{j}");
+        assert!(!j.contains('\n'), "one line: {j}");
+        let doc: serde_json::Value = serde_json::from_str(&j).expect("valid JSON");
+        let want = serde_json::json!({
+            "rank": 1,
+            "world_size": 2,
+            "transport": "de\"v\u{1}\t",
+            "settings": {"steps": 100, "lr": 1.0, "l2": 0.0001, "batch": 0, "seed": 42},
+            "train_samples": 1500,
+            "test_samples": 4,
+            "steps": [
+                {"step": 0, "loss": 2.5, "compute_ms": 1.0, "exchange_ms": 0.5},
+                {"step": 1, "loss": null, "compute_ms": 3.0, "exchange_ms": 1.5},
+            ],
+            "total_ms": 12.5,
+            "mean_compute_ms": 2.0,
+            "mean_exchange_ms": 1.0,
+            "median_compute_ms": 2.0,
+            "median_exchange_ms": 1.0,
+            "phases_ms": {"init": 1.5, "load": 2.0, "train": 12.5, "checks": 0.25},
+            "test_correct": 3,
+            "test_accuracy": 0.75,
+            "identical_weights": {
+                "pass": true,
+                "fingerprint": "0x00000000000000ab",
+                "min": "0x00000000000000ab",
+                "max": "0x00000000000000ab",
+            },
+            "single_process": {"pass": false, "max_abs_diff": 0.25, "tolerance": 0.0001},
+            "pass": false,
+        });
+        assert_eq!(doc, want, "{j}");
+        // In the order of the module's example.
+        let keys = [
+            "\"rank\"",
+            "\"settings\"",
+            "\"train_samples\"",
+            "\"steps\":[",
+            "\"total_ms\"",
+            "\"median_exchange_ms\"",
+            "\"phases_ms\"",
+            "\"test_accuracy\"",
+            "\"identical_weights\"",
+            "\"single_process\"",
             "\"pass\":false}",
-        ] {
-            assert!(j.contains(needle), "{needle} not in {j}");
-        }
-        assert!(j.ends_with('}'));
+        ];
+        let at: Vec<Option<usize>> = keys.iter().map(|k| j.find(k)).collect();
+        assert!(at.windows(2).all(|w| w[0].is_some() && w[0] < w[1]), "{j}");
         assert!(!r.passed());
     }
 
@@ -294,12 +330,5 @@ mod tests {
         assert_eq!(median(&steps, |s| s.compute_ms), 5.0);
         assert_eq!(median(&steps[..2], |s| s.compute_ms), 3.0);
         assert_eq!(median(&[], |s| s.compute_ms), 0.0);
-    }
-
-    #[test]
-    fn escapes_control_characters() {
-        assert_eq!(string("a\u{1}\tb"), "\"a\\u0001\\tb\"");
-        assert_eq!(number(f64::INFINITY), "null");
-        assert_eq!(number(-0.125), "-0.125");
     }
 }

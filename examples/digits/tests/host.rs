@@ -7,13 +7,12 @@ mod common;
 
 use std::fs;
 use std::net::TcpListener;
-use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::{wait_all, Proc, TempDir};
+use dmlc_test_support::{temp_dir, Backend, Proc};
 
 const RANKS: u32 = 2;
 /// Generous: debug builds, a 2-core machine shared with other tests.
@@ -23,54 +22,35 @@ fn trainer_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_dmlc-train-digits"))
 }
 
-/// The backend daemon, built by cargo into the same folder (another crate
-/// of the workspace, so `cargo test -p dmlc-example-digits` alone does not
-/// build it).
-fn backend_bin() -> PathBuf {
-    let p = trainer_bin()
-        .parent()
-        .expect("binary has a folder")
-        .join("vhost-device-dmlc");
-    assert!(
-        p.is_file(),
-        "backend binary {} is missing: run `cargo build --workspace` (or `cargo test --workspace`) first",
-        p.display()
-    );
-    p
+/// The backend daemon with one socket per rank (built if missing: it is
+/// another crate of the workspace).
+fn start_backend() -> Backend {
+    Backend::start("digits", RANKS, &["--timeout-ms", "60000"])
 }
 
-fn socket(dir: &Path, rank: u32) -> PathBuf {
-    dir.join(format!("dmlc.sock{rank}"))
-}
-
-fn is_socket(p: &Path) -> bool {
-    fs::metadata(p).is_ok_and(|m| m.file_type().is_socket())
-}
-
-fn start_backend(dir: &Path) -> Proc {
-    let mut backend = Proc::spawn(
-        "backend",
-        dir,
-        Command::new(backend_bin())
-            .arg("--socket-path")
-            .arg(dir.join("dmlc.sock"))
-            .arg("--socket-count")
-            .arg(RANKS.to_string())
-            .args(["--timeout-ms", "60000"]),
-    );
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !(0..RANKS).all(|r| is_socket(&socket(dir, r))) {
-        if let Some(st) = backend.poll() {
-            panic!("backend exited early ({st}):\n{}", backend.dump());
+/// Waits until every process has exited, or panics after `limit`.
+fn wait_all(procs: &mut [Proc], limit: Duration) {
+    let deadline = Instant::now() + limit;
+    loop {
+        if procs
+            .iter_mut()
+            .all(|p| p.wait_timeout(Duration::ZERO).is_some())
+        {
+            return;
         }
-        assert!(
-            Instant::now() < deadline,
-            "backend sockets did not appear:\n{}",
-            backend.dump()
-        );
-        thread::sleep(Duration::from_millis(10));
+        if Instant::now() >= deadline {
+            let running: Vec<&str> = procs
+                .iter_mut()
+                .filter_map(|p| {
+                    p.wait_timeout(Duration::ZERO)
+                        .is_none()
+                        .then_some(p.name.as_str())
+                })
+                .collect();
+            panic!("still running after {limit:?}: {running:?}");
+        }
+        thread::sleep(Duration::from_millis(20));
     }
-    backend
 }
 
 /// The trainer, with no DMLC variables inherited from the test's
@@ -106,7 +86,7 @@ fn start_trainers(
             for (k, v) in env(rank) {
                 cmd.env(k, v);
             }
-            Proc::spawn(&format!("{tag}-rank{rank}"), dir, &mut cmd)
+            Proc::spawn(&format!("{tag}-rank{rank}"), &mut cmd)
         })
         .collect()
 }
@@ -119,7 +99,7 @@ fn check_job(dir: &Path, tag: &str, transport: &str, ranks: &mut [Proc]) -> Stri
     println!("{tag}: {RANKS} ranks finished in {:?}", started.elapsed());
     let mut fingerprints = Vec::new();
     for (rank, p) in ranks.iter_mut().enumerate() {
-        let st = p.poll().expect("exited");
+        let st = p.wait_timeout(Duration::ZERO).expect("exited");
         assert!(st.success(), "{} failed ({st}):\n{}", p.name, p.dump());
         let out = p.stdout();
         assert!(
@@ -153,13 +133,22 @@ fn check_job(dir: &Path, tag: &str, transport: &str, ranks: &mut [Proc]) -> Stri
         assert!(acc >= 0.85, "{}: accuracy {acc}", p.name);
         let json = fs::read_to_string(dir.join(format!("{tag}-{rank}.json")))
             .unwrap_or_else(|e| panic!("{}: no JSON report: {e}", p.name));
-        for needle in [
-            format!("\"rank\":{rank},\"world_size\":{RANKS},\"transport\":\"{transport}\""),
-            "\"pass\":true}".to_string(),
-            "{\"step\":99,".to_string(),
-        ] {
-            assert!(json.contains(&needle), "{}: {needle} not in {json}", p.name);
-        }
+        let doc: serde_json::Value = serde_json::from_str(&json)
+            .unwrap_or_else(|e| panic!("{}: JSON report not valid ({e}): {json}", p.name));
+        assert_eq!(doc["rank"], rank, "{}: {json}", p.name);
+        assert_eq!(doc["world_size"], RANKS, "{}: {json}", p.name);
+        assert_eq!(doc["transport"], transport, "{}: {json}", p.name);
+        assert_eq!(doc["pass"], true, "{}: {json}", p.name);
+        assert_eq!(doc["identical_weights"]["pass"], true, "{}: {json}", p.name);
+        assert_eq!(doc["single_process"]["pass"], true, "{}: {json}", p.name);
+        let steps = doc["steps"].as_array().expect("steps");
+        assert_eq!(steps.len(), 100, "{}: {json}", p.name);
+        assert_eq!(steps[99]["step"], 99, "{}: {json}", p.name);
+        assert!(
+            doc["test_accuracy"].as_f64() >= Some(0.85),
+            "{}: {json}",
+            p.name
+        );
     }
     assert!(
         fingerprints.iter().all(|f| *f == fingerprints[0]),
@@ -171,22 +160,19 @@ fn check_job(dir: &Path, tag: &str, transport: &str, ranks: &mut [Proc]) -> Stri
 #[test]
 fn two_ranks_pass_over_the_device_and_over_tcp_with_the_same_model() {
     let data = common::data_path();
-    let dir = TempDir::new("host");
+    let dir = temp_dir("digits-host");
+    let dir = dir.path();
 
-    let mut backend = start_backend(&dir.0);
-    let mut ranks = start_trainers(&dir.0, "device", &data, |rank| {
+    let mut backend = start_backend();
+    let mut ranks = start_trainers(dir, "device", &data, |rank| {
         vec![
             ("DMLC_TRANSPORT", "device".to_string()),
-            ("DMLC_SOCKET", socket(&dir.0, rank).display().to_string()),
+            ("DMLC_SOCKET", backend.socket(rank).display().to_string()),
             ("DMLC_DMA_BYTES", "4M".to_string()),
         ]
     });
-    let device_fp = check_job(&dir.0, "device", "device", &mut ranks);
-    assert!(
-        backend.poll().is_none(),
-        "backend died:\n{}",
-        backend.dump()
-    );
+    let device_fp = check_job(dir, "device", "device", &mut ranks);
+    assert!(backend.alive(), "backend died:\n{}", backend.proc.dump());
     drop(backend);
 
     // Free loopback ports for the TCP group (released just before use).
@@ -197,14 +183,14 @@ fn two_ranks_pass_over_the_device_and_over_tcp_with_the_same_model() {
         })
         .collect();
     let peers = peers.join(",");
-    let mut ranks = start_trainers(&dir.0, "tcp", &data, |_| {
+    let mut ranks = start_trainers(dir, "tcp", &data, |_| {
         vec![
             ("DMLC_TRANSPORT", "tcp".to_string()),
             ("DMLC_TCP_PEERS", peers.clone()),
             ("DMLC_TCP_CONNECT_TIMEOUT_S", "60".to_string()),
         ]
     });
-    let tcp_fp = check_job(&dir.0, "tcp", "tcp", &mut ranks);
+    let tcp_fp = check_job(dir, "tcp", "tcp", &mut ranks);
     assert_eq!(
         device_fp, tcp_fp,
         "the device and TCP gave different models (both must reduce in rank order)"
@@ -213,10 +199,10 @@ fn two_ranks_pass_over_the_device_and_over_tcp_with_the_same_model() {
 
 #[test]
 fn a_missing_data_file_fails_clearly() {
-    let dir = TempDir::new("missing");
+    let dir = temp_dir("digits-missing");
     let out = trainer()
         .arg("--data")
-        .arg(dir.0.join("nothing.csv.gz"))
+        .arg(dir.path().join("nothing.csv.gz"))
         .output()
         .expect("run the trainer");
     assert_eq!(out.status.code(), Some(2), "{out:?}");

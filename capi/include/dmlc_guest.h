@@ -1,0 +1,271 @@
+/*
+ * dmlc_guest.h - C interface of the virtio-dmlc userspace driver.
+ *
+ * The virtio-dmlc device performs collectives (allreduce, broadcast, reduce,
+ * allgather, reduce-scatter, barrier) among the members of a group, reading
+ * and writing the members' buffers directly. This library drives the device
+ * from userspace. Link with -ldmlc_guest (libdmlc_guest.so or .a, built by
+ * `cargo build -p dmlc-capi`; the static library also needs -lpthread -ldl
+ * -lm).
+ *
+ * Conventions:
+ *  - Functions returning int return a dmlc_status: DMLC_OK (0) or an error.
+ *    On error, dmlc_last_error_message() gives a one-line description.
+ *  - Every pointer argument is checked: NULL where not allowed gives
+ *    DMLC_ERR_INVALID_ARGUMENT. No function aborts the process.
+ *  - Collectives are matched across members by order: the k-th collective
+ *    issued on a queue by every member forms one collective. All members must
+ *    issue the same sequence (same opcode, dtype, op, count, root, tag).
+ *  - Data passed to the blocking collectives lives in dmlc_buffer objects:
+ *    device-visible memory that the device reads and writes in place, with no
+ *    copy. dmlc_allreduce_host works on ordinary memory through a bounce
+ *    buffer (one copy in and one copy out).
+ *  - A dmlc_device may be used from several threads at once. A buffer must
+ *    not be modified while a collective that uses it is in flight.
+ *  - The numbers of dtypes, ops, opcodes and statuses are those of the
+ *    device ABI (docs/spec.md; crate virtio-dmlc).
+ *
+ * C99. All functions are thread-safe unless noted.
+ */
+#ifndef DMLC_GUEST_H
+#define DMLC_GUEST_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- Status codes -------------------------------------------------------
+ * 0..7 are the device's response statuses (VirtioDmlcResp.status);
+ * 100 and up are the driver's own errors. */
+typedef enum dmlc_status {
+    DMLC_OK = 0,                   /* completed; outputs hold the result */
+    DMLC_ERR_BAD_REQUEST = 1,      /* malformed request (sizes, root, flags) */
+    DMLC_ERR_MISMATCH = 2,         /* members disagree on this collective */
+    DMLC_ERR_PEER_LOST = 3,        /* a member was lost during the collective */
+    DMLC_ERR_TIMEOUT = 4,          /* not every member arrived in time */
+    DMLC_ERR_UNSUPPORTED = 5,      /* opcode, dtype or op not supported */
+    DMLC_ERR_TOO_BIG = 6,          /* above max_bytes or max_segments */
+    DMLC_ERR_RESET = 7,            /* the group was reset meanwhile */
+
+    DMLC_ERR_INVALID_ARGUMENT = 100, /* NULL pointer, bad queue, buffer too small, ... */
+    DMLC_ERR_NO_STATUS = 101,        /* device returned the request without a status */
+    DMLC_ERR_UNKNOWN_STATUS = 102,   /* device returned a status this driver does not know */
+    DMLC_ERR_WAIT_TIMEOUT = 103,     /* dmlc_wait gave up; the request is still pending */
+    DMLC_ERR_QUEUE_FULL = 104,       /* no free descriptors; wait for a request first */
+    DMLC_ERR_OUT_OF_MEMORY = 105,    /* device-visible memory exhausted */
+    DMLC_ERR_UNKNOWN_HANDLE = 106,   /* handle already completed or of another device */
+    DMLC_ERR_TRANSPORT = 107,        /* connection to the device failed or was lost */
+    DMLC_ERR_DEVICE = 108,           /* the device misbehaved (config, ring protocol) */
+    DMLC_ERR_INTERNAL = 109          /* internal driver error (caught panic) */
+} dmlc_status;
+
+/* ---- Element types (VirtioDmlcReq.dtype) ---- */
+typedef enum dmlc_dtype {
+    DMLC_DTYPE_F32 = 0,
+    DMLC_DTYPE_F64 = 1,
+    DMLC_DTYPE_F16 = 2,  /* IEEE binary16; reduced with f32 accumulation */
+    DMLC_DTYPE_BF16 = 3, /* bfloat16; reduced with f32 accumulation */
+    DMLC_DTYPE_I8 = 4,
+    DMLC_DTYPE_U8 = 5,
+    DMLC_DTYPE_I32 = 6,
+    DMLC_DTYPE_U32 = 7,
+    DMLC_DTYPE_I64 = 8,
+    DMLC_DTYPE_U64 = 9
+} dmlc_dtype;
+
+/* ---- Reduce operations (VirtioDmlcReq.op) ---- */
+typedef enum dmlc_op {
+    DMLC_OP_SUM = 0,  /* integers wrap */
+    DMLC_OP_PROD = 1, /* integers wrap */
+    DMLC_OP_MIN = 2,  /* floats: NaN in any input gives NaN */
+    DMLC_OP_MAX = 3,
+    DMLC_OP_AVG = 4,  /* sum / world size; integers truncate toward zero */
+    DMLC_OP_BAND = 5, /* bitwise ops: integer dtypes only */
+    DMLC_OP_BOR = 6,
+    DMLC_OP_BXOR = 7
+} dmlc_op;
+
+/* ---- Collectives (VirtioDmlcReq.opcode) ---- */
+typedef enum dmlc_opcode {
+    DMLC_OPCODE_ALLREDUCE = 0,
+    DMLC_OPCODE_BROADCAST = 1,
+    DMLC_OPCODE_REDUCE = 2,
+    DMLC_OPCODE_ALLGATHER = 3,
+    DMLC_OPCODE_REDUCE_SCATTER = 4,
+    DMLC_OPCODE_BARRIER = 5
+} dmlc_opcode;
+
+/* VirtioDmlcReq.flags: in place (no input segments; see each collective). */
+#define DMLC_FLAG_IN_PLACE 1u
+/* dmlc_completion.peer when no member is concerned. */
+#define DMLC_NO_PEER 0xffffffffu
+
+/* ---- Objects ---- */
+
+/* An open device (one member of a group). */
+typedef struct dmlc_device dmlc_device;
+/* A buffer in device-visible memory. Holds a reference to its device. */
+typedef struct dmlc_buffer dmlc_buffer;
+/* A submitted, not yet completed request (see dmlc_submit). */
+typedef struct dmlc_handle dmlc_handle;
+
+/* Device configuration (the device's config space, decoded). */
+typedef struct dmlc_config {
+    uint32_t rank;         /* this member's rank, 0..world_size-1 */
+    uint32_t world_size;   /* members in the group */
+    uint32_t num_queues;   /* request queues */
+    uint32_t max_segments; /* largest number of data segments per request */
+    uint64_t max_bytes;    /* largest input or output of one request */
+    uint32_t dtypes;       /* bit d set: dtype d supported */
+    uint32_t ops;          /* bit o set: op o supported */
+    uint32_t opcodes;      /* bit c set: opcode c supported */
+    uint32_t generation;   /* changes when the group resets */
+    uint64_t group_id;
+} dmlc_config;
+
+/* Options of dmlc_open_host_ex; fill with dmlc_open_options_init first. */
+typedef struct dmlc_open_options {
+    int poll;            /* nonzero: busy-poll for completions; 0: sleep on interrupts */
+    uint16_t queue_size; /* descriptors per queue (power of two) */
+    int event_idx;       /* nonzero: negotiate VIRTIO_RING_F_EVENT_IDX */
+    uint64_t dma_bytes;  /* device-visible memory to reserve for buffers */
+} dmlc_open_options;
+
+/* A request header for dmlc_submit (the fields of VirtioDmlcReq). */
+typedef struct dmlc_request {
+    uint16_t opcode;     /* dmlc_opcode */
+    uint8_t dtype;       /* dmlc_dtype (ignored by barrier) */
+    uint8_t op;          /* dmlc_op (allreduce, reduce, reduce-scatter) */
+    uint32_t root;       /* broadcast and reduce; 0 otherwise */
+    uint64_t count;      /* elements per member block */
+    uint64_t tag;        /* must be equal on every member */
+    uint32_t flags;      /* DMLC_FLAG_* */
+    uint32_t timeout_ms; /* 0: device default */
+} dmlc_request;
+
+/* A piece of a buffer: bytes [offset, offset + len) of buf. */
+typedef struct dmlc_segment {
+    const dmlc_buffer *buf;
+    size_t offset;
+    size_t len;
+} dmlc_segment;
+
+/* What dmlc_wait reports about a request, success or not. */
+typedef struct dmlc_completion {
+    int status;          /* same as dmlc_wait's return value */
+    uint32_t detail;     /* device detail: BAD_* reason, mismatch field mask, ... */
+    uint32_t peer;       /* rank the status is about, or DMLC_NO_PEER */
+    uint32_t generation; /* group generation that completed it (0 if unknown) */
+} dmlc_completion;
+
+/* ---- Opening and closing ---- */
+
+/* Fills *opts with the defaults (poll, queue size 256, event idx, 256 MiB). */
+void dmlc_open_options_init(dmlc_open_options *opts);
+
+/* Opens the device served by the vhost-user backend at `socket` (the host
+ * transport: this process plays the VM). poll != 0 busy-polls for
+ * completions, 0 sleeps until the device signals. */
+int dmlc_open_host(const char *socket, int poll, dmlc_device **out);
+
+/* As dmlc_open_host, with every option. */
+int dmlc_open_host_ex(const char *socket, const dmlc_open_options *opts, dmlc_device **out);
+
+/* Closes the device. Buffers still allocated keep the device's memory alive
+ * until they are freed. Pending handles must be waited for first. NULL is a
+ * no-op. */
+void dmlc_close(dmlc_device *dev);
+
+/* Rank, world size, number of queues; -1 if dev is NULL. */
+int32_t dmlc_rank(const dmlc_device *dev);
+int32_t dmlc_world_size(const dmlc_device *dev);
+int32_t dmlc_num_queues(const dmlc_device *dev);
+
+/* Re-reads the config space (the generation may change). */
+int dmlc_get_config(const dmlc_device *dev, dmlc_config *out);
+
+/* Size in bytes of one element of `dtype`, or 0 if unknown. */
+size_t dmlc_dtype_size(int dtype);
+
+/* ---- Device-visible buffers ---- */
+
+/* Allocates `bytes` (> 0) of device-visible memory, zero-filled. */
+int dmlc_alloc(dmlc_device *dev, size_t bytes, dmlc_buffer **out);
+/* Frees a buffer. NULL is a no-op. */
+void dmlc_free(dmlc_buffer *buf);
+/* The buffer's memory and size; NULL / 0 if buf is NULL. */
+void *dmlc_buffer_data(const dmlc_buffer *buf);
+size_t dmlc_buffer_size(const dmlc_buffer *buf);
+
+/* ---- Blocking collectives on device-visible buffers (queue 0) ----
+ * Data starts at offset 0 of each buffer; a buffer may be larger than
+ * needed. `send == NULL` or `send == recv` means in place. */
+
+/* recv[i] = reduction over members of send[i], i < count. In place: recv
+ * holds this member's input. */
+int dmlc_allreduce(dmlc_device *dev, const dmlc_buffer *send, dmlc_buffer *recv, uint64_t count,
+                   int dtype, int op);
+
+/* recv = root's send (count elements). `send` is used on the root only (in
+ * place there if NULL or recv); other members may pass NULL. */
+int dmlc_broadcast(dmlc_device *dev, const dmlc_buffer *send, dmlc_buffer *recv, uint64_t count,
+                   int dtype, uint32_t root);
+
+/* root's recv = reduction of every member's send. Non-root members may pass
+ * recv = NULL. In place (send NULL): recv holds the input on every member
+ * (non-root buffers are read, not written). */
+int dmlc_reduce(dmlc_device *dev, const dmlc_buffer *send, dmlc_buffer *recv, uint64_t count,
+                int dtype, int op, uint32_t root);
+
+/* recv (world_size * sendcount elements) = every member's send in rank
+ * order. In place: this member's input is at recv + rank * sendcount. */
+int dmlc_allgather(dmlc_device *dev, const dmlc_buffer *send, dmlc_buffer *recv, uint64_t sendcount,
+                   int dtype);
+
+/* send has world_size * recvcount elements; member r gets block r of the
+ * reduction in recv. In place: recv holds the whole input, and block `rank`
+ * of it receives the result. */
+int dmlc_reduce_scatter(dmlc_device *dev, const dmlc_buffer *send, dmlc_buffer *recv,
+                        uint64_t recvcount, int dtype, int op);
+
+/* Returns once every member has called it. */
+int dmlc_barrier(dmlc_device *dev);
+
+/* Allreduce on ordinary memory through an internal bounce buffer: recv[i] =
+ * reduction of send[i]. send == NULL or send == recv: in place on recv;
+ * otherwise send and recv must not overlap. Data longer than the chunk size
+ * (the smaller of max_bytes and 16 MiB) runs as several requests, cut at the
+ * same places on every member. */
+int dmlc_allreduce_host(dmlc_device *dev, const void *send, void *recv, uint64_t count, int dtype,
+                        int op);
+
+/* ---- Non-blocking requests ---- */
+
+/* Posts `req` on `queue` with the given input and output segments (see the
+ * device spec for the lengths each opcode needs) and returns at once.
+ * *handle must later be passed to dmlc_wait. */
+int dmlc_submit(dmlc_device *dev, uint16_t queue, const dmlc_request *req, const dmlc_segment *inputs,
+                size_t n_inputs, const dmlc_segment *outputs, size_t n_outputs, dmlc_handle **handle);
+
+/* Waits for a submitted request. timeout_ms < 0 waits forever. Returns the
+ * request's status; on DMLC_ERR_WAIT_TIMEOUT the handle stays valid (call
+ * dmlc_wait again), otherwise it is consumed. `out` may be NULL. */
+int dmlc_wait(dmlc_device *dev, dmlc_handle *handle, int64_t timeout_ms, dmlc_completion *out);
+
+/* ---- Errors ---- */
+
+/* Static text naming a status (never NULL). */
+const char *dmlc_strerror(int status);
+
+/* Detail of the last error on this thread (never NULL; "" if none). Valid
+ * until the next failing call on the same thread. */
+const char *dmlc_last_error_message(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DMLC_GUEST_H */

@@ -1,0 +1,1003 @@
+//! C ABI of the driver; `include/dmlc_guest.h` declares it.
+//!
+//! Objects are opaque boxes handed to C: [`DmlcDevice`] (an `Arc<Device>`
+//! plus a bounce buffer), [`DmlcBuffer`] (a [`DmaBuf`] holding a reference
+//! to its device, so buffers may outlive `dmlc_close`) and [`DmlcHandle`]
+//! (a submitted request). Every function checks its pointers, returns a
+//! `dmlc_status` code, records a one-line description of any failure in a
+//! thread-local string (`dmlc_last_error_message`), and catches panics so
+//! that none unwinds into C.
+
+use std::cell::RefCell;
+use std::ffi::{c_char, c_int, c_void, CStr, CString, OsStr};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use virtio_dmlc::{
+    bad, mismatch, unsupported, Dtype, Opcode, ReduceOp, FLAGS_KNOWN, FLAG_IN_PLACE, NO_PEER,
+};
+
+use crate::ffi_util::{self, guard_value, Codes, Fail};
+use dmlc_driver::bounce::Bounce;
+use dmlc_driver::Error;
+use dmlc_driver::{BufSlice, Device, DmaBuf, Handle, OpenOptions, Request};
+
+// Status codes (dmlc_status in the header). 0..=7 are the device's.
+pub const DMLC_OK: c_int = 0;
+pub const DMLC_ERR_INVALID_ARGUMENT: c_int = 100;
+pub const DMLC_ERR_NO_STATUS: c_int = 101;
+pub const DMLC_ERR_UNKNOWN_STATUS: c_int = 102;
+pub const DMLC_ERR_WAIT_TIMEOUT: c_int = 103;
+pub const DMLC_ERR_QUEUE_FULL: c_int = 104;
+pub const DMLC_ERR_OUT_OF_MEMORY: c_int = 105;
+pub const DMLC_ERR_UNKNOWN_HANDLE: c_int = 106;
+pub const DMLC_ERR_TRANSPORT: c_int = 107;
+pub const DMLC_ERR_DEVICE: c_int = 108;
+pub const DMLC_ERR_INTERNAL: c_int = 109;
+
+/// An open device (`dmlc_device`).
+pub struct DmlcDevice {
+    dev: Arc<Device>,
+    /// Bounce buffer of `dmlc_allreduce_host`.
+    bounce: Mutex<Bounce>,
+}
+
+/// A device-visible buffer (`dmlc_buffer`).
+pub struct DmlcBuffer {
+    dev: Arc<Device>,
+    buf: DmaBuf,
+    /// Start of the memory, taken once from a unique borrow so that C may
+    /// write through it.
+    data: *mut u8,
+}
+
+/// A submitted request (`dmlc_handle`).
+pub struct DmlcHandle {
+    dev: Arc<Device>,
+    handle: Handle,
+}
+
+/// `dmlc_config`: the config space with native integers.
+#[repr(C)]
+pub struct DmlcConfig {
+    pub rank: u32,
+    pub world_size: u32,
+    pub num_queues: u32,
+    pub max_segments: u32,
+    pub max_bytes: u64,
+    pub dtypes: u32,
+    pub ops: u32,
+    pub opcodes: u32,
+    pub generation: u32,
+    pub group_id: u64,
+}
+
+/// `dmlc_open_options`.
+#[repr(C)]
+pub struct DmlcOpenOptions {
+    pub poll: c_int,
+    pub queue_size: u16,
+    pub event_idx: c_int,
+    pub dma_bytes: u64,
+}
+
+/// `dmlc_request`: the header fields of `VirtioDmlcReq` with native integers.
+#[repr(C)]
+pub struct DmlcRequest {
+    pub opcode: u16,
+    pub dtype: u8,
+    pub op: u8,
+    pub root: u32,
+    pub count: u64,
+    pub tag: u64,
+    pub flags: u32,
+    pub timeout_ms: u32,
+}
+
+/// `dmlc_segment`.
+#[repr(C)]
+pub struct DmlcSegment {
+    pub buf: *const DmlcBuffer,
+    pub offset: usize,
+    pub len: usize,
+}
+
+/// `dmlc_completion`.
+#[repr(C)]
+pub struct DmlcCompletion {
+    pub status: c_int,
+    pub detail: u32,
+    pub peer: u32,
+    pub generation: u32,
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+impl Fail {
+    fn invalid(msg: impl Into<String>) -> Self {
+        Fail {
+            status: DMLC_ERR_INVALID_ARGUMENT,
+            msg: msg.into(),
+        }
+    }
+}
+
+impl From<Error> for Fail {
+    fn from(e: Error) -> Self {
+        let mut msg = e.to_string();
+        let mut cause = std::error::Error::source(&e);
+        while let Some(c) = cause {
+            msg.push_str(": ");
+            msg.push_str(&c.to_string());
+            cause = c.source();
+        }
+        Fail {
+            status: status_of(&e),
+            msg,
+        }
+    }
+}
+
+/// The `dmlc_status` of a driver error.
+fn status_of(e: &Error) -> c_int {
+    #[allow(unreachable_patterns)] // future variants map to DEVICE
+    match e {
+        Error::BadRequest { .. } => virtio_dmlc::STATUS_BAD_REQUEST as c_int,
+        Error::Mismatch { .. } => virtio_dmlc::STATUS_MISMATCH as c_int,
+        Error::PeerLost { .. } => virtio_dmlc::STATUS_PEER_LOST as c_int,
+        Error::Timeout { .. } => virtio_dmlc::STATUS_TIMEOUT as c_int,
+        Error::Unsupported { .. } => virtio_dmlc::STATUS_UNSUPPORTED as c_int,
+        Error::TooBig { .. } => virtio_dmlc::STATUS_TOO_BIG as c_int,
+        Error::Reset => virtio_dmlc::STATUS_RESET as c_int,
+        Error::NoStatus => DMLC_ERR_NO_STATUS,
+        Error::UnknownStatus { .. } => DMLC_ERR_UNKNOWN_STATUS,
+        Error::WaitTimeout => DMLC_ERR_WAIT_TIMEOUT,
+        Error::QueueFull => DMLC_ERR_QUEUE_FULL,
+        Error::OutOfDmaMemory => DMLC_ERR_OUT_OF_MEMORY,
+        Error::UnknownHandle => DMLC_ERR_UNKNOWN_HANDLE,
+        Error::InvalidArgument(_) => DMLC_ERR_INVALID_ARGUMENT,
+        Error::Transport(_) => DMLC_ERR_TRANSPORT,
+        Error::BadConfig(_) | Error::Queue(_) | Error::Dma(_) => DMLC_ERR_DEVICE,
+        _ => DMLC_ERR_DEVICE,
+    }
+}
+
+/// (detail, peer) of a driver error, as the device reported them.
+fn detail_of(e: &Error) -> (u32, u32) {
+    match e {
+        Error::BadRequest { detail, .. }
+        | Error::Unsupported { detail }
+        | Error::TooBig { detail } => (*detail, NO_PEER),
+        Error::Mismatch { fields, peer } => {
+            let names: Vec<&str> = fields.split(", ").collect();
+            let mask = (0..6)
+                .map(|b| 1u32 << b)
+                .filter(|&bit| mismatch::fields(bit).any(|n| names.contains(&n)))
+                .fold(0, |m, b| m | b);
+            (mask, *peer)
+        }
+        Error::PeerLost { peer } | Error::Timeout { peer } => (0, *peer),
+        _ => (0, NO_PEER),
+    }
+}
+
+/// Runs `f`, turning failures and panics into a status code.
+fn guard(f: impl FnOnce() -> Result<(), Fail>) -> c_int {
+    let codes = Codes {
+        ok: DMLC_OK,
+        internal: DMLC_ERR_INTERNAL,
+    };
+    ffi_util::guard(&LAST_ERROR, codes, f)
+}
+
+/// Borrows a device pointer from C.
+///
+/// # Safety
+///
+/// `p` is NULL or a pointer returned by `dmlc_open_host*` and not yet closed.
+unsafe fn device<'a>(p: *const DmlcDevice) -> Result<&'a DmlcDevice, Fail> {
+    // SAFETY: per this function's contract, a non-NULL `p` points to a live
+    // DmlcDevice that C does not free during the call.
+    unsafe { p.as_ref() }.ok_or_else(|| Fail::invalid("device is NULL"))
+}
+
+/// Borrows an optional buffer of `dev` from C.
+///
+/// # Safety
+///
+/// `p` is NULL or a pointer returned by `dmlc_alloc` and not yet freed.
+unsafe fn buffer<'a>(
+    dev: &DmlcDevice,
+    p: *const DmlcBuffer,
+    what: &str,
+) -> Result<Option<&'a DmlcBuffer>, Fail> {
+    // SAFETY: per this function's contract, a non-NULL `p` points to a live
+    // DmlcBuffer.
+    let Some(b) = (unsafe { p.as_ref() }) else {
+        return Ok(None);
+    };
+    if !Arc::ptr_eq(&b.dev, &dev.dev) {
+        return Err(Fail::invalid(format!(
+            "{what} buffer belongs to another device"
+        )));
+    }
+    Ok(Some(b))
+}
+
+fn dtype_of(raw: c_int) -> Result<Dtype, Fail> {
+    u8::try_from(raw)
+        .ok()
+        .and_then(Dtype::from_raw)
+        .ok_or_else(|| Fail {
+            status: virtio_dmlc::STATUS_UNSUPPORTED as c_int,
+            msg: format!("unsupported by the device: unknown dtype {raw}"),
+        })
+}
+
+fn op_of(raw: c_int) -> Result<ReduceOp, Fail> {
+    u8::try_from(raw)
+        .ok()
+        .and_then(ReduceOp::from_raw)
+        .ok_or_else(|| Fail {
+            status: virtio_dmlc::STATUS_UNSUPPORTED as c_int,
+            msg: format!("unsupported by the device: unknown reduce op {raw}"),
+        })
+}
+
+/// Runs one blocking collective on queue 0. `send` NULL or equal to
+/// `recv` means in place.
+///
+/// # Safety
+///
+/// The pointers are NULL or live objects of this library.
+unsafe fn collective(
+    dev: *mut DmlcDevice,
+    send: *const DmlcBuffer,
+    recv: *mut DmlcBuffer,
+    mut req: Request,
+) -> c_int {
+    guard(|| {
+        // SAFETY: forwarded from this function's contract.
+        let d = unsafe { device(dev) }?;
+        // SAFETY: as above.
+        let send_buf = unsafe { buffer(d, send, "send") }?;
+        // SAFETY: as above.
+        let recv_buf = unsafe { buffer(d, recv, "recv") }?;
+        if req.opcode != Opcode::Barrier && !req.op.supports(req.dtype) {
+            return Err(Error::Unsupported {
+                detail: unsupported::OP_FOR_DTYPE,
+            }
+            .into());
+        }
+        let world = d.dev.world_size();
+        if matches!(req.opcode, Opcode::Broadcast | Opcode::Reduce) && req.root >= world {
+            return Err(Fail {
+                status: virtio_dmlc::STATUS_BAD_REQUEST as c_int,
+                msg: format!(
+                    "bad request: root {} is not below the world size {world}",
+                    req.root
+                ),
+            });
+        }
+        req.in_place = send.is_null() || std::ptr::eq(send, recv);
+        let input = if req.in_place {
+            None
+        } else {
+            send_buf.map(|b| &b.buf)
+        };
+        d.dev.run(&req, input, recv_buf.map(|b| &b.buf))?;
+        Ok(())
+    })
+}
+
+/// Fills `*opts` with the defaults.
+///
+/// # Safety
+///
+/// `opts` is NULL or points to writable memory for a `dmlc_open_options`.
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_open_options_init(opts: *mut DmlcOpenOptions) {
+    guard_value((), || {
+        let d = OpenOptions::default();
+        // SAFETY: per the contract, a non-NULL `opts` is writable.
+        if let Some(o) = unsafe { opts.as_mut() } {
+            *o = DmlcOpenOptions {
+                poll: c_int::from(d.poll),
+                queue_size: d.queue_size,
+                event_idx: c_int::from(d.event_idx),
+                dma_bytes: d.dma_bytes as u64,
+            };
+        }
+    })
+}
+
+/// Opens the device behind a vhost-user socket (host transport).
+///
+/// # Safety
+///
+/// `socket` is NULL or a NUL-terminated string; `out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_open_host(
+    socket: *const c_char,
+    poll: c_int,
+    out: *mut *mut DmlcDevice,
+) -> c_int {
+    let opts = DmlcOpenOptions {
+        poll,
+        ..default_open_options()
+    };
+    // SAFETY: the caller's pointers are forwarded unchanged; `opts` is live.
+    unsafe { dmlc_open_host_ex(socket, &opts, out) }
+}
+
+fn default_open_options() -> DmlcOpenOptions {
+    let d = OpenOptions::default();
+    DmlcOpenOptions {
+        poll: c_int::from(d.poll),
+        queue_size: d.queue_size,
+        event_idx: c_int::from(d.event_idx),
+        dma_bytes: d.dma_bytes as u64,
+    }
+}
+
+/// Opens the device with explicit options.
+///
+/// # Safety
+///
+/// `socket` is NULL or a NUL-terminated string; `opts` is NULL or points to
+/// a `dmlc_open_options`; `out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_open_host_ex(
+    socket: *const c_char,
+    opts: *const DmlcOpenOptions,
+    out: *mut *mut DmlcDevice,
+) -> c_int {
+    guard(|| {
+        if out.is_null() {
+            return Err(Fail::invalid("out is NULL"));
+        }
+        // SAFETY: `out` is non-NULL and writable per the contract.
+        unsafe { out.write(std::ptr::null_mut()) };
+        if socket.is_null() {
+            return Err(Fail::invalid("socket path is NULL"));
+        }
+        // SAFETY: `socket` is a NUL-terminated string per the contract.
+        let path = Path::new(OsStr::from_bytes(
+            unsafe { CStr::from_ptr(socket) }.to_bytes(),
+        ));
+        // SAFETY: `opts` is NULL or points to a dmlc_open_options.
+        let o = unsafe { opts.as_ref() }.ok_or_else(|| Fail::invalid("options are NULL"))?;
+        let options = OpenOptions {
+            poll: o.poll != 0,
+            queue_size: o.queue_size,
+            event_idx: o.event_idx != 0,
+            dma_bytes: usize::try_from(o.dma_bytes)
+                .map_err(|_| Fail::invalid("dma_bytes is too large"))?,
+            ..OpenOptions::default()
+        };
+        let dev = dmlc_driver::host::open(path, &options).map_err(|e| {
+            let mut f = Fail::from(e);
+            f.msg = format!("cannot open the device at {}: {}", path.display(), f.msg);
+            f
+        })?;
+        let boxed = Box::new(DmlcDevice {
+            bounce: Mutex::new(Bounce::new(&dev)),
+            dev: Arc::new(dev),
+        });
+        // SAFETY: `out` is non-NULL and writable per the contract.
+        unsafe { out.write(Box::into_raw(boxed)) };
+        Ok(())
+    })
+}
+
+/// Closes a device (buffers keep its memory alive until freed).
+///
+/// # Safety
+///
+/// `dev` is NULL or an open device, not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_close(dev: *mut DmlcDevice) {
+    if dev.is_null() {
+        return;
+    }
+    // SAFETY: `dev` came from Box::into_raw in dmlc_open_host_ex and the
+    // caller gives up its ownership here.
+    let boxed = unsafe { Box::from_raw(dev) };
+    guard_value((), move || drop(boxed));
+}
+
+/// # Safety
+///
+/// `dev` is NULL or an open device.
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_rank(dev: *const DmlcDevice) -> i32 {
+    guard_value(-1, || {
+        // SAFETY: forwarded contract (`dev` is NULL or open).
+        unsafe { device(dev) }.map_or(-1, |d| d.dev.rank() as i32)
+    })
+}
+
+/// # Safety
+///
+/// `dev` is NULL or an open device.
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_world_size(dev: *const DmlcDevice) -> i32 {
+    guard_value(-1, || {
+        // SAFETY: forwarded contract (`dev` is NULL or open).
+        unsafe { device(dev) }.map_or(-1, |d| d.dev.world_size() as i32)
+    })
+}
+
+/// # Safety
+///
+/// `dev` is NULL or an open device.
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_num_queues(dev: *const DmlcDevice) -> i32 {
+    guard_value(-1, || {
+        // SAFETY: forwarded contract (`dev` is NULL or open).
+        unsafe { device(dev) }.map_or(-1, |d| i32::from(d.dev.num_queues()))
+    })
+}
+
+/// Re-reads the config space.
+///
+/// # Safety
+///
+/// `dev` is NULL or an open device; `out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_get_config(dev: *const DmlcDevice, out: *mut DmlcConfig) -> c_int {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let d = unsafe { device(dev) }?;
+        if out.is_null() {
+            return Err(Fail::invalid("out is NULL"));
+        }
+        let c = d.dev.try_config()?;
+        let cfg = DmlcConfig {
+            rank: c.rank.get(),
+            world_size: c.world_size.get(),
+            num_queues: c.num_queues.get(),
+            max_segments: c.max_segments.get(),
+            max_bytes: c.max_bytes.get(),
+            dtypes: c.dtypes.get(),
+            ops: c.ops.get(),
+            opcodes: c.opcodes.get(),
+            generation: c.generation.get(),
+            group_id: c.group_id.get(),
+        };
+        // SAFETY: `out` is non-NULL and writable per the contract.
+        unsafe { out.write(cfg) };
+        Ok(())
+    })
+}
+
+/// Size of one element of `dtype`, or 0 if unknown.
+#[no_mangle]
+pub extern "C" fn dmlc_dtype_size(dtype: c_int) -> usize {
+    dtype_of(dtype).map_or(0, |d| d.size())
+}
+
+/// Allocates a zeroed device-visible buffer.
+///
+/// # Safety
+///
+/// `dev` is NULL or an open device; `out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_alloc(
+    dev: *mut DmlcDevice,
+    bytes: usize,
+    out: *mut *mut DmlcBuffer,
+) -> c_int {
+    guard(|| {
+        if out.is_null() {
+            return Err(Fail::invalid("out is NULL"));
+        }
+        // SAFETY: `out` is non-NULL and writable per the contract.
+        unsafe { out.write(std::ptr::null_mut()) };
+        // SAFETY: forwarded contract.
+        let d = unsafe { device(dev) }?;
+        if bytes == 0 {
+            return Err(Fail::invalid("cannot allocate 0 bytes"));
+        }
+        let buf = d.dev.alloc(bytes)?;
+        // C accesses the buffer through this pointer and keeps the rules of
+        // `DmaBuf` itself (dmlc_guest.h: no access while in flight).
+        let data = buf.as_ptr();
+        let boxed = Box::new(DmlcBuffer {
+            dev: Arc::clone(&d.dev),
+            buf,
+            data,
+        });
+        // SAFETY: `out` is non-NULL and writable per the contract.
+        unsafe { out.write(Box::into_raw(boxed)) };
+        Ok(())
+    })
+}
+
+/// Frees a buffer.
+///
+/// # Safety
+///
+/// `buf` is NULL or a live buffer, not used afterwards and not part of a
+/// pending request.
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_free(buf: *mut DmlcBuffer) {
+    if buf.is_null() {
+        return;
+    }
+    // SAFETY: `buf` came from Box::into_raw in dmlc_alloc and the caller
+    // gives up its ownership here.
+    let boxed = unsafe { Box::from_raw(buf) };
+    guard_value((), move || drop(boxed));
+}
+
+/// The buffer's memory.
+///
+/// # Safety
+///
+/// `buf` is NULL or a live buffer.
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_buffer_data(buf: *const DmlcBuffer) -> *mut c_void {
+    // SAFETY: per the contract, a non-NULL `buf` is live.
+    unsafe { buf.as_ref() }.map_or(std::ptr::null_mut(), |b| b.data.cast())
+}
+
+/// The buffer's size in bytes.
+///
+/// # Safety
+///
+/// `buf` is NULL or a live buffer.
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_buffer_size(buf: *const DmlcBuffer) -> usize {
+    // SAFETY: per the contract, a non-NULL `buf` is live.
+    unsafe { buf.as_ref() }.map_or(0, |b| b.buf.len())
+}
+
+/// # Safety
+///
+/// Pointers are NULL or live objects of this library.
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_allreduce(
+    dev: *mut DmlcDevice,
+    send: *const DmlcBuffer,
+    recv: *mut DmlcBuffer,
+    count: u64,
+    dtype: c_int,
+    op: c_int,
+) -> c_int {
+    let req = match (dtype_of(dtype), op_of(op)) {
+        (Ok(d), Ok(o)) => Request::new(Opcode::Allreduce, d, o, count),
+        (Err(f), _) | (_, Err(f)) => return guard(|| Err(f)),
+    };
+    // SAFETY: forwarded contract.
+    unsafe { collective(dev, send, recv, req) }
+}
+
+/// # Safety
+///
+/// Pointers are NULL or live objects of this library.
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_broadcast(
+    dev: *mut DmlcDevice,
+    send: *const DmlcBuffer,
+    recv: *mut DmlcBuffer,
+    count: u64,
+    dtype: c_int,
+    root: u32,
+) -> c_int {
+    let mut req = match dtype_of(dtype) {
+        Ok(d) => Request::new(Opcode::Broadcast, d, ReduceOp::Sum, count),
+        Err(f) => return guard(|| Err(f)),
+    };
+    req.root = root;
+    // SAFETY: forwarded contract.
+    unsafe { collective(dev, send, recv, req) }
+}
+
+/// # Safety
+///
+/// Pointers are NULL or live objects of this library.
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_reduce(
+    dev: *mut DmlcDevice,
+    send: *const DmlcBuffer,
+    recv: *mut DmlcBuffer,
+    count: u64,
+    dtype: c_int,
+    op: c_int,
+    root: u32,
+) -> c_int {
+    let mut req = match (dtype_of(dtype), op_of(op)) {
+        (Ok(d), Ok(o)) => Request::new(Opcode::Reduce, d, o, count),
+        (Err(f), _) | (_, Err(f)) => return guard(|| Err(f)),
+    };
+    req.root = root;
+    // SAFETY: forwarded contract.
+    unsafe { collective(dev, send, recv, req) }
+}
+
+/// # Safety
+///
+/// Pointers are NULL or live objects of this library.
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_allgather(
+    dev: *mut DmlcDevice,
+    send: *const DmlcBuffer,
+    recv: *mut DmlcBuffer,
+    sendcount: u64,
+    dtype: c_int,
+) -> c_int {
+    let req = match dtype_of(dtype) {
+        Ok(d) => Request::new(Opcode::Allgather, d, ReduceOp::Sum, sendcount),
+        Err(f) => return guard(|| Err(f)),
+    };
+    // SAFETY: forwarded contract.
+    unsafe { collective(dev, send, recv, req) }
+}
+
+/// # Safety
+///
+/// Pointers are NULL or live objects of this library.
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_reduce_scatter(
+    dev: *mut DmlcDevice,
+    send: *const DmlcBuffer,
+    recv: *mut DmlcBuffer,
+    recvcount: u64,
+    dtype: c_int,
+    op: c_int,
+) -> c_int {
+    let req = match (dtype_of(dtype), op_of(op)) {
+        (Ok(d), Ok(o)) => Request::new(Opcode::ReduceScatter, d, o, recvcount),
+        (Err(f), _) | (_, Err(f)) => return guard(|| Err(f)),
+    };
+    // SAFETY: forwarded contract.
+    unsafe { collective(dev, send, recv, req) }
+}
+
+/// # Safety
+///
+/// `dev` is NULL or an open device.
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_barrier(dev: *mut DmlcDevice) -> c_int {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let d = unsafe { device(dev) }?;
+        d.dev.barrier()?;
+        Ok(())
+    })
+}
+
+/// Allreduce on ordinary memory through the device's bounce buffer.
+///
+/// # Safety
+///
+/// `dev` is NULL or an open device; `send` is NULL, equal to `recv`, or
+/// readable for `count` elements and not overlapping `recv`; `recv` is NULL
+/// or readable and writable for `count` elements.
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_allreduce_host(
+    dev: *mut DmlcDevice,
+    send: *const c_void,
+    recv: *mut c_void,
+    count: u64,
+    dtype: c_int,
+    op: c_int,
+) -> c_int {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let d = unsafe { device(dev) }?;
+        let dtype = dtype_of(dtype)?;
+        let op = op_of(op)?;
+        if recv.is_null() {
+            return Err(Fail::invalid("recv is NULL"));
+        }
+        let bytes = count
+            .checked_mul(dtype.size() as u64)
+            .and_then(|b| usize::try_from(b).ok())
+            .ok_or_else(|| Fail::from(Error::bad_request(bad::OVERFLOW)))?;
+        let mut bounce = d.bounce.lock().unwrap_or_else(|e| e.into_inner());
+        if send.is_null() || std::ptr::eq(send, recv.cast_const()) {
+            // SAFETY: `recv` is readable and writable for `bytes` per the
+            // contract (in place).
+            let data = unsafe { std::slice::from_raw_parts_mut(recv.cast::<u8>(), bytes) };
+            bounce.allreduce_in_place(&d.dev, dtype, op, data)?;
+        } else {
+            // SAFETY: `send` is readable and `recv` writable for `bytes` per
+            // the contract, which also forbids partly overlapping buffers.
+            let (input, output) = unsafe {
+                (
+                    std::slice::from_raw_parts(send.cast::<u8>(), bytes),
+                    std::slice::from_raw_parts_mut(recv.cast::<u8>(), bytes),
+                )
+            };
+            bounce.allreduce(&d.dev, dtype, op, input, output)?;
+        }
+        Ok(())
+    })
+}
+
+/// Turns C segments into buffer slices of `dev`.
+///
+/// # Safety
+///
+/// `segs` is NULL (with `n == 0`) or points to `n` segments whose buffers
+/// are NULL or live.
+unsafe fn slices(
+    dev: &DmlcDevice,
+    segs: *const DmlcSegment,
+    n: usize,
+    what: &str,
+) -> Result<Vec<BufSlice>, Fail> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    if segs.is_null() {
+        return Err(Fail::invalid(format!("{what} segments are NULL")));
+    }
+    // SAFETY: `segs` points to `n` segments per the contract.
+    let segs = unsafe { std::slice::from_raw_parts(segs, n) };
+    segs.iter()
+        .enumerate()
+        .map(|(i, s)| {
+            // SAFETY: the segment's buffer is NULL or live per the contract.
+            let b = unsafe { buffer(dev, s.buf, what) }?
+                .ok_or_else(|| Fail::invalid(format!("{what} segment {i} has a NULL buffer")))?;
+            match s.offset.checked_add(s.len) {
+                Some(end) if end <= b.buf.len() => Ok(b.buf.slice(s.offset, s.len)),
+                _ => Err(Fail::invalid(format!(
+                    "{what} segment {i} ({} bytes at {}) is outside its buffer of {} bytes",
+                    s.len,
+                    s.offset,
+                    b.buf.len()
+                ))),
+            }
+        })
+        .collect()
+}
+
+/// Posts a request; returns at once with a handle for `dmlc_wait`.
+///
+/// # Safety
+///
+/// `dev` is NULL or an open device; `req` is NULL or readable; `inputs` and
+/// `outputs` are NULL or point to as many segments as given; `handle` is
+/// NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_submit(
+    dev: *mut DmlcDevice,
+    queue: u16,
+    req: *const DmlcRequest,
+    inputs: *const DmlcSegment,
+    n_inputs: usize,
+    outputs: *const DmlcSegment,
+    n_outputs: usize,
+    handle: *mut *mut DmlcHandle,
+) -> c_int {
+    guard(|| {
+        if handle.is_null() {
+            return Err(Fail::invalid("handle is NULL"));
+        }
+        // SAFETY: `handle` is non-NULL and writable per the contract.
+        unsafe { handle.write(std::ptr::null_mut()) };
+        // SAFETY: forwarded contract.
+        let d = unsafe { device(dev) }?;
+        // SAFETY: `req` is NULL or readable per the contract.
+        let r = unsafe { req.as_ref() }.ok_or_else(|| Fail::invalid("request is NULL"))?;
+        let unsup = |detail, what: &str, raw: u32| Fail {
+            status: virtio_dmlc::STATUS_UNSUPPORTED as c_int,
+            msg: format!("unsupported by the device: unknown {what} {raw} (detail {detail})"),
+        };
+        let opcode = Opcode::from_raw(r.opcode)
+            .ok_or_else(|| unsup(unsupported::OPCODE, "opcode", r.opcode.into()))?;
+        let barrier = opcode == Opcode::Barrier;
+        // Barrier ignores dtype and op; any valid stand-in will do.
+        let dtype = match Dtype::from_raw(r.dtype) {
+            Some(d) => d,
+            None if barrier => Dtype::U8,
+            None => return Err(unsup(unsupported::DTYPE, "dtype", r.dtype.into())),
+        };
+        let op = match ReduceOp::from_raw(r.op) {
+            Some(o) => o,
+            None if !matches!(
+                opcode,
+                Opcode::Allreduce | Opcode::Reduce | Opcode::ReduceScatter
+            ) =>
+            {
+                ReduceOp::Sum
+            }
+            None => return Err(unsup(unsupported::OP, "op", r.op.into())),
+        };
+        if r.flags & !FLAGS_KNOWN != 0 {
+            return Err(Error::bad_request(bad::FLAGS).into());
+        }
+        let request = Request {
+            opcode,
+            dtype,
+            op,
+            root: r.root,
+            count: r.count,
+            tag: r.tag,
+            in_place: r.flags & FLAG_IN_PLACE != 0,
+            timeout_ms: r.timeout_ms,
+        };
+        // SAFETY: forwarded contract.
+        let ins = unsafe { slices(d, inputs, n_inputs, "input") }?;
+        // SAFETY: forwarded contract.
+        let outs = unsafe { slices(d, outputs, n_outputs, "output") }?;
+        let h = d.dev.submit(queue, &request, &ins, &outs)?;
+        let boxed = Box::new(DmlcHandle {
+            dev: Arc::clone(&d.dev),
+            handle: h,
+        });
+        // SAFETY: `handle` is non-NULL and writable per the contract.
+        unsafe { handle.write(Box::into_raw(boxed)) };
+        Ok(())
+    })
+}
+
+/// Waits for a submitted request; consumes the handle unless the wait
+/// timed out.
+///
+/// # Safety
+///
+/// `dev` is NULL or an open device; `handle` is NULL or a live handle;
+/// `out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_wait(
+    dev: *mut DmlcDevice,
+    handle: *mut DmlcHandle,
+    timeout_ms: i64,
+    out: *mut DmlcCompletion,
+) -> c_int {
+    let mut completion = DmlcCompletion {
+        status: DMLC_OK,
+        detail: 0,
+        peer: NO_PEER,
+        generation: 0,
+    };
+    let status = guard(|| {
+        // SAFETY: forwarded contract.
+        let d = unsafe { device(dev) }?;
+        // SAFETY: `handle` is NULL or live per the contract.
+        let h = unsafe { handle.as_ref() }.ok_or_else(|| Fail::invalid("handle is NULL"))?;
+        if !Arc::ptr_eq(&h.dev, &d.dev) {
+            return Err(Error::UnknownHandle.into());
+        }
+        let timeout = u64::try_from(timeout_ms).ok().map(Duration::from_millis);
+        let result = d.dev.wait(h.handle, timeout);
+        if !matches!(result, Err(Error::WaitTimeout)) {
+            // SAFETY: `handle` came from Box::into_raw in dmlc_submit; it is
+            // consumed now, as documented.
+            drop(unsafe { Box::from_raw(handle) });
+        }
+        match result {
+            Ok(done) => {
+                completion.generation = done.generation;
+                Ok(())
+            }
+            Err(e) => {
+                (completion.detail, completion.peer) = detail_of(&e);
+                Err(e.into())
+            }
+        }
+    });
+    completion.status = status;
+    // SAFETY: `out` is NULL or writable per the contract.
+    if let Some(o) = unsafe { out.as_mut() } {
+        *o = completion;
+    }
+    status
+}
+
+/// Static text naming `status`.
+#[no_mangle]
+pub extern "C" fn dmlc_strerror(status: c_int) -> *const c_char {
+    let s: &'static CStr = match status {
+        DMLC_OK => c"ok",
+        1 => c"bad request",
+        2 => c"collective mismatch",
+        3 => c"peer lost",
+        4 => c"collective timed out",
+        5 => c"unsupported by the device",
+        6 => c"request too big",
+        7 => c"group reset",
+        DMLC_ERR_INVALID_ARGUMENT => c"invalid argument",
+        DMLC_ERR_NO_STATUS => c"device returned no status",
+        DMLC_ERR_UNKNOWN_STATUS => c"unknown device status",
+        DMLC_ERR_WAIT_TIMEOUT => c"wait timed out",
+        DMLC_ERR_QUEUE_FULL => c"queue full",
+        DMLC_ERR_OUT_OF_MEMORY => c"out of device-visible memory",
+        DMLC_ERR_UNKNOWN_HANDLE => c"unknown request handle",
+        DMLC_ERR_TRANSPORT => c"transport error",
+        DMLC_ERR_DEVICE => c"device error",
+        DMLC_ERR_INTERNAL => c"internal error",
+        _ => c"unknown status",
+    };
+    s.as_ptr()
+}
+
+/// The last error message of this thread ("" if none).
+#[no_mangle]
+pub extern "C" fn dmlc_last_error_message() -> *const c_char {
+    // The CString lives in the thread-local until the next failure on this
+    // thread replaces it, as the header documents.
+    ffi_util::last_error_ptr(&LAST_ERROR)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_match_the_device() {
+        for s in virtio_dmlc::Status::ALL {
+            // SAFETY: dmlc_strerror returns a static NUL-terminated string.
+            let text = unsafe { CStr::from_ptr(dmlc_strerror(s.raw() as c_int)) };
+            assert!(!text.to_bytes().is_empty());
+        }
+        assert_eq!(status_of(&Error::PeerLost { peer: 1 }), 3);
+        assert_eq!(status_of(&Error::WaitTimeout), DMLC_ERR_WAIT_TIMEOUT);
+        assert_eq!(
+            detail_of(&Error::mismatch(mismatch::COUNT | mismatch::TAG, 2)),
+            (mismatch::COUNT | mismatch::TAG, 2)
+        );
+    }
+
+    #[test]
+    fn null_pointers_are_refused_with_a_message() {
+        // SAFETY: NULL is allowed everywhere and must be refused.
+        let rc = unsafe {
+            dmlc_allreduce(
+                std::ptr::null_mut(),
+                std::ptr::null(),
+                std::ptr::null_mut(),
+                1,
+                0,
+                0,
+            )
+        };
+        assert_eq!(rc, DMLC_ERR_INVALID_ARGUMENT);
+        // SAFETY: the message pointer is valid until the next failure here.
+        let msg = unsafe { CStr::from_ptr(dmlc_last_error_message()) };
+        assert_eq!(msg.to_str().unwrap(), "device is NULL");
+        // SAFETY: as above.
+        assert_eq!(unsafe { dmlc_rank(std::ptr::null()) }, -1);
+        let mut out = std::ptr::null_mut();
+        // SAFETY: `out` is writable; the socket is NULL on purpose.
+        let rc = unsafe { dmlc_open_host(std::ptr::null(), 1, &mut out) };
+        assert_eq!(rc, DMLC_ERR_INVALID_ARGUMENT);
+        assert_eq!(dmlc_allreduce_dtype_check(), DMLC_ERR_INVALID_ARGUMENT);
+    }
+
+    fn dmlc_allreduce_dtype_check() -> c_int {
+        // Unknown dtype with a NULL device: the dtype is judged first.
+        // SAFETY: NULL pointers are allowed.
+        let rc = unsafe {
+            dmlc_allreduce(
+                std::ptr::null_mut(),
+                std::ptr::null(),
+                std::ptr::null_mut(),
+                1,
+                99,
+                0,
+            )
+        };
+        assert_eq!(rc, virtio_dmlc::STATUS_UNSUPPORTED as c_int);
+        // SAFETY: NULL pointers are allowed.
+        unsafe { dmlc_barrier(std::ptr::null_mut()) }
+    }
+
+    #[test]
+    fn panics_do_not_escape() {
+        let rc = guard(|| panic!("boom"));
+        assert_eq!(rc, DMLC_ERR_INTERNAL);
+        // SAFETY: valid until the next failure on this thread.
+        let msg = unsafe { CStr::from_ptr(dmlc_last_error_message()) };
+        assert_eq!(msg.to_str().unwrap(), "internal error: boom");
+    }
+}

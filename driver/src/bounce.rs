@@ -1,0 +1,204 @@
+//! Collectives on ordinary memory, copied through a bounce buffer.
+//!
+//! The device reads and writes only its DMA memory, so data elsewhere is
+//! copied into a buffer there, the collective runs in place on it, and the
+//! result is copied back. [`Bounce`] is the one implementation of that,
+//! used by [`Device`]'s slice conveniences, `dmlc-comm`'s `DeviceComm` and
+//! the C ABI: one buffer, reused while it is large enough and free, and
+//! data longer than the chunk size cut into several requests.
+
+use crate::device::{Device, DmaBuf};
+use crate::error::{Error, Result};
+use crate::{Dtype, ReduceOp};
+
+/// Largest piece one request carries by default: keeps the bounce buffer
+/// (and the DMA memory it needs) small while large requests stay cheap.
+pub const DEFAULT_CHUNK_BYTES: usize = 16 << 20;
+
+/// Smallest bounce buffer allocated (a zero-length one is not a buffer).
+const MIN_BYTES: usize = 64;
+
+/// A reusable bounce buffer and the chunk size of the requests it carries.
+///
+/// Every member of a group must cut its data at the same places, so the
+/// chunk size must be the same on all of them: the default depends only on
+/// the group's config (the smaller of the device's `max_bytes` and
+/// [`DEFAULT_CHUNK_BYTES`]).
+#[derive(Debug)]
+pub struct Bounce {
+    buf: Option<DmaBuf>,
+    chunk_bytes: usize,
+}
+
+impl Bounce {
+    /// An empty bounce buffer (allocated at first use) for `dev`'s group.
+    pub fn new(dev: &Device) -> Bounce {
+        let max = usize::try_from(dev.config().max_bytes.get()).unwrap_or(usize::MAX);
+        let mut b = Bounce {
+            buf: None,
+            chunk_bytes: 0,
+        };
+        b.set_chunk_bytes(max.min(DEFAULT_CHUNK_BYTES));
+        b
+    }
+
+    /// Largest piece per request (rounded down to a multiple of 8 bytes,
+    /// the largest element, and at least 8). Must match on every member.
+    pub fn set_chunk_bytes(&mut self, bytes: usize) {
+        self.chunk_bytes = (bytes / 8 * 8).max(8);
+    }
+
+    /// Largest piece per request.
+    pub fn chunk_bytes(&self) -> usize {
+        self.chunk_bytes
+    }
+
+    /// The buffer, at least `bytes` long, free for a new request.
+    fn buffer(&mut self, dev: &Device, bytes: usize) -> Result<&mut DmaBuf> {
+        // A request whose wait failed may still hold the old buffer: leave
+        // it to that request and take a new one.
+        if self
+            .buf
+            .as_ref()
+            .is_none_or(|b| b.len() < bytes || b.is_in_flight())
+        {
+            self.buf = None; // free the old one before allocating
+            self.buf = Some(dev.alloc(bytes.max(MIN_BYTES))?);
+        }
+        let buf = self.buf.as_mut().expect("bounce buffer just set");
+        // `&mut self` proves that the last call's borrows have ended.
+        buf.reclaim();
+        Ok(buf)
+    }
+
+    /// The cached buffer (tests that hold it on the device).
+    #[cfg(test)]
+    pub(crate) fn cached(&mut self) -> &mut DmaBuf {
+        self.buf.as_mut().expect("a bounce buffer was used")
+    }
+
+    /// Whole elements of `dtype` per piece.
+    fn step(&self, dtype: Dtype) -> usize {
+        let size = dtype.size();
+        (self.chunk_bytes / size).max(1) * size
+    }
+
+    /// Allreduce of `data` in place.
+    pub fn allreduce_in_place(
+        &mut self,
+        dev: &Device,
+        dtype: Dtype,
+        op: ReduceOp,
+        data: &mut [u8],
+    ) -> Result<()> {
+        whole_elements(dtype, data.len())?;
+        let step = self.step(dtype);
+        for piece in data.chunks_mut(step) {
+            let buf = self.buffer(dev, piece.len())?;
+            buf.as_mut_slice()[..piece.len()].copy_from_slice(piece);
+            dev.allreduce_in_place(dtype, op, buf, count(dtype, piece.len()))?;
+            piece.copy_from_slice(&buf.as_slice()[..piece.len()]);
+        }
+        Ok(())
+    }
+
+    /// Allreduce of `input` into `output` (the same length).
+    pub fn allreduce(
+        &mut self,
+        dev: &Device,
+        dtype: Dtype,
+        op: ReduceOp,
+        input: &[u8],
+        output: &mut [u8],
+    ) -> Result<()> {
+        whole_elements(dtype, input.len())?;
+        if input.len() != output.len() {
+            return Err(Error::InvalidArgument(format!(
+                "allreduce output has {} bytes, the input {}",
+                output.len(),
+                input.len()
+            )));
+        }
+        let step = self.step(dtype);
+        for (src, dst) in input.chunks(step).zip(output.chunks_mut(step)) {
+            let buf = self.buffer(dev, src.len())?;
+            buf.as_mut_slice()[..src.len()].copy_from_slice(src);
+            dev.allreduce_in_place(dtype, op, buf, count(dtype, src.len()))?;
+            dst.copy_from_slice(&buf.as_slice()[..src.len()]);
+        }
+        Ok(())
+    }
+
+    /// Broadcast of the root's `data` into every member's `data`.
+    pub fn broadcast(
+        &mut self,
+        dev: &Device,
+        dtype: Dtype,
+        root: u32,
+        data: &mut [u8],
+    ) -> Result<()> {
+        whole_elements(dtype, data.len())?;
+        let is_root = root == dev.rank();
+        let step = self.step(dtype);
+        for piece in data.chunks_mut(step) {
+            let buf = self.buffer(dev, piece.len())?;
+            if is_root {
+                buf.as_mut_slice()[..piece.len()].copy_from_slice(piece);
+            }
+            dev.broadcast_in_place(dtype, root, buf, count(dtype, piece.len()))?;
+            piece.copy_from_slice(&buf.as_slice()[..piece.len()]);
+        }
+        Ok(())
+    }
+
+    /// `output` (`world_size` times as long as `input`) gets every member's
+    /// `input` in rank order.
+    pub fn allgather(
+        &mut self,
+        dev: &Device,
+        dtype: Dtype,
+        input: &[u8],
+        output: &mut [u8],
+    ) -> Result<()> {
+        whole_elements(dtype, input.len())?;
+        let world = dev.world_size() as usize;
+        if Some(output.len()) != input.len().checked_mul(world) {
+            return Err(Error::InvalidArgument(format!(
+                "allgather output has {} bytes, {} x {world} needed",
+                output.len(),
+                input.len()
+            )));
+        }
+        let rank = dev.rank() as usize;
+        let size = dtype.size();
+        // Each piece takes `world` slots of `n` bytes in the buffer.
+        let piece_max = (self.chunk_bytes / world / size).max(1) * size;
+        let mut off = 0;
+        while off < input.len() {
+            let n = piece_max.min(input.len() - off);
+            let buf = self.buffer(dev, n * world)?;
+            buf.as_mut_slice()[rank * n..(rank + 1) * n].copy_from_slice(&input[off..off + n]);
+            dev.allgather_in_place(dtype, buf, count(dtype, n))?;
+            for j in 0..world {
+                let dst = j * input.len() + off;
+                output[dst..dst + n].copy_from_slice(&buf.as_slice()[j * n..(j + 1) * n]);
+            }
+            off += n;
+        }
+        Ok(())
+    }
+}
+
+fn whole_elements(dtype: Dtype, bytes: usize) -> Result<()> {
+    if bytes.is_multiple_of(dtype.size()) {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "{bytes} bytes are not whole {dtype} elements"
+        )))
+    }
+}
+
+fn count(dtype: Dtype, bytes: usize) -> u64 {
+    (bytes / dtype.size()) as u64
+}

@@ -1,0 +1,1495 @@
+//! `dmlc-guest bench`: an nccl-tests style sweep over message sizes.
+//!
+//! Every rank runs the same loop; rank 0 prints the table. Each size runs
+//! `warmup` untimed and `iters` timed collectives out of place, then the
+//! same in place. Iteration i uses slot i of a pool of buffers (per
+//! direction, `--rotate` bytes in all, default 2 x LLC / N capped at
+//! 512 MiB, so that the members' buffers of one direction together are
+//! twice the last-level cache), so large sizes are not cache-hot and
+//! consecutive iterations reduce different data. Time is the median of the
+//! per-iteration times on rank 0; the members meet in a barrier before
+//! each timed collective, so a member still checking the last one does not
+//! show in the next one's time.
+//!
+//! Every iteration is checked, on every rank, by that rank. Before each
+//! collective the rank poisons its output (in place: copies its input back
+//! and poisons the rest), so an output the device did not write is caught;
+//! after it, the rank compares a digest of its output with the digest of
+//! the expected values, which it computes itself from every rank's inputs
+//! (a pure function of rank and position, [`Gen`]) with the scalar
+//! reference, never through the device. A digest that differs is followed
+//! by an element-by-element count. `#wrong` in the table is rank 0's own
+//! count; each rank prints its own count on its own line and exits 1 if it
+//! saw a wrong value: no count goes through the device under test.
+//!
+//! One loop, two paths ([`Engine`]):
+//!
+//! - `--transport device` (the default): requests go straight to the device
+//!   on device-visible buffers ([`DmaBuf`]), zero-copy, so the time is the
+//!   device's own.
+//! - `--transport tcp`: the same collectives through the TCP
+//!   [`Communicator`] between the same members, on ordinary memory, so that
+//!   the device and the network path are measured by one tool. The
+//!   Communicator works in place: there the out-of-place columns time a copy
+//!   of the input into the output followed by the in-place collective (what
+//!   a caller of an in-place API pays for out-of-place). Allgather is out of
+//!   place in the Communicator; its in-place column copies the member's
+//!   block aside first. Reduce and reduce-scatter have no TCP counterpart.
+
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use dmlc_comm::tcp::{self, TcpComm, TcpError};
+use dmlc_comm::{CommError, Communicator};
+use dmlc_driver::device::{Device, DmaBuf, Request};
+use serde::Serialize;
+use virtio_dmlc::{buffer_elems, BufferElems, Dtype, Opcode, ReduceOp};
+
+use super::data::{self, Digest, Gen};
+use super::reference::Case;
+use super::util::{llc_bytes, parse_dtype, parse_op, parse_opcode, parse_size, show_size, Stats};
+use super::{CliError, Ctx, Setup};
+
+/// Largest default rotation pool per direction.
+const ROTATE_CAP: u64 = 512 << 20;
+/// Slot alignment inside the pools.
+const SLOT_ALIGN: u64 = 64;
+/// The byte an output is filled with before each collective.
+const POISON: u8 = 0xa5;
+/// Elements of expected values computed at a time.
+const CHUNK_ELEMS: u64 = 4096;
+/// Environment variable with this member's rank for `--transport tcp`.
+const RANK_ENV: &str = "DMLC_TASK_ID";
+
+/// The path a bench measures.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Via {
+    /// The virtio-dmlc device, zero-copy on device-visible buffers.
+    Device,
+    /// The TCP Communicator between the members (see --peers).
+    Tcp,
+}
+
+/// Options of `dmlc-guest bench`.
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    /// Smallest message size in bytes (suffixes K, M, G).
+    #[arg(short = 'b', long, default_value = "4", value_parser = parse_size)]
+    pub minbytes: u64,
+    /// Largest message size in bytes (suffixes K, M, G).
+    #[arg(short = 'e', long, default_value = "64M", value_parser = parse_size)]
+    pub maxbytes: u64,
+    /// Multiply the size by this factor between steps.
+    #[arg(short = 'f', long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(2..))]
+    pub stepfactor: u64,
+    /// Element type: f32 f64 f16 bf16 i8 u8 i32 u32 i64 u64.
+    #[arg(short = 'd', long, default_value = "f32", value_parser = parse_dtype)]
+    pub dtype: Dtype,
+    /// Reduce op (allreduce, reduce, reduce_scatter): sum prod min max avg,
+    /// and for integers band bor bxor.
+    #[arg(short = 'o', long, default_value = "sum", value_parser = parse_op)]
+    pub op: ReduceOp,
+    /// Collective to measure: allreduce broadcast reduce allgather
+    /// reduce_scatter barrier (over tcp: allreduce broadcast allgather
+    /// barrier).
+    #[arg(long, default_value = "allreduce", value_parser = parse_opcode)]
+    pub opcode: Opcode,
+    /// Root rank of broadcast and reduce.
+    #[arg(long, default_value_t = 0)]
+    pub root: u32,
+    /// Timed iterations per size.
+    #[arg(short = 'n', long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..))]
+    pub iters: u32,
+    /// Untimed warm-up iterations per size.
+    #[arg(short = 'w', long, default_value_t = 5)]
+    pub warmup: u32,
+    /// Request queue to use (device).
+    #[arg(long, default_value_t = 0)]
+    pub queue: u16,
+    /// Bytes of buffers to rotate through per direction [default: 2 x LLC
+    /// size / N, at most 512M].
+    #[arg(long, value_parser = parse_size, value_name = "BYTES")]
+    pub rotate: Option<u64>,
+    /// Also write the results as JSON to FILE (rank 0).
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Path to measure: the device, or the TCP Communicator between the
+    /// members (no device is opened).
+    #[arg(long, value_enum, default_value_t = Via::Device)]
+    pub transport: Via,
+    /// This member's rank, with --transport tcp [default: env DMLC_TASK_ID].
+    #[arg(long, value_name = "RANK")]
+    pub rank: Option<u32>,
+    /// Every member's address in rank order, with --transport tcp; this
+    /// member listens on its own entry [default: env DMLC_TCP_PEERS].
+    #[arg(long, value_name = "IP:PORT,...")]
+    pub peers: Option<String>,
+    /// Seconds to wait for the other members to connect, with --transport
+    /// tcp.
+    #[arg(long, default_value_t = 60, value_name = "SECS")]
+    pub connect_timeout: u64,
+}
+
+impl BenchArgs {
+    /// DMA memory the bench needs, whatever the world size.
+    pub fn dma_need(&self) -> u64 {
+        // Each pool holds max(rotate, largest buffer); the largest buffer
+        // is at most maxbytes by construction of the sizes.
+        let pool = self.rotate.unwrap_or(ROTATE_CAP).max(self.maxbytes) + SLOT_ALIGN;
+        2 * pool + (4 << 20)
+    }
+}
+
+/// Errors of the TCP bench.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error("no rank: give --rank or set {RANK_ENV}")]
+    NoRank,
+    #[error("invalid {RANK_ENV}={0:?}: not a non-negative integer")]
+    BadRank(String),
+    #[error("no peers: give --peers IP:PORT,... or set {}", tcp::PEERS_ENV)]
+    NoPeers,
+    #[error("cannot use the peer list")]
+    Peers(#[source] TcpError),
+    #[error("cannot join the TCP group as rank {rank}")]
+    Connect {
+        rank: u32,
+        #[source]
+        source: TcpError,
+    },
+    #[error("{what} over TCP failed")]
+    Comm {
+        what: &'static str,
+        #[source]
+        source: CommError,
+    },
+}
+
+/// nccl-tests' busbw factor for `opcode` among `n` members.
+pub fn busbw_factor(opcode: Opcode, n: u32) -> f64 {
+    let n = f64::from(n);
+    match opcode {
+        Opcode::Allreduce => 2.0 * (n - 1.0) / n,
+        Opcode::Allgather | Opcode::ReduceScatter => (n - 1.0) / n,
+        Opcode::Broadcast | Opcode::Reduce => 1.0,
+        Opcode::Barrier => 0.0,
+    }
+}
+
+/// One size of the sweep: the header's count and nccl-tests' size (the
+/// larger of a member's input and output buffers), or None if it would
+/// have no element.
+fn shape(opcode: Opcode, dtype: Dtype, world: u32, size: u64) -> Option<(u64, u64)> {
+    let elem = dtype.size() as u64;
+    let per = match opcode {
+        Opcode::Allgather | Opcode::ReduceScatter => elem * u64::from(world),
+        Opcode::Barrier => return Some((0, 0)),
+        _ => elem,
+    };
+    let count = size / per;
+    (count > 0).then_some((count, count * per))
+}
+
+/// Measured results of one direction (out-of-place or in-place).
+#[derive(Clone, Copy, Debug, Default)]
+struct Side {
+    stats: Stats,
+    /// Wrong elements of this rank's outputs, over every iteration.
+    wrong: u64,
+    /// Collectives whose output was checked.
+    checked: u64,
+    /// Collectives with at least one wrong element.
+    bad: u64,
+}
+
+/// What a sweep saw on this rank.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Outcome {
+    pub sizes: usize,
+    pub wrong_oop: u64,
+    pub wrong_ip: u64,
+    pub checked: u64,
+    pub bad: u64,
+}
+
+impl Outcome {
+    pub fn ok(&self) -> bool {
+        self.wrong_oop == 0 && self.wrong_ip == 0
+    }
+}
+
+/// What the sweep needs from a path. Both pools are `pool_bytes` long;
+/// slot `s` of a size starts at `s * in_slot` (input) and `s * out_slot`
+/// (output).
+trait Engine {
+    fn rank(&self) -> u32;
+    fn world(&self) -> u32;
+    /// The input and output pools.
+    fn pools(&mut self) -> (&mut [u8], &mut [u8]);
+    fn out_pool(&self) -> &[u8];
+    /// Makes every page of both pools resident where the collectives will
+    /// touch them, so that first-touch faults stay out of the timings.
+    fn touch(&mut self) -> Result<(), CliError>;
+    fn barrier(&mut self) -> Result<(), CliError>;
+    /// One collective of `sh` on slot `slot`.
+    fn run(&mut self, sh: &Shape, slot: u64, in_place: bool) -> Result<(), CliError>;
+    /// Header lines that describe the path (rank 0 prints them).
+    fn describe(&self) -> Vec<String>;
+    /// The path's member of the JSON document.
+    fn json(&self) -> PathJson;
+}
+
+/// The sizes and pools of a sweep, which depend only on the arguments, the
+/// world size and the largest message the path takes.
+struct Plan {
+    sizes: Vec<(u64, u64)>,
+    rotate: u64,
+    pool_bytes: u64,
+}
+
+fn plan(args: &BenchArgs, world: u32, max_bytes: u64) -> Result<Plan, CliError> {
+    let dtype = args.dtype;
+    if args.opcode != Opcode::Barrier && !args.op.supports(dtype) {
+        return Err(CliError::Usage(format!(
+            "op {} is not defined for {dtype}",
+            args.op
+        )));
+    }
+    if args.root >= world {
+        return Err(CliError::Usage(format!(
+            "root {} is not below the world size {world}",
+            args.root
+        )));
+    }
+    let rotate = args
+        .rotate
+        .unwrap_or_else(|| (2 * llc_bytes() / u64::from(world)).min(ROTATE_CAP))
+        .max(SLOT_ALIGN);
+    // Sizes, as nccl-tests steps them.
+    let mut sizes = Vec::new();
+    if args.opcode == Opcode::Barrier {
+        sizes.push((0, 0));
+    } else {
+        let mut s = args.minbytes.max(1);
+        while s <= args.maxbytes {
+            if let Some(sh) = shape(args.opcode, dtype, world, s) {
+                if sizes.last() != Some(&sh) && sh.1 <= max_bytes {
+                    sizes.push(sh);
+                }
+            }
+            s = s.saturating_mul(args.stepfactor);
+        }
+    }
+    let pool_bytes = rotate.max(sizes.iter().map(|s| s.1).max().unwrap_or(0)) + SLOT_ALIGN;
+    Ok(Plan {
+        sizes,
+        rotate,
+        pool_bytes,
+    })
+}
+
+/// Runs the sweep on the device. Ok(true) if no wrong value was seen.
+pub fn run(dev: &Device, args: &BenchArgs, setup: &Setup) -> Result<bool, CliError> {
+    if args.rank.is_some() || args.peers.is_some() {
+        return Err(CliError::Usage(
+            "--rank and --peers are for --transport tcp (the device knows its rank)".into(),
+        ));
+    }
+    let plan = plan(args, dev.world_size(), dev.config().max_bytes.get())?;
+    let mut engine = DeviceEngine::new(dev, args.queue, plan.pool_bytes)?;
+    Ok(sweep(&mut engine, args, &plan, setup)?.ok())
+}
+
+/// Runs the sweep over TCP between the members of `--peers`. Ok(true) if
+/// no wrong value was seen.
+pub fn run_tcp(args: &BenchArgs) -> Result<bool, CliError> {
+    if matches!(args.opcode, Opcode::Reduce | Opcode::ReduceScatter) {
+        return Err(CliError::Usage(format!(
+            "{} has no TCP counterpart (over tcp: allreduce broadcast allgather barrier)",
+            args.opcode
+        )));
+    }
+    let rank = match args.rank {
+        Some(r) => r,
+        None => {
+            let v = std::env::var(RANK_ENV).map_err(|_| BenchError::NoRank)?;
+            v.trim().parse().map_err(|_| BenchError::BadRank(v))?
+        }
+    };
+    let peers = match &args.peers {
+        Some(list) => tcp::parse_peers(list),
+        None if std::env::var_os(tcp::PEERS_ENV).is_none() => {
+            return Err(BenchError::NoPeers.into())
+        }
+        None => tcp::peers_from_env(),
+    }
+    .map_err(BenchError::Peers)?;
+    let world = u32::try_from(peers.len()).unwrap_or(u32::MAX);
+    // Check the arguments before waiting for the others.
+    let plan = plan(args, world, u64::MAX)?;
+    let t = Instant::now();
+    let comm = TcpComm::connect(rank, &peers, Duration::from_secs(args.connect_timeout))
+        .map_err(|source| BenchError::Connect { rank, source })?;
+    tcp_sweep(comm, peers, t.elapsed(), args, &plan)
+}
+
+fn tcp_sweep(
+    comm: TcpComm,
+    peers: Vec<SocketAddr>,
+    connected_in: Duration,
+    args: &BenchArgs,
+    plan: &Plan,
+) -> Result<bool, CliError> {
+    let pool = usize::try_from(plan.pool_bytes)
+        .map_err(|_| CliError::Usage("the buffer pools do not fit in memory".into()))?;
+    let mut engine = TcpEngine {
+        comm,
+        peers,
+        connected_in,
+        opcode: args.opcode,
+        inpool: vec![0; pool],
+        outpool: vec![0; pool],
+        scratch: Vec::new(),
+    };
+    let setup = Setup {
+        transport: "tcp".into(),
+        mode: "in-place communicator",
+    };
+    Ok(sweep(&mut engine, args, plan, &setup)?.ok())
+}
+
+fn sweep(
+    e: &mut impl Engine,
+    args: &BenchArgs,
+    plan: &Plan,
+    setup: &Setup,
+) -> Result<Outcome, CliError> {
+    let (world, rank) = (e.world(), e.rank());
+    let dtype = args.dtype;
+    let elem = dtype.size() as u64;
+    let root = match args.opcode {
+        Opcode::Broadcast | Opcode::Reduce => args.root,
+        _ => 0,
+    };
+    let gen = Gen {
+        dtype,
+        op: args.op,
+        key: data::key(&[0xbe4c, u64::from(dtype.raw()), u64::from(args.op.raw())]),
+        world,
+        nans: false,
+    };
+    {
+        let (inp, out) = e.pools();
+        for p in 0..(plan.pool_bytes / elem) as usize {
+            data::write(inp, elem as usize, p, gen.value(rank, p as u64));
+        }
+        out.fill(POISON);
+    }
+    e.touch()?;
+
+    if rank == 0 {
+        println!(
+            "# dmlc-guest bench: {} {dtype} {}, transport {}, mode {}, N {world}",
+            args.opcode, args.op, setup.transport, setup.mode
+        );
+        for line in e.describe() {
+            println!("{line}");
+        }
+        println!(
+            "# iters {}, warmup {}, queue {}, data rotated over {} per direction (LLC {}), time = median of rank 0",
+            args.iters,
+            args.warmup,
+            args.queue,
+            show_size(plan.rotate),
+            show_size(llc_bytes())
+        );
+        println!(
+            "# #wrong = wrong elements of rank 0's outputs over every iteration (outputs poisoned before each); every rank checks its own and prints its own count below"
+        );
+        print_header();
+    }
+
+    let mut rows = Vec::new();
+    let mut outcome = Outcome::default();
+    for &(count, size) in &plan.sizes {
+        let elems = buffer_elems(args.opcode, world, rank, root, count, false)
+            .ok_or_else(|| CliError::Usage("count overflows".into()))?;
+        let ip_elems = buffer_elems(args.opcode, world, rank, root, count, true)
+            .ok_or_else(|| CliError::Usage("count overflows".into()))?;
+        // The input stride is the largest member's, the same on every
+        // member: a checker computes the root's inputs of slot s from it
+        // (a broadcast's non-root has no input of its own).
+        let max_input = (0..world)
+            .filter_map(|r| buffer_elems(args.opcode, world, r, root, count, false))
+            .map(|b| b.input)
+            .max()
+            .unwrap_or(0);
+        let in_slot = (max_input * elem).div_ceil(SLOT_ALIGN) * SLOT_ALIGN;
+        let out_slot = (elems.output.max(ip_elems.output) * elem).div_ceil(SLOT_ALIGN) * SLOT_ALIGN;
+        let slot_bytes = in_slot.max(out_slot).max(SLOT_ALIGN);
+        let slots = (plan.pool_bytes / slot_bytes).clamp(1, u64::from(args.iters + args.warmup));
+        let sh = Shape {
+            req: Request {
+                opcode: args.opcode,
+                dtype,
+                op: args.op,
+                root,
+                count,
+                tag: size,
+                in_place: false,
+                timeout_ms: 0,
+            },
+            elems,
+            ip_elems,
+            in_slot,
+            out_slot,
+            slots,
+        };
+        let oop = timed(e, &sh, &gen, args, false)?;
+        let ip = timed(e, &sh, &gen, args, true)?;
+        outcome.wrong_oop += oop.wrong;
+        outcome.wrong_ip += ip.wrong;
+        outcome.checked += oop.checked + ip.checked;
+        outcome.bad += oop.bad + ip.bad;
+        // Memory traffic: every member's input read once and output written once.
+        let traffic: u64 = (0..world)
+            .filter_map(|r| buffer_elems(args.opcode, world, r, root, count, false))
+            .map(|b| (b.input + b.output) * elem)
+            .sum();
+        let row = Row {
+            size,
+            count,
+            oop,
+            ip,
+            traffic,
+        };
+        if rank == 0 {
+            println!("{}", row.line(args, world));
+            let _ = std::io::stdout().flush();
+        }
+        rows.push(row);
+    }
+    outcome.sizes = rows.len();
+    let total = outcome.wrong_oop + outcome.wrong_ip;
+    if rank == 0 {
+        if let Some(path) = &args.json {
+            let doc = json(args, e.json(), world, plan.rotate, setup, &rows);
+            std::fs::write(path, doc).map_err(|err| CliError::Write(path.clone(), err))?;
+        }
+        println!(
+            "# {}: {} size(s), #wrong total {total}",
+            if outcome.ok() { "ok" } else { "WRONG VALUES" },
+            rows.len(),
+        );
+    }
+    // Every rank's own verdict, on its own line.
+    println!(
+        "# rank {rank} of {world}: {}, #wrong {total} (out-of-place {}, in-place {}) in {} checked collectives, {} of them wrong",
+        if outcome.ok() { "ok" } else { "WRONG VALUES" },
+        outcome.wrong_oop,
+        outcome.wrong_ip,
+        outcome.checked,
+        outcome.bad,
+    );
+    let _ = std::io::stdout().flush();
+    if !outcome.ok() {
+        eprintln!(
+            "dmlc-guest bench: rank {rank}: {total} wrong values in {} of {} collectives",
+            outcome.bad, outcome.checked
+        );
+    }
+    Ok(outcome)
+}
+
+/// One size: the request (the TCP path reads its fields too) and the
+/// buffer layout.
+struct Shape {
+    req: Request,
+    elems: BufferElems,
+    ip_elems: BufferElems,
+    in_slot: u64,
+    out_slot: u64,
+    slots: u64,
+}
+
+impl Shape {
+    fn case(&self, rank: u32, world: u32, in_place: bool) -> Case {
+        Case {
+            opcode: self.req.opcode,
+            dtype: self.req.dtype,
+            op: self.req.op,
+            world,
+            rank,
+            root: self.req.root,
+            count: self.req.count,
+            in_place,
+        }
+    }
+
+    fn elems(&self, in_place: bool) -> BufferElems {
+        if in_place {
+            self.ip_elems
+        } else {
+            self.elems
+        }
+    }
+
+    /// The output elements of `case` that are checked.
+    fn checked(&self, case: &Case) -> std::ops::Range<u64> {
+        let r = case.checked_range();
+        let n = self.elems(case.in_place).output;
+        r.start.min(n)..r.end.min(n)
+    }
+
+    /// Index in every member's input pool of element 0 of slot `slot`'s
+    /// input.
+    fn base(&self, slot: u64) -> u64 {
+        slot * self.in_slot / self.req.dtype.size() as u64
+    }
+}
+
+/// Digest of the expected bytes of the checked range of `case` in slot
+/// `slot`, computed from every rank's inputs by the scalar reference.
+fn expected_digest(sh: &Shape, case: &Case, gen: &Gen, slot: u64) -> u64 {
+    let elem = sh.req.dtype.size();
+    let base = sh.base(slot);
+    let range = sh.checked(case);
+    let mut d = Digest::default();
+    let mut buf = vec![0u8; CHUNK_ELEMS as usize * elem];
+    let mut j = range.start;
+    while j < range.end {
+        let n = (range.end - j).min(CHUNK_ELEMS);
+        for k in 0..n {
+            let want = case.expected(j + k, |r, i| gen.value(r, base + i));
+            data::write(&mut buf, elem, k as usize, want);
+        }
+        d.write(&buf[..n as usize * elem]);
+        j += n;
+    }
+    d.finish()
+}
+
+/// Makes slot `slot` of the output pool ready for a collective: the
+/// member's input copied in where it goes in place, poison everywhere else
+/// the collective may write.
+fn prepare(e: &mut impl Engine, sh: &Shape, slot: u64, in_place: bool) {
+    let elem = sh.req.dtype.size();
+    let b = sh.elems(in_place);
+    let (inp, out) = e.pools();
+    let o = (slot * sh.out_slot) as usize;
+    let out = &mut out[o..o + b.output as usize * elem];
+    out.fill(POISON);
+    if let Some((off, n)) = b.in_place_input {
+        let i = (slot * sh.in_slot) as usize;
+        let (off, n) = (off as usize * elem, n as usize * elem);
+        out[off..off + n].copy_from_slice(&inp[i..i + n]);
+    }
+}
+
+/// Wrong elements of the output of `case` in slot `slot`: 0 if its digest
+/// is `want`, else counted element by element (two NaNs are equal there,
+/// the payload of a propagated NaN is not specified).
+fn count_wrong(e: &impl Engine, sh: &Shape, case: &Case, gen: &Gen, slot: u64, want: u64) -> u64 {
+    let elem = sh.req.dtype.size();
+    let range = sh.checked(case);
+    let o = (slot * sh.out_slot) as usize;
+    let out = &e.out_pool()[o..];
+    let bytes = &out[range.start as usize * elem..range.end as usize * elem];
+    if Digest::of(bytes) == want {
+        return 0;
+    }
+    let base = sh.base(slot);
+    range
+        .filter(|&j| {
+            let want = case.expected(j, |r, i| gen.value(r, base + i));
+            !data::same(sh.req.dtype, want, data::read(out, elem, j as usize))
+        })
+        .count() as u64
+}
+
+/// Runs the warm-up and timed collectives of one direction, every one
+/// prepared and checked.
+fn timed(
+    e: &mut impl Engine,
+    sh: &Shape,
+    gen: &Gen,
+    args: &BenchArgs,
+    in_place: bool,
+) -> Result<Side, CliError> {
+    let case = sh.case(e.rank(), e.world(), in_place);
+    let total = u64::from(args.warmup + args.iters);
+    let used = sh.slots.min(total);
+    let writes = sh.elems(in_place).output > 0;
+    // Computed before the first collective, so that no member is still
+    // computing while the others time.
+    let digests: Vec<u64> = if writes {
+        (0..used)
+            .map(|s| expected_digest(sh, &case, gen, s))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut side = Side::default();
+    let mut times = Vec::with_capacity(args.iters as usize);
+    for i in 0..total {
+        let slot = i % sh.slots;
+        if writes {
+            prepare(e, sh, slot, in_place);
+        }
+        e.barrier()?;
+        let t0 = Instant::now();
+        e.run(sh, slot, in_place)?;
+        let dt = t0.elapsed();
+        if i >= u64::from(args.warmup) {
+            times.push(dt.as_secs_f64() * 1e6);
+        }
+        if writes {
+            let wrong = count_wrong(e, sh, &case, gen, slot, digests[slot as usize]);
+            side.checked += 1;
+            side.wrong += wrong;
+            side.bad += u64::from(wrong > 0);
+        }
+    }
+    side.stats = Stats::of(&mut times);
+    Ok(side)
+}
+
+/// The device path: requests on slices of two DMA pools.
+struct DeviceEngine<'a> {
+    dev: &'a Device,
+    queue: u16,
+    inpool: DmaBuf,
+    outpool: DmaBuf,
+}
+
+impl<'a> DeviceEngine<'a> {
+    fn new(dev: &'a Device, queue: u16, pool_bytes: u64) -> Result<Self, CliError> {
+        Ok(DeviceEngine {
+            dev,
+            queue,
+            inpool: dev
+                .alloc(pool_bytes as usize)
+                .ctx("allocating the input pool")?,
+            outpool: dev
+                .alloc(pool_bytes as usize)
+                .ctx("allocating the output pool")?,
+        })
+    }
+}
+
+impl Engine for DeviceEngine<'_> {
+    fn rank(&self) -> u32 {
+        self.dev.rank()
+    }
+
+    fn world(&self) -> u32 {
+        self.dev.world_size()
+    }
+
+    fn pools(&mut self) -> (&mut [u8], &mut [u8]) {
+        (self.inpool.as_mut_slice(), self.outpool.as_mut_slice())
+    }
+
+    fn out_pool(&self) -> &[u8] {
+        self.outpool.as_slice()
+    }
+
+    fn touch(&mut self) -> Result<(), CliError> {
+        // One untimed allreduce over both whole pools, so that the backend
+        // has mapped every page before timing starts (otherwise first-touch
+        // page faults in the backend land in the first iterations that use
+        // a slot).
+        let pool_bytes = self.inpool.len() as u64;
+        let chunk = pool_bytes.min(self.dev.config().max_bytes.get()).max(1);
+        let mut off = 0;
+        while off < pool_bytes {
+            let len = chunk.min(pool_bytes - off);
+            let prefault = Request {
+                tag: u64::MAX,
+                ..Request::new(Opcode::Allreduce, Dtype::U8, ReduceOp::Bxor, len)
+            };
+            let (o, l) = (off as usize, len as usize);
+            let h = self
+                .dev
+                .submit(
+                    self.queue,
+                    &prefault,
+                    &[self.inpool.slice(o, l)],
+                    &[self.outpool.slice(o, l)],
+                )
+                .ctx("submit")?;
+            self.dev.wait(h, None).ctx("touching the buffers")?;
+            off += len;
+        }
+        Ok(())
+    }
+
+    fn barrier(&mut self) -> Result<(), CliError> {
+        self.dev.barrier().ctx("barrier")
+    }
+
+    fn run(&mut self, sh: &Shape, slot: u64, in_place: bool) -> Result<(), CliError> {
+        let elem = sh.req.dtype.size();
+        let e = if in_place { sh.ip_elems } else { sh.elems };
+        let mut req = sh.req;
+        req.in_place = in_place;
+        let mut input = Vec::new();
+        if e.input > 0 {
+            input.push(
+                self.inpool
+                    .slice((slot * sh.in_slot) as usize, e.input as usize * elem),
+            );
+        }
+        let mut output = Vec::new();
+        if e.output > 0 {
+            output.push(
+                self.outpool
+                    .slice((slot * sh.out_slot) as usize, e.output as usize * elem),
+            );
+        }
+        let h = self
+            .dev
+            .submit(self.queue, &req, &input, &output)
+            .ctx("submit")?;
+        self.dev.wait(h, None).ctx(sh.req.opcode.name())?;
+        Ok(())
+    }
+
+    fn describe(&self) -> Vec<String> {
+        let cfg = self.dev.config();
+        vec![format!(
+            "# device: rank {} of {}, queues {}, max_segments {}, max_bytes {}, generation {}, group {:#x}",
+            self.dev.rank(),
+            self.dev.world_size(),
+            cfg.num_queues.get(),
+            cfg.max_segments.get(),
+            show_size(cfg.max_bytes.get()),
+            cfg.generation.get(),
+            cfg.group_id.get()
+        )]
+    }
+
+    fn json(&self) -> PathJson {
+        let cfg = self.dev.config();
+        PathJson::Device {
+            num_queues: cfg.num_queues.get(),
+            max_segments: cfg.max_segments.get(),
+            max_bytes: cfg.max_bytes.get(),
+            generation: cfg.generation.get(),
+            group_id: cfg.group_id.get(),
+        }
+    }
+}
+
+/// The TCP path: the Communicator on two pools of ordinary memory.
+struct TcpEngine {
+    comm: TcpComm,
+    peers: Vec<SocketAddr>,
+    connected_in: Duration,
+    opcode: Opcode,
+    inpool: Vec<u8>,
+    outpool: Vec<u8>,
+    /// An in-place allgather's own block, copied aside.
+    scratch: Vec<u8>,
+}
+
+impl TcpEngine {
+    /// How the out-of-place and in-place columns map onto the in-place
+    /// Communicator.
+    fn layout(&self) -> (&'static str, &'static str) {
+        match self.opcode {
+            Opcode::Allgather => ("allgather (native)", "copy own block aside + allgather"),
+            Opcode::Barrier => ("barrier", "barrier"),
+            _ => ("copy input to output + in place", "in place (native)"),
+        }
+    }
+
+    fn peer_list(&self) -> String {
+        self.peers
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}
+
+impl Engine for TcpEngine {
+    fn rank(&self) -> u32 {
+        self.comm.rank()
+    }
+
+    fn world(&self) -> u32 {
+        self.comm.world_size()
+    }
+
+    fn pools(&mut self) -> (&mut [u8], &mut [u8]) {
+        (&mut self.inpool, &mut self.outpool)
+    }
+
+    fn out_pool(&self) -> &[u8] {
+        &self.outpool
+    }
+
+    fn touch(&mut self) -> Result<(), CliError> {
+        // Filling the pools wrote every page; the kernel's socket buffers
+        // warm up in the untimed iterations.
+        Ok(())
+    }
+
+    fn barrier(&mut self) -> Result<(), CliError> {
+        self.comm.barrier().map_err(|source| {
+            BenchError::Comm {
+                what: "barrier",
+                source,
+            }
+            .into()
+        })
+    }
+
+    fn run(&mut self, sh: &Shape, slot: u64, in_place: bool) -> Result<(), CliError> {
+        let elem = sh.req.dtype.size();
+        let e = if in_place { sh.ip_elems } else { sh.elems };
+        let o = (slot * sh.out_slot) as usize;
+        let out = &mut self.outpool[o..o + e.output as usize * elem];
+        let i = (slot * sh.in_slot) as usize;
+        let input = &self.inpool[i..i + e.input as usize * elem];
+        let r = match sh.req.opcode {
+            Opcode::Allreduce => {
+                if !in_place {
+                    out.copy_from_slice(input);
+                }
+                self.comm.allreduce_raw(sh.req.dtype, sh.req.op, out)
+            }
+            Opcode::Broadcast => {
+                // Only the root has an input out of place.
+                if !input.is_empty() {
+                    out.copy_from_slice(input);
+                }
+                self.comm.broadcast_raw(sh.req.root, out)
+            }
+            Opcode::Allgather if in_place => {
+                let (off, n) = e.in_place_input.unwrap_or_default();
+                let own = off as usize * elem..(off + n) as usize * elem;
+                self.scratch.clear();
+                self.scratch.extend_from_slice(&out[own]);
+                self.comm.allgather_raw(&self.scratch, out)
+            }
+            Opcode::Allgather => self.comm.allgather_raw(input, out),
+            Opcode::Barrier => self.comm.barrier(),
+            Opcode::Reduce | Opcode::ReduceScatter => {
+                return Err(CliError::Usage(format!(
+                    "{} has no TCP counterpart",
+                    sh.req.opcode
+                )))
+            }
+        };
+        r.map_err(|source| {
+            BenchError::Comm {
+                what: sh.req.opcode.name(),
+                source,
+            }
+            .into()
+        })
+    }
+
+    fn describe(&self) -> Vec<String> {
+        let (oop, ip) = self.layout();
+        vec![format!(
+            "# tcp: rank {} of {}, peers {}, connected in {:.1?}; out-of-place = {oop}, in-place = {ip}",
+            self.comm.rank(),
+            self.comm.world_size(),
+            self.peer_list(),
+            self.connected_in,
+        )]
+    }
+
+    fn json(&self) -> PathJson {
+        let (oop, ip) = self.layout();
+        PathJson::Tcp {
+            peers: self.peers.iter().map(ToString::to_string).collect(),
+            connect_ms: round(self.connected_in.as_secs_f64() * 1e3, 3),
+            oop,
+            ip,
+        }
+    }
+}
+
+/// One printed row.
+struct Row {
+    size: u64,
+    count: u64,
+    oop: Side,
+    ip: Side,
+    traffic: u64,
+}
+
+impl Row {
+    fn bw(&self, bytes: u64, t_us: f64) -> f64 {
+        if t_us > 0.0 {
+            bytes as f64 / t_us / 1e3
+        } else {
+            0.0
+        }
+    }
+
+    fn line(&self, args: &BenchArgs, world: u32) -> String {
+        let f = busbw_factor(args.opcode, world);
+        let (o, i) = (self.oop.stats, self.ip.stats);
+        let (ao, ai) = (self.bw(self.size, o.median), self.bw(self.size, i.median));
+        let root = match args.opcode {
+            Opcode::Broadcast | Opcode::Reduce => i64::from(args.root),
+            _ => -1,
+        };
+        let op = match args.opcode {
+            Opcode::Allreduce | Opcode::Reduce | Opcode::ReduceScatter => args.op.name(),
+            _ => "none",
+        };
+        format!(
+            " {:>11} {:>12} {:>6} {:>6} {:>5} {:>9.2} {:>8.3} {:>8.3} {:>7} {:>9.2} {:>8.3} {:>8.3} {:>7} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>8.3}",
+            self.size,
+            self.count,
+            args.dtype.name(),
+            op,
+            root,
+            o.median,
+            ao,
+            ao * f,
+            self.oop.wrong,
+            i.median,
+            ai,
+            ai * f,
+            self.ip.wrong,
+            o.avg,
+            o.min,
+            o.max,
+            o.p99,
+            self.bw(self.traffic, o.median)
+        )
+    }
+}
+
+fn print_header() {
+    println!(
+        "#{:45}{:^37}{:^37}{:^45}",
+        "", "out-of-place", "in-place", "out-of-place latency, memory traffic"
+    );
+    let cols = [
+        ("size", "(B)"),
+        ("count", "(elements)"),
+        ("type", ""),
+        ("redop", ""),
+        ("root", ""),
+        ("time", "(us)"),
+        ("algbw", "(GB/s)"),
+        ("busbw", "(GB/s)"),
+        ("#wrong", ""),
+        ("time", "(us)"),
+        ("algbw", "(GB/s)"),
+        ("busbw", "(GB/s)"),
+        ("#wrong", ""),
+        ("avg", "(us)"),
+        ("min", "(us)"),
+        ("max", "(us)"),
+        ("p99", "(us)"),
+        ("membw", "(GB/s)"),
+    ];
+    let widths = [11, 12, 6, 6, 5, 9, 8, 8, 7, 9, 8, 8, 7, 9, 9, 9, 9, 8];
+    for row in 0..2 {
+        let mut s = String::from("#");
+        for (k, ((a, b), w)) in cols.iter().zip(widths).enumerate() {
+            if k > 0 {
+                s.push(' ');
+            }
+            let _ = write!(s, "{:>w$}", if row == 0 { a } else { b });
+        }
+        println!("{s}");
+    }
+}
+
+/// `x` rounded to `digits` decimals: the JSON carries no more precision
+/// than the measurement has.
+fn round(x: f64, digits: i32) -> f64 {
+    let scale = 10f64.powi(digits);
+    (x * scale).round() / scale
+}
+
+/// The path's member of the JSON document: `"device": {...}` or
+/// `"tcp": {...}`.
+#[derive(Serialize, Debug)]
+#[serde(rename_all = "lowercase")]
+enum PathJson {
+    Device {
+        num_queues: u32,
+        max_segments: u32,
+        max_bytes: u64,
+        generation: u32,
+        group_id: u64,
+    },
+    Tcp {
+        peers: Vec<String>,
+        connect_ms: f64,
+        oop: &'static str,
+        ip: &'static str,
+    },
+    /// The test engine's.
+    #[cfg(test)]
+    One {},
+}
+
+/// The JSON document (`--json FILE`); bench/compare.py reads it.
+#[derive(Serialize)]
+struct Doc<'a> {
+    tool: &'static str,
+    transport: &'a str,
+    mode: &'a str,
+    world: u32,
+    opcode: &'static str,
+    dtype: &'static str,
+    op: &'static str,
+    root: u32,
+    iters: u32,
+    warmup: u32,
+    queue: u16,
+    rotate_bytes: u64,
+    #[serde(flatten)]
+    path: PathJson,
+    results: Vec<RowJson>,
+}
+
+/// One size of the document.
+#[derive(Serialize)]
+struct RowJson {
+    size: u64,
+    count: u64,
+    oop: SideJson,
+    ip: SideJson,
+}
+
+/// One direction of a size: times in us, bandwidths in GB/s.
+#[derive(Serialize)]
+struct SideJson {
+    time_us: f64,
+    algbw: f64,
+    busbw: f64,
+    wrong: u64,
+    avg_us: f64,
+    min_us: f64,
+    max_us: f64,
+    p99_us: f64,
+    /// Memory traffic, out of place only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    membw: Option<f64>,
+}
+
+impl SideJson {
+    fn new(r: &Row, side: &Side, f: f64, membw: Option<f64>) -> Self {
+        let s = side.stats;
+        let algbw = r.bw(r.size, s.median);
+        SideJson {
+            time_us: round(s.median, 3),
+            algbw: round(algbw, 4),
+            busbw: round(algbw * f, 4),
+            wrong: side.wrong,
+            avg_us: round(s.avg, 3),
+            min_us: round(s.min, 3),
+            max_us: round(s.max, 3),
+            p99_us: round(s.p99, 3),
+            membw: membw.map(|m| round(m, 4)),
+        }
+    }
+}
+
+/// The JSON document, with the path's member `path`.
+fn json(
+    args: &BenchArgs,
+    path: PathJson,
+    world: u32,
+    rotate: u64,
+    setup: &Setup,
+    rows: &[Row],
+) -> String {
+    let f = busbw_factor(args.opcode, world);
+    let doc = Doc {
+        tool: "dmlc-guest bench",
+        transport: &setup.transport,
+        mode: setup.mode,
+        world,
+        opcode: args.opcode.name(),
+        dtype: args.dtype.name(),
+        op: args.op.name(),
+        root: args.root,
+        iters: args.iters,
+        warmup: args.warmup,
+        queue: args.queue,
+        rotate_bytes: rotate,
+        path,
+        results: rows
+            .iter()
+            .map(|r| RowJson {
+                size: r.size,
+                count: r.count,
+                oop: SideJson::new(r, &r.oop, f, Some(r.bw(r.traffic, r.oop.stats.median))),
+                ip: SideJson::new(r, &r.ip, f, None),
+            })
+            .collect(),
+    };
+    // Plain structs with string keys: serializing cannot fail.
+    let mut text = serde_json::to_string_pretty(&doc).expect("the document serializes");
+    text.push('\n');
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn busbw_factors_follow_nccl_tests() {
+        assert_eq!(busbw_factor(Opcode::Allreduce, 4), 1.5);
+        assert_eq!(busbw_factor(Opcode::Allgather, 4), 0.75);
+        assert_eq!(busbw_factor(Opcode::Broadcast, 4), 1.0);
+    }
+
+    #[test]
+    fn shapes() {
+        assert_eq!(shape(Opcode::Allreduce, Dtype::F32, 2, 4), Some((1, 4)));
+        assert_eq!(shape(Opcode::Allreduce, Dtype::F64, 2, 4), None);
+        assert_eq!(shape(Opcode::Allgather, Dtype::F32, 4, 64), Some((4, 64)));
+        assert_eq!(shape(Opcode::Allgather, Dtype::F32, 4, 8), None);
+        assert_eq!(
+            shape(Opcode::ReduceScatter, Dtype::U8, 3, 100),
+            Some((33, 99))
+        );
+    }
+
+    fn parse(argv: &[&str]) -> BenchArgs {
+        #[derive(clap::Parser)]
+        struct P {
+            #[command(flatten)]
+            a: BenchArgs,
+        }
+        <P as clap::Parser>::try_parse_from(["bench"].iter().chain(argv))
+            .expect("parses")
+            .a
+    }
+
+    fn args(extra: &[&str]) -> BenchArgs {
+        let mut argv = vec![
+            "-e", "64K", "-f", "16", "-n", "3", "-w", "1", "--rotate", "256K",
+        ];
+        argv.extend_from_slice(extra);
+        parse(&argv)
+    }
+
+    /// Two members over loopback TCP: every collective the Communicator has,
+    /// checked by the bench's own #wrong count.
+    #[test]
+    fn tcp_sweep_is_correct_on_two_members() {
+        for opcode in ["allreduce", "broadcast", "allgather", "barrier"] {
+            let a = args(&["--opcode", opcode, "--root", "1", "-d", "bf16"]);
+            let plan = plan(&a, 2, u64::MAX).expect("plan");
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+            // Rank 1 is the highest rank: it only connects, so its own
+            // address is never used.
+            let peers = vec![
+                listener.local_addr().expect("addr"),
+                "127.0.0.1:9".parse().unwrap(),
+            ];
+            let ok = std::thread::scope(|s| {
+                let p = peers.clone();
+                let (a, plan) = (&a, &plan);
+                let r1 = s.spawn(move || {
+                    let c = TcpComm::connect(1, &p, Duration::from_secs(10)).expect("rank 1");
+                    tcp_sweep(c, p, Duration::ZERO, a, plan).expect("rank 1 sweep")
+                });
+                let c = TcpComm::with_listener(0, listener, &peers, Duration::from_secs(10))
+                    .expect("rank 0");
+                let ok0 = tcp_sweep(c, peers.clone(), Duration::ZERO, a, plan).expect("sweep");
+                (ok0, r1.join().expect("rank 1 thread"))
+            });
+            assert_eq!(ok, (true, true), "{opcode}");
+        }
+    }
+
+    /// A group of one whose collective copies the input to the output
+    /// (right for every opcode with one member), except that it writes
+    /// nothing in the collectives numbered in `skip` (0-based, in the
+    /// order of the sweep).
+    struct OneMember {
+        inpool: Vec<u8>,
+        outpool: Vec<u8>,
+        runs: u64,
+        skip: Vec<u64>,
+    }
+
+    impl OneMember {
+        fn new(plan: &Plan, skip: &[u64]) -> Self {
+            let pool = plan.pool_bytes as usize;
+            OneMember {
+                inpool: vec![0; pool],
+                outpool: vec![0; pool],
+                runs: 0,
+                skip: skip.to_vec(),
+            }
+        }
+    }
+
+    impl Engine for OneMember {
+        fn rank(&self) -> u32 {
+            0
+        }
+        fn world(&self) -> u32 {
+            1
+        }
+        fn pools(&mut self) -> (&mut [u8], &mut [u8]) {
+            (&mut self.inpool, &mut self.outpool)
+        }
+        fn out_pool(&self) -> &[u8] {
+            &self.outpool
+        }
+        fn touch(&mut self) -> Result<(), CliError> {
+            Ok(())
+        }
+        fn barrier(&mut self) -> Result<(), CliError> {
+            Ok(())
+        }
+        fn run(&mut self, sh: &Shape, slot: u64, in_place: bool) -> Result<(), CliError> {
+            let k = self.runs;
+            self.runs += 1;
+            if self.skip.contains(&k) || in_place {
+                // In place the input already is the result.
+                return Ok(());
+            }
+            let n = sh.elems.input as usize * sh.req.dtype.size();
+            let (i, o) = ((slot * sh.in_slot) as usize, (slot * sh.out_slot) as usize);
+            self.outpool[o..o + n].copy_from_slice(&self.inpool[i..i + n]);
+            Ok(())
+        }
+        fn describe(&self) -> Vec<String> {
+            Vec::new()
+        }
+        fn json(&self) -> PathJson {
+            PathJson::One {}
+        }
+    }
+
+    fn setup() -> Setup {
+        Setup {
+            transport: "test".into(),
+            mode: "none",
+        }
+    }
+
+    #[test]
+    fn a_right_path_has_no_wrong_value() {
+        let a = args(&[]);
+        let plan = plan(&a, 1, u64::MAX).expect("plan");
+        let mut e = OneMember::new(&plan, &[]);
+        let out = sweep(&mut e, &a, &plan, &setup()).expect("sweep");
+        // 4 sizes (4 B .. 64 KiB, x16), 1 + 3 collectives per direction.
+        assert_eq!(out.sizes, 4);
+        assert_eq!(out.checked, 4 * 2 * 4);
+        assert!(out.ok(), "{out:?}");
+    }
+
+    /// A right output matches its expected digest: the element-by-element
+    /// count is only the slow path after a mismatch.
+    #[test]
+    fn a_right_output_matches_the_expected_digest() {
+        let a = args(&["--opcode", "allgather", "-d", "f16"]);
+        let plan = plan(&a, 1, u64::MAX).expect("plan");
+        let mut e = OneMember::new(&plan, &[]);
+        let gen = Gen {
+            dtype: Dtype::F16,
+            op: ReduceOp::Sum,
+            key: 99,
+            world: 1,
+            nans: false,
+        };
+        for p in 0..plan.pool_bytes as usize / 2 {
+            data::write(&mut e.inpool, 2, p, gen.value(0, p as u64));
+        }
+        let req = Request::new(Opcode::Allgather, Dtype::F16, ReduceOp::Sum, 1000);
+        let elems = buffer_elems(Opcode::Allgather, 1, 0, 0, 1000, false).expect("elems");
+        let sh = Shape {
+            req,
+            elems,
+            ip_elems: buffer_elems(Opcode::Allgather, 1, 0, 0, 1000, true).expect("elems"),
+            in_slot: 2048,
+            out_slot: 2048,
+            slots: 3,
+        };
+        let case = sh.case(0, 1, false);
+        prepare(&mut e, &sh, 2, false);
+        e.run(&sh, 2, false).expect("run");
+        let want = expected_digest(&sh, &case, &gen, 2);
+        assert_eq!(Digest::of(&e.outpool[2 * 2048..2 * 2048 + 2000]), want);
+        assert_eq!(count_wrong(&e, &sh, &case, &gen, 2, want), 0);
+        // Another slot's data is wrong here.
+        assert_eq!(
+            count_wrong(
+                &e,
+                &sh,
+                &case,
+                &gen,
+                2,
+                expected_digest(&sh, &case, &gen, 1)
+            ),
+            0,
+            "a digest mismatch is recounted element by element"
+        );
+        assert!(
+            count_wrong(
+                &e,
+                &sh,
+                &case,
+                &gen,
+                1,
+                expected_digest(&sh, &case, &gen, 1)
+            ) > 0
+        );
+    }
+
+    /// One collective whose output is not written, in the timed part of
+    /// the third size (a warm-up one of the fourth too): caught, counted
+    /// in the direction it happened, element by element.
+    #[test]
+    fn one_unwritten_output_is_counted() {
+        let a = args(&[]);
+        let plan = plan(&a, 1, u64::MAX).expect("plan");
+        // Collectives: 8 per size, out of place first.
+        let (third_size_oop_2, fourth_size_warmup) = (2 * 8 + 2, 3 * 8);
+        let mut e = OneMember::new(&plan, &[third_size_oop_2, fourth_size_warmup]);
+        let out = sweep(&mut e, &a, &plan, &setup()).expect("sweep");
+        // Sizes 4, 64, 1024 and 16384 B of f32: 256 and 4096 elements.
+        assert_eq!(out.wrong_oop, 256 + 4096, "{out:?}");
+        assert_eq!((out.wrong_ip, out.bad), (0, 2), "{out:?}");
+        assert!(!out.ok());
+    }
+
+    /// The same data as the iteration before is no excuse: with one slot
+    /// every iteration reuses the buffers, and an unwritten output still
+    /// holds the poison, not the last result.
+    #[test]
+    fn an_unwritten_output_in_a_reused_slot_is_caught() {
+        let a = parse(&[
+            "--rotate", "64", "-b", "128", "-e", "128", "-n", "3", "-w", "1",
+        ]);
+        let plan = plan(&a, 1, u64::MAX).expect("plan");
+        let mut e = OneMember::new(&plan, &[3]);
+        let out = sweep(&mut e, &a, &plan, &setup()).expect("sweep");
+        assert_eq!((out.wrong_oop, out.bad), (32, 1), "{out:?}");
+    }
+
+    #[test]
+    fn reduce_has_no_tcp_counterpart() {
+        let a = args(&[
+            "--transport",
+            "tcp",
+            "--opcode",
+            "reduce",
+            "--rank",
+            "0",
+            "--peers",
+            "127.0.0.1:1",
+        ]);
+        assert!(matches!(run_tcp(&a), Err(CliError::Usage(_))));
+    }
+
+    /// The document has the keys bench/compare.py reads, in this order,
+    /// and strings that need escaping survive.
+    #[test]
+    fn json_document_has_every_key() {
+        let a = args(&[]);
+        let side = |median: f64, wrong: u64| Side {
+            stats: Stats {
+                median,
+                avg: 2.0,
+                min: 0.5,
+                max: 3.0,
+                p99: 3.0,
+            },
+            wrong,
+            checked: 4,
+            bad: u64::from(wrong > 0),
+        };
+        let rows = [Row {
+            size: 4096,
+            count: 1024,
+            oop: side(1.234_567, 0),
+            ip: side(0.0, 3),
+            traffic: 16384,
+        }];
+        let setup = Setup {
+            transport: "a\"b\\c\n".into(),
+            mode: "m",
+        };
+        let path = PathJson::Tcp {
+            peers: vec!["127.0.0.1:1".into()],
+            connect_ms: 1.5,
+            oop: "o",
+            ip: "i",
+        };
+        let text = json(&a, path, 2, 64, &setup, &rows);
+        let doc: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
+        let keys = |v: &serde_json::Value| -> Vec<String> {
+            v.as_object().expect("object").keys().cloned().collect()
+        };
+        let mut top = keys(&doc);
+        top.sort();
+        assert_eq!(
+            top,
+            [
+                "dtype",
+                "iters",
+                "mode",
+                "op",
+                "opcode",
+                "queue",
+                "results",
+                "root",
+                "rotate_bytes",
+                "tcp",
+                "tool",
+                "transport",
+                "warmup",
+                "world"
+            ]
+        );
+        // Written in the order of the fields, whatever the parser keeps.
+        assert!(text.find("\"rotate_bytes\"") < text.find("\"tcp\""));
+        assert!(text.find("\"tcp\"") < text.find("\"results\""));
+        assert_eq!(doc["transport"], "a\"b\\c\n");
+        assert_eq!(doc["tool"], "dmlc-guest bench");
+        assert_eq!(doc["tcp"]["peers"][0], "127.0.0.1:1");
+        let r = &doc["results"][0];
+        assert_eq!(
+            (r["size"].as_u64(), r["count"].as_u64()),
+            (Some(4096), Some(1024))
+        );
+        let side_keys = [
+            "algbw", "avg_us", "busbw", "max_us", "min_us", "p99_us", "time_us", "wrong",
+        ];
+        let mut oop = keys(&r["oop"]);
+        oop.sort();
+        let mut want: Vec<&str> = side_keys.to_vec();
+        want.push("membw");
+        want.sort();
+        assert_eq!(oop, want);
+        let mut ip = keys(&r["ip"]);
+        ip.sort();
+        assert_eq!(ip, side_keys);
+        // 4096 B in 1.234567 us, rounded as the table shows it.
+        assert_eq!(r["oop"]["time_us"], 1.235);
+        assert_eq!(r["oop"]["algbw"], 3.3178);
+        assert_eq!(r["oop"]["busbw"], 3.3178);
+        assert_eq!(r["oop"]["membw"], 13.271);
+        assert_eq!(
+            (r["ip"]["wrong"].as_u64(), r["ip"]["algbw"].as_f64()),
+            (Some(3), Some(0.0))
+        );
+    }
+}

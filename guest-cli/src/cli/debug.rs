@@ -1,0 +1,299 @@
+//! `dmlc-guest debug ...`: hidden subcommands that the integration tests
+//! use to provoke the device's failure paths.
+
+use std::collections::VecDeque;
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use dmlc_driver::device::{Device, DmaBuf, Handle, Request};
+use dmlc_driver::error::Error;
+use virtio_dmlc::{buffer_elems, Dtype, Opcode, ReduceOp};
+
+use super::{CliError, Ctx};
+
+/// Debug subcommands.
+#[derive(clap::Subcommand, Debug)]
+pub enum DebugCmd {
+    /// One collective whose FIELD differs on every rank but rank 0; fails
+    /// (exit 1) with the device's mismatch error.
+    Mismatch {
+        /// The header field to make differ.
+        #[arg(long, value_parser = ["opcode", "dtype", "op", "count", "root", "tag"])]
+        field: String,
+    },
+    /// f32 sum allreduces of COUNT elements, checked; prints `iter K ok` per
+    /// iteration and `iter K error: ...` (with `peer lost` for a lost member)
+    /// on failure.
+    Allreduce {
+        #[arg(long, default_value_t = 1024)]
+        count: u64,
+        #[arg(long, default_value_t = 1)]
+        iters: u64,
+        /// After the loop, print `holding` and sleep until killed.
+        #[arg(long)]
+        hold: bool,
+        /// Retry a failed iteration (peer lost, reset, timeout) for up to
+        /// this many seconds.
+        #[arg(long, default_value_t = 0)]
+        retry_secs: u64,
+    },
+    /// u32 sum allreduces on every queue with up to INFLIGHT requests in
+    /// flight per queue, each with its own data, checked as they complete.
+    Multiqueue {
+        #[arg(long, default_value_t = 4)]
+        inflight: usize,
+        #[arg(long, default_value_t = 64)]
+        iters: u64,
+        #[arg(long, default_value_t = 4096)]
+        count: u64,
+    },
+}
+
+/// A short classification of the error for tests to match.
+pub fn kind(e: &Error) -> &'static str {
+    match e {
+        Error::PeerLost { .. } => "peer lost",
+        Error::Mismatch { .. } => "mismatch",
+        Error::Timeout { .. } => "timeout",
+        Error::Reset => "reset",
+        _ => "error",
+    }
+}
+
+pub fn run(dev: &Device, cmd: &DebugCmd) -> Result<(), CliError> {
+    match cmd {
+        DebugCmd::Mismatch { field } => mismatch(dev, field),
+        DebugCmd::Allreduce {
+            count,
+            iters,
+            hold,
+            retry_secs,
+        } => allreduce(dev, *count, *iters, *hold, *retry_secs),
+        DebugCmd::Multiqueue {
+            inflight,
+            iters,
+            count,
+        } => multiqueue(dev, *inflight, *iters, *count),
+    }
+}
+
+fn mismatch(dev: &Device, field: &str) -> Result<(), CliError> {
+    let rank = dev.rank();
+    let odd = rank != 0;
+    let mut req = Request {
+        opcode: Opcode::Allreduce,
+        dtype: Dtype::F32,
+        op: ReduceOp::Sum,
+        root: 0,
+        count: 64,
+        tag: 7,
+        in_place: false,
+        timeout_ms: 0,
+    };
+    match field {
+        "opcode" if odd => {
+            req.opcode = Opcode::Broadcast;
+        }
+        "dtype" if odd => req.dtype = Dtype::F64,
+        "op" if odd => req.op = ReduceOp::Max,
+        "count" if odd => req.count += u64::from(rank),
+        "root" => {
+            req.opcode = Opcode::Broadcast;
+            req.root = u32::from(odd).min(dev.world_size() - 1);
+        }
+        "tag" if odd => req.tag += u64::from(rank),
+        _ => {}
+    }
+    let e = buffer_elems(
+        req.opcode,
+        dev.world_size(),
+        rank,
+        req.root,
+        req.count,
+        false,
+    )
+    .ok_or_else(|| CliError::Usage("count overflows".into()))?;
+    let size = req.dtype.size();
+    let input = dev.alloc(e.input as usize * size + 8).ctx("alloc")?;
+    let output = dev.alloc(e.output as usize * size + 8).ctx("alloc")?;
+    let ins: Vec<_> = (e.input > 0)
+        .then(|| input.slice(0, e.input as usize * size))
+        .into_iter()
+        .collect();
+    let outs: Vec<_> = (e.output > 0)
+        .then(|| output.slice(0, e.output as usize * size))
+        .into_iter()
+        .collect();
+    let h = dev.submit(0, &req, &ins, &outs).ctx("submit")?;
+    match dev.wait(h, Some(Duration::from_secs(30))) {
+        Ok(_) => {
+            println!("collective succeeded");
+            Ok(())
+        }
+        Err(e) => {
+            println!("{}: {e}", kind(&e));
+            Err(CliError::Driver {
+                what: format!("{} ({})", req.opcode, kind(&e)),
+                source: e,
+            })
+        }
+    }
+}
+
+fn allreduce(
+    dev: &Device,
+    count: u64,
+    iters: u64,
+    hold: bool,
+    retry_secs: u64,
+) -> Result<(), CliError> {
+    let rank = dev.rank();
+    let world = dev.world_size();
+    let mut input = dev.alloc(count as usize * 4).ctx("alloc")?;
+    let mut output = dev.alloc(count as usize * 4).ctx("alloc")?;
+    // Iteration-independent data, so a retry or a restarted member matches.
+    let value = |r: u32, i: u64| (r as f32 + 1.0) * ((i % 64) as f32 + 1.0);
+    for (i, c) in input.as_mut_slice().chunks_exact_mut(4).enumerate() {
+        c.copy_from_slice(&value(rank, i as u64).to_le_bytes());
+    }
+    let mut out = std::io::stdout();
+    for it in 0..iters {
+        let deadline = Instant::now() + Duration::from_secs(retry_secs);
+        loop {
+            output.as_mut_slice().fill(0);
+            match dev.allreduce(Dtype::F32, ReduceOp::Sum, &input, &output, count) {
+                Ok(()) => break,
+                Err(e) => {
+                    let _ = writeln!(out, "iter {it} error: {}: {e}", kind(&e));
+                    let _ = out.flush();
+                    eprintln!("iter {it} error: {}: {e}", kind(&e));
+                    let retryable = matches!(
+                        e,
+                        Error::PeerLost { .. } | Error::Reset | Error::Timeout { .. }
+                    );
+                    if !retryable || Instant::now() >= deadline {
+                        return Err(CliError::Driver {
+                            what: format!("allreduce iteration {it} ({})", kind(&e)),
+                            source: e,
+                        });
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        }
+        for (i, c) in output.as_slice().chunks_exact(4).enumerate() {
+            let got = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            let want: f32 = (0..world).map(|r| value(r, i as u64)).sum();
+            if got != want {
+                return Err(CliError::Wrong(format!(
+                    "iteration {it}: element {i}: expected {want}, got {got}"
+                )));
+            }
+        }
+        let _ = writeln!(out, "iter {it} ok");
+        let _ = out.flush();
+    }
+    if hold {
+        let _ = writeln!(out, "holding");
+        let _ = out.flush();
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        }
+    }
+    Ok(())
+}
+
+fn multiqueue(dev: &Device, inflight: usize, iters: u64, count: u64) -> Result<(), CliError> {
+    let rank = dev.rank();
+    let world = dev.world_size();
+    let queues = dev.num_queues().max(1);
+    let inflight = inflight.max(1);
+    let bytes = count as usize * 4;
+    let slots = usize::from(queues) * inflight;
+    // One buffer per slot: a buffer is in flight as a whole, and slots are
+    // read and refilled while the others' requests run.
+    let mut inputs = Vec::with_capacity(slots);
+    let mut outputs = Vec::with_capacity(slots);
+    for _ in 0..slots {
+        inputs.push(dev.alloc(bytes).ctx("alloc")?);
+        outputs.push(dev.alloc(bytes).ctx("alloc")?);
+    }
+    let value = |q: u16, k: u64, r: u32, i: u64| -> u32 {
+        (u32::from(q) << 24) ^ ((k as u32) << 12) ^ (r << 8) ^ (i as u32)
+    };
+    // Per queue: (handle, slot, k) in submission order.
+    let mut pending: Vec<VecDeque<(Handle, usize, u64)>> =
+        (0..queues).map(|_| VecDeque::new()).collect();
+    let mut free: Vec<Vec<usize>> = (0..queues)
+        .map(|q| {
+            (0..inflight)
+                .map(|s| usize::from(q) * inflight + s)
+                .collect()
+        })
+        .collect();
+    let mut checked = 0u64;
+    let mut complete = |q: u16,
+                        pending: &mut Vec<VecDeque<(Handle, usize, u64)>>,
+                        free: &mut Vec<Vec<usize>>,
+                        outputs: &[DmaBuf]|
+     -> Result<(), CliError> {
+        let Some((h, slot, k)) = pending[usize::from(q)].pop_front() else {
+            return Ok(());
+        };
+        dev.wait(h, Some(Duration::from_secs(60)))
+            .ctx(&format!("allreduce on queue {q}"))?;
+        let out = outputs[slot].as_slice();
+        for (i, c) in out.chunks_exact(4).enumerate() {
+            let got = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            let want = (0..world).fold(0u32, |a, r| a.wrapping_add(value(q, k, r, i as u64)));
+            if got != want {
+                return Err(CliError::Wrong(format!(
+                    "queue {q} request {k}: element {i}: expected {want:#x}, got {got:#x}"
+                )));
+            }
+        }
+        free[usize::from(q)].push(slot);
+        checked += 1;
+        Ok(())
+    };
+    for k in 0..iters {
+        for q in 0..queues {
+            if free[usize::from(q)].is_empty() {
+                complete(q, &mut pending, &mut free, &outputs)?;
+            }
+            let slot = free[usize::from(q)].pop().unwrap_or_default();
+            // Poison the output (this also takes back the borrow of the
+            // last check, so that the device may write it again).
+            outputs[slot].as_mut_slice().fill(0xa5);
+            {
+                let b = inputs[slot].as_mut_slice();
+                for (i, c) in b.chunks_exact_mut(4).enumerate() {
+                    c.copy_from_slice(&value(q, k, rank, i as u64).to_le_bytes());
+                }
+            }
+            let req = Request {
+                opcode: Opcode::Allreduce,
+                dtype: Dtype::U32,
+                op: ReduceOp::Sum,
+                root: 0,
+                count,
+                tag: k,
+                in_place: false,
+                timeout_ms: 0,
+            };
+            let h = dev
+                .submit(q, &req, &[inputs[slot].all()], &[outputs[slot].all()])
+                .ctx("submit")?;
+            pending[usize::from(q)].push_back((h, slot, k));
+        }
+    }
+    for q in 0..queues {
+        while !pending[usize::from(q)].is_empty() {
+            complete(q, &mut pending, &mut free, &outputs)?;
+        }
+    }
+    println!(
+        "multiqueue ok: {checked} requests on {queues} queue(s), up to {inflight} in flight each"
+    );
+    Ok(())
+}

@@ -1,0 +1,59 @@
+//! `dmlc-guest info`: the device's configuration, decoded.
+
+use dmlc_driver::device::Device;
+use virtio_dmlc::{Dtype, Opcode, ReduceOp, VIRTIO_DMLC_F_REQ_TIMEOUT, VIRTIO_RING_F_EVENT_IDX};
+
+use super::util::{mask_names, show_size};
+use super::Setup;
+
+pub fn run(dev: &Device, setup: &Setup) {
+    let c = dev.config();
+    let feature = |bit: u32| (dev.features() >> bit) & 1 == 1;
+    let mut features = Vec::new();
+    for (bit, name) in [
+        (VIRTIO_DMLC_F_REQ_TIMEOUT, "REQ_TIMEOUT"),
+        (VIRTIO_RING_F_EVENT_IDX, "EVENT_IDX"),
+    ] {
+        if feature(bit) {
+            features.push(name);
+        }
+    }
+    println!("transport     {}", setup.transport);
+    println!("mode          {}", setup.mode);
+    println!("rank          {}", c.rank.get());
+    println!("world size    {}", c.world_size.get());
+    println!(
+        "queues        {} (using {}, {} descriptors each)",
+        c.num_queues.get(),
+        dev.num_queues(),
+        dev.queue_size()
+    );
+    println!("max segments  {}", c.max_segments.get());
+    println!(
+        "max bytes     {} ({})",
+        c.max_bytes.get(),
+        show_size(c.max_bytes.get())
+    );
+    println!(
+        "dtypes        {}",
+        mask_names(c.dtypes.get(), Dtype::ALL, |d| u32::from(d.raw()))
+    );
+    println!(
+        "ops           {}",
+        mask_names(c.ops.get(), ReduceOp::ALL, |o| u32::from(o.raw()))
+    );
+    println!(
+        "opcodes       {}",
+        mask_names(c.opcodes.get(), Opcode::ALL, |o| u32::from(o.raw()))
+    );
+    println!("generation    {}", c.generation.get());
+    println!("group id      {:#018x}", c.group_id.get());
+    println!(
+        "features      {}",
+        if features.is_empty() {
+            "(none)".to_string()
+        } else {
+            features.join(" ")
+        }
+    );
+}

@@ -1,0 +1,605 @@
+//! What the project's integration tests share: locate (and if needed
+//! build) the binaries, start the backend and other processes with captured
+//! output, wait with timeouts, and kill everything (printing its output)
+//! on failure. Test-only: crates use it as a dev-dependency.
+
+use std::collections::HashMap;
+use std::fs;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread;
+use std::time::{Duration, Instant};
+
+pub use tempfile::TempDir;
+
+#[cfg(feature = "frontend")]
+pub mod frontend;
+
+/// How long a wait for something that should come at once (a socket, a log
+/// line, a completion) may take before the test fails.
+pub const PATIENCE: Duration = Duration::from_secs(10);
+
+/// The heavy tests run one at a time: the machine may have only two cores,
+/// and polling ranks of concurrent tests would starve each other.
+pub fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The target profile folder of this test run (`target/debug` or
+/// `target/release`): a test executable lives in its `deps/`.
+pub fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("path of the test executable");
+    let deps = exe.parent().expect("the test executable has a folder");
+    deps.parent()
+        .expect("the deps folder has a parent")
+        .to_path_buf()
+}
+
+/// The binary `bin` of package `package`: in the integration tests of
+/// that package, the one cargo built for them (`CARGO_BIN_EXE_<bin>`, set
+/// at run time by cargo 1.94 and later); elsewhere, from this test run's
+/// target folder, built with cargo (same profile) if it is not there yet,
+/// so that `cargo test -p CRATE` works on its own. Built once per process.
+pub fn workspace_bin(package: &str, bin: &str) -> PathBuf {
+    static BUILT: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    if let Some(own) = std::env::var_os(format!("CARGO_BIN_EXE_{bin}")) {
+        let own = PathBuf::from(own);
+        if own.is_file() {
+            return own;
+        }
+    }
+    let path = target_dir().join(bin);
+    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    if built.iter().any(|b| b == bin) {
+        return path;
+    }
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut cmd = Command::new(&cargo);
+    cmd.args(["build", "--quiet", "-p", package, "--bin", bin]);
+    if target_dir().file_name().is_some_and(|n| n == "release") {
+        cmd.arg("--release");
+    }
+    // A no-op beyond cargo's freshness check when the workspace was built
+    // first (tests/run.sh does).
+    let status = cmd
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run {cargo} to build {bin}: {e}"));
+    assert!(
+        status.success() && path.is_file(),
+        "{bin} (package {package}) is needed by this test and could not be built: \
+         run `cargo build -p {package}` and look at its errors"
+    );
+    built.push(bin.to_string());
+    path
+}
+
+/// The `dmlc-guest` CLI.
+pub fn guest_bin() -> PathBuf {
+    workspace_bin("dmlc-guest", "dmlc-guest")
+}
+
+/// Compiles `{src_dir}/{name}.c` against the headers in `include_dir` and
+/// the C library (`libdmlc_guest`) of this test run into `dir`; returns the
+/// program's path. Run it through [`c_command`].
+pub fn build_c_program(dir: &Path, include_dir: &Path, src_dir: &Path, name: &str) -> PathBuf {
+    // `cargo test` rebuilds the library in deps/ but copies it up to the
+    // profile folder only on `cargo build`: link the fresh one.
+    let lib_dir = target_dir().join("deps");
+    assert!(
+        lib_dir.join("libdmlc_guest.so").is_file(),
+        "{} is missing: run `cargo build -p dmlc-capi` first",
+        lib_dir.join("libdmlc_guest.so").display()
+    );
+    let src = src_dir.join(format!("{name}.c"));
+    let exe = dir.join(format!("{name}_c"));
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let out = Command::new(&cc)
+        .args([
+            "-std=c99",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-pedantic",
+            "-O1",
+        ])
+        .arg("-I")
+        .arg(include_dir)
+        .arg(&src)
+        .arg("-o")
+        .arg(&exe)
+        .arg("-L")
+        .arg(&lib_dir)
+        .arg(format!("-Wl,-rpath,{}", lib_dir.display()))
+        .arg("-ldmlc_guest")
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run the C compiler {cc}: {e}"));
+    assert!(
+        out.status.success(),
+        "compiling {} failed:\n{}{}",
+        src.display(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    exe
+}
+
+/// A command for a program from [`build_c_program`].
+pub fn c_command(exe: &Path) -> Command {
+    let mut cmd = Command::new(exe);
+    // cargo's LD_LIBRARY_PATH puts the profile folder, with the library of
+    // the last `cargo build`, before the rpath's deps/: drop it.
+    cmd.env_remove("LD_LIBRARY_PATH");
+    cmd
+}
+
+/// The backend daemon (another package: built here if missing).
+pub fn backend_bin() -> PathBuf {
+    workspace_bin("vhost-device-dmlc", "vhost-device-dmlc")
+}
+
+/// A private temporary folder (mode 0700), removed on drop; `tag` names it.
+pub fn temp_dir(tag: &str) -> TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("dmlc-test-{tag}-"))
+        .permissions(fs::Permissions::from_mode(0o700))
+        .tempdir()
+        .expect("create a temporary folder")
+}
+
+/// Captured output lines with the time each arrived.
+type Lines = Arc<Mutex<Vec<(Instant, String)>>>;
+
+fn capture(src: impl Read + Send + 'static, lines: Lines) -> thread::JoinHandle<()> {
+    thread::spawn(move || {
+        for line in BufReader::new(src).lines() {
+            let Ok(line) = line else { break };
+            lines
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((Instant::now(), line));
+        }
+    })
+}
+
+/// A child process whose stdout and stderr are captured. Dropping it kills
+/// the process, and prints its output if the test is failing.
+pub struct Proc {
+    pub name: String,
+    child: Child,
+    out: Lines,
+    err: Lines,
+    readers: Vec<thread::JoinHandle<()>>,
+    status: Option<ExitStatus>,
+}
+
+impl Proc {
+    pub fn spawn(name: &str, cmd: &mut Command) -> Proc {
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {name} ({cmd:?}): {e}"));
+        let out: Lines = Arc::default();
+        let err: Lines = Arc::default();
+        let readers = vec![
+            capture(child.stdout.take().expect("piped"), Arc::clone(&out)),
+            capture(child.stderr.take().expect("piped"), Arc::clone(&err)),
+        ];
+        Proc {
+            name: name.to_string(),
+            child,
+            out,
+            err,
+            readers,
+            status: None,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The exit status of a process seen to exit (by [`Proc::finish`],
+    /// [`run`]); panics if it has not.
+    pub fn exit_status(&self) -> ExitStatus {
+        self.status
+            .unwrap_or_else(|| panic!("{} has not exited", self.name))
+    }
+
+    /// Waits up to `limit` for the process to exit.
+    pub fn wait_timeout(&mut self, limit: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if self.status.is_none() {
+                self.status = self.child.try_wait().expect("try_wait");
+            }
+            if self.status.is_some() || Instant::now() >= deadline {
+                if self.status.is_some() {
+                    // Let the readers drain the pipes.
+                    for r in self.readers.drain(..) {
+                        let _ = r.join();
+                    }
+                }
+                return self.status;
+            }
+            thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Waits for exit and panics (with the output) if it takes longer.
+    pub fn finish(&mut self, limit: Duration) -> ExitStatus {
+        match self.wait_timeout(limit) {
+            Some(st) => st,
+            None => panic!("{} did not exit within {limit:?}", self.name),
+        }
+    }
+
+    /// Waits until a stdout line contains `needle`; returns when it arrived.
+    pub fn wait_stdout(&self, needle: &str, limit: Duration) -> Option<Instant> {
+        wait_line(&self.out, needle, limit)
+    }
+
+    /// Waits until a stderr line contains `needle`; returns when it arrived.
+    pub fn wait_stderr(&self, needle: &str, limit: Duration) -> Option<Instant> {
+        wait_line(&self.err, needle, limit)
+    }
+
+    /// Sends `signal` (e.g. `libc::SIGTERM`) to the process.
+    pub fn signal(&self, signal: libc::c_int) {
+        if let Ok(pid) = libc::pid_t::try_from(self.child.id()) {
+            // SAFETY: kill(2) on our own child's pid; no memory involved.
+            unsafe { libc::kill(pid, signal) };
+        }
+    }
+
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        self.status = self.child.wait().ok();
+    }
+
+    pub fn stdout(&self) -> String {
+        join(&self.out)
+    }
+
+    pub fn stderr(&self) -> String {
+        join(&self.err)
+    }
+
+    /// Both streams, for failure messages.
+    pub fn dump(&self) -> String {
+        format!(
+            "---- {} stdout ----\n{}\n---- {} stderr ----\n{}",
+            self.name,
+            self.stdout(),
+            self.name,
+            self.stderr()
+        )
+    }
+}
+
+fn wait_line(lines: &Lines, needle: &str, limit: Duration) -> Option<Instant> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(t) = lines
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .find(|(_, l)| l.contains(needle))
+            .map(|(t, _)| *t)
+        {
+            return Some(t);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn join(lines: &Lines) -> String {
+    lines
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .map(|(_, l)| l.as_str())
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if self.wait_timeout(Duration::ZERO).is_none() {
+            // SIGTERM first, so that `dmlc-guest local` can stop its own
+            // children; then SIGKILL.
+            if let Ok(pid) = libc::pid_t::try_from(self.child.id()) {
+                // SAFETY: kill(2) on our own child's pid; no memory involved.
+                unsafe { libc::kill(pid, libc::SIGTERM) };
+            }
+            if self.wait_timeout(Duration::from_secs(3)).is_none() {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+            }
+        }
+        if thread::panicking() {
+            eprintln!("{}", self.dump());
+        }
+    }
+}
+
+/// A backend daemon with N sockets in a private folder.
+///
+/// It logs at `debug` unless `extra` names a `--log-level`; its log (its
+/// stderr) is captured: [`Backend::log`], [`Backend::wait_for_log`]. The
+/// daemon is killed when the thread that started it ends, so that a killed
+/// test leaves none behind, and when the `Backend` is dropped (its output
+/// printed if the test is failing).
+pub struct Backend {
+    pub proc: Proc,
+    pub dir: TempDir,
+    base: PathBuf,
+    ranks: u32,
+}
+
+impl Backend {
+    /// Starts the daemon with `ranks` sockets and the options `extra` in a
+    /// new folder named after `tag`, and waits until it serves them.
+    pub fn start(tag: &str, ranks: u32, extra: &[&str]) -> Backend {
+        Backend::start_in(temp_dir(tag), ranks, extra)
+    }
+
+    /// As [`Backend::start`], in a prepared folder (its sockets are
+    /// [`Backend::socket_in`]; a socket file already there is taken for a
+    /// stale one, not for the daemon's).
+    pub fn start_in(dir: TempDir, ranks: u32, extra: &[&str]) -> Backend {
+        let base = dir.path().join(SOCKET_NAME);
+        let proc = spawn_backend(&base, ranks, extra);
+        Backend {
+            proc,
+            dir,
+            base,
+            ranks,
+        }
+    }
+
+    /// Starts a new daemon on the same sockets, after the old one exited
+    /// (see [`Backend::kill9`], [`Backend::terminate`]); waits until it
+    /// listens on every socket (a stale socket file left by a killed daemon
+    /// does not count).
+    pub fn restart(&mut self, extra: &[&str]) {
+        assert!(
+            !self.alive(),
+            "restart: the old backend still runs:\n{}",
+            self.proc.dump()
+        );
+        self.proc = spawn_backend(&self.base, self.ranks, extra);
+    }
+
+    /// Kills the daemon with SIGKILL and reaps it.
+    pub fn kill9(&mut self) {
+        self.proc.kill9();
+    }
+
+    /// Sends SIGTERM and waits up to `limit` for the daemon to exit.
+    pub fn terminate(&mut self, limit: Duration) -> ExitStatus {
+        self.proc.signal(libc::SIGTERM);
+        self.proc.finish(limit)
+    }
+
+    /// The socket of `rank`.
+    pub fn socket(&self, rank: u32) -> PathBuf {
+        socket_path(&self.base, rank)
+    }
+
+    /// The socket of `rank` of a backend started in `dir` (see
+    /// [`Backend::start_in`]).
+    pub fn socket_in(dir: &Path, rank: u32) -> PathBuf {
+        socket_path(&dir.join(SOCKET_NAME), rank)
+    }
+
+    /// The daemon's `--socket-path`: each socket is this path and its rank.
+    pub fn base(&self) -> &Path {
+        &self.base
+    }
+
+    /// The number of sockets (ranks).
+    pub fn ranks(&self) -> u32 {
+        self.ranks
+    }
+
+    /// True if the daemon is still running.
+    pub fn alive(&mut self) -> bool {
+        self.proc.wait_timeout(Duration::ZERO).is_none()
+    }
+
+    /// Fails the test (with the log) if the daemon has exited.
+    pub fn assert_running(&mut self) {
+        if let Some(st) = self.proc.wait_timeout(Duration::ZERO) {
+            panic!("the backend exited ({st}):\n{}", self.proc.dump());
+        }
+    }
+
+    /// Everything the daemon logged so far, each line ending in `\n`.
+    pub fn log(&self) -> String {
+        let mut log = self.proc.stderr();
+        if !log.is_empty() {
+            log.push('\n');
+        }
+        log
+    }
+
+    /// Waits up to [`PATIENCE`] until the log contains `text` (which may
+    /// span lines); fails the test if it does not, or if the daemon exits.
+    pub fn wait_for_log(&mut self, text: &str) {
+        let deadline = Instant::now() + PATIENCE;
+        while !self.log().contains(text) {
+            self.assert_running();
+            assert!(
+                Instant::now() < deadline,
+                "the backend never logged {text:?}:\n{}",
+                self.proc.dump()
+            );
+            thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+/// The file name of the sockets' `--socket-path` in a backend's folder.
+const SOCKET_NAME: &str = "dmlc.sock";
+
+fn socket_path(base: &Path, rank: u32) -> PathBuf {
+    let mut s = base.to_path_buf().into_os_string();
+    s.push(rank.to_string());
+    PathBuf::from(s)
+}
+
+/// Identifies a socket file: inode numbers are reused at once, so the
+/// change time (ns) tells a new socket from a stale one.
+type SocketId = (u64, i64, i64);
+
+fn socket_id(p: &Path) -> Option<SocketId> {
+    fs::symlink_metadata(p)
+        .ok()
+        .filter(|m| m.file_type().is_socket())
+        .map(|m| (m.ino(), m.ctime(), m.ctime_nsec()))
+}
+
+/// The value of `--log-level` in `args`, if they name one.
+fn log_level<'a>(args: &[&'a str]) -> Option<&'a str> {
+    args.iter()
+        .enumerate()
+        .find_map(|(i, a)| match a.strip_prefix("--log-level")? {
+            "" => Some(args.get(i + 1).copied().unwrap_or_default()),
+            v => v.strip_prefix('='),
+        })
+}
+
+/// Spawns the daemon and waits until it serves every socket: each exists
+/// and is not a stale one (a socket file there before), and, where the
+/// daemon logs at `info` or more, it has said so (it has set the sockets'
+/// mode and group by then).
+fn spawn_backend(base: &Path, ranks: u32, extra: &[&str]) -> Proc {
+    let stale: HashMap<u32, SocketId> = (0..ranks)
+        .filter_map(|i| socket_id(&socket_path(base, i)).map(|id| (i, id)))
+        .collect();
+    let mut cmd = Command::new(backend_bin());
+    cmd.arg("--socket-path")
+        .arg(base)
+        .arg("--socket-count")
+        .arg(ranks.to_string());
+    let level = log_level(extra);
+    if level.is_none() {
+        cmd.args(["--log-level", "debug"]);
+    }
+    cmd.args(extra);
+    // SAFETY: prctl is async-signal-safe and touches no memory of ours; it
+    // makes the daemon die with the thread that started it, even if the
+    // test is killed.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+    let mut proc = Proc::spawn("backend", &mut cmd);
+    let says_listening = !matches!(level, Some("warn" | "error" | "off"));
+    let ready =
+        |i: u32| socket_id(&socket_path(base, i)).is_some_and(|id| stale.get(&i) != Some(&id));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !(0..ranks).all(ready)
+        || (says_listening && proc.wait_stderr("listening on", Duration::ZERO).is_none())
+    {
+        if let Some(st) = proc.wait_timeout(Duration::ZERO) {
+            panic!("backend exited early ({st}):\n{}", proc.dump());
+        }
+        assert!(
+            Instant::now() < deadline,
+            "backend sockets did not appear:\n{}",
+            proc.dump()
+        );
+        thread::sleep(Duration::from_millis(5));
+    }
+    proc
+}
+
+/// A loopback address with a port that was free a moment ago, for the
+/// daemon's `--metrics-addr`.
+pub fn free_local_addr() -> String {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
+    l.local_addr().expect("local address").to_string()
+}
+
+/// One HTTP/1.1 GET of `path` from `addr` (e.g. the daemon's
+/// `--metrics-addr`); returns the status line, the head and the body.
+pub fn http_get(addr: &str, path: &str) -> (String, String, String) {
+    let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
+    s.set_read_timeout(Some(PATIENCE))
+        .expect("set a read timeout");
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n").expect("send a request");
+    let mut reply = String::new();
+    s.read_to_string(&mut reply)
+        .unwrap_or_else(|e| panic!("read the reply to GET {path} from {addr}: {e}"));
+    let (head, body) = reply
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("a reply without a head and a body: {reply:?}"));
+    let status = head.lines().next().unwrap_or("").to_owned();
+    (status, head.to_owned(), body.to_owned())
+}
+
+/// The value of the metric line `name` (e.g. `dmlc_generation` or
+/// `dmlc_requests_total{opcode="allreduce"}`) served at `addr`.
+pub fn metric(addr: &str, name: &str) -> f64 {
+    let (_, _, text) = http_get(addr, "/metrics");
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no metric {name} in:\n{text}"))
+}
+
+/// Runs `cmd` to completion within `limit` (fails the test if it takes
+/// longer); returns the process (exited) for inspection.
+pub fn run(name: &str, cmd: &mut Command, limit: Duration) -> Proc {
+    let mut p = Proc::spawn(name, cmd);
+    p.finish(limit);
+    p
+}
+
+/// Runs `dmlc-guest ARGS` to completion within `limit`; returns the process
+/// (exited) for inspection.
+pub fn run_guest(name: &str, args: &[&str], limit: Duration) -> Proc {
+    run(name, Command::new(guest_bin()).args(args), limit)
+}
+
+/// Runs the backend daemon with `args` alone (no sockets of its own: for
+/// options it refuses, `--help`) to completion within `limit`.
+pub fn run_backend(args: &[&str], limit: Duration) -> Proc {
+    run("backend", Command::new(backend_bin()).args(args), limit)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_level_is_found_in_either_spelling() {
+        assert_eq!(log_level(&["--queues", "2"]), None);
+        assert_eq!(log_level(&["--log-level", "warn", "-x"]), Some("warn"));
+        assert_eq!(log_level(&["--log-level=error"]), Some("error"));
+        assert_eq!(log_level(&["--log-level"]), Some(""));
+        assert_eq!(log_level(&["--log-levels=x"]), None);
+    }
+
+    #[test]
+    fn sockets_are_the_base_and_the_rank() {
+        let dir = Path::new("/run/x");
+        assert_eq!(
+            Backend::socket_in(dir, 12),
+            PathBuf::from("/run/x/dmlc.sock12")
+        );
+    }
+}

@@ -1,0 +1,609 @@
+//! A group of QEMU VMs: their command lines, the guard that kills each one
+//! with the harness, and the wait for every job's exit line.
+
+use std::collections::hash_map::DefaultHasher;
+use std::ffi::OsString;
+use std::fmt::Write as _;
+use std::fs::{self, File};
+use std::hash::{Hash, Hasher};
+use std::io::{Read, Seek, SeekFrom};
+use std::net::Ipv4Addr;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::thread;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use base64::engine::general_purpose::STANDARD as BASE64;
+use base64::Engine as _;
+use tempfile::TempDir;
+
+use crate::console::{job_output, scan_console};
+use crate::error::io_err;
+use crate::{vm_ip, Accel, Error, Image, Options, Qemu, VmSpec};
+
+/// Result of one VM's job.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    /// Exit status of the job's shell.
+    pub status: i32,
+    /// Console lines between the start and exit lines (the job's output).
+    pub output: String,
+    /// From QEMU start to the job's start.
+    pub boot: Duration,
+    /// From QEMU start to the job's exit line.
+    pub total: Duration,
+}
+
+/// The kernel command line takes 2048 bytes on x86; longer jobs go through
+/// fw_cfg files instead.
+const CMDLINE_LIMIT: usize = 1900;
+
+/// Shell wrapper around QEMU: when the harness's end of the stdin pipe
+/// closes (the harness is done, or died), QEMU is killed, so no VM outlives
+/// its test.
+const GUARD: &str = r#"exec 3<&0
+"$@" 3<&- &
+q=$!
+( read -r _ <&3; kill -KILL "$q" 2>/dev/null ) &
+w=$!
+wait "$q"; s=$?
+kill "$w" 2>/dev/null
+exit "$s""#;
+
+/// A unique token for this process and call.
+fn unique() -> String {
+    static SEQ: AtomicU32 = AtomicU32::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!(
+        "{:x}-{:x}-{}",
+        std::process::id(),
+        nanos & 0xffff_ffff,
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// One started VM.
+struct Vm {
+    nonce: String,
+    log: PathBuf,
+    stderr: PathBuf,
+    args: Vec<OsString>,
+    child: Child,
+    /// Holding it keeps QEMU alive (see [`GUARD`]).
+    guard: Option<ChildStdin>,
+    started_at: Instant,
+    console: Vec<u8>,
+    read_pos: u64,
+    boot: Option<Duration>,
+    exit: Option<(i32, Duration)>,
+}
+
+impl Vm {
+    /// Reads what the console log gained since the last call.
+    fn poll_console(&mut self) {
+        let Ok(mut f) = File::open(&self.log) else {
+            return;
+        };
+        if f.seek(SeekFrom::Start(self.read_pos)).is_err() {
+            return;
+        }
+        let mut buf = Vec::new();
+        match f.read_to_end(&mut buf) {
+            Ok(n) if n > 0 => {
+                self.read_pos += n as u64;
+                self.console.extend_from_slice(&buf);
+            }
+            _ => return,
+        }
+        if self.exit.is_some() {
+            return;
+        }
+        let text = String::from_utf8_lossy(&self.console);
+        let (started, exit) = scan_console(&text, &self.nonce);
+        if started && self.boot.is_none() {
+            self.boot = Some(self.started_at.elapsed());
+        }
+        if let (Some(status), None) = (exit, self.exit) {
+            self.exit = Some((status, self.started_at.elapsed()));
+        }
+    }
+
+    fn console_text(&self) -> String {
+        String::from_utf8_lossy(&self.console).into_owned()
+    }
+
+    /// Kills QEMU (through its guard) and reaps the wrapper.
+    fn stop(&mut self) {
+        self.guard = None;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A group of VMs started together. Dropping it kills every VM.
+pub struct Cluster {
+    vms: Vec<Vm>,
+    dir: TempDir,
+    timeout: Duration,
+    failed: bool,
+}
+
+impl Cluster {
+    /// Starts one VM per spec (VM i is rank i) and returns at once.
+    pub fn start(
+        qemu: &Qemu,
+        image: &Image,
+        specs: &[VmSpec],
+        opts: &Options,
+    ) -> Result<Cluster, Error> {
+        if opts.net && specs.len() > 254 {
+            return Err(Error::TooManyVms(specs.len()));
+        }
+        let base = opts.tmp_dir.clone().unwrap_or_else(std::env::temp_dir);
+        fs::create_dir_all(&base).map_err(io_err(&base))?;
+        let dir = tempfile::Builder::new()
+            .prefix("dmlc-vm-")
+            .permissions(fs::Permissions::from_mode(0o700))
+            .tempdir_in(&base)
+            .map_err(io_err(&base))?;
+        let token = unique();
+        let mcast = opts.net.then(|| mcast_addr(&token));
+        let mut cluster = Cluster {
+            vms: Vec::with_capacity(specs.len()),
+            dir,
+            timeout: opts.timeout,
+            failed: false,
+        };
+        for (i, spec) in specs.iter().enumerate() {
+            let nonce = format!("{token}-{i}");
+            let args = cluster.vm_args(qemu, image, spec, opts.accel, mcast, i, &nonce)?;
+            let vm = cluster.spawn(qemu, args, i, nonce)?;
+            cluster.vms.push(vm);
+        }
+        Ok(cluster)
+    }
+
+    /// Directory with the consoles (`vmI.log`), QEMU's own output
+    /// (`vmI.err`) and job files. Removed on success unless
+    /// `DMLC_KEEP_LOGS=1`.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// QEMU's command line for VM `i`, for logs and docs.
+    pub fn command_line(&self, i: usize) -> String {
+        self.vms[i]
+            .args
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn vm_args(
+        &self,
+        qemu: &Qemu,
+        image: &Image,
+        spec: &VmSpec,
+        accel: Accel,
+        mcast: Option<(Ipv4Addr, u16)>,
+        i: usize,
+        nonce: &str,
+    ) -> Result<Vec<OsString>, Error> {
+        let mut a: Vec<OsString> = Vec::new();
+        let mut push = |s: &str| a.push(OsString::from(s));
+        push(&qemu.binary.to_string_lossy());
+        for dir in &qemu.firmware {
+            push("-L");
+            push(&dir.to_string_lossy());
+        }
+        let mem = spec.mem_mib;
+        push("-nodefaults");
+        push("-display");
+        push("none");
+        push("-no-reboot");
+        push("-machine");
+        push("q35,memory-backend=mem");
+        push("-object");
+        push(&format!("memory-backend-memfd,id=mem,size={mem}M,share=on"));
+        push("-m");
+        push(&format!("{mem}M"));
+        push("-smp");
+        push(&spec.cpus.to_string());
+        match accel {
+            Accel::Tcg => {
+                push("-accel");
+                push("tcg");
+            }
+            Accel::Kvm => {
+                push("-accel");
+                push("kvm");
+                push("-cpu");
+                push("host");
+            }
+        }
+        push("-serial");
+        push(&format!(
+            "file:{}",
+            self.dir().join(format!("vm{i}.log")).display()
+        ));
+        push("-kernel");
+        push(&image.kernel.to_string_lossy());
+        push("-initrd");
+        push(&image.initrd.to_string_lossy());
+        if let Some(sock) = &spec.dmlc_socket {
+            push("-chardev");
+            push(&format!(
+                "socket,id=dmlc,path={},reconnect-ms=1000",
+                sock.display()
+            ));
+            push("-device");
+            push("vhost-user-dmlc-pci,chardev=dmlc");
+        }
+        if let Some((group, port)) = mcast {
+            push("-netdev");
+            push(&format!(
+                "socket,id=net0,mcast={group}:{port},localaddr=127.0.0.1"
+            ));
+            push("-device");
+            // No option ROM: -kernel boots need none, and our QEMU build
+            // installs no NIC ROMs.
+            push(&format!(
+                "virtio-net-pci,netdev=net0,mac=52:54:00:d1:00:{:02x},romfile=",
+                i + 1
+            ));
+        }
+        let mut append = vec![
+            "console=ttyS0".to_owned(),
+            "quiet".to_owned(),
+            "panic=-1".to_owned(),
+            // Under TCG on a loaded host the kernel's IO-APIC timer check can
+            // fail and panic the boot; the check buys nothing here.
+            "no_timer_check".to_owned(),
+            format!("hugepages={}", spec.hugepages),
+            format!("dmlc.nonce={nonce}"),
+        ];
+        if mcast.is_some() {
+            append.push(format!("dmlc.ip={}/24", vm_ip(i)));
+        }
+        if let Some(bind) = &spec.bind {
+            append.push(format!("dmlc.bind={bind}"));
+        }
+        append.extend(spec.append.iter().cloned());
+        let env: String = spec.env.iter().fold(String::new(), |mut s, (k, v)| {
+            let _ = writeln!(s, "{k}={v}");
+            s
+        });
+        // Padded standard base64: the guest decodes with busybox base64.
+        let job = format!(
+            "dmlc.cmd={} dmlc.env={}",
+            BASE64.encode(&spec.command),
+            BASE64.encode(&env)
+        );
+        if append.join(" ").len() + job.len() < CMDLINE_LIMIT {
+            append.push(job);
+        } else {
+            for (name, text) in [("cmd", &spec.command), ("env", &env)] {
+                let path = self.dir().join(format!("vm{i}.{name}"));
+                fs::write(&path, text).map_err(io_err(&path))?;
+                push("-fw_cfg");
+                push(&format!("name=opt/dmlc/{name},file={}", path.display()));
+            }
+        }
+        push("-append");
+        push(&append.join(" "));
+        for extra in &spec.qemu_args {
+            push(extra);
+        }
+        Ok(a)
+    }
+
+    fn spawn(
+        &self,
+        qemu: &Qemu,
+        args: Vec<OsString>,
+        i: usize,
+        nonce: String,
+    ) -> Result<Vm, Error> {
+        let log = self.dir().join(format!("vm{i}.log"));
+        let stderr = self.dir().join(format!("vm{i}.err"));
+        let err = File::create(&stderr).map_err(io_err(&stderr))?;
+        let out = err.try_clone().map_err(io_err(&stderr))?;
+        let mut child = Command::new("sh")
+            .arg("-c")
+            .arg(GUARD)
+            .arg("qemu-guard")
+            .args(&args)
+            .stdin(Stdio::piped())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .map_err(|source| Error::Spawn {
+                what: qemu.binary.display().to_string(),
+                source,
+            })?;
+        let guard = child.stdin.take();
+        Ok(Vm {
+            nonce,
+            log,
+            stderr,
+            args,
+            child,
+            guard,
+            started_at: Instant::now(),
+            console: Vec::new(),
+            read_pos: 0,
+            boot: None,
+            exit: None,
+        })
+    }
+
+    /// Waits until every VM printed its exit line (then gives each a moment
+    /// to power off before killing it). Fails at the first VM that exits
+    /// without one, or at the timeout; on failure prints every console.
+    /// A job's non-zero status is not an error here (see [`Cluster::wait_ok`]).
+    pub fn wait(&mut self) -> Result<Vec<Outcome>, Error> {
+        let res = self.wait_inner();
+        if res.is_err() {
+            self.failed = true;
+            self.stop_all();
+            self.dump();
+        }
+        res
+    }
+
+    /// Like [`Cluster::wait`], and fails if any job's status is non-zero.
+    pub fn wait_ok(&mut self) -> Result<Vec<Outcome>, Error> {
+        let outcomes = self.wait()?;
+        let bad: Vec<String> = outcomes
+            .iter()
+            .enumerate()
+            .filter(|(_, o)| o.status != 0)
+            .map(|(i, o)| format!("vm {i} status {}", o.status))
+            .collect();
+        if bad.is_empty() {
+            Ok(outcomes)
+        } else {
+            self.failed = true;
+            self.dump();
+            Err(Error::JobFailed(bad.join(", ")))
+        }
+    }
+
+    fn wait_inner(&mut self) -> Result<Vec<Outcome>, Error> {
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            let mut pending = Vec::new();
+            for (i, vm) in self.vms.iter_mut().enumerate() {
+                vm.poll_console();
+                if vm.exit.is_some() {
+                    continue;
+                }
+                if let Ok(Some(status)) = vm.child.try_wait() {
+                    // The line may have landed just before QEMU exited.
+                    vm.poll_console();
+                    if vm.exit.is_none() {
+                        return Err(Error::EarlyExit { vm: i, status });
+                    }
+                    continue;
+                }
+                pending.push(i);
+            }
+            if pending.is_empty() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout {
+                    vms: pending,
+                    after: self.timeout,
+                });
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+        // Every job is done; let the guests power off, then make sure.
+        let grace = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < grace
+            && self
+                .vms
+                .iter_mut()
+                .any(|vm| matches!(vm.child.try_wait(), Ok(None)))
+        {
+            thread::sleep(Duration::from_millis(20));
+        }
+        self.stop_all();
+        Ok(self
+            .vms
+            .iter()
+            .map(|vm| {
+                let (status, total) = vm.exit.unwrap_or((-1, Duration::ZERO));
+                Outcome {
+                    status,
+                    output: job_output(&vm.console_text(), &vm.nonce),
+                    boot: vm.boot.unwrap_or(total),
+                    total,
+                }
+            })
+            .collect())
+    }
+
+    fn stop_all(&mut self) {
+        // Close every guard first so the VMs die in parallel.
+        for vm in &mut self.vms {
+            vm.guard = None;
+        }
+        for vm in &mut self.vms {
+            vm.stop();
+        }
+    }
+
+    /// Prints every VM's command line, QEMU output and console to stderr
+    /// (captured by the test harness, shown when the test fails).
+    pub fn dump(&mut self) {
+        let cmds: Vec<String> = (0..self.vms.len()).map(|i| self.command_line(i)).collect();
+        for (i, vm) in self.vms.iter_mut().enumerate() {
+            vm.poll_console();
+            let qemu_out = fs::read_to_string(&vm.stderr).unwrap_or_default();
+            eprintln!("===== vm {i}: {}", cmds[i]);
+            eprintln!("----- vm {i} qemu output ({})", vm.stderr.display());
+            eprint!("{qemu_out}");
+            eprintln!("----- vm {i} console ({})", vm.log.display());
+            eprintln!("{}", vm.console_text());
+        }
+        eprintln!("===== logs kept in {}", self.dir().display());
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.stop_all();
+        let keep = std::env::var("DMLC_KEEP_LOGS").is_ok_and(|v| v == "1");
+        // The logs of a failure stay; the TempDir removes the others.
+        self.dir
+            .disable_cleanup(self.failed || thread::panicking() || keep);
+    }
+}
+
+/// A multicast group and port for one cluster's Ethernet segment, varied
+/// per cluster so parallel tests do not share a segment.
+fn mcast_addr(token: &str) -> (Ipv4Addr, u16) {
+    let mut h = DefaultHasher::new();
+    token.hash(&mut h);
+    let v = h.finish();
+    let [a, b, c, d, ..] = v.to_le_bytes();
+    let port = 20000 + (u16::from_le_bytes([c, d]) % 20000);
+    (Ipv4Addr::new(239, 255, a, b.max(1)), port)
+}
+
+/// Starts the VMs, waits for every job, and fails unless all exit 0.
+pub fn run_ok(
+    qemu: &Qemu,
+    image: &Image,
+    specs: &[VmSpec],
+    opts: &Options,
+) -> Result<Vec<Outcome>, Error> {
+    Cluster::start(qemu, image, specs, opts)?.wait_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn image() -> Image {
+        Image {
+            kernel: PathBuf::from("/k"),
+            initrd: PathBuf::from("/i"),
+        }
+    }
+
+    /// A cluster with no VM, for its command lines.
+    fn empty(opts: &Options) -> Cluster {
+        let qemu = Qemu {
+            binary: PathBuf::from("/q"),
+            firmware: Vec::new(),
+        };
+        Cluster::start(&qemu, &image(), &[], opts).unwrap()
+    }
+
+    /// A stand-in for QEMU: runs the job from the kernel command line on
+    /// the host and writes the init's start and exit lines to the console.
+    const FAKE_QEMU: &str = r#"#!/bin/bash
+while [ $# -gt 0 ]; do
+  case $1 in -serial) log=${2#file:}; shift ;; -append) append=$2; shift ;; esac
+  shift
+done
+for w in $append; do
+  case $w in
+    dmlc.nonce=*) nonce=${w#*=} ;;
+    dmlc.cmd=*) cmd=$(echo "${w#*=}" | base64 -d) ;;
+    dmlc.env=*) env=$(echo "${w#*=}" | base64 -d) ;;
+  esac
+done
+{
+  echo "DMLC-START $nonce"
+  (while IFS= read -r kv; do export "$kv"; done <<<"$env"; sh -c "$cmd")
+  s=$?
+  printf '\nDMLC-EXIT %s %s\n' "$nonce" "$s"
+} >"$log" 2>&1
+"#;
+
+    #[test]
+    fn jobs_run_and_report_their_status_and_output() {
+        let base = tempfile::tempdir().unwrap();
+        let binary = base.path().join("qemu");
+        fs::write(&binary, FAKE_QEMU).unwrap();
+        fs::set_permissions(&binary, fs::Permissions::from_mode(0o755)).unwrap();
+        let qemu = Qemu {
+            binary,
+            firmware: Vec::new(),
+        };
+        let opts = Options {
+            tmp_dir: Some(base.path().to_owned()),
+            ..Options::default()
+        };
+        let specs = [
+            VmSpec::new("echo \"$A\"; echo it\\'s").env("A", "x y"),
+            VmSpec::new("exit 3"),
+        ];
+        let mut c = Cluster::start(&qemu, &image(), &specs, &opts).unwrap();
+        let out = c.wait().unwrap();
+        assert_eq!(out[0].status, 0);
+        assert_eq!(out[0].output, "x y\nit's\n");
+        assert_eq!(out[1].status, 3);
+        assert!(out[1].boot <= out[1].total);
+        assert!(matches!(c.wait_ok(), Err(Error::JobFailed(_))));
+    }
+
+    #[test]
+    fn job_goes_on_the_command_line_in_base64() {
+        let base = tempfile::tempdir().unwrap();
+        let opts = Options {
+            tmp_dir: Some(base.path().to_owned()),
+            ..Options::default()
+        };
+        let c = empty(&opts);
+        assert!(c.dir().starts_with(base.path()));
+        let spec = VmSpec::new("echo hi").env("A", "b c");
+        let qemu = Qemu {
+            binary: PathBuf::from("/q"),
+            firmware: vec![PathBuf::from("/fw")],
+        };
+        let args = c
+            .vm_args(&qemu, &image(), &spec, Accel::Tcg, None, 0, "n")
+            .unwrap();
+        let line: Vec<String> = args
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(&line[..3], ["/q", "-L", "/fw"]);
+        let append = &line[line.iter().position(|a| a == "-append").unwrap() + 1];
+        assert!(append.contains("dmlc.nonce=n dmlc.cmd=ZWNobyBoaQ== dmlc.env=QT1iIGMK"));
+        // Long jobs go through fw_cfg files in the cluster's directory.
+        let long = VmSpec::new("x".repeat(CMDLINE_LIMIT));
+        let args = c
+            .vm_args(&qemu, &image(), &long, Accel::Tcg, None, 1, "n")
+            .unwrap();
+        assert!(args.iter().any(|a| a == "-fw_cfg"));
+        assert_eq!(
+            fs::read_to_string(c.dir().join("vm1.cmd")).unwrap(),
+            long.command
+        );
+        let dir = c.dir().to_owned();
+        drop(c);
+        if std::env::var_os("DMLC_KEEP_LOGS").is_none() {
+            assert!(!dir.exists(), "a good run's directory is removed");
+        }
+    }
+}

@@ -1,0 +1,53 @@
+//! The harness's errors.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::process::ExitStatus;
+use std::time::Duration;
+
+/// Errors of the harness.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("cannot find the repository root (set DMLC_REPO)")]
+    NoRepoRoot,
+    #[error("cannot run {what}")]
+    Spawn {
+        what: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{script} failed ({status}):\n{stderr}")]
+    Script {
+        script: PathBuf,
+        status: ExitStatus,
+        stderr: String,
+    },
+    #[error("{script} printed no {key} line")]
+    ScriptOutput { script: PathBuf, key: &'static str },
+    #[error("I/O error on {path}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("KVM was asked for but /dev/kvm cannot be opened")]
+    NoKvm(#[source] io::Error),
+    #[error("unknown DMLC_ACCEL value {0:?} (tcg or kvm)")]
+    BadAccel(String),
+    #[error("virtio-net needs at most 254 VMs, got {0}")]
+    TooManyVms(usize),
+    #[error("vm {vm} exited ({status}) without printing its exit line")]
+    EarlyExit { vm: usize, status: ExitStatus },
+    #[error("vms {vms:?} printed no exit line within {after:?}")]
+    Timeout { vms: Vec<usize>, after: Duration },
+    #[error("jobs failed: {0}")]
+    JobFailed(String),
+}
+
+/// Creates an [`Error::Io`] for `path`.
+pub(crate) fn io_err(path: &Path) -> impl FnOnce(io::Error) -> Error + '_ {
+    move |source| Error::Io {
+        path: path.to_owned(),
+        source,
+    }
+}

@@ -1,0 +1,98 @@
+//! What each VM runs and how a group of VMs is set up.
+
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::Accel;
+
+/// What one VM runs and how it is built.
+#[derive(Debug, Clone)]
+pub struct VmSpec {
+    /// Shell command line run in the guest with `sh -c`, in /root.
+    pub command: String,
+    /// Environment for the command.
+    pub env: Vec<(String, String)>,
+    /// Guest RAM, shared with the backend through memfd.
+    pub mem_mib: u32,
+    pub cpus: u32,
+    /// 2 MiB hugepages reserved at boot (kernel `hugepages=`).
+    pub hugepages: u32,
+    /// vhost-user socket of the backend: adds the virtio-dmlc device.
+    pub dmlc_socket: Option<PathBuf>,
+    /// Kernel driver allowed to bind the dmlc device (`dmlc.bind`); `None`
+    /// leaves it to the userspace driver.
+    pub bind: Option<String>,
+    /// Extra kernel command line words.
+    pub append: Vec<String>,
+    /// Extra QEMU arguments.
+    pub qemu_args: Vec<String>,
+}
+
+impl VmSpec {
+    pub fn new(command: impl Into<String>) -> VmSpec {
+        VmSpec {
+            command: command.into(),
+            env: Vec::new(),
+            mem_mib: 512,
+            cpus: 1,
+            hugepages: 16,
+            dmlc_socket: None,
+            bind: None,
+            append: Vec::new(),
+            qemu_args: Vec::new(),
+        }
+    }
+
+    pub fn env(mut self, key: impl Into<String>, value: impl Into<String>) -> VmSpec {
+        self.env.push((key.into(), value.into()));
+        self
+    }
+
+    pub fn dmlc_socket(mut self, path: impl Into<PathBuf>) -> VmSpec {
+        self.dmlc_socket = Some(path.into());
+        self
+    }
+}
+
+/// Options for a group of VMs.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub accel: Accel,
+    /// Give every VM a virtio-net NIC on one multicast socket netdev (a
+    /// shared Ethernet segment on host loopback); VM i gets [`vm_ip`]`(i)`.
+    pub net: bool,
+    /// Time for all jobs to print their exit line, from the start.
+    pub timeout: Duration,
+    /// Where the cluster's directory goes; `None`: the temp dir. Tests
+    /// pass `CARGO_TARGET_TMPDIR` to keep their logs under target/.
+    pub tmp_dir: Option<PathBuf>,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            accel: Accel::Tcg,
+            net: false,
+            timeout: Duration::from_secs(120),
+            tmp_dir: None,
+        }
+    }
+}
+
+/// Address of VM `i` on the virtio-net segment (/24).
+pub fn vm_ip(i: usize) -> Ipv4Addr {
+    let host = u8::try_from(i + 1).unwrap_or(u8::MAX);
+    Ipv4Addr::new(10, 0, 0, host)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vm_ips_are_distinct() {
+        assert_eq!(vm_ip(0), Ipv4Addr::new(10, 0, 0, 1));
+        assert_eq!(vm_ip(3), Ipv4Addr::new(10, 0, 0, 4));
+    }
+}
