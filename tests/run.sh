@@ -3,7 +3,8 @@
 #
 # Installs what it needs, then runs, in order: rustfmt and clippy checks, the
 # unit and integration tests of every crate (backend, driver, C ABI, hostile
-# frontends, faults) over real vhost-user sockets, a short soak, a short
+# frontends, faults) over real vhost-user sockets, the Python package and
+# its torch backend (pytest, with torch in a cached venv), a short soak, a short
 # fuzzing run, and last the system tests, which boot QEMU VMs with the
 # virtio-dmlc device (tests/system/).
 #
@@ -78,6 +79,19 @@ cargo build --workspace --locked
 
 step "cargo test --workspace"
 cargo test --workspace --locked --no-fail-fast
+
+step "python: the dmlc package and its torch backend (ruff; pytest over the host transport)"
+# A cached virtual environment with torch (python/venv.sh: a few minutes the
+# first time, for the torch download), the package installed into it as a
+# user would (`pip install ./python`), then the suites against the debug
+# build of the C library and the backend.
+venv=$(python/venv.sh)
+"$venv/bin/pip" install --disable-pip-version-check -q --no-deps --force-reinstall ./python
+"$venv/bin/ruff" check python
+"$venv/bin/ruff" format --check python
+(cd python && DMLC_LIBRARY="$PWD/../target/debug/libdmlc_guest.so" \
+  DMLC_BACKEND_BIN="$PWD/../target/debug/vhost-device-dmlc" \
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider tests)
 
 step "soak: 2 daemons x 4 host ranks, every completion checked (short run)"
 # The full run is dmlc-soak with its defaults: 1,000,000 small and 1,000

@@ -174,6 +174,11 @@ int dmlc_open_host(const char *socket, int poll, dmlc_device **out);
 /* As dmlc_open_host, with every option. */
 int dmlc_open_host_ex(const char *socket, const dmlc_open_options *opts, dmlc_device **out);
 
+/* Opens the virtio-dmlc PCI device from inside a guest (the PCI transport):
+ * `addr` is its PCI address ("0000:00:03.0"), NULL for the first one. Needs
+ * root and opts->dma_bytes of free 2 MiB hugepages (docs/qemu.md). */
+int dmlc_open_pci(const char *addr, const dmlc_open_options *opts, dmlc_device **out);
+
 /* Closes the device. Buffers still allocated keep the device's memory alive
  * until they are freed. Pending handles must be waited for first. NULL is a
  * no-op. */

@@ -370,26 +370,83 @@ pub unsafe extern "C" fn dmlc_open_host_ex(
             unsafe { CStr::from_ptr(socket) }.to_bytes(),
         ));
         // SAFETY: `opts` is NULL or points to a dmlc_open_options.
-        let o = unsafe { opts.as_ref() }.ok_or_else(|| Fail::invalid("options are NULL"))?;
-        let options = OpenOptions {
-            poll: o.poll != 0,
-            queue_size: o.queue_size,
-            event_idx: o.event_idx != 0,
-            dma_bytes: usize::try_from(o.dma_bytes)
-                .map_err(|_| Fail::invalid("dma_bytes is too large"))?,
-            ..OpenOptions::default()
-        };
+        let options = unsafe { open_options(opts) }?;
         let dev = dmlc_driver::host::open(path, &options).map_err(|e| {
             let mut f = Fail::from(e);
             f.msg = format!("cannot open the device at {}: {}", path.display(), f.msg);
             f
         })?;
-        let boxed = Box::new(DmlcDevice {
-            bounce: Mutex::new(Bounce::new(&dev)),
-            dev: Arc::new(dev),
-        });
         // SAFETY: `out` is non-NULL and writable per the contract.
-        unsafe { out.write(Box::into_raw(boxed)) };
+        unsafe { out.write(boxed_device(dev)) };
+        Ok(())
+    })
+}
+
+/// The driver's options from C's, checked.
+///
+/// # Safety
+///
+/// `opts` is NULL or points to a `dmlc_open_options`.
+unsafe fn open_options(opts: *const DmlcOpenOptions) -> Result<OpenOptions, Fail> {
+    // SAFETY: forwarded contract.
+    let o = unsafe { opts.as_ref() }.ok_or_else(|| Fail::invalid("options are NULL"))?;
+    Ok(OpenOptions {
+        poll: o.poll != 0,
+        queue_size: o.queue_size,
+        event_idx: o.event_idx != 0,
+        dma_bytes: usize::try_from(o.dma_bytes)
+            .map_err(|_| Fail::invalid("dma_bytes is too large"))?,
+        ..OpenOptions::default()
+    })
+}
+
+fn boxed_device(dev: Device) -> *mut DmlcDevice {
+    Box::into_raw(Box::new(DmlcDevice {
+        bounce: Mutex::new(Bounce::new(&dev)),
+        dev: Arc::new(dev),
+    }))
+}
+
+/// Opens the virtio-dmlc PCI device from inside a guest.
+///
+/// # Safety
+///
+/// `addr` is NULL (the first device) or a NUL-terminated PCI address such
+/// as `0000:00:03.0`; `opts` is NULL or points to a `dmlc_open_options`;
+/// `out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_open_pci(
+    addr: *const c_char,
+    opts: *const DmlcOpenOptions,
+    out: *mut *mut DmlcDevice,
+) -> c_int {
+    guard(|| {
+        if out.is_null() {
+            return Err(Fail::invalid("out is NULL"));
+        }
+        // SAFETY: `out` is non-NULL and writable per the contract.
+        unsafe { out.write(std::ptr::null_mut()) };
+        let addr = if addr.is_null() {
+            None
+        } else {
+            // SAFETY: `addr` is a NUL-terminated string per the contract.
+            let a = unsafe { CStr::from_ptr(addr) };
+            Some(
+                a.to_str()
+                    .map_err(|_| Fail::invalid("the PCI address is not UTF-8"))?
+                    .to_owned(),
+            )
+        };
+        // SAFETY: `opts` is NULL or points to a dmlc_open_options.
+        let options = unsafe { open_options(opts) }?;
+        let dev = dmlc_driver::pci::open(addr.as_deref(), &options).map_err(|e| {
+            let mut f = Fail::from(e);
+            let which = addr.as_deref().unwrap_or("(the first one)");
+            f.msg = format!("cannot open the PCI device {which}: {}", f.msg);
+            f
+        })?;
+        // SAFETY: `out` is non-NULL and writable per the contract.
+        unsafe { out.write(boxed_device(dev)) };
         Ok(())
     })
 }
@@ -972,6 +1029,32 @@ mod tests {
         let rc = unsafe { dmlc_open_host(std::ptr::null(), 1, &mut out) };
         assert_eq!(rc, DMLC_ERR_INVALID_ARGUMENT);
         assert_eq!(dmlc_allreduce_dtype_check(), DMLC_ERR_INVALID_ARGUMENT);
+    }
+
+    #[test]
+    fn opening_a_missing_pci_device_fails_with_a_message() {
+        let mut opts = DmlcOpenOptions {
+            poll: 0,
+            queue_size: 0,
+            event_idx: 0,
+            dma_bytes: 0,
+        };
+        // SAFETY: `opts` is writable.
+        unsafe { dmlc_open_options_init(&mut opts) };
+        let addr = CString::new("0000:ff:1f.7").unwrap();
+        let mut out = std::ptr::dangling_mut();
+        // SAFETY: valid string, options and out pointer.
+        let rc = unsafe { dmlc_open_pci(addr.as_ptr(), &opts, &mut out) };
+        assert_ne!(rc, DMLC_OK);
+        assert!(out.is_null(), "out must be cleared on failure");
+        // SAFETY: the message is a valid C string until the next failure.
+        let msg = unsafe { CStr::from_ptr(dmlc_last_error_message()) };
+        let msg = msg.to_string_lossy();
+        assert!(msg.contains("cannot open the PCI device 0000:ff:1f.7"), "{msg}");
+        // NULL options are refused before anything is opened.
+        // SAFETY: NULL options are allowed by the contract.
+        let rc = unsafe { dmlc_open_pci(std::ptr::null(), std::ptr::null(), &mut out) };
+        assert_eq!(rc, DMLC_ERR_INVALID_ARGUMENT);
     }
 
     fn dmlc_allreduce_dtype_check() -> c_int {

@@ -1,0 +1,192 @@
+"""ctypes declarations of the C ABI (capi/include/dmlc_guest.h).
+
+The package talks to the device only through ``libdmlc_guest.so``, the one
+library the ``dmlc-capi`` crate builds: no second driver, no compiled
+extension, so a guest needs nothing but Python and that file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from ctypes import (
+    POINTER,
+    Structure,
+    c_char_p,
+    c_int,
+    c_int32,
+    c_int64,
+    c_size_t,
+    c_uint8,
+    c_uint16,
+    c_uint32,
+    c_uint64,
+    c_void_p,
+)
+from pathlib import Path
+
+LIBRARY_ENV = "DMLC_LIBRARY"
+LIBRARY_NAME = "libdmlc_guest.so"
+
+# Statuses (dmlc_status).
+OK = 0
+ERR_BAD_REQUEST = 1
+ERR_MISMATCH = 2
+ERR_PEER_LOST = 3
+ERR_TIMEOUT = 4
+ERR_UNSUPPORTED = 5
+ERR_TOO_BIG = 6
+ERR_RESET = 7
+ERR_INVALID_ARGUMENT = 100
+ERR_WAIT_TIMEOUT = 103
+ERR_OUT_OF_MEMORY = 105
+ERR_TRANSPORT = 107
+
+NO_PEER = 0xFFFFFFFF
+FLAG_IN_PLACE = 1
+
+# Opcodes (dmlc_opcode).
+ALLREDUCE = 0
+BROADCAST = 1
+REDUCE = 2
+ALLGATHER = 3
+REDUCE_SCATTER = 4
+BARRIER = 5
+
+# Fields of a MISMATCH's detail mask, in bit order (virtio_dmlc::mismatch).
+MISMATCH_FIELDS = ("opcode", "dtype", "op", "count", "root", "tag")
+
+
+class Config(Structure):
+    """dmlc_config."""
+
+    _fields_ = [
+        ("rank", c_uint32),
+        ("world_size", c_uint32),
+        ("num_queues", c_uint32),
+        ("max_segments", c_uint32),
+        ("max_bytes", c_uint64),
+        ("dtypes", c_uint32),
+        ("ops", c_uint32),
+        ("opcodes", c_uint32),
+        ("generation", c_uint32),
+        ("group_id", c_uint64),
+    ]
+
+
+class OpenOptions(Structure):
+    """dmlc_open_options."""
+
+    _fields_ = [
+        ("poll", c_int),
+        ("queue_size", c_uint16),
+        ("event_idx", c_int),
+        ("dma_bytes", c_uint64),
+    ]
+
+
+class Request(Structure):
+    """dmlc_request."""
+
+    _fields_ = [
+        ("opcode", c_uint16),
+        ("dtype", c_uint8),
+        ("op", c_uint8),
+        ("root", c_uint32),
+        ("count", c_uint64),
+        ("tag", c_uint64),
+        ("flags", c_uint32),
+        ("timeout_ms", c_uint32),
+    ]
+
+
+class Segment(Structure):
+    """dmlc_segment."""
+
+    _fields_ = [("buf", c_void_p), ("offset", c_size_t), ("len", c_size_t)]
+
+
+class Completion(Structure):
+    """dmlc_completion."""
+
+    _fields_ = [
+        ("status", c_int),
+        ("detail", c_uint32),
+        ("peer", c_uint32),
+        ("generation", c_uint32),
+    ]
+
+
+def _candidates() -> list[Path]:
+    """Where to look for the library, in order."""
+    found: list[Path] = []
+    here = Path(__file__).resolve().parent
+    found.append(here / LIBRARY_NAME)
+    # A source checkout (editable install, or the tests): the workspace's
+    # target folder, release build first.
+    for parent in here.parents:
+        if (parent / "Cargo.toml").is_file() and (parent / "capi").is_dir():
+            found += [parent / "target" / p / LIBRARY_NAME for p in ("release", "debug")]
+            break
+    return found
+
+
+def load() -> ctypes.CDLL:
+    """Loads libdmlc_guest.so and declares its functions.
+
+    ``$DMLC_LIBRARY`` wins; otherwise a copy next to this package, the
+    workspace's ``target/release`` or ``target/debug`` when the package runs
+    from a source checkout, then the system's library path.
+    """
+    explicit = os.environ.get(LIBRARY_ENV)
+    if explicit:
+        path = explicit
+    else:
+        path = next((str(p) for p in _candidates() if p.is_file()), LIBRARY_NAME)
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as e:
+        raise ImportError(
+            f"cannot load the virtio-dmlc C library ({path}): {e}. Build it with "
+            f"`cargo build --release -p dmlc-capi` and set {LIBRARY_ENV} to "
+            f"target/release/{LIBRARY_NAME}"
+        ) from e
+    _declare(lib)
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    dev = c_void_p
+    sigs: dict[str, tuple[object, list[object]]] = {
+        "dmlc_open_options_init": (None, [POINTER(OpenOptions)]),
+        "dmlc_open_host_ex": (c_int, [c_char_p, POINTER(OpenOptions), POINTER(c_void_p)]),
+        "dmlc_open_pci": (c_int, [c_char_p, POINTER(OpenOptions), POINTER(c_void_p)]),
+        "dmlc_close": (None, [dev]),
+        "dmlc_rank": (c_int32, [dev]),
+        "dmlc_world_size": (c_int32, [dev]),
+        "dmlc_get_config": (c_int, [dev, POINTER(Config)]),
+        "dmlc_alloc": (c_int, [dev, c_size_t, POINTER(c_void_p)]),
+        "dmlc_free": (None, [c_void_p]),
+        "dmlc_buffer_data": (c_void_p, [c_void_p]),
+        "dmlc_buffer_size": (c_size_t, [c_void_p]),
+        "dmlc_submit": (
+            c_int,
+            [
+                dev,
+                c_uint16,
+                POINTER(Request),
+                POINTER(Segment),
+                c_size_t,
+                POINTER(Segment),
+                c_size_t,
+                POINTER(c_void_p),
+            ],
+        ),
+        "dmlc_wait": (c_int, [dev, c_void_p, c_int64, POINTER(Completion)]),
+        "dmlc_strerror": (c_char_p, [c_int]),
+        "dmlc_last_error_message": (c_char_p, []),
+    }
+    for name, (restype, argtypes) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes

@@ -1,0 +1,85 @@
+"""Exceptions for the device's statuses, keeping what the status says."""
+
+from __future__ import annotations
+
+from . import _capi
+
+__all__ = [
+    "BadRequestError",
+    "CollectiveTimeoutError",
+    "DmlcError",
+    "MismatchError",
+    "PeerLostError",
+    "ResetError",
+    "TooBigError",
+    "TransportError",
+    "UnsupportedError",
+]
+
+
+class DmlcError(RuntimeError):
+    """A collective or a driver call failed.
+
+    ``status`` is the C ABI's status code, ``detail`` the device's detail
+    word (a BAD_* reason, a mismatch field mask), ``peer`` the rank the
+    status is about or None.
+    """
+
+    def __init__(self, status: int, message: str, detail: int = 0, peer: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.detail = detail
+        self.peer = peer
+
+
+class BadRequestError(DmlcError, ValueError):
+    """The device refused a malformed request (sizes, root, flags)."""
+
+
+class MismatchError(DmlcError):
+    """The members called different collectives; ``fields`` names what differs."""
+
+    @property
+    def fields(self) -> list[str]:
+        return [n for bit, n in enumerate(_capi.MISMATCH_FIELDS) if self.detail & (1 << bit)]
+
+
+class PeerLostError(DmlcError):
+    """A member was lost during the collective; ``peer`` is its rank."""
+
+
+class CollectiveTimeoutError(DmlcError, TimeoutError):
+    """Not every member arrived in time; ``peer`` is one that did not."""
+
+
+class UnsupportedError(DmlcError):
+    """The device does not support this opcode, dtype or op."""
+
+
+class TooBigError(DmlcError):
+    """The request is above the device's max_bytes or max_segments."""
+
+
+class ResetError(DmlcError):
+    """The group was reset while the collective waited."""
+
+
+class TransportError(DmlcError, ConnectionError):
+    """The connection to the device failed or was lost."""
+
+
+_BY_STATUS: dict[int, type[DmlcError]] = {
+    _capi.ERR_BAD_REQUEST: BadRequestError,
+    _capi.ERR_MISMATCH: MismatchError,
+    _capi.ERR_PEER_LOST: PeerLostError,
+    _capi.ERR_TIMEOUT: CollectiveTimeoutError,
+    _capi.ERR_UNSUPPORTED: UnsupportedError,
+    _capi.ERR_TOO_BIG: TooBigError,
+    _capi.ERR_RESET: ResetError,
+    _capi.ERR_TRANSPORT: TransportError,
+}
+
+
+def error_for(status: int, message: str, detail: int = 0, peer: int | None = None) -> DmlcError:
+    """The exception of `status`, with the driver's message."""
+    return _BY_STATUS.get(status, DmlcError)(status, message, detail, peer)

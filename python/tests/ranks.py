@@ -1,0 +1,313 @@
+"""One rank of a test scenario: `ranks.py SCENARIO SOCKET [ARGS]`.
+
+The rank opens its device, runs the scenario, checks every result against
+a reference it computes itself from every rank's inputs (which it can
+generate: they depend only on the rank), and prints `checks passed: N`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import dmlc
+from dmlc import Device, ReduceOp
+
+INT_OPS = [
+    ReduceOp.SUM,
+    ReduceOp.PROD,
+    ReduceOp.MIN,
+    ReduceOp.MAX,
+    ReduceOp.AVG,
+    ReduceOp.BAND,
+    ReduceOp.BOR,
+    ReduceOp.BXOR,
+]
+FLOAT_OPS = [ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG]
+NUMPY_TYPES = [
+    np.float32,
+    np.float64,
+    np.float16,
+    np.int8,
+    np.uint8,
+    np.int32,
+    np.uint32,
+    np.int64,
+    np.uint64,
+]
+COUNT = 37  # not a multiple of any vector width
+
+checks = 0
+
+
+def check(ok: bool, what: str) -> None:
+    global checks
+    if not ok:
+        raise AssertionError(what)
+    checks += 1
+
+
+def inputs(t: type[np.generic], rank: int, n: int = COUNT) -> np.ndarray:
+    """Rank `rank`'s contribution: small values, with signs for signed types."""
+    i = np.arange(n)
+    if np.issubdtype(t, np.floating):
+        return ((i % 7) * 0.25 + rank * 1.5 - 1.0).astype(t)
+    v = (i * 3 + rank * 5) % 11
+    if np.issubdtype(t, np.signedinteger):
+        v = v - 5
+    return v.astype(t)
+
+
+def expected(t: type[np.generic], op: ReduceOp, world: int) -> np.ndarray:
+    """Left fold in rank order, as the spec defines it."""
+    xs = [inputs(t, r) for r in range(world)]
+    if np.issubdtype(t, np.floating):
+        acc_t = np.float32 if t == np.float16 else t
+        acc = xs[0].astype(acc_t)
+        for raw in xs[1:]:
+            x = raw.astype(acc_t)
+            if op in (ReduceOp.SUM, ReduceOp.AVG):
+                acc = acc + x
+            elif op == ReduceOp.PROD:
+                acc = acc * x
+            elif op == ReduceOp.MIN:
+                acc = np.where(x < acc, x, acc)
+            elif op == ReduceOp.MAX:
+                acc = np.where(x > acc, x, acc)
+        if op == ReduceOp.AVG:
+            acc = acc / acc_t(world)
+        return acc.astype(t)
+    bits = np.dtype(t).itemsize * 8
+    signed = np.issubdtype(t, np.signedinteger)
+
+    def wrap(v: int) -> int:
+        v &= (1 << bits) - 1
+        return v - (1 << bits) if signed and v >> (bits - 1) else v
+
+    out = []
+    for i in range(COUNT):
+        vals = [int(x[i]) for x in xs]
+        acc = vals[0]
+        for v in vals[1:]:
+            acc = {
+                ReduceOp.SUM: lambda a, b: wrap(a + b),
+                ReduceOp.AVG: lambda a, b: wrap(a + b),
+                ReduceOp.PROD: lambda a, b: wrap(a * b),
+                ReduceOp.MIN: min,
+                ReduceOp.MAX: max,
+                ReduceOp.BAND: lambda a, b: a & b,
+                ReduceOp.BOR: lambda a, b: a | b,
+                ReduceOp.BXOR: lambda a, b: a ^ b,
+            }[op](acc, v)
+        if op == ReduceOp.AVG:
+            acc = int(acc / world) if abs(acc) < 2**52 else acc // world
+        out.append(wrap(acc) & ((1 << bits) - 1) if not signed else wrap(acc))
+    return np.array(out, dtype=np.uint64 if t == np.uint64 else np.int64).astype(t)
+
+
+def numpy_collectives(dev: Device) -> None:
+    world, rank = dev.world_size, dev.rank
+    for t in NUMPY_TYPES:
+        ops = FLOAT_OPS if np.issubdtype(t, np.floating) else INT_OPS
+        for op in ops:
+            a = inputs(t, rank)
+            dev.allreduce(a, op)
+            want = expected(t, op, world)
+            check(np.array_equal(a, want), f"allreduce {t.__name__} {op.name}: {a} != {want}")
+            out = np.zeros_like(a)
+            src = inputs(t, rank)
+            dev.allreduce(src, op, out=out)
+            check(
+                np.array_equal(out, want) and np.array_equal(src, inputs(t, rank)),
+                f"out-of-place allreduce {t.__name__} {op.name}",
+            )
+        root = world - 1
+        b = inputs(t, rank)
+        dev.broadcast(b, root)
+        check(np.array_equal(b, inputs(t, root)), f"broadcast {t.__name__}")
+        r = inputs(t, rank)
+        dev.reduce(r, ReduceOp.MAX, root=0)
+        want = expected(t, ReduceOp.MAX, world) if rank == 0 else inputs(t, rank)
+        check(np.array_equal(r, want), f"reduce {t.__name__}")
+        g = np.zeros(COUNT * world, dtype=t)
+        dev.allgather(inputs(t, rank), g)
+        check(
+            np.array_equal(g, np.concatenate([inputs(t, q) for q in range(world)])),
+            f"allgather {t.__name__}",
+        )
+    # reduce-scatter: every rank contributes world blocks of 5 elements.
+    big = np.concatenate([inputs(np.float32, rank, 5) + q for q in range(world)])
+    mine = np.zeros(5, dtype=np.float32)
+    dev.reduce_scatter(big, mine)
+    want = sum((inputs(np.float32, q, 5) + rank for q in range(world)), np.zeros(5, np.float32))
+    check(np.array_equal(mine, want.astype(np.float32)), "reduce_scatter f32")
+    dev.barrier()
+    check(True, "barrier")
+
+
+def torch_collectives(dev: Device) -> None:
+    import torch
+
+    world, rank = dev.world_size, dev.rank
+    for dt in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64):
+        x = torch.arange(COUNT, dtype=torch.float32).to(dt) + rank
+        dev.allreduce(x)
+        want = sum(torch.arange(COUNT, dtype=torch.float32) + q for q in range(world))
+        check(torch.equal(x, want.to(dt)), f"torch allreduce {dt}")
+        y = torch.full((3, 4), float(rank), dtype=dt)
+        dev.broadcast(y, root=0)
+        check(torch.equal(y, torch.zeros(3, 4, dtype=dt)), f"torch broadcast {dt}")
+        g = torch.empty(world * 2, dtype=dt)
+        dev.allgather(torch.full((2,), float(rank), dtype=dt), g)
+        check(
+            torch.equal(g, torch.arange(world).repeat_interleave(2).to(dt)), f"torch allgather {dt}"
+        )
+    # Several asynchronous collectives in flight, completed in order.
+    ts = [torch.full((1000,), float(rank + k), dtype=torch.float32) for k in range(4)]
+    works = [dev.allreduce(t, "max", async_op=True) for t in ts]
+    for k, w in enumerate(works):
+        w.wait()
+        check(torch.equal(ts[k], torch.full((1000,), float(world - 1 + k))), f"async {k}")
+    # Non-contiguous tensors are refused with a message, not copied silently.
+    try:
+        dev.allreduce(torch.zeros(4, 4).t())
+        check(False, "a non-contiguous tensor was accepted")
+    except ValueError as e:
+        check("contiguous" in str(e), str(e))
+
+
+def mismatch(dev: Device) -> None:
+    a = np.zeros(4 + 4 * dev.rank, dtype=np.float32)
+    try:
+        dev.allreduce(a)
+        check(False, "mismatched counts completed")
+    except dmlc.MismatchError as e:
+        check(e.fields == ["count"], f"fields {e.fields}")
+        check(e.peer == 1, f"peer {e.peer}")
+        check("count" in str(e), str(e))
+    # The group goes on: the next matching collective works.
+    b = np.ones(8, dtype=np.int32)
+    dev.allreduce(b)
+    check(bool((b == dev.world_size).all()), "collective after a mismatch")
+
+
+def lost(dev: Device) -> None:
+    dev.barrier()
+    if dev.rank == 1:
+        os._exit(0)  # leaves without closing: the backend sees the loss
+    try:
+        dev.allreduce(np.ones(16, dtype=np.float32))
+        check(False, "a collective with a lost member completed")
+    except dmlc.PeerLostError as e:
+        check(e.peer == 1, f"peer {e.peer}")
+
+
+def from_env(socket: str) -> None:
+    env = {"DMLC_SOCKET": socket}
+    dev = Device.from_env(env)
+    env["RANK"] = str(dev.rank)
+    dev.barrier()
+    dev.close()
+    check(True, "from_env")
+    try:
+        Device.from_env({})
+        check(False, "an empty environment opened a device")
+    except ValueError as e:
+        check("DMLC_SOCKET" in str(e), str(e))
+
+
+def ddp(backend: str, store_path: str) -> None:
+    """DDP, unmodified, on a small MLP: every rank must end with the same
+    parameters, and with a single-process run's over the whole batch."""
+    import hashlib
+    from importlib.metadata import entry_points
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    # Installed, the package registers "dmlc" through its entry point and
+    # torch loads it on init_process_group; from a source tree, import it.
+    by_entry_point = any(e.name == "dmlc" for e in entry_points(group="torch.distributed.backends"))
+    if backend == "dmlc" and not by_entry_point:
+        import dmlc.torch_backend  # noqa: F401
+    print(f"loaded by: {'entry point' if by_entry_point else 'import'}")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 10)
+        )
+
+    gen = torch.Generator().manual_seed(1)
+    xs = torch.randn(6, world * 8, 64, generator=gen)
+    ys = torch.randint(0, 10, (6, world * 8), generator=gen)
+    net = DistributedDataParallel(model())
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for x, y in zip(xs, ys):
+        opt.zero_grad()
+        mine = slice(rank * 8, (rank + 1) * 8)
+        torch.nn.functional.cross_entropy(net(x[mine]), y[mine]).backward()
+        opt.step()
+    params = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    digest = hashlib.sha256(params.numpy().tobytes()).hexdigest()
+    # The same steps in one process over the whole batch: DDP averages the
+    # ranks' gradients, so the result agrees up to rounding.
+    ref = model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in zip(xs, ys):
+        ref_opt.zero_grad()
+        loss = (
+            sum(
+                torch.nn.functional.cross_entropy(
+                    ref(x[r * 8 : (r + 1) * 8]), y[r * 8 : (r + 1) * 8]
+                )
+                for r in range(world)
+            )
+            / world
+        )
+        loss.backward()
+        ref_opt.step()
+    ref_params = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
+    err = (params - ref_params).abs().max().item()
+    check(err < 1e-5, f"DDP differs from a single process by {err}")
+    # Errors name the op and the backend.
+    try:
+        dist.all_to_all_single(torch.zeros(world), torch.zeros(world))
+        check(backend != "dmlc", "all_to_all was accepted")
+    except (NotImplementedError, RuntimeError) as e:
+        check(backend != "dmlc" or "all_to_all" in str(e), str(e))
+    dist.destroy_process_group()
+    print(f"params sha256: {digest}")
+    print(f"params sum: {params.double().sum().item():.9e}")
+
+
+SCENARIOS: dict[str, Callable[[Device], Any]] = {
+    "numpy": numpy_collectives,
+    "torch": torch_collectives,
+    "mismatch": mismatch,
+    "lost": lost,
+}
+
+
+def main() -> None:
+    scenario, socket = sys.argv[1], sys.argv[2]
+    if scenario == "env":
+        from_env(socket)
+    elif scenario == "ddp":
+        ddp(sys.argv[3], sys.argv[4])
+    else:
+        with Device.open_host(socket, dma_bytes=64 << 20) as dev:
+            SCENARIOS[scenario](dev)
+    print(f"checks passed: {checks}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

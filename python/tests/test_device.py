@@ -1,0 +1,81 @@
+"""The package over the host transport: every collective on numpy arrays
+and torch tensors, errors as exceptions, the environment."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import Backend, checks_passed
+
+import dmlc
+from dmlc.device import as_bytes, reduce_op
+
+
+def test_numpy_collectives_match_the_rank_order_reference(backend: Backend) -> None:
+    counts = checks_passed(backend.run("numpy"))
+    assert len(set(counts)) == 1 and counts[0] > 100, counts
+
+
+def test_torch_tensors_in_place_out_of_place_and_async(backend: Backend) -> None:
+    pytest.importorskip("torch", reason="torch is not installed")
+    counts = checks_passed(backend.run("torch"))
+    assert len(set(counts)) == 1 and counts[0] >= 20, counts
+
+
+def test_a_mismatch_names_the_field_and_the_peer(backend2: Backend) -> None:
+    assert checks_passed(backend2.run("mismatch")) == [4, 4]
+
+
+def test_a_lost_member_raises_peer_lost_on_the_others(backend2: Backend) -> None:
+    results = backend2.run("lost")
+    assert results[1].returncode == 0, results[1].stderr
+    assert checks_passed(results[:1]) == [1]
+
+
+def test_the_environment_opens_the_device(backend2: Backend) -> None:
+    assert checks_passed(backend2.run("env")) == [2, 2]
+
+
+def test_arguments_are_checked_before_anything_is_sent() -> None:
+    with pytest.raises(ValueError, match="unknown reduce op"):
+        reduce_op("median")
+    assert reduce_op("avg") is dmlc.ReduceOp.AVG
+    with pytest.raises(TypeError, match="no element type"):
+        as_bytes(np.zeros(3, dtype=np.complex64))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        as_bytes(np.zeros((4, 4), dtype=np.float32).T)
+    view, dtype = as_bytes(np.zeros(3, dtype=np.int32))
+    assert view.dtype == np.uint8 and len(view) == 12 and dtype is dmlc.Dtype.I32
+
+
+def _field(res: object, key: str) -> str:
+    out = res.stdout  # type: ignore[attr-defined]
+    return next(ln.split(": ", 1)[1] for ln in out.splitlines() if ln.startswith(key + ": "))
+
+
+@pytest.mark.parametrize("world", [2])
+def test_ddp_unmodified_gives_every_rank_the_same_parameters(tmp_path: Path, world: int) -> None:
+    pytest.importorskip("torch", reason="torch is not installed")
+    from conftest import start_backend
+
+    b = start_backend(tmp_path, world, "--timeout-ms", "20000")
+    try:
+        dmlc_runs = b.run("ddp", args=("dmlc", str(tmp_path / "store-dmlc")))
+        gloo_runs = b.run("ddp", args=("gloo", str(tmp_path / "store-gloo")))
+    finally:
+        b.proc.terminate()
+        b.proc.wait(10)
+    checks_passed(dmlc_runs)
+    checks_passed(gloo_runs)
+    if os.environ.get("CI", "") not in ("", "false", "0"):
+        # tests/run.sh installs the package: torch must find it by itself.
+        assert _field(dmlc_runs[0], "loaded by") == "entry point"
+    # Each rank printed its own digest: all equal within a backend.
+    assert len({_field(r, "params sha256") for r in dmlc_runs}) == 1
+    assert len({_field(r, "params sha256") for r in gloo_runs}) == 1
+    # dmlc and gloo agree up to summation order.
+    a, g = float(_field(dmlc_runs[0], "params sum")), float(_field(gloo_runs[0], "params sum"))
+    assert abs(a - g) <= 1e-6 * max(1.0, abs(g)), (a, g)
