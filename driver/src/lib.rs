@@ -3,7 +3,7 @@
 //! The core knows no transport: [`dma`] (device-visible memory),
 //! [`transport`] (the [`transport::Transport`] trait: how the device is
 //! reached), [`virtqueue`] (split ring, driver side) and [`device`] (the
-//! [`Device`]: requests, waits, recovery); [`bounce`] copies ordinary
+//! [`Device`]: requests, waits, noticing resets and losses); [`bounce`] copies ordinary
 //! memory through DMA memory for collectives on it. Transports plug in from their
 //! own modules, each behind a feature: [`host`] (vhost-user: this process
 //! plays the VM) and [`pci`] (from inside a guest, with [`hugepage`] DMA

@@ -35,7 +35,7 @@ shopt -s inherit_errexit
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 cache=${DMLC_CACHE:-$HOME/.cache/virtio-dmlc}/image
 kernel_pkg=${DMLC_KERNEL_PKG:-linux-image-cloud-amd64}
-default_modules="virtio_pci virtio_net uio_pci_generic qemu_fw_cfg"
+default_modules="virtio_pci virtio_net uio_pci_generic qemu_fw_cfg virtiofs overlay"
 
 say() { echo "build-image: $*" >&2; }
 die() {

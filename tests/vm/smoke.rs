@@ -1,14 +1,17 @@
 //! Smoke tests of the guest image and the VM harness, with no dmlc device:
 //! the job runs and reports its status and output, the guest is set up
 //! (hugepages, sysfs PCI, modules, a dynamically linked Rust binary), long
-//! jobs go through fw_cfg, two VMs talk over virtio-net, and failures
-//! (a VM that dies, a job that hangs) are reported and every VM is killed.
+//! jobs go through fw_cfg, two VMs talk over virtio-net, failures (a VM
+//! that dies, a job that hangs) are reported and every VM is killed, and a
+//! job runs the host's own Python in the host's root shared over virtio-fs.
 //!
-//! Needs QEMU (see vm-harness/README.md); boots seven TCG VMs in all.
+//! Needs QEMU (see vm-harness/README.md) and, for the host-root test,
+//! virtiofsd (vm-harness/build-virtiofsd.sh); boots eight TCG VMs in all.
 
 use dmlc_vm::{run_ok, Cluster, Error, Image, ImageOptions, Options, Qemu, VmSpec};
 use std::fs;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::Duration;
 
 /// The default options, with the VMs' logs under target/.
@@ -134,4 +137,66 @@ fn timeout_is_reported_and_kills_every_vm() {
     drop(cluster);
     assert!(Path::new(&dir).exists(), "logs of a failed run are kept");
     let _ = fs::remove_dir_all(&dir);
+}
+
+/// The host's python3, found where the guest's PATH looks (the guest's job
+/// has PATH=/usr/sbin:/usr/bin:/sbin:/bin, not the host user's shims).
+fn host_python() -> PathBuf {
+    ["/usr/local/bin/python3", "/usr/bin/python3", "/bin/python3"]
+        .iter()
+        .map(PathBuf::from)
+        .find(|p| p.is_file())
+        .expect(
+            "the host-root test runs the host's python3; none in /usr/local/bin, /usr/bin, /bin",
+        )
+}
+
+#[test]
+fn job_runs_the_hosts_python_in_the_shared_host_root() {
+    let (qemu, image) = setup();
+    let python = host_python();
+    let version = r#"import sys; print(sys.version)"#;
+    let host = Command::new(&python)
+        .args(["-c", version])
+        .output()
+        .unwrap();
+    assert!(host.status.success());
+    let expected = String::from_utf8(host.stdout).unwrap();
+    // Written through the guest's RAM overlay on /root: must not reach the host.
+    let marker = format!(".dmlc-vm-smoke-{}", std::process::id());
+    let job = format!(
+        "{py} -c '{version}'; pwd; \
+         touch /etc/{marker} 2>/dev/null && echo etc writable || echo etc read-only; \
+         echo t >/tmp/t && echo t >/var/tmp/t && echo t >/run/t && echo tmp writable; \
+         echo r >/root/{marker} && cat /root/{marker}; \
+         test -e /dev/hugepages && grep -c hugetlbfs /proc/mounts",
+        py = python.display()
+    );
+    let spec = VmSpec::new(job).host_root().cwd("/usr");
+    let opts = Options {
+        timeout: Duration::from_secs(180),
+        ..options()
+    };
+    let mut cluster =
+        Cluster::start(&qemu, &image, &[spec], &opts).unwrap_or_else(|e| panic!("{e}"));
+    let dir = cluster.dir().to_string_lossy().into_owned();
+    let out = cluster.wait_ok().unwrap().remove(0);
+    eprintln!("boot {:?}, exit {:?}", out.boot, out.total);
+    eprint!("{}", out.output);
+    let lines: Vec<&str> = out.output.lines().collect();
+    assert_eq!(lines[0], expected.trim_end(), "the host's Python version");
+    assert_eq!(lines[1], "/usr", "dmlc.cwd");
+    assert_eq!(lines[2], "etc read-only");
+    assert_eq!(lines[3], "tmp writable");
+    assert_eq!(lines[4], "r", "/root is writable (overlay)");
+    assert_eq!(lines[5], "1", "hugetlbfs bound into the new root");
+    assert!(
+        !Path::new("/root").join(&marker).exists(),
+        "guest write reached the host"
+    );
+    drop(cluster);
+    assert!(
+        processes_mentioning(&dir).is_empty(),
+        "virtiofsd or QEMU left running"
+    );
 }

@@ -11,8 +11,9 @@
 //! requests without bound.
 //!
 //! Pause and loss: QEMU stops the rings (GET_VRING_BASE) both when the VM
-//! is paused and when the driver goes away; the patched QEMU sends
-//! RESET_DEVICE first in the second case. So a stopped ring alone is a
+//! is paused and when the driver goes away; in the second case the patched
+//! QEMU sends RESET_DEVICE once the rings have stopped (sent before, it
+//! would make the daemon refuse the stop). So a stopped ring alone is a
 //! pause: the member stays in the group, its popped requests stay pending,
 //! and a completion made while the ring is stopped is kept and put in the
 //! used ring once the frontend starts the ring again. RESET_DEVICE, or the
@@ -393,7 +394,8 @@ pub struct MemberBackend {
     group: Arc<Group>,
     mem: RwLock<AtomicMem>,
     /// True between the driver's feature negotiation and the member's loss
-    /// (device reset, a stopped vring, or the connection closing): only an
+    /// (device reset or the connection closing; a stopped vring alone is a
+    /// pause): only an
     /// active member submits requests.
     active: AtomicBool,
     /// Features were acked on this connection but, with

@@ -634,7 +634,8 @@ mod tests {
         }
     }
 
-    /// The communicators reduce host buffers with `dmlc_reduce::reduce_into`:
+    /// The communicators reduce host buffers with dmlc-reduce's host entry
+    /// points (`reduce_in_place`, which shares `reduce_into`'s passes):
     /// its results equal the data path's bit for bit (NaN payloads
     /// included), whatever the segmentation.
     #[test]

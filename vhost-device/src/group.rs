@@ -394,8 +394,9 @@ impl Group {
         st.members[rank as usize].req_timeout = acked & (1 << VIRTIO_DMLC_F_REQ_TIMEOUT) != 0;
     }
 
-    /// Member `rank` became active (its driver set DRIVER_OK, or its queues
-    /// became ready): its requests are accepted from now on. Chains a
+    /// Member `rank` became active (its driver negotiated features, or, with
+    /// `defer_activation`, it sent its first request): its requests are
+    /// accepted from now on. Chains a
     /// member submits while it is not active (before its first
     /// `member_ready`, or after [`Group::member_lost`] until the next) are
     /// dropped without a completion. Does not change the generation.

@@ -2,16 +2,18 @@
 //! with the harness, and the wait for every job's exit line.
 
 use std::collections::hash_map::DefaultHasher;
+use std::collections::HashMap;
 use std::ffi::OsString;
 use std::fmt::Write as _;
 use std::fs::{self, File};
 use std::hash::{Hash, Hasher};
-use std::io::{Read, Seek, SeekFrom};
+use std::io::{self, Read, Seek, SeekFrom, Write as _};
 use std::net::Ipv4Addr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Mutex, OnceLock};
 use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -21,7 +23,7 @@ use tempfile::TempDir;
 
 use crate::console::{job_output, scan_console};
 use crate::error::io_err;
-use crate::{vm_ip, Accel, Error, Image, Options, Qemu, VmSpec};
+use crate::{vm_ip, Accel, Error, Image, Options, Qemu, Virtiofsd, VmSpec};
 
 /// Result of one VM's job.
 #[derive(Debug, Clone)]
@@ -52,6 +54,81 @@ wait "$q"; s=$?
 kill "$w" 2>/dev/null
 exit "$s""#;
 
+/// The virtio-fs tag of the host's root (`dmlc.root=virtiofs:TAG`).
+const HOST_ROOT_TAG: &str = "hostroot";
+
+/// What virtiofsd logs (level info, its default) once it is in its sandbox
+/// and listening: from then on QEMU can connect.
+const VIRTIOFSD_READY: &str = "Waiting for vhost-user socket connection";
+
+/// How long virtiofsd may take to get there.
+const VIRTIOFSD_START: Duration = Duration::from_secs(30);
+
+/// virtiofsd's `--sandbox` modes, best first. `namespace` (new mount, PID
+/// and network namespaces, pivot_root into the shared directory) works as
+/// root in this project's containers; it needs CAP_SYS_ADMIN (or user
+/// namespaces when not root), which an unprivileged container may lack.
+/// `chroot` needs only CAP_SYS_CHROOT; `none` always works, and isolates
+/// nothing, which for a read-only share of `/` costs little: `--readonly`
+/// still refuses every write. virtiofsd fails fast (before it listens) when
+/// it cannot enter a sandbox, so the harness tries them in order and keeps,
+/// per binary, the first that worked.
+const SANDBOXES: [&str; 3] = ["namespace", "chroot", "none"];
+
+/// The first sandbox worth trying with `binary` (index into [`SANDBOXES`]).
+fn sandbox_memo() -> &'static Mutex<HashMap<PathBuf, usize>> {
+    static MEMO: OnceLock<Mutex<HashMap<PathBuf, usize>>> = OnceLock::new();
+    MEMO.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// Runs `args` (program first) under [`GUARD`] with stdout and stderr to
+/// `out`; the returned stdin keeps the program alive.
+fn spawn_guarded(args: &[OsString], out: File) -> io::Result<(Child, Option<ChildStdin>)> {
+    let err = out.try_clone()?;
+    let mut child = Command::new("sh")
+        .arg("-c")
+        .arg(GUARD)
+        .arg("dmlc-guard")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(out)
+        .stderr(err)
+        .spawn()?;
+    let guard = child.stdin.take();
+    Ok((child, guard))
+}
+
+/// A helper process of one VM (its virtiofsd), killed with it.
+struct Daemon {
+    child: Child,
+    /// Holding it keeps the daemon alive (see [`GUARD`]).
+    guard: Option<ChildStdin>,
+    /// Its command lines and output.
+    log: PathBuf,
+}
+
+impl Daemon {
+    /// Kills the daemon (through its guard) and reaps the wrapper.
+    fn stop(&mut self) {
+        self.guard = None;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
 /// A unique token for this process and call.
 fn unique() -> String {
     static SEQ: AtomicU32 = AtomicU32::new(0);
@@ -76,6 +153,8 @@ struct Vm {
     child: Child,
     /// Holding it keeps QEMU alive (see [`GUARD`]).
     guard: Option<ChildStdin>,
+    /// virtiofsd, for a VM with the host's root.
+    fsd: Option<Daemon>,
     started_at: Instant,
     console: Vec<u8>,
     read_pos: u64,
@@ -117,18 +196,26 @@ impl Vm {
         String::from_utf8_lossy(&self.console).into_owned()
     }
 
-    /// Kills QEMU (through its guard) and reaps the wrapper.
+    /// Kills QEMU (through its guard) and reaps the wrapper, then its
+    /// virtiofsd.
     fn stop(&mut self) {
         self.guard = None;
         let deadline = Instant::now() + Duration::from_secs(5);
+        let mut exited = false;
         while Instant::now() < deadline {
             if let Ok(Some(_)) = self.child.try_wait() {
-                return;
+                exited = true;
+                break;
             }
             thread::sleep(Duration::from_millis(20));
         }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        if !exited {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        if let Some(fsd) = &mut self.fsd {
+            fsd.stop();
+        }
     }
 }
 
@@ -141,12 +228,29 @@ pub struct Cluster {
 }
 
 impl Cluster {
-    /// Starts one VM per spec (VM i is rank i) and returns at once.
+    /// Starts one VM per spec (VM i is rank i) and returns at once (after
+    /// the virtiofsd of each VM with [`VmSpec::host_root`] listens; those
+    /// take their binary from [`Virtiofsd::from_env`]).
     pub fn start(
         qemu: &Qemu,
         image: &Image,
         specs: &[VmSpec],
         opts: &Options,
+    ) -> Result<Cluster, Error> {
+        let fsd = if specs.iter().any(|s| s.host_root) {
+            Some(Virtiofsd::from_env()?)
+        } else {
+            None
+        };
+        Cluster::start_with(qemu, image, specs, opts, fsd.as_ref())
+    }
+
+    fn start_with(
+        qemu: &Qemu,
+        image: &Image,
+        specs: &[VmSpec],
+        opts: &Options,
+        virtiofsd: Option<&Virtiofsd>,
     ) -> Result<Cluster, Error> {
         if opts.net && specs.len() > 254 {
             return Err(Error::TooManyVms(specs.len()));
@@ -168,8 +272,13 @@ impl Cluster {
         };
         for (i, spec) in specs.iter().enumerate() {
             let nonce = format!("{token}-{i}");
+            let fsd = match (spec.host_root, virtiofsd) {
+                (false, _) => None,
+                (true, Some(v)) => Some(cluster.start_virtiofsd(v, i)?),
+                (true, None) => return Err(Error::NoVirtiofsd(Virtiofsd::cache_path())),
+            };
             let args = cluster.vm_args(qemu, image, spec, opts.accel, mcast, i, &nonce)?;
-            let vm = cluster.spawn(qemu, args, i, nonce)?;
+            let vm = cluster.spawn(qemu, args, i, nonce, fsd)?;
             cluster.vms.push(vm);
         }
         Ok(cluster)
@@ -190,6 +299,90 @@ impl Cluster {
             .map(|a| a.to_string_lossy().into_owned())
             .collect::<Vec<_>>()
             .join(" ")
+    }
+
+    /// The vhost-user socket between VM `i`'s QEMU and its virtiofsd.
+    fn fs_socket(&self, i: usize) -> PathBuf {
+        self.dir().join(format!("vm{i}.fs.sock"))
+    }
+
+    /// Starts virtiofsd for VM `i`, sharing the host's `/` read-only, and
+    /// waits until it listens. Tries the sandboxes in [`SANDBOXES`] order
+    /// (from the one that worked last with this binary).
+    fn start_virtiofsd(&self, virtiofsd: &Virtiofsd, i: usize) -> Result<Daemon, Error> {
+        let sock = self.fs_socket(i);
+        let log = self.dir().join(format!("vm{i}.fs.err"));
+        let first = sandbox_memo()
+            .lock()
+            .map(|m| m.get(&virtiofsd.binary).copied().unwrap_or(0))
+            .unwrap_or(0);
+        for (k, sandbox) in SANDBOXES.iter().enumerate().skip(first) {
+            let _ = fs::remove_file(&sock);
+            let args: Vec<OsString> = vec![
+                virtiofsd.binary.clone().into(),
+                "--socket-path".into(),
+                sock.clone().into(),
+                "--shared-dir".into(),
+                "/".into(),
+                "--readonly".into(),
+                "--sandbox".into(),
+                (*sandbox).into(),
+                // Guests see the host's files as they are at each lookup;
+                // `always` would cache them in the guest for a day.
+                "--cache".into(),
+                "auto".into(),
+            ];
+            let mut out = fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&log)
+                .map_err(io_err(&log))?;
+            let line: Vec<String> = args
+                .iter()
+                .map(|a| a.to_string_lossy().into_owned())
+                .collect();
+            writeln!(out, "===== {}", line.join(" ")).map_err(io_err(&log))?;
+            let from = out.metadata().map_err(io_err(&log))?.len();
+            let (child, guard) = spawn_guarded(&args, out).map_err(|source| Error::Spawn {
+                what: virtiofsd.binary.display().to_string(),
+                source,
+            })?;
+            let mut daemon = Daemon {
+                child,
+                guard,
+                log: log.clone(),
+            };
+            let deadline = Instant::now() + VIRTIOFSD_START;
+            loop {
+                let text = read_from(&log, from);
+                if text.contains(VIRTIOFSD_READY) {
+                    if let Ok(mut m) = sandbox_memo().lock() {
+                        m.insert(virtiofsd.binary.clone(), k);
+                    }
+                    return Ok(daemon);
+                }
+                if let Ok(Some(_)) = daemon.child.try_wait() {
+                    break; // next sandbox
+                }
+                if Instant::now() >= deadline {
+                    daemon.stop();
+                    return Err(Error::VirtiofsdStart {
+                        vm: i,
+                        why: format!("not listening after {VIRTIOFSD_START:?}"),
+                        output: fs::read_to_string(&log).unwrap_or_default(),
+                    });
+                }
+                thread::sleep(Duration::from_millis(20));
+            }
+        }
+        Err(Error::VirtiofsdStart {
+            vm: i,
+            why: format!(
+                "it exited with each of --sandbox {}",
+                SANDBOXES[first..].join(", ")
+            ),
+            output: fs::read_to_string(&log).unwrap_or_default(),
+        })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -266,6 +459,18 @@ impl Cluster {
                 i + 1
             ));
         }
+        if spec.host_root {
+            // After the dmlc device and the NIC, so their PCI addresses stay.
+            push("-chardev");
+            push(&format!(
+                "socket,id=hostfs,path={}",
+                self.fs_socket(i).display()
+            ));
+            push("-device");
+            push(&format!(
+                "vhost-user-fs-pci,chardev=hostfs,tag={HOST_ROOT_TAG}"
+            ));
+        }
         let mut append = vec![
             "console=ttyS0".to_owned(),
             "quiet".to_owned(),
@@ -281,6 +486,12 @@ impl Cluster {
         }
         if let Some(bind) = &spec.bind {
             append.push(format!("dmlc.bind={bind}"));
+        }
+        if spec.host_root {
+            append.push(format!("dmlc.root=virtiofs:{HOST_ROOT_TAG}"));
+        }
+        if let Some(cwd) = &spec.cwd {
+            append.push(format!("dmlc.cwd={}", BASE64.encode(cwd)));
         }
         append.extend(spec.append.iter().cloned());
         let env: String = spec.env.iter().fold(String::new(), |mut s, (k, v)| {
@@ -317,25 +528,15 @@ impl Cluster {
         args: Vec<OsString>,
         i: usize,
         nonce: String,
+        fsd: Option<Daemon>,
     ) -> Result<Vm, Error> {
         let log = self.dir().join(format!("vm{i}.log"));
         let stderr = self.dir().join(format!("vm{i}.err"));
-        let err = File::create(&stderr).map_err(io_err(&stderr))?;
-        let out = err.try_clone().map_err(io_err(&stderr))?;
-        let mut child = Command::new("sh")
-            .arg("-c")
-            .arg(GUARD)
-            .arg("qemu-guard")
-            .args(&args)
-            .stdin(Stdio::piped())
-            .stdout(out)
-            .stderr(err)
-            .spawn()
-            .map_err(|source| Error::Spawn {
-                what: qemu.binary.display().to_string(),
-                source,
-            })?;
-        let guard = child.stdin.take();
+        let out = File::create(&stderr).map_err(io_err(&stderr))?;
+        let (child, guard) = spawn_guarded(&args, out).map_err(|source| Error::Spawn {
+            what: qemu.binary.display().to_string(),
+            source,
+        })?;
         Ok(Vm {
             nonce,
             log,
@@ -343,6 +544,7 @@ impl Cluster {
             args,
             child,
             guard,
+            fsd,
             started_at: Instant::now(),
             console: Vec::new(),
             read_pos: 0,
@@ -400,6 +602,13 @@ impl Cluster {
                     }
                     continue;
                 }
+                if let Some(Ok(Some(status))) = vm.fsd.as_mut().map(|d| d.child.try_wait()) {
+                    vm.poll_console();
+                    if vm.exit.is_none() {
+                        return Err(Error::VirtiofsdExit { vm: i, status });
+                    }
+                    continue;
+                }
                 pending.push(i);
             }
             if pending.is_empty() {
@@ -443,6 +652,9 @@ impl Cluster {
         // Close every guard first so the VMs die in parallel.
         for vm in &mut self.vms {
             vm.guard = None;
+            if let Some(fsd) = &mut vm.fsd {
+                fsd.guard = None;
+            }
         }
         for vm in &mut self.vms {
             vm.stop();
@@ -459,6 +671,11 @@ impl Cluster {
             eprintln!("===== vm {i}: {}", cmds[i]);
             eprintln!("----- vm {i} qemu output ({})", vm.stderr.display());
             eprint!("{qemu_out}");
+            if let Some(fsd) = &vm.fsd {
+                let out = fs::read_to_string(&fsd.log).unwrap_or_default();
+                eprintln!("----- vm {i} virtiofsd ({})", fsd.log.display());
+                eprint!("{out}");
+            }
             eprintln!("----- vm {i} console ({})", vm.log.display());
             eprintln!("{}", vm.console_text());
         }
@@ -474,6 +691,17 @@ impl Drop for Cluster {
         self.dir
             .disable_cleanup(self.failed || thread::panicking() || keep);
     }
+}
+
+/// The text of `path` from byte `from` on (empty if unreadable).
+fn read_from(path: &Path, from: u64) -> String {
+    let mut buf = Vec::new();
+    if let Ok(mut f) = File::open(path) {
+        if f.seek(SeekFrom::Start(from)).is_ok() {
+            let _ = f.read_to_end(&mut buf);
+        }
+    }
+    String::from_utf8_lossy(&buf).into_owned()
 }
 
 /// A multicast group and port for one cluster's Ethernet segment, varied
@@ -533,7 +761,7 @@ for w in $append; do
 done
 {
   echo "DMLC-START $nonce"
-  (while IFS= read -r kv; do export "$kv"; done <<<"$env"; sh -c "$cmd")
+  (while IFS= read -r kv; do case $kv in *=*) export "$kv" ;; esac; done <<<"$env"; sh -c "$cmd")
   s=$?
   printf '\nDMLC-EXIT %s %s\n' "$nonce" "$s"
 } >"$log" 2>&1
@@ -564,6 +792,159 @@ done
         assert_eq!(out[1].status, 3);
         assert!(out[1].boot <= out[1].total);
         assert!(matches!(c.wait_ok(), Err(Error::JobFailed(_))));
+    }
+
+    /// A stand-in for virtiofsd that cannot enter the namespace sandbox
+    /// (as in an unprivileged container) and listens with the others.
+    const FAKE_VIRTIOFSD: &str = r#"#!/bin/bash
+case " $* " in
+  *" --sandbox namespace "*) echo "Error entering sandbox: EPERM" >&2; exit 1 ;;
+esac
+echo "[INFO  virtiofsd] Waiting for vhost-user socket connection..." >&2
+exec sleep 1000
+"#;
+
+    fn script(dir: &Path, name: &str, text: &str) -> PathBuf {
+        let path = dir.join(name);
+        fs::write(&path, text).unwrap();
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o755)).unwrap();
+        path
+    }
+
+    /// Processes whose command line mentions `needle`.
+    fn processes_mentioning(needle: &str) -> usize {
+        fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| {
+                fs::read(e.path().join("cmdline"))
+                    .is_ok_and(|c| String::from_utf8_lossy(&c).contains(needle))
+            })
+            .count()
+    }
+
+    #[test]
+    fn host_root_starts_virtiofsd_falls_back_and_kills_it() {
+        let base = tempfile::tempdir().unwrap();
+        let qemu = Qemu {
+            binary: script(base.path(), "qemu", FAKE_QEMU),
+            firmware: Vec::new(),
+        };
+        let fsd = Virtiofsd {
+            binary: script(base.path(), "virtiofsd", FAKE_VIRTIOFSD),
+        };
+        let opts = Options {
+            tmp_dir: Some(base.path().to_owned()),
+            ..Options::default()
+        };
+        let specs = [VmSpec::new("echo in-host-root").host_root()];
+        let mut c = Cluster::start_with(&qemu, &image(), &specs, &opts, Some(&fsd)).unwrap();
+        let dir = c.dir().to_string_lossy().into_owned();
+        let sock = format!("{dir}/vm0.fs.sock");
+        assert!(processes_mentioning(&sock) > 0, "virtiofsd runs");
+        let out = c.wait_ok().unwrap();
+        assert_eq!(out[0].output, "in-host-root\n");
+        let log = fs::read_to_string(c.dir().join("vm0.fs.err")).unwrap();
+        assert!(log.contains("--sandbox namespace"), "{log}");
+        assert!(
+            log.contains("--shared-dir / --readonly --sandbox chroot"),
+            "{log}"
+        );
+        assert!(c
+            .command_line(0)
+            .contains("vhost-user-fs-pci,chardev=hostfs,tag=hostroot"));
+        drop(c);
+        assert_eq!(processes_mentioning(&dir), 0, "virtiofsd left running");
+        // The next VM starts with the sandbox that worked.
+        let mut c = Cluster::start_with(&qemu, &image(), &specs, &opts, Some(&fsd)).unwrap();
+        c.wait_ok().unwrap();
+        let log = fs::read_to_string(c.dir().join("vm0.fs.err")).unwrap();
+        assert!(!log.contains("--sandbox namespace"), "{log}");
+    }
+
+    #[test]
+    fn virtiofsd_that_never_listens_is_reported() {
+        let base = tempfile::tempdir().unwrap();
+        let qemu = Qemu {
+            binary: PathBuf::from("/q"),
+            firmware: Vec::new(),
+        };
+        let fsd = Virtiofsd {
+            binary: script(
+                base.path(),
+                "virtiofsd",
+                "#!/bin/sh\necho no such option >&2\nexit 2\n",
+            ),
+        };
+        let opts = Options {
+            tmp_dir: Some(base.path().to_owned()),
+            ..Options::default()
+        };
+        let specs = [VmSpec::new("true").host_root()];
+        let err = Cluster::start_with(&qemu, &image(), &specs, &opts, Some(&fsd))
+            .err()
+            .unwrap();
+        let text = err.to_string();
+        assert!(matches!(err, Error::VirtiofsdStart { vm: 0, .. }), "{text}");
+        assert!(
+            text.contains("namespace, chroot, none") && text.contains("no such option"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn host_root_and_cwd_go_on_the_command_line() {
+        let base = tempfile::tempdir().unwrap();
+        let opts = Options {
+            tmp_dir: Some(base.path().to_owned()),
+            ..Options::default()
+        };
+        let c = empty(&opts);
+        let qemu = Qemu {
+            binary: PathBuf::from("/q"),
+            firmware: Vec::new(),
+        };
+        let spec = VmSpec::new("true").host_root().cwd("/a b").mem_mib(2048);
+        let line: Vec<String> = c
+            .vm_args(&qemu, &image(), &spec, Accel::Tcg, None, 2, "n")
+            .unwrap()
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        let sock = c.dir().join("vm2.fs.sock");
+        let chardev = format!("socket,id=hostfs,path={}", sock.display());
+        assert!(
+            line.windows(2).any(|w| w == ["-chardev", chardev.as_str()]),
+            "{line:?}"
+        );
+        assert!(line
+            .iter()
+            .any(|a| a == "memory-backend-memfd,id=mem,size=2048M,share=on"));
+        let append = &line[line.iter().position(|a| a == "-append").unwrap() + 1];
+        assert!(
+            append.contains("dmlc.root=virtiofs:hostroot dmlc.cwd=L2EgYg=="),
+            "{append}"
+        );
+        // Without host_root: no virtio-fs, no dmlc.root.
+        let plain = c
+            .vm_args(
+                &qemu,
+                &image(),
+                &VmSpec::new("true"),
+                Accel::Tcg,
+                None,
+                0,
+                "n",
+            )
+            .unwrap();
+        let plain: Vec<String> = plain
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        assert!(!plain
+            .iter()
+            .any(|a| a.contains("vhost-user-fs") || a.contains("dmlc.root")));
     }
 
     #[test]

@@ -40,6 +40,20 @@ pub enum Error {
     EarlyExit { vm: usize, status: ExitStatus },
     #[error("vms {vms:?} printed no exit line within {after:?}")]
     Timeout { vms: Vec<usize>, after: Duration },
+    #[error(
+        "virtiofsd not found at {0}: build it once with vm-harness/build-virtiofsd.sh \
+         (about 5 minutes; `build-virtiofsd.sh --env` prints DMLC_VIRTIOFSD=...) \
+         or set DMLC_VIRTIOFSD to a virtiofsd binary"
+    )]
+    NoVirtiofsd(PathBuf),
+    #[error("virtiofsd for vm {vm} did not start ({why}); its output:\n{output}")]
+    VirtiofsdStart {
+        vm: usize,
+        why: String,
+        output: String,
+    },
+    #[error("virtiofsd of vm {vm} exited ({status}) before the job's exit line")]
+    VirtiofsdExit { vm: usize, status: ExitStatus },
     #[error("jobs failed: {0}")]
     JobFailed(String),
 }

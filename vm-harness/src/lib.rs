@@ -14,5 +14,5 @@ mod spec;
 
 pub use cluster::{run_ok, Cluster, Outcome};
 pub use error::Error;
-pub use setup::{repo_root, Accel, Image, ImageOptions, Qemu};
+pub use setup::{repo_root, Accel, Image, ImageOptions, Qemu, Virtiofsd, VIRTIOFSD_VERSION};
 pub use spec::{vm_ip, Options, VmSpec};

@@ -149,6 +149,48 @@ impl Qemu {
     }
 }
 
+/// The virtiofsd version vm-harness/build-virtiofsd.sh builds, and the
+/// directory of its cache path.
+pub const VIRTIOFSD_VERSION: &str = "1.14.0";
+
+/// virtiofsd, the vhost-user virtio-fs daemon (rust-vmm) that shares the
+/// host's root with guests whose [`crate::VmSpec::host_root`] is set.
+#[derive(Debug, Clone)]
+pub struct Virtiofsd {
+    pub binary: PathBuf,
+}
+
+impl Virtiofsd {
+    /// `DMLC_VIRTIOFSD`, else what vm-harness/build-virtiofsd.sh caches:
+    /// `${DMLC_CACHE:-~/.cache/virtio-dmlc}/virtiofsd/1.14.0/bin/virtiofsd`.
+    /// Nothing is built here (the build takes minutes):
+    /// [`Error::NoVirtiofsd`] says how.
+    pub fn from_env() -> Result<Virtiofsd, Error> {
+        let binary = match std::env::var_os("DMLC_VIRTIOFSD") {
+            Some(b) if !b.is_empty() => PathBuf::from(b),
+            _ => Virtiofsd::cache_path(),
+        };
+        if binary.is_file() {
+            Ok(Virtiofsd { binary })
+        } else {
+            Err(Error::NoVirtiofsd(binary))
+        }
+    }
+
+    /// Where vm-harness/build-virtiofsd.sh puts the binary.
+    pub fn cache_path() -> PathBuf {
+        let cache = match std::env::var_os("DMLC_CACHE") {
+            Some(c) if !c.is_empty() => PathBuf::from(c),
+            _ => PathBuf::from(std::env::var_os("HOME").unwrap_or_else(|| "/root".into()))
+                .join(".cache/virtio-dmlc"),
+        };
+        cache
+            .join("virtiofsd")
+            .join(VIRTIOFSD_VERSION)
+            .join("bin/virtiofsd")
+    }
+}
+
 /// Undoes bash's `printf %q` of one word; anything that is not one shell
 /// word is taken as it is.
 fn shell_unquote(s: &str) -> String {

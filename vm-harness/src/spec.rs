@@ -9,11 +9,13 @@ use crate::Accel;
 /// What one VM runs and how it is built.
 #[derive(Debug, Clone)]
 pub struct VmSpec {
-    /// Shell command line run in the guest with `sh -c`, in /root.
+    /// Shell command line run in the guest with `sh -c`, in /root (or
+    /// [`VmSpec::cwd`]).
     pub command: String,
     /// Environment for the command.
     pub env: Vec<(String, String)>,
-    /// Guest RAM, shared with the backend through memfd.
+    /// Guest RAM, shared with the backend (and virtiofsd) through memfd.
+    /// 512 MiB boots the initramfs; Python with torch wants 2048 or more.
     pub mem_mib: u32,
     pub cpus: u32,
     /// 2 MiB hugepages reserved at boot (kernel `hugepages=`).
@@ -23,7 +25,19 @@ pub struct VmSpec {
     /// Kernel driver allowed to bind the dmlc device (`dmlc.bind`); `None`
     /// leaves it to the userspace driver.
     pub bind: Option<String>,
-    /// Extra kernel command line words.
+    /// The job's working directory in the guest (`dmlc.cwd`); `None`:
+    /// /root.
+    pub cwd: Option<String>,
+    /// Share the host's root directory with the guest read-only (one
+    /// virtiofsd per VM, virtio-fs tag `hostroot`) and run the job chrooted
+    /// there (`dmlc.root=virtiofs:hostroot`), with tmpfs on /tmp, /run and
+    /// /var/tmp and a RAM overlay on /root: the host's programs, Python and
+    /// virtual environments run as they are. Needs virtiofsd (see
+    /// [`crate::Virtiofsd`]). `append` can override the writable
+    /// directories (`dmlc.tmpfs=DIR,...`, `dmlc.overlay=DIR,...`).
+    pub host_root: bool,
+    /// Extra kernel command line words (after the harness's own: a
+    /// `dmlc.*` word here overrides the harness's).
     pub append: Vec<String>,
     /// Extra QEMU arguments.
     pub qemu_args: Vec<String>,
@@ -39,6 +53,8 @@ impl VmSpec {
             hugepages: 16,
             dmlc_socket: None,
             bind: None,
+            cwd: None,
+            host_root: false,
             append: Vec::new(),
             qemu_args: Vec::new(),
         }
@@ -51,6 +67,25 @@ impl VmSpec {
 
     pub fn dmlc_socket(mut self, path: impl Into<PathBuf>) -> VmSpec {
         self.dmlc_socket = Some(path.into());
+        self
+    }
+
+    /// Runs the job in the host's root, shared read-only (see
+    /// [`VmSpec::host_root`]).
+    pub fn host_root(mut self) -> VmSpec {
+        self.host_root = true;
+        self
+    }
+
+    /// The job's working directory in the guest.
+    pub fn cwd(mut self, dir: impl Into<String>) -> VmSpec {
+        self.cwd = Some(dir.into());
+        self
+    }
+
+    /// Guest RAM in MiB.
+    pub fn mem_mib(mut self, mib: u32) -> VmSpec {
+        self.mem_mib = mib;
         self
     }
 }
