@@ -87,8 +87,9 @@ step "python: the dmlc package and its torch backend (ruff; pytest over the host
 # build of the C library and the backend.
 venv=$(python/venv.sh)
 "$venv/bin/pip" install --disable-pip-version-check -q --no-deps --force-reinstall ./python
-"$venv/bin/ruff" check python
-"$venv/bin/ruff" format --check python
+py_files=(python bench/torch-ddp.py examples/torch)
+"$venv/bin/ruff" check --config python/pyproject.toml "${py_files[@]}"
+"$venv/bin/ruff" format --check --config python/pyproject.toml "${py_files[@]}"
 (cd python && DMLC_LIBRARY="$PWD/../target/debug/libdmlc_guest.so" \
   DMLC_BACKEND_BIN="$PWD/../target/debug/vhost-device-dmlc" \
   "$venv/bin/python" -m pytest -q -p no:cacheprovider tests)

@@ -11,7 +11,7 @@ import pytest
 from conftest import Backend, checks_passed
 
 import dmlc
-from dmlc.device import as_bytes, reduce_op
+from dmlc.device import as_bytes, parse_size, reduce_op
 
 
 def test_numpy_collectives_match_the_rank_order_reference(backend: Backend) -> None:
@@ -47,6 +47,9 @@ def test_arguments_are_checked_before_anything_is_sent() -> None:
         as_bytes(np.zeros(3, dtype=np.complex64))
     with pytest.raises(ValueError, match="C-contiguous"):
         as_bytes(np.zeros((4, 4), dtype=np.float32).T)
+    assert parse_size("X", "64M") == 64 << 20 and parse_size("X", "4096") == 4096
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size("X", "0x10")
     view, dtype = as_bytes(np.zeros(3, dtype=np.int32))
     assert view.dtype == np.uint8 and len(view) == 12 and dtype is dmlc.Dtype.I32
 

@@ -191,6 +191,7 @@ class Device:
         self._chunk = max(8, min(CHUNK_BYTES, cfg.max_bytes) // 8 * 8)
         self._staging = ctypes.c_void_p()
         self._staging_len = 0
+        self._staging_view = np.empty(0, dtype=np.uint8)
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
             queue.SimpleQueue()
         )
@@ -258,7 +259,7 @@ class Device:
         if poll not in ("0", "1"):
             raise ValueError(f"DMLC_POLL={poll!r}: expected 1 (poll) or 0 (interrupts)")
         dma = env.get("DMLC_DMA_BYTES")
-        dma_bytes = int(dma) if dma else None
+        dma_bytes = parse_size("DMLC_DMA_BYTES", dma) if dma else None
         if "DMLC_SOCKET" in env:
             dev = cls.open_host(env["DMLC_SOCKET"], poll=poll == "1", dma_bytes=dma_bytes)
         elif "DMLC_SOCKET_PREFIX" in env:
@@ -450,6 +451,7 @@ class Device:
         lib = self._lib_
         if nbytes > self._staging_len:
             if self._staging:
+                self._staging_view = np.empty(0, dtype=np.uint8)
                 lib.dmlc_free(self._staging)
                 self._staging = ctypes.c_void_p()
                 self._staging_len = 0
@@ -457,9 +459,10 @@ class Device:
             self._check(lib.dmlc_alloc(self._dev, max(nbytes, 64), ctypes.byref(buf)))
             self._staging = buf
             self._staging_len = lib.dmlc_buffer_size(buf)
-        ptr = lib.dmlc_buffer_data(self._staging)
-        raw = (ctypes.c_uint8 * self._staging_len).from_address(ptr)
-        return np.frombuffer(raw, dtype=np.uint8)
+            ptr = lib.dmlc_buffer_data(self._staging)
+            raw = (ctypes.c_uint8 * self._staging_len).from_address(ptr)
+            self._staging_view = np.frombuffer(raw, dtype=np.uint8)
+        return self._staging_view
 
     def _run(
         self,
@@ -471,7 +474,9 @@ class Device:
         block_bytes: int,
     ) -> np.ndarray:
         """Runs one in-place request on a copy of `data`; returns the result
-        bytes (a copy). `block_bytes` is the per-member count in bytes."""
+        bytes, a view of the staging buffer valid until the next request (the
+        worker thread runs one at a time). `block_bytes` is the per-member
+        count in bytes."""
         size = _size(dtype)
         if block_bytes % size:
             raise ValueError(f"{block_bytes} bytes are not whole {dtype.name} elements")
@@ -514,7 +519,7 @@ class Device:
             raise error_for(rc, msg or _strerror(lib, rc), done.detail, peer)
         if not nbytes:
             return np.empty(0, dtype=np.uint8)
-        return self._stage(nbytes)[:nbytes].copy()
+        return self._stage(nbytes)[:nbytes]
 
 
 def _strerror(lib: ctypes.CDLL, rc: int) -> str:
@@ -525,6 +530,16 @@ def _raise_if(lib: ctypes.CDLL, rc: int) -> None:
     if rc != _capi.OK:
         msg = (lib.dmlc_last_error_message() or b"").decode(errors="replace")
         raise error_for(rc, msg or _strerror(lib, rc))
+
+
+def parse_size(name: str, value: str) -> int:
+    """A byte count such as 4096, 64K, 16M or 1G (powers of 1024), as rabit reads it."""
+    v = value.strip()
+    shift = {"k": 10, "m": 20, "g": 30}.get(v[-1:].lower(), 0)
+    digits = v[:-1] if shift else v
+    if not digits.isdigit() or int(digits) == 0:
+        raise ValueError(f"{name}={value!r} is not a size such as 16M")
+    return int(digits) << shift
 
 
 def _int_env(env: dict[str, str], *names: str) -> int | None:
