@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import Backend, checks_passed
 
 import dmlc
+from conftest import Backend, checks_passed
 from dmlc.device import as_bytes, parse_size, reduce_op
 
 
