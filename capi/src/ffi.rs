@@ -1050,7 +1050,10 @@ mod tests {
         // SAFETY: the message is a valid C string until the next failure.
         let msg = unsafe { CStr::from_ptr(dmlc_last_error_message()) };
         let msg = msg.to_string_lossy();
-        assert!(msg.contains("cannot open the PCI device 0000:ff:1f.7"), "{msg}");
+        assert!(
+            msg.contains("cannot open the PCI device 0000:ff:1f.7"),
+            "{msg}"
+        );
         // NULL options are refused before anything is opened.
         // SAFETY: NULL options are allowed by the contract.
         let rc = unsafe { dmlc_open_pci(std::ptr::null(), std::ptr::null(), &mut out) };

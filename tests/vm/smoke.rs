@@ -6,9 +6,10 @@
 //! job runs the host's own Python in the host's root shared over virtio-fs.
 //!
 //! Needs QEMU (see vm-harness/README.md) and, for the host-root test,
-//! virtiofsd (vm-harness/build-virtiofsd.sh); boots eight TCG VMs in all.
+//! virtiofsd (vm-harness/build-virtiofsd.sh; the test runs it when there
+//! is none, as the harness builds QEMU); boots eight TCG VMs in all.
 
-use dmlc_vm::{run_ok, Cluster, Error, Image, ImageOptions, Options, Qemu, VmSpec};
+use dmlc_vm::{run_ok, Cluster, Error, Image, ImageOptions, Options, Qemu, Virtiofsd, VmSpec};
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -154,6 +155,12 @@ fn host_python() -> PathBuf {
 #[test]
 fn job_runs_the_hosts_python_in_the_shared_host_root() {
     let (qemu, image) = setup();
+    // Built once into the cache, where Cluster::start looks (as setup()
+    // builds QEMU when there is none).
+    if let Err(missing) = Virtiofsd::from_env() {
+        eprintln!("{missing}; building it");
+        Virtiofsd::build().unwrap_or_else(|e| panic!("virtiofsd: {e}"));
+    }
     let python = host_python();
     let version = r#"import sys; print(sys.version)"#;
     let host = Command::new(&python)
@@ -169,7 +176,8 @@ fn job_runs_the_hosts_python_in_the_shared_host_root() {
          touch /etc/{marker} 2>/dev/null && echo etc writable || echo etc read-only; \
          echo t >/tmp/t && echo t >/var/tmp/t && echo t >/run/t && echo tmp writable; \
          echo r >/root/{marker} && cat /root/{marker}; \
-         test -e /dev/hugepages && grep -c hugetlbfs /proc/mounts",
+         test -e /dev/hugepages && grep -c hugetlbfs /proc/mounts; \
+         grep -m1 '^flags' /proc/cpuinfo | grep -ow -e sse4_2 -e popcnt | sort",
         py = python.display()
     );
     let spec = VmSpec::new(job).host_root().cwd("/usr");
@@ -190,6 +198,11 @@ fn job_runs_the_hosts_python_in_the_shared_host_root() {
     assert_eq!(lines[3], "tmp writable");
     assert_eq!(lines[4], "r", "/root is writable (overlay)");
     assert_eq!(lines[5], "1", "hugetlbfs bound into the new root");
+    assert_eq!(
+        lines[6..],
+        ["popcnt", "sse4_2"],
+        "-cpu max: x86-64-v2 programs run"
+    );
     assert!(
         !Path::new("/root").join(&marker).exists(),
         "guest write reached the host"

@@ -75,6 +75,20 @@ const VIRTIOFSD_START: Duration = Duration::from_secs(30);
 /// per binary, the first that worked.
 const SANDBOXES: [&str; 3] = ["namespace", "chroot", "none"];
 
+/// virtiofsd's `--cache`: `DMLC_VIRTIOFSD_CACHE`, else `always`. With
+/// `auto` the guest revalidates every lookup after 1 s and drops a file's
+/// pages at each open, so every exec reads the binary and its libraries
+/// through virtiofsd again: under TCG `/bin/true` took 0.55 to 0.9 s with
+/// `auto` and 0.07 s with `always`, `python3 -c pass` 3 s and 0.5 s. The
+/// cost of `always`: a file the host changes while the VM runs may look
+/// unchanged in the guest (each VM starts with a cold cache).
+fn cache_policy() -> String {
+    match std::env::var("DMLC_VIRTIOFSD_CACHE") {
+        Ok(v) if !v.is_empty() => v,
+        _ => "always".to_owned(),
+    }
+}
+
 /// The first sandbox worth trying with `binary` (index into [`SANDBOXES`]).
 fn sandbox_memo() -> &'static Mutex<HashMap<PathBuf, usize>> {
     static MEMO: OnceLock<Mutex<HashMap<PathBuf, usize>>> = OnceLock::new();
@@ -327,10 +341,11 @@ impl Cluster {
                 "--readonly".into(),
                 "--sandbox".into(),
                 (*sandbox).into(),
-                // Guests see the host's files as they are at each lookup;
-                // `always` would cache them in the guest for a day.
                 "--cache".into(),
-                "auto".into(),
+                cache_policy().into(),
+                // The default, but VIRTIOFSD_READY depends on it.
+                "--log-level".into(),
+                "info".into(),
             ];
             let mut out = fs::OpenOptions::new()
                 .create(true)
@@ -420,6 +435,15 @@ impl Cluster {
             Accel::Tcg => {
                 push("-accel");
                 push("tcg");
+                if spec.host_root {
+                    // The host's programs are built for the host's CPU:
+                    // numpy 2.4, say, needs x86-64-v2 (SSE4.2, POPCNT) and
+                    // dies with SIGILL on QEMU's default qemu64 model.
+                    // `max` is every feature TCG emulates. A `-cpu` in
+                    // `qemu_args` comes later and wins.
+                    push("-cpu");
+                    push("max");
+                }
             }
             Accel::Kvm => {
                 push("-accel");
@@ -921,12 +945,13 @@ exec sleep 1000
         assert!(line
             .iter()
             .any(|a| a == "memory-backend-memfd,id=mem,size=2048M,share=on"));
+        assert!(line.windows(2).any(|w| w == ["-cpu", "max"]), "{line:?}");
         let append = &line[line.iter().position(|a| a == "-append").unwrap() + 1];
         assert!(
             append.contains("dmlc.root=virtiofs:hostroot dmlc.cwd=L2EgYg=="),
             "{append}"
         );
-        // Without host_root: no virtio-fs, no dmlc.root.
+        // Without host_root: no virtio-fs, no dmlc.root, QEMU's own CPU.
         let plain = c
             .vm_args(
                 &qemu,
@@ -944,7 +969,7 @@ exec sleep 1000
             .collect();
         assert!(!plain
             .iter()
-            .any(|a| a.contains("vhost-user-fs") || a.contains("dmlc.root")));
+            .any(|a| a.contains("vhost-user-fs") || a.contains("dmlc.root") || a == "-cpu"));
     }
 
     #[test]

@@ -177,6 +177,19 @@ impl Virtiofsd {
         }
     }
 
+    /// Runs vm-harness/build-virtiofsd.sh (minutes the first time, then
+    /// instant) and takes the binary it prints; afterwards
+    /// [`Virtiofsd::from_env`] finds it too (unless `DMLC_VIRTIOFSD` names
+    /// another). For tests and tools that would rather build than fail.
+    pub fn build() -> Result<Virtiofsd, Error> {
+        let script = repo_root()?.join("vm-harness/build-virtiofsd.sh");
+        let out = run_script(&script, &[OsString::from("--env")])?;
+        let binary = shell_unquote(&script_value(&script, &out, "DMLC_VIRTIOFSD")?);
+        Ok(Virtiofsd {
+            binary: PathBuf::from(binary),
+        })
+    }
+
     /// Where vm-harness/build-virtiofsd.sh puts the binary.
     pub fn cache_path() -> PathBuf {
         let cache = match std::env::var_os("DMLC_CACHE") {
