@@ -77,6 +77,11 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 step "cargo build (debug: the binaries and the C library the tests use)"
 cargo build --workspace --locked
 
+step "virtiofsd for guests with the host's userland (built once, then cached)"
+# vm-smoke (in the next stage) and the DDP system test boot such guests.
+eval "$(vm-harness/build-virtiofsd.sh --env)"
+export DMLC_VIRTIOFSD
+
 step "cargo test --workspace"
 cargo test --workspace --locked --no-fail-fast
 
@@ -129,14 +134,20 @@ fi
 step "system tests: release builds of the guest program and the backend"
 # The guests run dmlc-guest (stripped into the image) and pci_probe under
 # emulation, where a debug build is many times slower.
-cargo build --release --locked -p dmlc-guest -p vhost-device-dmlc -p dmlc-example-digits --bins && cargo build --release --locked -p dmlc-driver --example pci_probe
+cargo build --release --locked -p dmlc-guest -p vhost-device-dmlc -p dmlc-example-digits --bins
+cargo build --release --locked -p dmlc-driver --example pci_probe
+cargo build --release --locked -p dmlc-capi
 export DMLC_GUEST_BIN=$PWD/target/release/dmlc-guest
 export DMLC_TRAINER_BIN=$PWD/target/release/dmlc-train-digits
 export DMLC_PCI_PROBE_BIN=$PWD/target/release/examples/pci_probe
 export DMLC_BACKEND_BIN=$PWD/target/release/vhost-device-dmlc
+# The DDP test (launcher/tests/system.rs) runs the venv's Python in VMs on
+# the host's userland, with the release C library.
+export DMLC_LIBRARY=$PWD/target/release/libdmlc_guest.so
+export DMLC_PYTHON=$venv/bin/python
 
 step "system tests: VMs (${DMLC_ACCEL:-tcg}), one test at a time"
 cargo test --locked -p dmlc-system-tests --test system -- --test-threads=1
 
-step "system tests: dmlc-qemu submit with the digits example on 2 VMs"
+step "system tests: dmlc-qemu submit with the digits example and with DDP on 2 VMs"
 cargo test --locked -p dmlc-qemu --test system -- --test-threads=1

@@ -70,6 +70,11 @@ def init(backend: str, rank: int, world: int) -> None:
         default_addr = peers[0].rsplit(":", 1)[0] if peers[0] else "127.0.0.1"
         addr = os.environ.get("MASTER_ADDR", default_addr)
         port = int(os.environ.get("MASTER_PORT", "29500"))
+        # In the launcher's VMs the host name resolves to 127.0.0.1: tell gloo
+        # which interface carries the peers' addresses.
+        if peers[0] and "GLOO_SOCKET_IFNAME" not in os.environ:
+            if Path("/sys/class/net/eth0").exists():
+                os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
         store = dist.TCPStore(addr, port, world, rank == 0)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world)
 

@@ -436,6 +436,7 @@ pub fn run(a: DemoArgs) -> i32 {
             program: Program::Host(trainer.clone()),
             args: args.clone(),
             fetch: vec![GUEST_REPORT.to_owned()],
+            host_root: None,
         })
         .collect();
     // Both runs use the same image: build it (if the cache lacks it) before

@@ -67,6 +67,33 @@ pub enum Program {
     Guest(String),
 }
 
+/// A job on the host's userland (`--host-root`).
+#[derive(Debug, Clone)]
+pub struct HostRoot {
+    /// Working directory of the job (the launcher's).
+    pub cwd: String,
+    /// Environment passed through from the launcher (PATH, HOME, a venv).
+    pub env: Vec<(String, String)>,
+}
+
+impl HostRoot {
+    /// The launcher's own directory and environment.
+    pub fn here() -> std::io::Result<HostRoot> {
+        let cwd = std::env::current_dir()?.to_string_lossy().into_owned();
+        let env = ["PATH", "HOME", "VIRTUAL_ENV", "PYTHONPATH", "DMLC_LIBRARY"]
+            .iter()
+            .filter_map(|k| std::env::var(k).ok().map(|v| ((*k).to_owned(), v)))
+            .collect();
+        Ok(HostRoot { cwd, env })
+    }
+
+    /// The guest puts tmpfs on /tmp, which would hide a job that lives
+    /// there: then only /run and /var/tmp get one.
+    fn under_tmp(&self) -> bool {
+        self.cwd == "/tmp" || self.cwd.starts_with("/tmp/")
+    }
+}
+
 /// Everything a job needs.
 #[derive(Debug, Clone)]
 pub struct Job {
@@ -90,6 +117,9 @@ pub struct Job {
     /// Guest files each rank sends back over its console after the
     /// program exits (the demo's JSON reports).
     pub fetch: Vec<String>,
+    /// Run with the host's root filesystem (virtio-fs, read-only) instead of
+    /// the image's: in this directory, with this process's PATH.
+    pub host_root: Option<HostRoot>,
 }
 
 /// Errors of a job (what ends it before its workers can run).
@@ -202,6 +232,8 @@ impl Job {
     /// Path of the program in the guest, as the command line names it.
     fn guest_program(&self) -> String {
         match &self.program {
+            // The host's own file, seen at the same path in the guest.
+            Program::Host(p) if self.host_root.is_some() => p.to_string_lossy().into_owned(),
             Program::Host(p) => {
                 let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
                 format!("{GUEST_BIN}/{}", name.unwrap_or_default())
@@ -213,7 +245,7 @@ impl Job {
     /// Host files to put in the image.
     pub fn image_files(&self) -> Vec<(PathBuf, String)> {
         let mut files = Vec::new();
-        if let Program::Host(p) = &self.program {
+        if let (Program::Host(p), None) = (&self.program, &self.host_root) {
             files.push((p.clone(), self.guest_program()));
         }
         files.extend(self.files.iter().cloned());
@@ -261,6 +293,20 @@ impl Job {
                 .collect();
             env.push(("DMLC_TCP_PEERS".to_owned(), peers.join(",")));
         }
+        if let Some(root) = &self.host_root {
+            for (k, v) in &root.env {
+                let v = if k == "PATH" {
+                    format!("{v}:{GUEST_BIN}")
+                } else {
+                    v.clone()
+                };
+                env.retain(|(key, _)| key != k);
+                env.push((k.clone(), v));
+            }
+            if root.under_tmp() {
+                env.push(("TMPDIR".to_owned(), "/var/tmp".to_owned()));
+            }
+        }
         env.extend(self.env.iter().cloned());
         env
     }
@@ -301,6 +347,12 @@ impl Job {
                 spec.hugepages = (self.dma_mib + DMA_SLACK_MIB) / 2;
                 spec.cpus = self.vcpus;
                 spec.env = self.environment(i);
+                if let Some(root) = &self.host_root {
+                    spec = spec.host_root().cwd(root.cwd.clone());
+                    if root.under_tmp() {
+                        spec.append.push("dmlc.tmpfs=/run,/var/tmp".to_owned());
+                    }
+                }
                 spec
             })
             .collect();
@@ -917,7 +969,43 @@ mod tests {
             program: Program::Host(PathBuf::from("/opt/build/train")),
             args: vec!["--data".to_owned(), "it's here".to_owned()],
             fetch: Vec::new(),
+            host_root: None,
         }
+    }
+
+    #[test]
+    fn host_root_jobs_run_the_hosts_program_in_the_callers_environment() {
+        let mut j = job();
+        j.program = Program::Host(PathBuf::from("/opt/venv/bin/python3"));
+        j.host_root = Some(HostRoot {
+            cwd: "/tmp/work".to_owned(),
+            env: vec![
+                ("PATH".to_owned(), "/opt/venv/bin:/usr/bin".to_owned()),
+                ("DMLC_LIBRARY".to_owned(), "/w/libdmlc_guest.so".to_owned()),
+            ],
+        });
+        // Not copied into the image: the guest sees the host's file.
+        assert!(j.image_files().iter().all(|(p, _)| !p.ends_with("python3")));
+        assert!(j
+            .command_line("t")
+            .starts_with("exec /opt/venv/bin/python3"));
+        let env = j.environment(1);
+        let get = |k: &str| {
+            env.iter()
+                .find(|(key, _)| key == k)
+                .map(|(_, v)| v.as_str())
+        };
+        assert_eq!(
+            get("PATH"),
+            Some(format!("/opt/venv/bin:/usr/bin:{GUEST_BIN}").as_str())
+        );
+        assert_eq!(get("DMLC_LIBRARY"), Some("/w/libdmlc_guest.so"));
+        assert_eq!(get("DMLC_TASK_ID"), Some("1"));
+        // Under /tmp, the job's own folder must not be hidden by a tmpfs.
+        assert_eq!(get("TMPDIR"), Some("/var/tmp"));
+        assert!(j.host_root.as_ref().unwrap().under_tmp());
+        j.host_root.as_mut().unwrap().cwd = "/work/repo".to_owned();
+        assert!(!j.host_root.as_ref().unwrap().under_tmp());
     }
 
     #[test]

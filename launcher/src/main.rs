@@ -152,6 +152,16 @@ struct SubmitArgs {
     #[arg(long, value_name = "K=V", num_args = 1.., value_parser = parse_env)]
     env: Vec<(String, String)>,
 
+    /// Run on the host's userland: every VM's root is this machine's /,
+    /// read-only over virtio-fs (tmpfs on /tmp, /run, /var/tmp; an overlay
+    /// on /root), the job starts in the current directory with this
+    /// shell's PATH, HOME, VIRTUAL_ENV, PYTHONPATH and DMLC_LIBRARY, so
+    /// `python3 train.py` runs this machine's Python and virtual
+    /// environment. Needs virtiofsd (vm-harness/build-virtiofsd.sh, or
+    /// DMLC_VIRTIOFSD) and, for PyTorch, --memory 2G or more.
+    #[arg(long)]
+    host_root: bool,
+
     /// The program and its arguments.
     #[arg(value_name = "PROGRAM", required = true, num_args = 1..,
           trailing_var_arg = true)]
@@ -382,6 +392,10 @@ fn submit_job(a: SubmitArgs) -> Job {
         program,
         args,
         fetch: Vec::new(),
+        host_root: a.host_root.then(|| {
+            job::HostRoot::here()
+                .unwrap_or_else(|e| usage_error(format!("cannot read the current directory: {e}")))
+        }),
     }
 }
 

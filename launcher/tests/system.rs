@@ -4,6 +4,8 @@
 //!   device and passes its checks (identical weights, single-process match),
 //!   and the test itself compares the fingerprints the ranks print and
 //!   checks the accuracy;
+//! - DDP, unmodified, on the host's userland (`--host-root`) in 2 VMs
+//!   through the device, both ranks ending with the same parameters;
 //! - a failed worker, Ctrl-C, a timeout and a VM whose QEMU fails each
 //!   stop every VM and the backend and leave no process and no temporary
 //!   file behind.
@@ -365,6 +367,55 @@ fn digits_trains_on_two_vms_through_the_device() {
     );
     env.assert_nothing_left();
     fs::remove_dir_all(&logs).unwrap();
+}
+
+/// DDP, unmodified, on the host's userland in 2 VMs (`--host-root`), its
+/// gradients through the device: both ranks print the same parameter
+/// digest. Needs `DMLC_PYTHON`, a Python with torch and the `dmlc` package
+/// (tests/run.sh passes the cached venv's), and the C library.
+#[test]
+fn ddp_trains_unmodified_on_two_vms_through_the_device() {
+    let Some(env) = setup("ddp") else { return };
+    let Some(python) = std::env::var_os("DMLC_PYTHON") else {
+        let what = "DMLC_PYTHON is not set (a Python with torch and the dmlc package: \
+                    python/venv.sh, then pip install ./python)";
+        if under_ci() {
+            panic!("ddp: cannot run under CI=true: {what}");
+        }
+        progress(&format!("SKIP ddp: {what}"));
+        return;
+    };
+    let library = workspace_bin("DMLC_LIBRARY", "libdmlc_guest.so", "dmlc-capi");
+    let root = vm::repo_root().unwrap();
+    let train = root.join("examples/torch/train.py");
+    let mut cmd = env.command(&[
+        "submit",
+        "--num-workers",
+        "2",
+        "--host-root",
+        "--memory",
+        "2G",
+        "--timeout",
+        "500",
+        "--",
+        python.to_str().unwrap(),
+        train.to_str().unwrap(),
+        "--backend",
+        "dmlc",
+        "--hidden",
+        "64",
+        "--steps",
+        "5",
+    ]);
+    cmd.env("DMLC_LIBRARY", &library).current_dir(&root);
+    let (code, out, err, took) = Running::start(cmd).finish(Duration::from_secs(560));
+    assert_eq!(code, Some(0), "dmlc-qemu failed:\n{out}\n{err}");
+    let d0 = rank_value(&out, 0, "rank 0: params sha256");
+    let d1 = rank_value(&out, 1, "rank 1: params sha256");
+    assert_eq!(d0, d1, "the ranks ended with different models:\n{out}");
+    assert!(out.contains("[rank 0] dmlc: 2 ranks"), "{out}");
+    progress(&format!("DDP on 2 VMs through the device in {:.0?}", took));
+    env.assert_nothing_left();
 }
 
 #[test]
