@@ -1,14 +1,18 @@
-"""DDP with backend "dmlc" against "gloo", on the host transport, in one run.
+"""DDP with backend "dmlc" against "gloo", in one run: host processes, or VMs.
 
     python3 bench/torch-ddp.py [--ranks 2 4] [--repeat 3] [--steps 30] [--hidden 1024]
+    python3 bench/torch-ddp.py --vms [--ranks 2 4] [--repeat 3] [--batch 2]
 
-Runs examples/torch/train.py on N local processes with each backend
-(interleaved, repetition by repetition, so the machine's noise spreads over
-both), keeps rank 0's median step, compute and exchange times, and prints
-per N the median over repetitions and the ratio gloo / dmlc. Every run must
-end with the same parameters on every rank (each rank prints its own
-sha256). Needs torch and numpy (python/venv.sh), and builds the release C
-library and backend first.
+Runs examples/torch/train.py with each backend (interleaved, repetition by
+repetition, so the machine's noise spreads over both), keeps rank 0's
+median step, compute, update and exchange times (see train.py), and prints per N the median over
+repetitions and the ratio gloo / dmlc. Without --vms the ranks are local
+processes (the device over the host transport, gloo over loopback TCP).
+With --vms each rank is a TCG VM on the host's userland (`dmlc-qemu submit
+--host-root`): "dmlc" through the device, "gloo" over virtio-net between
+the same kind of VMs. Every run must end with the same parameters on every
+rank (each rank prints its own sha256). Needs torch and numpy
+(python/venv.sh); builds the release binaries and C library first.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -27,7 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "torch" / "train.py"
 
 
-def run(backend: str, ranks: int, steps: int, hidden: int, port: int) -> dict[str, float]:
+def run_host(
+    backend: str, ranks: int, steps: int, hidden: int, batch: int, port: int
+) -> dict[str, float]:
     target = ROOT / "target" / "release"
     with tempfile.TemporaryDirectory(prefix="dmlc-ddp-") as tmp:
         daemon = None
@@ -68,6 +75,8 @@ def run(backend: str, ranks: int, steps: int, hidden: int, port: int) -> dict[st
                         str(steps),
                         "--hidden",
                         str(hidden),
+                        "--batch",
+                        str(batch),
                         "--json",
                         f"{tmp}/r{r}.json",
                     ],
@@ -87,22 +96,72 @@ def run(backend: str, ranks: int, steps: int, hidden: int, port: int) -> dict[st
     return results[0]
 
 
+RESULT = re.compile(r"^\[rank (\d+)\] json: (.*)$")
+
+
+def run_vms(a: argparse.Namespace, backend: str, ranks: int) -> dict[str, float]:
+    """One job of `ranks` TCG VMs through the launcher; rank 0's results."""
+    target = ROOT / "target" / "release"
+    env = dict(
+        os.environ,
+        DMLC_LIBRARY=str(target / "libdmlc_guest.so"),
+        PYTHONPATH=str(ROOT / "python" / "src"),
+    )
+    cmd = [str(target / "dmlc-qemu"), "submit", "-n", str(ranks), "--host-root"]
+    cmd += ["--memory", "2G", "--timeout", str(a.timeout)]
+    cmd += ["--transport", "device" if backend == "dmlc" else "tcp", "--", sys.executable]
+    cmd += [str(TRAIN), "--backend", backend, "--steps", str(a.steps)]
+    cmd += ["--hidden", str(a.hidden), "--batch", str(a.batch)]
+    cmd += ["--eval-samples", "256", "--json", "-"]
+    with tempfile.TemporaryDirectory(prefix="dmlc-ddp-") as tmp:
+        t = time.monotonic()
+        p = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, check=False)
+        took = time.monotonic() - t
+    results = {}
+    for line in p.stdout.splitlines():
+        m = RESULT.match(line)
+        if m:
+            results[int(m.group(1))] = json.loads(m.group(2))
+    if p.returncode or len(results) != ranks:
+        sys.stderr.write(p.stdout[-4000:] + p.stderr[-4000:])
+        raise SystemExit(f"{backend} on {ranks} VMs failed: exit status {p.returncode}")
+    if len({r["params_sha256"] for r in results.values()}) != 1:
+        raise SystemExit(f"{backend} on {ranks} VMs: the ranks ended with different models")
+    print(
+        f"#   {backend} on {ranks} VMs: step {results[0]['step_ms']:.1f} ms, "
+        f"job {took:.0f} s, params sha256 {results[0]['params_sha256'][:16]}",
+        flush=True,
+    )
+    return results[0]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--hidden", type=int, default=1024)
-    a = p.parse_args()
-    subprocess.run(
-        ["cargo", "build", "--release", "-q", "-p", "dmlc-capi", "-p", "vhost-device-dmlc"],
-        cwd=ROOT,
-        check=True,
+    p.add_argument("--vms", action="store_true", help="ranks in TCG VMs (dmlc-qemu submit)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="samples per rank per step [default: 64 on the host, 2 in VMs, where TCG "
+        "computes about 1000x slower than the host and a bigger batch hides the exchange]",
     )
+    p.add_argument("--timeout", type=int, default=1200, help="seconds per VM job")
+    a = p.parse_args()
+    if a.batch is None:
+        a.batch = 2 if a.vms else 64
+    crates = ["-p", "dmlc-capi", "-p", "vhost-device-dmlc"] + (["-p", "dmlc-qemu"] * a.vms)
+    subprocess.run(["cargo", "build", "--release", "-q", *crates], cwd=ROOT, check=True)
     load = Path("/proc/loadavg").read_text().split()[:3]
+    where = "TCG VMs (1 vCPU, 2 GiB each)" if a.vms else "host processes"
     print(
-        f"# torch-ddp.py: MLP 64-{a.hidden}-{a.hidden}-10, {a.steps} steps, "
-        f"{a.repeat} repetitions; {os.cpu_count()} CPUs, load average {' '.join(load)}"
+        f"# torch-ddp.py: MLP 64-{a.hidden}-{a.hidden}-10, batch {a.batch} per rank, "
+        f"{a.steps} steps, {a.repeat} repetitions, in {where}; {os.cpu_count()} CPUs, "
+        f"load average {' '.join(load)}",
+        flush=True,
     )
     rows = []
     port = 29600
@@ -111,22 +170,28 @@ def main() -> None:
         for _ in range(a.repeat):
             for backend in ("dmlc", "gloo"):
                 port += 1
-                got[backend].append(run(backend, n, a.steps, a.hidden, port))
+                if a.vms:
+                    got[backend].append(run_vms(a, backend, n))
+                else:
+                    got[backend].append(run_host(backend, n, a.steps, a.hidden, a.batch, port))
         med = {
             b: {
                 k: statistics.median(r[k] for r in rs)
-                for k in ("step_ms", "compute_ms", "exchange_ms")
+                for k in ("step_ms", "compute_ms", "update_ms", "exchange_ms")
             }
             for b, rs in got.items()
         }
         rows.append((n, med, got["dmlc"][0]["params"]))
-    print(f"{'N':>3} {'backend':>8} {'step ms':>9} {'compute ms':>11} {'exchange ms':>12}")
+    print(
+        f"{'N':>3} {'backend':>8} {'step ms':>9} {'compute ms':>11} {'update ms':>10} "
+        f"{'exchange ms':>12}"
+    )
     for n, med, _ in rows:
         for b in ("dmlc", "gloo"):
             m = med[b]
             print(
                 f"{n:>3} {b:>8} {m['step_ms']:>9.2f} {m['compute_ms']:>11.2f} "
-                f"{m['exchange_ms']:>12.2f}"
+                f"{m['update_ms']:>10.2f} {m['exchange_ms']:>12.2f}"
             )
     print()
     for n, med, params in rows:

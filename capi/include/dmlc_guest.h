@@ -127,8 +127,13 @@ typedef struct dmlc_config {
 } dmlc_config;
 
 /* Options of dmlc_open_host_ex; fill with dmlc_open_options_init first. */
+/* Values of dmlc_open_options.poll (and of dmlc_open_host's poll). */
+#define DMLC_WAIT_INTERRUPT 0 /* sleep on the device's interrupt */
+#define DMLC_WAIT_POLL 1      /* busy-poll (so does any value but 0 and 2) */
+#define DMLC_WAIT_HYBRID 2    /* spin up to 200 us, as recent waits suggest, then sleep */
+
 typedef struct dmlc_open_options {
-    int poll;            /* nonzero: busy-poll for completions; 0: sleep on interrupts */
+    int poll;            /* DMLC_WAIT_POLL (default), DMLC_WAIT_INTERRUPT or DMLC_WAIT_HYBRID */
     uint16_t queue_size; /* descriptors per queue (power of two) */
     int event_idx;       /* nonzero: negotiate VIRTIO_RING_F_EVENT_IDX */
     uint64_t dma_bytes;  /* device-visible memory to reserve for buffers */
@@ -167,8 +172,8 @@ typedef struct dmlc_completion {
 void dmlc_open_options_init(dmlc_open_options *opts);
 
 /* Opens the device served by the vhost-user backend at `socket` (the host
- * transport: this process plays the VM). poll != 0 busy-polls for
- * completions, 0 sleeps until the device signals. */
+ * transport: this process plays the VM). `poll` is a DMLC_WAIT_* value: how
+ * a wait for a completion spends its time. */
 int dmlc_open_host(const char *socket, int poll, dmlc_device **out);
 
 /* As dmlc_open_host, with every option. */

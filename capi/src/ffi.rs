@@ -74,6 +74,11 @@ pub struct DmlcConfig {
     pub group_id: u64,
 }
 
+/// `dmlc_open_options.poll` for the hybrid wait: spin while recent waits
+/// say a completion is near (at most `HYBRID_SPIN_CAP`), then sleep on the
+/// interrupt. 0 sleeps at once; any other value busy-polls.
+pub const DMLC_WAIT_HYBRID: c_int = 2;
+
 /// `dmlc_open_options`.
 #[repr(C)]
 pub struct DmlcOpenOptions {
@@ -391,7 +396,12 @@ unsafe fn open_options(opts: *const DmlcOpenOptions) -> Result<OpenOptions, Fail
     // SAFETY: forwarded contract.
     let o = unsafe { opts.as_ref() }.ok_or_else(|| Fail::invalid("options are NULL"))?;
     Ok(OpenOptions {
-        poll: o.poll != 0,
+        poll: o.poll != 0 && o.poll != DMLC_WAIT_HYBRID,
+        spin_cap: if o.poll == DMLC_WAIT_HYBRID {
+            dmlc_driver::device::HYBRID_SPIN_CAP
+        } else {
+            Duration::ZERO
+        },
         queue_size: o.queue_size,
         event_idx: o.event_idx != 0,
         dma_bytes: usize::try_from(o.dma_bytes)
@@ -1029,6 +1039,26 @@ mod tests {
         let rc = unsafe { dmlc_open_host(std::ptr::null(), 1, &mut out) };
         assert_eq!(rc, DMLC_ERR_INVALID_ARGUMENT);
         assert_eq!(dmlc_allreduce_dtype_check(), DMLC_ERR_INVALID_ARGUMENT);
+    }
+
+    #[test]
+    fn the_poll_field_picks_interrupts_polling_or_the_hybrid_wait() {
+        let with = |poll| {
+            let o = DmlcOpenOptions {
+                poll,
+                ..default_open_options()
+            };
+            // SAFETY: `o` is a live dmlc_open_options.
+            let Ok(got) = (unsafe { open_options(&o) }) else {
+                panic!("options with poll {poll} were refused")
+            };
+            (got.poll, got.spin_cap)
+        };
+        assert_eq!(with(0), (false, Duration::ZERO));
+        assert_eq!(with(1), (true, Duration::ZERO));
+        assert_eq!(with(-1), (true, Duration::ZERO));
+        let cap = dmlc_driver::device::HYBRID_SPIN_CAP;
+        assert_eq!(with(DMLC_WAIT_HYBRID), (false, cap));
     }
 
     #[test]

@@ -427,6 +427,7 @@ pub fn run(a: DemoArgs) -> i32 {
             memory_mib: m.memory,
             dma_mib: m.dma,
             accel,
+            cpu: m.cpu.clone(),
             transport,
             files: vec![(data.clone(), GUEST_DATA.to_owned())],
             timeout: (m.timeout > 0).then(|| Duration::from_secs(m.timeout)),

@@ -103,6 +103,8 @@ pub struct Job {
     /// DMA memory for the driver (hugepages), MiB.
     pub dma_mib: u32,
     pub accel: vm::Accel,
+    /// QEMU's `-cpu` for every VM; None: the harness's choice.
+    pub cpu: Option<String>,
     pub transport: Transport,
     /// Extra files for the image: (host path, absolute guest path).
     pub files: Vec<(PathBuf, String)>,
@@ -347,6 +349,9 @@ impl Job {
                 spec.hugepages = (self.dma_mib + DMA_SLACK_MIB) / 2;
                 spec.cpus = self.vcpus;
                 spec.env = self.environment(i);
+                if let Some(cpu) = &self.cpu {
+                    spec.qemu_args.extend(["-cpu".to_owned(), cpu.clone()]);
+                }
                 if let Some(root) = &self.host_root {
                     spec = spec.host_root().cwd(root.cwd.clone());
                     if root.under_tmp() {
@@ -960,6 +965,7 @@ mod tests {
             memory_mib: 512,
             dma_mib: 64,
             accel: vm::Accel::Tcg,
+            cpu: None,
             transport: Transport::Tcp,
             files: vec![(PathBuf::from("/d/x.csv"), "/data/x.csv".to_owned())],
             timeout: None,

@@ -106,6 +106,13 @@ struct MachineArgs {
     #[arg(long, value_enum, default_value_t = AccelArg::Tcg)]
     accel: AccelArg,
 
+    /// QEMU's CPU model for every VM (its -cpu), e.g. `max` to give TCG
+    /// guests AVX2 [default: `host` under kvm; under tcg QEMU's own
+    /// qemu64, or with --host-root `max` without AVX, AVX2, FMA and F16C,
+    /// which TCG emulates about 10x slower than SSE].
+    #[arg(long, value_name = "MODEL")]
+    cpu: Option<String>,
+
     /// Stop the job after this many seconds, boot included (0: never).
     #[arg(long, value_name = "SECS", default_value_t = 600)]
     timeout: u64,
@@ -383,6 +390,7 @@ fn submit_job(a: SubmitArgs) -> Job {
         memory_mib: m.memory,
         dma_mib: m.dma,
         accel: accel(m.accel),
+        cpu: m.cpu,
         transport: a.transport,
         files: a.files,
         timeout: (m.timeout > 0).then(|| Duration::from_secs(m.timeout)),

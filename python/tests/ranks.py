@@ -153,6 +153,20 @@ def torch_collectives(dev: Device) -> None:
     import torch
 
     world, rank = dev.world_size, dev.rank
+    # Tensors in device memory go to the device in place, without staging:
+    # before anything else here, so the staging buffer must not exist yet.
+    z = dev.empty((2, 500), torch.float32)
+    z.fill_(float(rank + 1))
+    dev.allreduce(z)
+    check(torch.equal(z, torch.full((2, 500), float(sum(range(1, world + 1))))), "empty()")
+    h = dev.empty(6, np.int32)
+    h[:] = rank
+    dev.broadcast(h[2:5], root=world - 1)
+    check(list(h) == [rank, rank] + [world - 1] * 3 + [rank], f"empty() slice: {h}")
+    check(dev._staging_len == 0, "a collective on device memory was staged")
+    s = torch.ones(10)
+    dev.allreduce(s)
+    check(dev._staging_len > 0 and torch.equal(s, torch.full((10,), float(world))), "staged")
     for dt in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64):
         x = torch.arange(COUNT, dtype=torch.float32).to(dt) + rank
         dev.allreduce(x)
@@ -213,6 +227,17 @@ def from_env(socket: str) -> None:
     dev.barrier()
     dev.close()
     check(True, "from_env")
+    # The hybrid wait (spin, then sleep) gives the same results.
+    with Device.from_env({**env, "DMLC_POLL": "hybrid"}) as dev:
+        x = np.arange(1000, dtype=np.float32)
+        dev.allreduce(x)
+        want = np.arange(1000, dtype=np.float32) * dev.world_size
+        check(bool(np.array_equal(x, want)), "allreduce with DMLC_POLL=hybrid")
+    try:
+        Device.from_env({**env, "DMLC_POLL": "sometimes"})
+        check(False, "DMLC_POLL=sometimes opened a device")
+    except ValueError as e:
+        check("expected 1 (poll), 0 (interrupts) or hybrid" in str(e), str(e))
     try:
         Device.from_env({})
         check(False, "an empty environment opened a device")

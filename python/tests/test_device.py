@@ -11,7 +11,7 @@ import pytest
 
 import dmlc
 from conftest import Backend, checks_passed
-from dmlc.device import as_bytes, parse_size, reduce_op
+from dmlc.device import memory, parse_size, reduce_op
 
 
 def test_numpy_collectives_match_the_rank_order_reference(backend: Backend) -> None:
@@ -36,7 +36,7 @@ def test_a_lost_member_raises_peer_lost_on_the_others(backend2: Backend) -> None
 
 
 def test_the_environment_opens_the_device(backend2: Backend) -> None:
-    assert checks_passed(backend2.run("env")) == [2, 2]
+    assert checks_passed(backend2.run("env")) == [4, 4]
 
 
 def test_arguments_are_checked_before_anything_is_sent() -> None:
@@ -44,14 +44,17 @@ def test_arguments_are_checked_before_anything_is_sent() -> None:
         reduce_op("median")
     assert reduce_op("avg") is dmlc.ReduceOp.AVG
     with pytest.raises(TypeError, match="no element type"):
-        as_bytes(np.zeros(3, dtype=np.complex64))
+        memory(np.zeros(3, dtype=np.complex64))
     with pytest.raises(ValueError, match="C-contiguous"):
-        as_bytes(np.zeros((4, 4), dtype=np.float32).T)
+        memory(np.zeros((4, 4), dtype=np.float32).T)
     assert parse_size("X", "64M") == 64 << 20 and parse_size("X", "4096") == 4096
     with pytest.raises(ValueError, match="not a size"):
         parse_size("X", "0x10")
-    view, dtype = as_bytes(np.zeros(3, dtype=np.int32))
-    assert view.dtype == np.uint8 and len(view) == 12 and dtype is dmlc.Dtype.I32
+    a = np.zeros(3, dtype=np.int32)
+    assert memory(a) == (a.ctypes.data, 12, dmlc.Dtype.I32)
+    with pytest.raises(ValueError, match="read-only"):
+        a.flags.writeable = False
+        memory(a)
 
 
 def _field(res: object, key: str) -> str:

@@ -12,7 +12,7 @@ mod error;
 mod setup;
 mod spec;
 
-pub use cluster::{run_ok, Cluster, Outcome};
+pub use cluster::{run_ok, Cluster, Outcome, TCG_HOST_ROOT_CPU};
 pub use error::Error;
 pub use setup::{repo_root, Accel, Image, ImageOptions, Qemu, Virtiofsd, VIRTIOFSD_VERSION};
 pub use spec::{vm_ip, Options, VmSpec};

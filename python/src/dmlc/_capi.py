@@ -43,6 +43,7 @@ ERR_OUT_OF_MEMORY = 105
 ERR_TRANSPORT = 107
 
 NO_PEER = 0xFFFFFFFF
+WAIT_HYBRID = 2  # dmlc_open_options.poll: DMLC_WAIT_HYBRID
 FLAG_IN_PLACE = 1
 
 # Opcodes (dmlc_opcode).

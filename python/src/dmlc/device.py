@@ -1,8 +1,11 @@
 """One member's device: collectives on numpy arrays and torch tensors.
 
-Every call is copied into one staging buffer in device-visible memory, run
-in place there, and copied back (the device reads and writes only that
-memory). Calls run in order on one worker thread per device, so blocking
+The device reads and writes only device-visible memory. An array or tensor
+made by :meth:`Device.empty` lives there, and an in-place collective on it
+goes to the device without a copy; anything else is copied into one
+staging buffer in that memory, run in place there, and copied back (one
+memmove each way, straight between the caller's memory and the staging
+buffer). Calls run in order on one worker thread per device, so blocking
 and asynchronous calls keep the order every member must issue them in, and
 an asynchronous call leaves the caller's thread free (ctypes releases the
 GIL while the C library waits).
@@ -14,10 +17,11 @@ import ctypes
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from enum import IntEnum
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 import numpy as np
 
@@ -71,6 +75,9 @@ _NUMPY_DTYPES: dict[np.dtype[Any], Dtype] = {
 CHUNK_BYTES = 16 << 20
 
 Op = Union[ReduceOp, str]
+# How a wait spends its time: True polls, False sleeps on the interrupt,
+# "hybrid" spins briefly first.
+Wait = Union[bool, Literal["hybrid"]]
 
 
 def reduce_op(op: Op) -> ReduceOp:
@@ -90,41 +97,59 @@ def _torch() -> Any:
     return torch
 
 
+_TORCH_DTYPES: dict[Any, Dtype] = {}
+
+
+def _torch_dtypes() -> dict[Any, Dtype]:
+    """torch's dtypes that the device has (built once torch is imported)."""
+    if not _TORCH_DTYPES:
+        torch = _torch()
+        _TORCH_DTYPES.update(
+            {
+                torch.float32: Dtype.F32,
+                torch.float64: Dtype.F64,
+                torch.float16: Dtype.F16,
+                torch.bfloat16: Dtype.BF16,
+                torch.int8: Dtype.I8,
+                torch.uint8: Dtype.U8,
+                torch.int32: Dtype.I32,
+                torch.uint32: Dtype.U32,
+                torch.int64: Dtype.I64,
+                torch.uint64: Dtype.U64,
+            }
+        )
+    return _TORCH_DTYPES
+
+
 def _is_tensor(x: object) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
 
 
-def as_bytes(x: Any) -> tuple[np.ndarray, Dtype]:
-    """A writable uint8 view of `x`'s memory (no copy) and its dtype.
+_SIZES: dict[Dtype, int] = {
+    Dtype.F64: 8,
+    Dtype.I64: 8,
+    Dtype.U64: 8,
+    Dtype.F32: 4,
+    Dtype.I32: 4,
+    Dtype.U32: 4,
+    Dtype.F16: 2,
+    Dtype.BF16: 2,
+    Dtype.I8: 1,
+    Dtype.U8: 1,
+}
+
+
+def _size(dtype: Dtype) -> int:
+    return _SIZES[dtype]
+
+
+def memory(x: Any) -> tuple[int, int, Dtype]:
+    """The address, byte length and dtype of `x`'s memory (no copy: the
+    caller keeps `x` alive while the address is used).
 
     `x` is a C-contiguous numpy array or CPU torch tensor of a dtype the
-    device has (torch's bfloat16 included).
+    device has (torch's bfloat16 included: the device needs only the bytes).
     """
-    if _is_tensor(x):
-        torch = _torch()
-        if x.device.type != "cpu":
-            raise ValueError(f"dmlc works on CPU tensors; this one is on {x.device}")
-        if not x.is_contiguous():
-            raise ValueError("dmlc needs contiguous tensors (call .contiguous() first)")
-        t = x.detach()
-        tdtypes = {
-            torch.float32: Dtype.F32,
-            torch.float64: Dtype.F64,
-            torch.float16: Dtype.F16,
-            torch.bfloat16: Dtype.BF16,
-            torch.int8: Dtype.I8,
-            torch.uint8: Dtype.U8,
-            torch.int32: Dtype.I32,
-            torch.uint32: Dtype.U32,
-            torch.int64: Dtype.I64,
-            torch.uint64: Dtype.U64,
-        }
-        if t.dtype not in tdtypes:
-            raise TypeError(f"dmlc has no element type for {t.dtype}")
-        # numpy has no bfloat16 (nor every unsigned type in every torch):
-        # look at the raw bytes instead.
-        raw = t.reshape(-1).view(torch.uint8)
-        return raw.numpy(), tdtypes[t.dtype]
     if isinstance(x, np.ndarray):
         if x.dtype not in _NUMPY_DTYPES:
             raise TypeError(f"dmlc has no element type for numpy {x.dtype}")
@@ -132,23 +157,17 @@ def as_bytes(x: Any) -> tuple[np.ndarray, Dtype]:
             raise ValueError("dmlc needs C-contiguous arrays (np.ascontiguousarray)")
         if not x.flags.writeable:
             raise ValueError("the array is read-only")
-        return x.reshape(-1).view(np.uint8), _NUMPY_DTYPES[x.dtype]
+        return x.ctypes.data, x.nbytes, _NUMPY_DTYPES[x.dtype]
+    if _is_tensor(x):
+        dtype = _torch_dtypes().get(x.dtype)
+        if dtype is None:
+            raise TypeError(f"dmlc has no element type for {x.dtype}")
+        if x.device.type != "cpu":
+            raise ValueError(f"dmlc works on CPU tensors; this one is on {x.device}")
+        if not x.is_contiguous():
+            raise ValueError("dmlc needs contiguous tensors (call .contiguous() first)")
+        return x.data_ptr(), x.numel() * _SIZES[dtype], dtype
     raise TypeError(f"expected a numpy array or a torch tensor, not {type(x).__name__}")
-
-
-def _size(dtype: Dtype) -> int:
-    return {
-        Dtype.F64: 8,
-        Dtype.I64: 8,
-        Dtype.U64: 8,
-        Dtype.F32: 4,
-        Dtype.I32: 4,
-        Dtype.U32: 4,
-        Dtype.F16: 2,
-        Dtype.BF16: 2,
-        Dtype.I8: 1,
-        Dtype.U8: 1,
-    }[dtype]
 
 
 class Work:
@@ -191,7 +210,21 @@ class Device:
         self._chunk = max(8, min(CHUNK_BYTES, cfg.max_bytes) // 8 * 8)
         self._staging = ctypes.c_void_p()
         self._staging_len = 0
-        self._staging_view = np.empty(0, dtype=np.uint8)
+        self._staging_addr = 0
+        # Buffers behind the arrays of empty(): address -> (length, buffer).
+        self._owned: dict[int, tuple[int, ctypes.c_void_p]] = {}
+        self._owned_lock = threading.Lock()
+        # One request at a time runs on the worker thread: its ctypes
+        # arguments are made once and reused (building them costs more than
+        # a small collective under TCG).
+        self._req = _capi.Request(tag=0, timeout_ms=0)
+        self._seg = _capi.Segment(offset=0)
+        self._done = _capi.Completion()
+        self._handle = ctypes.c_void_p()
+        self._req_ref = ctypes.byref(self._req)
+        self._seg_ref = ctypes.byref(self._seg)
+        self._done_ref = ctypes.byref(self._done)
+        self._handle_ref = ctypes.byref(self._handle)
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
             queue.SimpleQueue()
         )
@@ -208,17 +241,22 @@ class Device:
         return cls._lib
 
     @classmethod
-    def _options(cls, poll: bool, dma_bytes: int | None) -> _capi.OpenOptions:
+    def _options(cls, poll: Wait, dma_bytes: int | None) -> _capi.OpenOptions:
         opts = _capi.OpenOptions()
         cls.library().dmlc_open_options_init(ctypes.byref(opts))
-        opts.poll = int(poll)
+        if poll == "hybrid":
+            opts.poll = _capi.WAIT_HYBRID
+        elif isinstance(poll, bool):
+            opts.poll = int(poll)
+        else:
+            raise ValueError(f"poll={poll!r}: expected True, False or 'hybrid'")
         if dma_bytes is not None:
             opts.dma_bytes = dma_bytes
         return opts
 
     @classmethod
     def open_host(
-        cls, socket: str | os.PathLike[str], *, poll: bool = False, dma_bytes: int | None = None
+        cls, socket: str | os.PathLike[str], *, poll: Wait = False, dma_bytes: int | None = None
     ) -> Device:
         """The device served by the backend at `socket` (this process plays the VM)."""
         lib = cls.library()
@@ -230,7 +268,7 @@ class Device:
 
     @classmethod
     def open_pci(
-        cls, addr: str | None = None, *, poll: bool = False, dma_bytes: int | None = None
+        cls, addr: str | None = None, *, poll: Wait = False, dma_bytes: int | None = None
     ) -> Device:
         """The PCI device from inside a guest (root and hugepages needed)."""
         lib = cls.library()
@@ -248,6 +286,8 @@ class Device:
 
         ``DMLC_SOCKET`` (a backend socket; or ``DMLC_SOCKET_PREFIX`` plus the
         rank) or ``DMLC_DEVICE=pci[:ADDR]``; ``DMLC_POLL=1`` polls,
+        ``DMLC_POLL=hybrid`` spins briefly before it sleeps (the default, 0,
+        sleeps on the interrupt at once),
         ``DMLC_DMA_BYTES`` sizes the device memory. A rank given by the
         launcher (``DMLC_TASK_ID``) or torchrun (``RANK``, ``WORLD_SIZE``)
         must match the device's.
@@ -255,22 +295,25 @@ class Device:
         env = dict(os.environ) if env is None else env
         given_rank = _int_env(env, "RANK", "DMLC_TASK_ID")
         given_world = _int_env(env, "WORLD_SIZE", "DMLC_NUM_WORKER")
-        poll = env.get("DMLC_POLL", "0")
-        if poll not in ("0", "1"):
-            raise ValueError(f"DMLC_POLL={poll!r}: expected 1 (poll) or 0 (interrupts)")
+        waits: dict[str, Wait] = {"0": False, "1": True, "hybrid": "hybrid"}
+        if env.get("DMLC_POLL", "0") not in waits:
+            raise ValueError(
+                f"DMLC_POLL={env['DMLC_POLL']!r}: expected 1 (poll), 0 (interrupts) or hybrid"
+            )
+        poll = waits[env.get("DMLC_POLL", "0")]
         dma = env.get("DMLC_DMA_BYTES")
         dma_bytes = parse_size("DMLC_DMA_BYTES", dma) if dma else None
         if "DMLC_SOCKET" in env:
-            dev = cls.open_host(env["DMLC_SOCKET"], poll=poll == "1", dma_bytes=dma_bytes)
+            dev = cls.open_host(env["DMLC_SOCKET"], poll=poll, dma_bytes=dma_bytes)
         elif "DMLC_SOCKET_PREFIX" in env:
             if given_rank is None:
                 raise ValueError("DMLC_SOCKET_PREFIX needs RANK or DMLC_TASK_ID")
             dev = cls.open_host(
-                f"{env['DMLC_SOCKET_PREFIX']}{given_rank}", poll=poll == "1", dma_bytes=dma_bytes
+                f"{env['DMLC_SOCKET_PREFIX']}{given_rank}", poll=poll, dma_bytes=dma_bytes
             )
         elif env.get("DMLC_DEVICE", "").startswith("pci"):
             addr = env["DMLC_DEVICE"].partition(":")[2] or None
-            dev = cls.open_pci(addr, poll=poll == "1", dma_bytes=dma_bytes)
+            dev = cls.open_pci(addr, poll=poll, dma_bytes=dma_bytes)
         else:
             raise ValueError(
                 "no device in the environment: set DMLC_SOCKET (host transport) "
@@ -311,6 +354,58 @@ class Device:
         except Exception:  # noqa: BLE001 (nothing to report to at exit)
             pass
 
+    # ---- device memory --------------------------------------------------------
+
+    def empty(self, shape: int | tuple[int, ...], dtype: Any = np.float32) -> Any:
+        """An uninitialized array in device-visible memory: in-place
+        collectives on it (or on a contiguous slice of it) need no copy.
+
+        `dtype` is a numpy dtype (a numpy array comes back) or a torch dtype
+        (a CPU tensor). The memory is freed when the last view of it is
+        gone, and may outlive :meth:`close`.
+        """
+        dims = (shape,) if isinstance(shape, int) else tuple(shape)
+        count = int(np.prod(dims, dtype=np.int64))
+        torch_dtype = dtype if type(dtype).__module__.startswith("torch") else None
+        if torch_dtype is not None:
+            if torch_dtype not in _torch_dtypes():
+                raise TypeError(f"dmlc has no element type for {torch_dtype}")
+            nbytes = count * _SIZES[_torch_dtypes()[torch_dtype]]
+        else:
+            np_dtype = np.dtype(dtype)
+            if np_dtype not in _NUMPY_DTYPES:
+                raise TypeError(f"dmlc has no element type for numpy {np_dtype}")
+            nbytes = count * np_dtype.itemsize
+        lib = self._lib_
+        buf = ctypes.c_void_p()
+        self._check(lib.dmlc_alloc(self._dev, max(nbytes, 1), ctypes.byref(buf)))
+        addr = lib.dmlc_buffer_data(buf)
+        raw = (ctypes.c_uint8 * max(nbytes, 1)).from_address(addr)
+        with self._owned_lock:
+            self._owned[addr] = (nbytes, buf)
+        # Every view keeps `raw` alive; when the last one is gone, the
+        # buffer goes back to the device.
+        weakref.finalize(raw, self._release, addr, buf)
+        if torch_dtype is not None:
+            t = _torch().frombuffer(raw, dtype=torch_dtype, count=count) if count else None
+            return t.reshape(dims) if t is not None else _torch().empty(dims, dtype=torch_dtype)
+        return np.frombuffer(raw, dtype=np_dtype, count=count).reshape(dims)
+
+    def _release(self, addr: int, buf: ctypes.c_void_p) -> None:
+        with self._owned_lock:
+            self._owned.pop(addr, None)
+        self._lib_.dmlc_free(buf)
+
+    def _device_memory(self, addr: int, nbytes: int) -> tuple[ctypes.c_void_p, int] | None:
+        """The buffer and offset of [addr, addr + nbytes) if empty() made it."""
+        if not nbytes:
+            return None
+        with self._owned_lock:
+            for start, (length, buf) in self._owned.items():
+                if start <= addr and addr + nbytes <= start + length:
+                    return buf, addr - start
+        return None
+
     # ---- collectives --------------------------------------------------------
 
     def allreduce(
@@ -323,12 +418,18 @@ class Device:
         rop = reduce_op(op)
 
         def run() -> Any:
-            src, dtype = as_bytes(data)
-            dst = src if out is None else self._same(out, src, dtype)
-            step = self._chunk // _size(dtype) * _size(dtype)
-            for lo in range(0, len(src), step) if len(src) else ():
-                hi = min(lo + step, len(src))
-                dst[lo:hi] = self._run(_capi.ALLREDUCE, dtype, rop, 0, src[lo:hi], hi - lo)
+            src, n, dtype = memory(data)
+            dst = src if out is None else self._same(out, n, dtype)
+            if dst == src and n <= self.max_bytes and self._direct(src, n):
+                self._run(_capi.ALLREDUCE, dtype, rop, 0, n, n)
+                return data
+            step = self._chunk // _SIZES[dtype] * _SIZES[dtype]
+            stage = self._stage(min(n, step))
+            for lo in range(0, n, step):
+                k = min(step, n - lo)
+                ctypes.memmove(stage, src + lo, k)
+                self._run(_capi.ALLREDUCE, dtype, rop, 0, k, k)
+                ctypes.memmove(dst + lo, stage, k)
             return data if out is None else out
 
         return self._call(run, async_op)
@@ -338,13 +439,18 @@ class Device:
         self._check_root(root)
 
         def run() -> Any:
-            buf, dtype = as_bytes(data)
-            step = self._chunk // _size(dtype) * _size(dtype)
-            for lo in range(0, len(buf), step) if len(buf) else ():
-                hi = min(lo + step, len(buf))
-                buf[lo:hi] = self._run(
-                    _capi.BROADCAST, dtype, ReduceOp.SUM, root, buf[lo:hi], hi - lo
-                )
+            buf, n, dtype = memory(data)
+            if n <= self.max_bytes and self._direct(buf, n):
+                self._run(_capi.BROADCAST, dtype, ReduceOp.SUM, root, n, n)
+                return data
+            step = self._chunk // _SIZES[dtype] * _SIZES[dtype]
+            stage = self._stage(min(n, step))
+            for lo in range(0, n, step):
+                k = min(step, n - lo)
+                if self.rank == root:
+                    ctypes.memmove(stage, buf + lo, k)
+                self._run(_capi.BROADCAST, dtype, ReduceOp.SUM, root, k, k)
+                ctypes.memmove(buf + lo, stage, k)
             return data
 
         return self._call(run, async_op)
@@ -357,10 +463,12 @@ class Device:
         rop = reduce_op(op)
 
         def run() -> Any:
-            buf, dtype = as_bytes(data)
-            result = self._run(_capi.REDUCE, dtype, rop, root, buf, len(buf))
+            buf, n, dtype = memory(data)
+            stage = self._stage(n)
+            ctypes.memmove(stage, buf, n)
+            self._run(_capi.REDUCE, dtype, rop, root, n, n)
             if self.rank == root:
-                buf[:] = result
+                ctypes.memmove(buf, stage, n)
             return data
 
         return self._call(run, async_op)
@@ -369,16 +477,18 @@ class Device:
         """`out` (world_size times `data`'s size) gets every member's `data` in rank order."""
 
         def run() -> Any:
-            src, dtype = as_bytes(data)
-            dst, odtype = as_bytes(out)
-            n = len(src)
-            if odtype != dtype or len(dst) != n * self.world_size:
+            src, n, dtype = memory(data)
+            dst, total, odtype = memory(out)
+            if odtype != dtype or total != n * self.world_size:
                 raise ValueError(
                     f"allgather output must hold {self.world_size} x {n} bytes of {dtype.name}"
                 )
-            staged = np.zeros(n * self.world_size, dtype=np.uint8)
-            staged[self.rank * n : (self.rank + 1) * n] = src
-            dst[:] = self._run(_capi.ALLGATHER, dtype, ReduceOp.SUM, 0, staged, n)
+            stage = self._stage(total)
+            # In place, the device reads this member's block at its rank's
+            # place and writes every block.
+            ctypes.memmove(stage + self.rank * n, src, n)
+            self._run(_capi.ALLGATHER, dtype, ReduceOp.SUM, 0, n, total)
+            ctypes.memmove(dst, stage, total)
             return out
 
         return self._call(run, async_op)
@@ -390,15 +500,16 @@ class Device:
         rop = reduce_op(op)
 
         def run() -> Any:
-            src, dtype = as_bytes(data)
-            dst, odtype = as_bytes(out)
-            n = len(dst)
-            if odtype != dtype or len(src) != n * self.world_size:
+            src, total, dtype = memory(data)
+            dst, n, odtype = memory(out)
+            if odtype != dtype or total != n * self.world_size:
                 raise ValueError(
                     f"reduce_scatter input must hold {self.world_size} x {n} bytes of {dtype.name}"
                 )
-            result = self._run(_capi.REDUCE_SCATTER, dtype, rop, 0, src, n)
-            dst[:] = result[self.rank * n : (self.rank + 1) * n]
+            stage = self._stage(total)
+            ctypes.memmove(stage, src, total)
+            self._run(_capi.REDUCE_SCATTER, dtype, rop, 0, n, total)
+            ctypes.memmove(dst, stage + self.rank * n, n)
             return out
 
         return self._call(run, async_op)
@@ -406,7 +517,7 @@ class Device:
     def barrier(self, *, async_op: bool = False) -> Any:
         """Returns once every member has called it."""
         return self._call(
-            lambda: self._run(_capi.BARRIER, Dtype.U8, ReduceOp.SUM, 0, None, 0), async_op
+            lambda: self._run(_capi.BARRIER, Dtype.U8, ReduceOp.SUM, 0, 0, 0), async_op
         )
 
     # ---- plumbing -----------------------------------------------------------
@@ -440,18 +551,18 @@ class Device:
             raise ValueError(f"root {root} is not a rank of a group of {self.world_size}")
 
     @staticmethod
-    def _same(out: Any, src: np.ndarray, dtype: Dtype) -> np.ndarray:
-        dst, odtype = as_bytes(out)
-        if odtype != dtype or len(dst) != len(src):
+    def _same(out: Any, nbytes: int, dtype: Dtype) -> int:
+        dst, n, odtype = memory(out)
+        if odtype != dtype or n != nbytes:
             raise ValueError("out must have the input's size and dtype")
         return dst
 
-    def _stage(self, nbytes: int) -> np.ndarray:
-        """The staging buffer (device memory) as at least `nbytes` of numpy bytes."""
-        lib = self._lib_
+    def _stage(self, nbytes: int) -> int:
+        """The address of the staging buffer (device memory), grown to at
+        least `nbytes`. Only the worker thread uses it."""
         if nbytes > self._staging_len:
+            lib = self._lib_
             if self._staging:
-                self._staging_view = np.empty(0, dtype=np.uint8)
                 lib.dmlc_free(self._staging)
                 self._staging = ctypes.c_void_p()
                 self._staging_len = 0
@@ -459,10 +570,19 @@ class Device:
             self._check(lib.dmlc_alloc(self._dev, max(nbytes, 64), ctypes.byref(buf)))
             self._staging = buf
             self._staging_len = lib.dmlc_buffer_size(buf)
-            ptr = lib.dmlc_buffer_data(self._staging)
-            raw = (ctypes.c_uint8 * self._staging_len).from_address(ptr)
-            self._staging_view = np.frombuffer(raw, dtype=np.uint8)
-        return self._staging_view
+            self._staging_addr = lib.dmlc_buffer_data(buf)
+        self._seg.buf = self._staging
+        self._seg.offset = 0
+        return self._staging_addr
+
+    def _direct(self, addr: int, nbytes: int) -> bool:
+        """Points the request at the caller's memory if it is device memory
+        (from empty()); False if it must be staged."""
+        found = self._device_memory(addr, nbytes)
+        if found is None:
+            return False
+        self._seg.buf, self._seg.offset = found
+        return True
 
     def _run(
         self,
@@ -470,56 +590,42 @@ class Device:
         dtype: Dtype,
         op: ReduceOp,
         root: int,
-        data: np.ndarray | None,
         block_bytes: int,
-    ) -> np.ndarray:
-        """Runs one in-place request on a copy of `data`; returns the result
-        bytes, a view of the staging buffer valid until the next request (the
-        worker thread runs one at a time). `block_bytes` is the per-member
-        count in bytes."""
-        size = _size(dtype)
+        nbytes: int,
+    ) -> None:
+        """Runs one in-place request on `nbytes` of device memory: the staging
+        buffer that the caller filled (after `_stage`), or the caller's own
+        (after `_direct`); none for a barrier. The result is left there.
+        `block_bytes` is the per-member count in bytes."""
+        size = _SIZES[dtype]
         if block_bytes % size:
             raise ValueError(f"{block_bytes} bytes are not whole {dtype.name} elements")
-        nbytes = 0 if data is None else len(data)
-        seg = _capi.Segment()
-        nseg = 0
-        if nbytes:
-            stage = self._stage(nbytes)
-            stage[:nbytes] = data
-            seg.buf, seg.offset, seg.len = self._staging, 0, nbytes
-            nseg = 1
-        req = _capi.Request(
-            opcode=opcode,
-            dtype=int(dtype),
-            op=int(op),
-            root=root,
-            count=block_bytes // size,
-            tag=0,
-            flags=_capi.FLAG_IN_PLACE if nseg else 0,
-            timeout_ms=0,
-        )
-        handle = ctypes.c_void_p()
+        req = self._req
+        req.opcode = opcode
+        req.dtype = dtype
+        req.op = op
+        req.root = root
+        req.count = block_bytes // size
+        req.flags = _capi.FLAG_IN_PLACE if nbytes else 0
+        self._seg.len = nbytes
         lib = self._lib_
         rc = lib.dmlc_submit(
             self._dev,
             0,
-            ctypes.byref(req),
+            self._req_ref,
             None,
             0,
-            ctypes.byref(seg) if nseg else None,
-            nseg,
-            ctypes.byref(handle),
+            self._seg_ref if nbytes else None,
+            1 if nbytes else 0,
+            self._handle_ref,
         )
         self._check(rc)
-        done = _capi.Completion()
-        rc = lib.dmlc_wait(self._dev, handle, -1, ctypes.byref(done))
+        done = self._done
+        rc = lib.dmlc_wait(self._dev, self._handle, -1, self._done_ref)
         if rc != _capi.OK:
             msg = (lib.dmlc_last_error_message() or b"").decode(errors="replace")
             peer = None if done.peer == _capi.NO_PEER else done.peer
             raise error_for(rc, msg or _strerror(lib, rc), done.detail, peer)
-        if not nbytes:
-            return np.empty(0, dtype=np.uint8)
-        return self._stage(nbytes)[:nbytes]
 
 
 def _strerror(lib: ctypes.CDLL, rc: int) -> str:
