@@ -109,6 +109,9 @@ def run_vms(a: argparse.Namespace, backend: str, ranks: int) -> dict[str, float]
     )
     cmd = [str(target / "dmlc-qemu"), "submit", "-n", str(ranks), "--host-root"]
     cmd += ["--memory", "2G", "--timeout", str(a.timeout)]
+    if a.log_dir:
+        runs = len(list(a.log_dir.glob(f"{backend}-{ranks}-*")))
+        cmd += ["--log-dir", str(a.log_dir / f"{backend}-{ranks}-{runs}")]
     cmd += ["--transport", "device" if backend == "dmlc" else "tcp", "--", sys.executable]
     cmd += [str(TRAIN), "--backend", backend, "--steps", str(a.steps)]
     cmd += ["--hidden", str(a.hidden), "--batch", str(a.batch)]
@@ -150,6 +153,7 @@ def main() -> None:
         "computes about 1000x slower than the host and a bigger batch hides the exchange]",
     )
     p.add_argument("--timeout", type=int, default=1200, help="seconds per VM job")
+    p.add_argument("--log-dir", type=Path, help="with --vms: keep each job's logs here")
     a = p.parse_args()
     if a.batch is None:
         a.batch = 2 if a.vms else 64

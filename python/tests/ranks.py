@@ -303,6 +303,14 @@ def ddp(backend: str, store_path: str) -> None:
     ref_params = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
     err = (params - ref_params).abs().max().item()
     check(err < 1e-5, f"DDP differs from a single process by {err}")
+    # all_gather into a list (as DDP's first check does): the outputs are
+    # filled when the Work completes, however fast the device was.
+    bad = 0
+    for k in range(200):
+        outs = [torch.empty(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(outs, torch.tensor([k * world + rank]))
+        bad += [o.item() for o in outs] != [k * world + q for q in range(world)]
+    check(bad == 0, f"{bad} of 200 list all_gathers returned before their outputs were filled")
     # Errors name the op and the backend.
     try:
         dist.all_to_all_single(torch.zeros(world), torch.zeros(world))

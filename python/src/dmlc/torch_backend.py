@@ -14,6 +14,7 @@ does not have raises NotImplementedError naming the op.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -63,12 +64,22 @@ class ProcessGroupDmlc(dist.ProcessGroup):
     def _backend_name(self) -> str:
         return BACKEND
 
-    def _work(self, result: Any, work: Any) -> Any:
-        """A torch Work completed when the device's `work` is."""
+    def _work(self, result: Any, work: Any, then: Callable[[], None] | None = None) -> Any:
+        """A torch Work completed when the device's `work` is, after `then`.
+
+        One callback does both: a second callback on `work` could run first,
+        in the caller's thread, if `work` completes in between, and the
+        caller would read outputs that `then` has not filled yet.
+        """
         fut: torch.futures.Future[Any] = torch.futures.Future()
 
         def done(f: Any) -> None:
             e = f.exception()
+            if e is None and then is not None:
+                try:
+                    then()
+                except Exception as x:  # noqa: BLE001 (handed to the waiter)
+                    e = x
             if e is not None:
                 fut.set_exception(e)
             else:
@@ -117,13 +128,12 @@ class ProcessGroupDmlc(dist.ProcessGroup):
         outs = self._one(output_tensors, "allgather")  # type: ignore[arg-type]
         gathered = torch.empty((self.size(), *inp.shape), dtype=inp.dtype)
 
-        def scatter_back(_: Any) -> None:
+        def scatter_back() -> None:
             for o, g in zip(outs, gathered):  # type: ignore[call-overload]
                 o.copy_(g)
 
         work = self.device.allgather(inp.contiguous(), gathered, async_op=True)
-        work.add_done_callback(scatter_back)
-        return self._work(output_tensors, work)
+        return self._work(output_tensors, work, then=scatter_back)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         return self._work(output, self.device.allgather(input.contiguous(), output, async_op=True))
