@@ -14,6 +14,7 @@
 //! - [`metrics`]: counters and their Prometheus text form;
 //! - [`backend`]: the `VhostUserBackend` of one member;
 //! - [`spare_cpu`]: whether busy-polling would take a CPU from the ranks;
+//! - [`timing`]: the timing model and impairments (`--timing`);
 //! - [`config`]: command-line options and the daemon's configuration;
 //! - [`daemon`]: the per-socket serve loops and the metrics endpoint.
 
@@ -26,6 +27,7 @@ pub mod fault;
 pub mod group;
 pub mod metrics;
 pub mod spare_cpu;
+pub mod timing;
 
 /// Guest memory as the backend sees it (no dirty-page bitmap).
 pub type GuestMem = vm_memory::GuestMemoryMmap<()>;
