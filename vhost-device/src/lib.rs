@@ -15,6 +15,7 @@
 //! - [`backend`]: the `VhostUserBackend` of one member;
 //! - [`spare_cpu`]: whether busy-polling would take a CPU from the ranks;
 //! - [`timing`]: the timing model and impairments (`--timing`);
+//! - [`trace`]: the flight recorder and its Chrome trace dump (`--trace-out`);
 //! - [`config`]: command-line options and the daemon's configuration;
 //! - [`daemon`]: the per-socket serve loops and the metrics endpoint.
 
@@ -28,6 +29,7 @@ pub mod group;
 pub mod metrics;
 pub mod spare_cpu;
 pub mod timing;
+pub mod trace;
 
 /// Guest memory as the backend sees it (no dirty-page bitmap).
 pub type GuestMem = vm_memory::GuestMemoryMmap<()>;
