@@ -748,7 +748,13 @@ impl Group {
                 drop(batch);
                 if let Some(rec) = &sh.recorder {
                     let generation = sh.resp_generation.load(Ordering::Acquire);
-                    let mut r = record_of(key, generation, std::slice::from_ref(&arrival), sh.world, out);
+                    let mut r = record_of(
+                        key,
+                        generation,
+                        std::slice::from_ref(&arrival),
+                        sh.world,
+                        out,
+                    );
                     r.members[rank as usize].completed = delivered.then(Instant::now);
                     rec.push(r);
                 }
@@ -1059,7 +1065,9 @@ fn schedule(t: &Timing, st: &mut State, key: (u16, u64), w: &Waiting) -> Schedul
         };
     }
     let start = last.max(busy);
-    let due = start + t.model.time(reference.opcode, reference.count_bytes() as u64);
+    let due = start
+        + t.model
+            .time(reference.opcode, reference.count_bytes() as u64);
     st.modelled[q].0 = due;
     Schedule {
         start,

@@ -563,7 +563,10 @@ fn check_model(m: &ModelSpec, members: u32) -> Result<Model, TimingError> {
                 ));
             }
             let world = nodes.checked_mul(rpn).ok_or_else(|| {
-                field("model.nodes", "times model.ranks_per_node does not fit in 32 bits")
+                field(
+                    "model.nodes",
+                    "times model.ranks_per_node does not fit in 32 bits",
+                )
             })?;
             if world < members {
                 return Err(field(
@@ -589,23 +592,22 @@ fn check_model(m: &ModelSpec, members: u32) -> Result<Model, TimingError> {
             let intra_bw = positive("model.intra_bandwidth_gbs", m.intra_bandwidth_gbs)?;
             let inter_bw = positive("model.inter_bandwidth_gbs", m.inter_bandwidth_gbs)?;
             let bus = positive("model.bus_bandwidth_gbs", m.bus_bandwidth_gbs)?;
-            let bus_gbs = match (bus, intra_bw, inter_bw) {
-                (Some(b), _, _) => b,
-                (None, Some(intra), _) if nodes == 1 => intra,
-                (None, Some(intra), Some(inter)) => intra.min(inter),
-                (None, None, _) => {
-                    return Err(field(
+            let bus_gbs =
+                match (bus, intra_bw, inter_bw) {
+                    (Some(b), _, _) => b,
+                    (None, Some(intra), _) if nodes == 1 => intra,
+                    (None, Some(intra), Some(inter)) => intra.min(inter),
+                    (None, None, _) => return Err(field(
                         "model.intra_bandwidth_gbs",
                         "is required with kind = \"topology\" (or give model.bus_bandwidth_gbs)",
-                    ))
-                }
-                (None, Some(_), None) => {
-                    return Err(field(
-                        "model.inter_bandwidth_gbs",
-                        "is required with more than one node (or give model.bus_bandwidth_gbs)",
-                    ))
-                }
-            };
+                    )),
+                    (None, Some(_), None) => {
+                        return Err(field(
+                            "model.inter_bandwidth_gbs",
+                            "is required with more than one node (or give model.bus_bandwidth_gbs)",
+                        ))
+                    }
+                };
             return Ok(Model::Topology {
                 tree,
                 nodes,
@@ -658,12 +660,8 @@ fn check_delay(at: &str, d: &DelaySpec, members: u32) -> Result<DelayRule, Timin
     let name = |f: &str| format!("{at}.{f}");
     let need = |f: &str, v: Option<f64>| -> Result<f64, TimingError> {
         let v = non_negative(&name(f), v)?;
-        v.map(us).ok_or_else(|| {
-            field(
-                name(f),
-                format!("is required with dist = \"{}\"", d.dist),
-            )
-        })
+        v.map(us)
+            .ok_or_else(|| field(name(f), format!("is required with dist = \"{}\"", d.dist)))
     };
     let given: [(&str, bool); 7] = [
         ("us", d.us.is_some()),
@@ -712,14 +710,12 @@ fn check_delay(at: &str, d: &DelaySpec, members: u32) -> Result<DelayRule, Timin
                 shape,
             }
         }
-        other => {
-            return Err(field(
-                name("dist"),
-                format!(
-                    "must be one of \"constant\", \"uniform\", \"normal\", \"pareto\", not {other:?}"
-                ),
-            ))
-        }
+        other => return Err(field(
+            name("dist"),
+            format!(
+                "must be one of \"constant\", \"uniform\", \"normal\", \"pareto\", not {other:?}"
+            ),
+        )),
     };
     if !(0.0..1.0).contains(&d.correlation) {
         return Err(field(

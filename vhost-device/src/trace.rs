@@ -175,12 +175,12 @@ impl Recorder {
         }
         lanes.assign();
         let mut events = Vec::new();
-        let meta = |pid: u32, tid: u32, what: &str, name: String| {
-            json!({"ph": "M", "pid": pid, "tid": tid, "name": what, "args": {"name": name}})
-        };
+        let meta = |pid: u32, tid: u32, what: &str, name: String| json!({"ph": "M", "pid": pid, "tid": tid, "name": what, "args": {"name": name}});
         events.push(meta(0, 0, "process_name", "device".into()));
-        events.push(json!({"ph": "M", "pid": 0, "tid": 0, "name": "process_sort_index",
-                           "args": {"sort_index": 0}}));
+        events.push(
+            json!({"ph": "M", "pid": 0, "tid": 0, "name": "process_sort_index",
+                           "args": {"sort_index": 0}}),
+        );
         for rank in 0..world {
             events.push(meta(rank + 1, 0, "process_name", format!("rank {rank}")));
             events.push(json!({"ph": "M", "pid": rank + 1, "tid": 0,
@@ -301,7 +301,9 @@ impl Lanes {
     fn used(&self) -> Vec<(u32, u32, u32)> {
         self.ends
             .iter()
-            .flat_map(|(&(pid, group), lanes)| (0..lanes.len() as u32).map(move |l| (pid, group, l)))
+            .flat_map(|(&(pid, group), lanes)| {
+                (0..lanes.len() as u32).map(move |l| (pid, group, l))
+            })
             .collect()
     }
 }
