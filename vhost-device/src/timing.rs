@@ -710,12 +710,14 @@ fn check_delay(at: &str, d: &DelaySpec, members: u32) -> Result<DelayRule, Timin
                 shape,
             }
         }
-        other => return Err(field(
-            name("dist"),
-            format!(
+        other => {
+            return Err(field(
+                name("dist"),
+                format!(
                 "must be one of \"constant\", \"uniform\", \"normal\", \"pareto\", not {other:?}"
             ),
-        )),
+            ))
+        }
     };
     if !(0.0..1.0).contains(&d.correlation) {
         return Err(field(

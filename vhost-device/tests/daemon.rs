@@ -20,7 +20,7 @@ use virtio_dmlc::{
     VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
 };
 
-const FLAGS: [&str; 15] = [
+const FLAGS: [&str; 18] = [
     "--socket-path",
     "--socket-count",
     "--queues",
@@ -35,6 +35,9 @@ const FLAGS: [&str; 15] = [
     "--metrics-addr",
     "--socket-mode",
     "--socket-group",
+    "--timing",
+    "--trace-out",
+    "--trace-capacity",
     "--log-level",
 ];
 

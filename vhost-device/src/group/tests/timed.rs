@@ -107,7 +107,7 @@ fn split_collectives_are_held_too() {
         );
     }
     let want = c.expected(&inputs, &[false, false]);
-    for (r, p) in pend.iter().enumerate() {
+    for r in 0..pend.len() {
         assert_eq!(w.members[r].gather(&built[r].outputs), want[r]);
     }
     assert_eq!(w.group.metrics().split_count(), 1);
