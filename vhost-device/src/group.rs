@@ -155,6 +155,8 @@ struct Shared {
     later: Option<Later>,
     /// The flight recorder, if any.
     recorder: Option<Recorder>,
+    /// A collective that outlasted its model was logged.
+    late_warned: AtomicBool,
     /// Panics caught on reduction threads (for tests).
     #[cfg(test)]
     worker_panics: AtomicUsize,
@@ -339,6 +341,7 @@ impl Group {
             later: timing.as_ref().map(|_| Later::default()),
             timing,
             recorder: (config.trace_capacity > 0).then(|| Recorder::new(config.trace_capacity)),
+            late_warned: AtomicBool::new(false),
             #[cfg(test)]
             worker_panics: AtomicUsize::new(0),
             cfg: config,
@@ -1392,6 +1395,12 @@ impl Shared {
             for m in &mut st.members {
                 m.seqs.iter_mut().for_each(|s| *s = 0);
             }
+            // The modelled cluster starts afresh too (held completions are
+            // delivered below).
+            let now = Instant::now();
+            for q in &mut st.modelled {
+                q.0 = now;
+            }
             let next_run = st.next_run;
             if let Some((rank, gate)) = lost {
                 let m = &mut st.members[rank as usize];
@@ -2053,6 +2062,17 @@ impl Job {
             late = now > s.due;
             if late {
                 sh.metrics.model_late();
+                if !sh.late_warned.swap(true, Ordering::Relaxed) {
+                    log::warn!(
+                        "{} collective (queue {}, seq {}) moved its data {:.1} us after its \
+                         modelled completion: the host is too slow to honour the timing model \
+                         (counted in dmlc_model_late_total; warned once)",
+                        self.opcode,
+                        self.key.0,
+                        self.key.1,
+                        (now - s.due).as_nanos() as f64 / 1000.0
+                    );
+                }
             }
         }
         self.deliver_all(moved_to, late);
