@@ -486,3 +486,41 @@ fn the_trace_is_chrome_json_with_one_process_per_member() {
         .collect();
     assert_eq!(names, ["device", "rank 0", "rank 1"]);
 }
+
+#[test]
+fn a_generation_change_delivers_held_completions_at_once() {
+    // 10 s per collective: far longer than the test waits.
+    let toml = "[model]\nkind = \"ring\"\nalpha_us = 5000000\nbandwidth_gbs = 1\n";
+    let model = Duration::from_secs(10);
+    // A loss: the survivor gets the result of the collective that ran; the
+    // lost member's completion is dropped.
+    let mut w = World::new(timed(2, toml));
+    let d: Vec<Vec<Desc>> = (0..2).map(|r| barrier_descs(&mut w, r)).collect();
+    let t = Instant::now();
+    let p: Vec<Pending> = (0..2).map(|r| w.submit(r, 0, &d[r as usize])).collect();
+    assert!(w.wait_for(&p[0], Duration::from_millis(100)).is_none());
+    w.group.member_lost(1);
+    let (_, got) = w.wait(&p[0]);
+    assert_eq!(got.status.get(), Status::Ok.raw());
+    assert!(t.elapsed() < model / 2, "{:?}", t.elapsed());
+    assert!(w.wait_for(&p[1], Duration::from_millis(50)).is_none());
+    assert_eq!(w.group.generation(), 2);
+    // A reset (as at shutdown) does the same for everyone.
+    let mut w = World::new(timed(2, toml));
+    let d: Vec<Vec<Desc>> = (0..2).map(|r| barrier_descs(&mut w, r)).collect();
+    let t = Instant::now();
+    let p: Vec<Pending> = (0..2).map(|r| w.submit(r, 0, &d[r as usize])).collect();
+    w.group.reset();
+    for p in &p {
+        assert_eq!(w.wait(p).1.status.get(), Status::Ok.raw());
+    }
+    assert!(t.elapsed() < model / 2, "{:?}", t.elapsed());
+    // Dropping the group delivers what is still held, too.
+    let d: Vec<Vec<Desc>> = (0..2).map(|r| barrier_descs(&mut w, r)).collect();
+    let p: Vec<Pending> = (0..2).map(|r| w.submit(r, 0, &d[r as usize])).collect();
+    let (group, hub, _parts) = w.into_parts();
+    drop(group);
+    for p in &p {
+        assert!(hub.wait_for(p, SLACK).is_some());
+    }
+}
