@@ -8,14 +8,17 @@
 #
 #   bench/timing-fidelity.sh [--ranks N] [--world P] [--alpha-us A]
 #                            [--bandwidth-gbs B] [--iters I] [--max BYTES]
-#                            [--repeat K]
+#                            [--repeat K] [--spin-us S] [--rank-arg ARG]
 #
 # Defaults: 2 ranks, p = 8, alpha 100 us, 1 GB/s, 50 iterations, up to
 # 16M, 1 repetition. With --repeat K, the runs with and without the model
 # alternate K times and each figure is the median of the K medians.
+# --spin-us sets the file's spin_us (the backend busy-waits the last S us
+# before each modelled completion); --rank-arg passes an option to every
+# rank's bench (e.g. --rank-arg=--interrupt).
 set -euo pipefail
 
-ranks=2 world=8 alpha=100 bw=1 iters=50 max=16M repeat=1
+ranks=2 world=8 alpha=100 bw=1 iters=50 max=16M repeat=1 spin=0 rank_args=()
 while [ $# -gt 0 ]; do
     case $1 in
         --ranks) ranks=$2; shift 2 ;;
@@ -25,7 +28,10 @@ while [ $# -gt 0 ]; do
         --iters) iters=$2; shift 2 ;;
         --max) max=$2; shift 2 ;;
         --repeat) repeat=$2; shift 2 ;;
-        -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+        --spin-us) spin=$2; shift 2 ;;
+        --rank-arg) rank_args+=("$2"); shift 2 ;;
+        --rank-arg=*) rank_args+=("${1#--rank-arg=}"); shift ;;
+        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
         *) echo "timing-fidelity.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -37,6 +43,7 @@ target=${CARGO_TARGET_DIR:-$root/target}/release
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 cat >"$tmp/ring.toml" <<EOF
+spin_us = $spin
 [model]
 kind = "ring"
 world = $world
@@ -47,11 +54,11 @@ EOF
 # Prints "size oop_median ip_median" per size.
 run() {
     "$target/dmlc-guest" local --ranks "$ranks" --backend "$target/vhost-device-dmlc" "$@" \
-        -- bench -b 4 -e "$max" -n "$iters" -w $((iters / 5 + 1)) 2>/dev/null |
+        -- bench -b 4 -e "$max" -n "$iters" -w $((iters / 5 + 1)) "${rank_args[@]}" 2>/dev/null |
         awk '$1 ~ /^[0-9]+$/ { print $1, $6, $10 }'
 }
 
-echo "# timing-fidelity.sh: $ranks ranks (host transport), ring model p=$world alpha=${alpha}us bandwidth=${bw}GB/s, f32 sum allreduce, $iters iterations, $repeat repetition(s); $(nproc) CPUs, load average $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "# timing-fidelity.sh: $ranks ranks (host transport), ring model p=$world alpha=${alpha}us bandwidth=${bw}GB/s spin_us=$spin, ranks' extra options: ${rank_args[*]:-none}, f32 sum allreduce, $iters iterations, $repeat repetition(s); $(nproc) CPUs, load average $(cut -d' ' -f1-3 /proc/loadavg)"
 for rep in $(seq "$repeat"); do
     run --backend-arg=--timing="$tmp/ring.toml" | sed "s/^/model /" >>"$tmp/raw"
     run | sed "s/^/none /" >>"$tmp/raw"

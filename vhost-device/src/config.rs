@@ -194,6 +194,11 @@ pub struct Args {
     #[arg(long, value_name = "N")]
     pub trace_capacity: Option<usize>,
 
+    /// Serve live control requests (state, trace, delay, load; see dmlc-ctl)
+    /// on this Unix socket, with the vhost-user sockets' mode and group.
+    #[arg(long, value_name = "PATH")]
+    pub control_socket: Option<PathBuf>,
+
     /// How much to log.
     #[arg(long, value_name = "LEVEL", value_enum, default_value_t = LogLevel::Info)]
     pub log_level: LogLevel,
@@ -230,6 +235,8 @@ pub struct Config {
     pub metrics_addr: Option<SocketAddr>,
     /// Where to write the flight recorder's trace, if anywhere.
     pub trace_out: Option<PathBuf>,
+    /// Where to serve control requests, if anywhere.
+    pub control_socket: Option<PathBuf>,
     /// Log level.
     pub log_level: LogLevel,
 }
@@ -284,6 +291,11 @@ impl TryFrom<Args> for Config {
             (None, None) => 0,
             (Some(_), n) => n.unwrap_or(crate::trace::DEFAULT_CAPACITY),
         };
+        if let Some(p) = &args.control_socket {
+            if p.as_os_str().len() > MAX_SOCKET_PATH {
+                return Err(ConfigError::SocketPathTooLong(p.clone()));
+            }
+        }
         let timing = match &args.timing {
             Some(path) => Some(std::sync::Arc::new(
                 Timing::load(path, args.socket_count).map_err(ConfigError::Timing)?,
@@ -310,12 +322,14 @@ impl TryFrom<Args> for Config {
                 faults: Faults::none(),
                 timing,
                 trace_capacity,
+                live_control: args.control_socket.is_some(),
             },
             queue_size: args.queue_size as u16,
             poll: Duration::from_micros(args.poll_us),
             poll_anyway: args.poll_anyway,
             metrics_addr: args.metrics_addr,
             trace_out: args.trace_out,
+            control_socket: args.control_socket,
             log_level: args.log_level,
         })
     }

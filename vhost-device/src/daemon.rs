@@ -141,6 +141,20 @@ pub fn start_backend(config: Config) -> Result<(), DaemonError> {
     };
     // Before the group's threads start: binding changes the process umask.
     let listeners = bind_sockets(&config.socket_paths, config.socket_access)?;
+    let control = match &config.control_socket {
+        Some(path) => {
+            match remove_stale_socket(path).and_then(|()| bind_unix(path, config.socket_access)) {
+                Ok(l) => Some(l),
+                Err(e) => {
+                    for p in &config.socket_paths {
+                        let _ = std::fs::remove_file(p);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        None => None,
+    };
     let mut group_config = config.group.clone();
     group_config.faults = crate::fault::faults_from_env().map_err(DaemonError::Faults)?;
     if !group_config.faults.is_none() {
@@ -181,6 +195,16 @@ pub fn start_backend(config: Config) -> Result<(), DaemonError> {
                 break;
             }
         })?;
+        if let Some(listener) = control {
+            let group = group.clone();
+            let trace_out = config.trace_out.clone();
+            spawn("dmlc-control", move || {
+                crate::control::serve(&listener, &group, trace_out.as_deref(), world)
+            })?;
+            if let Some(path) = &config.control_socket {
+                info!("control socket at {}", path.display());
+            }
+        }
         if let Some(listener) = metrics {
             let addr = listener.local_addr().ok();
             let group = group.clone();
@@ -234,14 +258,14 @@ pub fn start_backend(config: Config) -> Result<(), DaemonError> {
             Err(mpsc::RecvError) => Ok(()),
         },
     };
-    for path in &config.socket_paths {
+    for path in config.socket_paths.iter().chain(&config.control_socket) {
         let _ = std::fs::remove_file(path);
     }
     outcome
 }
 
 /// Writes the flight recorder's trace to `path`, if both exist.
-fn write_trace(group: &Group, path: Option<&Path>, world: u32) {
+pub(crate) fn write_trace(group: &Group, path: Option<&Path>, world: u32) {
     let (Some(rec), Some(path)) = (group.recorder(), path) else {
         if path.is_none() {
             info!("SIGUSR1: no --trace-out, so no trace to write");
@@ -303,6 +327,13 @@ fn bind_sockets(paths: &[PathBuf], access: SocketAccess) -> Result<Vec<Listener>
 /// final chmod makes the mode exact where the umask does not apply (a
 /// directory with a default ACL).
 fn bind_socket(path: &Path, access: SocketAccess) -> Result<Listener, DaemonError> {
+    // Not `Listener::new`: its listener would remove the file when dropped,
+    // and `start_backend` does that itself.
+    bind_unix(path, access).map(Listener::from)
+}
+
+/// [`bind_socket`] as a plain Unix listener (the control socket too).
+fn bind_unix(path: &Path, access: SocketAccess) -> Result<UnixListener, DaemonError> {
     let first = match access.group {
         Some(_) => access.mode & 0o700,
         None => access.mode,
@@ -335,9 +366,7 @@ fn bind_socket(path: &Path, access: SocketAccess) -> Result<Listener, DaemonErro
         let _ = std::fs::remove_file(path);
         return Err(e);
     }
-    // Not `Listener::new`: its listener would remove the file when dropped,
-    // and `start_backend` does that itself.
-    Ok(Listener::from(listener))
+    Ok(listener)
 }
 
 /// Runs `f` with the process umask set to `mask`, then restores it. The

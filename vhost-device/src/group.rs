@@ -101,6 +101,10 @@ pub struct GroupConfig {
     /// Collectives the flight recorder keeps ([`crate::trace`]); 0: no
     /// recorder.
     pub trace_capacity: usize,
+    /// The timing configuration may change while the group runs
+    /// ([`Group::set_timing`], the control socket): the timing machinery
+    /// runs even without a model.
+    pub live_control: bool,
 }
 
 /// How the engine hands a finished request back to its member's virtqueue.
@@ -149,7 +153,8 @@ struct Shared {
     resp_generation: AtomicU32,
     /// The test fault plan being carried out.
     faults: FaultState,
-    /// The timing model and impairments, if any; with them, `later`.
+    /// The timing configuration at start, if the timing machinery runs
+    /// (then also `later`, and `State::timing` holds the current one).
     timing: Option<Arc<Timing>>,
     /// Completions held until their modelled time (with `timing`).
     later: Option<Later>,
@@ -215,6 +220,9 @@ struct State {
     /// With `timing`, per queue: when the last modelled collective ends,
     /// and collectives started so far (never reset).
     modelled: Vec<(Instant, u64)>,
+    /// The timing configuration in force (`Shared::timing` at start; may be
+    /// replaced with [`Group::set_timing`]).
+    timing: Option<Arc<Timing>>,
 }
 
 enum Slot {
@@ -296,8 +304,13 @@ impl Group {
     pub fn new(config: GroupConfig) -> Arc<Group> {
         let world = config.world_size.max(1);
         let num_queues = config.num_queues.max(1);
-        // A file that models and injects nothing costs nothing.
-        let timing = config.timing.clone().filter(|t| !t.is_ideal());
+        // A file that models and injects nothing costs nothing, unless the
+        // configuration may change later.
+        let timing = config
+            .timing
+            .clone()
+            .filter(|t| !t.is_ideal() || config.live_control)
+            .or_else(|| config.live_control.then(|| Arc::new(Timing::ideal())));
         let per_queue = |n: usize| if timing.is_some() { n } else { 0 };
         let rules = timing.as_ref().map_or(0, |t| t.delays.len());
         // Members are active only once the glue says they are ready.
@@ -331,6 +344,7 @@ impl Group {
                 quiet_waiters: 0,
                 shutdown: false,
                 modelled: vec![(Instant::now(), 0); per_queue(usize::from(num_queues))],
+                timing: timing.clone(),
             }),
             timer_cv: Condvar::new(),
             quiet_cv: Condvar::new(),
@@ -367,12 +381,19 @@ impl Group {
                 .ok()
         };
 
-        let delayer = shared.later.as_ref().and_then(|_| {
-            let shared = shared.clone();
+        let delayer = shared.later.as_ref().and_then(|later| {
+            let sh = shared.clone();
             thread::Builder::new()
                 .name("dmlc-delay".into())
-                .spawn(move || delay_loop(&shared))
-                .map_err(|e| log::error!("cannot start the timing model's thread: {e}"))
+                .spawn(move || delay_loop(&sh))
+                .map_err(|e| {
+                    log::error!(
+                        "cannot start the timing model's thread: {e}; collectives complete \
+                         without the model"
+                    );
+                    // Nothing would deliver held completions: hold none.
+                    lock(&later.heap).shutdown = true;
+                })
                 .ok()
         });
 
@@ -444,9 +465,81 @@ impl Group {
         self.shared.recorder.as_ref()
     }
 
-    /// True if a timing model or an impairment is in force.
+    /// True if the timing machinery runs (a model or an impairment was
+    /// configured, or the configuration may change).
     pub fn timed(&self) -> bool {
         self.shared.timing.is_some()
+    }
+
+    /// The timing configuration in force, if the timing machinery runs.
+    pub fn timing(&self) -> Option<Arc<Timing>> {
+        lock(&self.shared.state).timing.clone()
+    }
+
+    /// Replaces the timing configuration from the next arrival on
+    /// (collectives already scheduled keep theirs). Refused unless the
+    /// timing machinery runs (`--timing` with a model, or `--control-socket`).
+    pub fn set_timing(&self, t: Timing) -> Result<(), &'static str> {
+        if self.shared.later.is_none() {
+            return Err(
+                "the daemon runs without the timing machinery (start it with a \
+                        --timing model or with --control-socket)",
+            );
+        }
+        log::info!(
+            "timing changed: model {:?}, {} delay rule(s), {} failure(s) planned",
+            t.model,
+            t.delays.len(),
+            t.fails.len()
+        );
+        lock(&self.shared.state).timing = Some(Arc::new(t));
+        Ok(())
+    }
+
+    /// The group's state, for the control socket: generation, members,
+    /// sequence numbers, waiting collectives, held completions, timing.
+    pub fn state_json(&self) -> serde_json::Value {
+        let sh = &self.shared;
+        let held = sh.later.as_ref().map(|l| lock(&l.heap).entries.len());
+        let st = lock(&sh.state);
+        let members: Vec<serde_json::Value> = st
+            .members
+            .iter()
+            .enumerate()
+            .map(|(rank, m)| {
+                serde_json::json!({
+                    "rank": rank,
+                    "connected": m.connected,
+                    "active": m.gate.accepting,
+                    "next_seq": m.seqs,
+                })
+            })
+            .collect();
+        let waiting = st
+            .slots
+            .values()
+            .filter(|s| matches!(s, Slot::Waiting(_)))
+            .count();
+        serde_json::json!({
+            "group_id": format!("{:#x}", sh.cfg.group_id),
+            "world_size": sh.world,
+            "queues": sh.num_queues,
+            "generation": generation_of(st.era),
+            "published_generation": generation_of(st.published),
+            "members": members,
+            "waiting_collectives": waiting,
+            "running_collectives": st.running.len(),
+            "requests_pending": sh.metrics.pending(),
+            "held_completions": held,
+            "timing": st.timing.as_ref().map(|t| serde_json::json!({
+                "model": format!("{:?}", t.model),
+                "modelled_world_size": t.model.world(),
+                "delay_rules": t.delays.len(),
+                "failures_planned": t.fails.len(),
+                "seed": t.seed,
+            })),
+            "trace_records": sh.recorder.as_ref().map(Recorder::len),
+        })
     }
 
     /// The generation config space shows (1 at start, +1 on every member
@@ -722,10 +815,15 @@ impl Group {
         let seq = m.seqs[usize::from(queue)];
         m.seqs[usize::from(queue)] = seq + 1;
         let key = (queue, seq);
-        if let Some(t) = &sh.timing {
+        let State {
+            timing, members, ..
+        } = &mut *st;
+        if let Some(t) = timing {
             // Under the state lock, in the member's order of arrivals on
             // this queue: the same requests get the same delays.
+            let m = &mut members[rank as usize];
             let (index, last) = &mut m.draws[usize::from(queue)];
+            last.resize(t.delays.len(), 0.0);
             arrival.delay = t.delay(rank, queue, *index, last);
             *index += 1;
             if !arrival.delay.is_zero() {
@@ -788,10 +886,10 @@ impl Group {
         // Counted as running under the state lock, so that a loss after
         // this point waits for it.
         let running = Running::start(&self.shared, &mut st);
-        let sched = sh
+        let sched = st
             .timing
-            .as_ref()
-            .map(|t| schedule(t, &mut st, key, &waiting));
+            .clone()
+            .map(|t| schedule(&t, &mut st, key, &waiting));
         drop(st);
         self.run(key, waiting, running, sched);
     }

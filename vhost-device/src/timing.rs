@@ -322,6 +322,8 @@ pub struct DelayRule {
     pub dist: Dist,
     pub correlation: f64,
     pub probability: f64,
+    /// Set over the control socket (`delay RANK US`), not from the file.
+    pub live: bool,
 }
 
 /// A checked `[[fail]]` rule.
@@ -443,6 +445,35 @@ impl Timing {
             delays,
             fails,
         })
+    }
+
+    /// No model, no impairment.
+    pub fn ideal() -> Timing {
+        Timing {
+            seed: 0,
+            spin: Duration::ZERO,
+            model: Model::Ideal,
+            delays: Vec::new(),
+            fails: Vec::new(),
+        }
+    }
+
+    /// This configuration with `rank`'s live delay set to `delay` (none if
+    /// zero), replacing the one set before.
+    pub fn with_live_delay(&self, rank: u32, delay: Duration) -> Timing {
+        let mut t = self.clone();
+        t.delays
+            .retain(|d| !(d.live && d.ranks.as_deref() == Some(&[rank])));
+        if !delay.is_zero() {
+            t.delays.push(DelayRule {
+                ranks: Some(vec![rank]),
+                dist: Dist::Constant(delay.as_secs_f64()),
+                correlation: 0.0,
+                probability: 1.0,
+                live: true,
+            });
+        }
+        t
     }
 
     /// True if nothing is modelled or injected (completions need no timer).
@@ -743,6 +774,7 @@ fn check_delay(at: &str, d: &DelaySpec, members: u32) -> Result<DelayRule, Timin
         dist,
         correlation: d.correlation,
         probability,
+        live: false,
     })
 }
 

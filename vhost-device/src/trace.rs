@@ -105,6 +105,16 @@ impl Recorder {
         ring.push_back(r);
     }
 
+    /// Records kept now.
+    pub fn len(&self) -> usize {
+        self.ring.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// True if no record is kept.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// A copy of the records, oldest first.
     pub fn records(&self) -> Vec<Record> {
         let ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());

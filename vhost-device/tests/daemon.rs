@@ -20,7 +20,7 @@ use virtio_dmlc::{
     VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
 };
 
-const FLAGS: [&str; 18] = [
+const FLAGS: [&str; 19] = [
     "--socket-path",
     "--socket-count",
     "--queues",
@@ -38,6 +38,7 @@ const FLAGS: [&str; 18] = [
     "--timing",
     "--trace-out",
     "--trace-capacity",
+    "--control-socket",
     "--log-level",
 ];
 

@@ -138,3 +138,119 @@ fn a_modelled_straggler_through_the_sockets_and_its_trace() {
     let doc: Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
     assert_eq!(doc["otherData"]["records"], 2);
 }
+
+/// Runs dmlc-ctl with `args` against `socket`: (success, stdout, stderr).
+fn ctl(socket: &std::path::Path, args: &[&str]) -> (bool, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dmlc-ctl"))
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// One barrier on every member; the time it took.
+fn barrier_round(ms: &mut [Member]) -> Duration {
+    let t = Instant::now();
+    let pend: Vec<(u16, u64)> = ms.iter_mut().map(barrier).collect();
+    for (m, (head, resp)) in ms.iter_mut().zip(&pend) {
+        let (h, _) = m.wait_used(0);
+        assert_eq!(h, *head);
+        assert_eq!(m.read_resp(*resp).status.get(), Status::Ok.raw());
+    }
+    t.elapsed()
+}
+
+#[test]
+fn live_control_changes_the_timing_while_the_group_runs() {
+    let dir = temp_dir("timing-ctl");
+    let sock = dir.path().join("ctl.sock");
+    let trace = dir.path().join("trace.json");
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "[model]\nkind = \"ring\"\nalpha_us = 1\n").unwrap();
+    let ring = dir.path().join("ring.toml");
+    // 2 modelled ranks: 2 * 1 * 20 ms per barrier.
+    std::fs::write(
+        &ring,
+        "[model]\nkind = \"ring\"\nalpha_us = 20000\nbandwidth_gbs = 1\n",
+    )
+    .unwrap();
+    let daemon = Backend::start_in(
+        dir,
+        2,
+        &[
+            "--control-socket",
+            sock.to_str().unwrap(),
+            "--trace-out",
+            trace.to_str().unwrap(),
+        ],
+    );
+    let features = VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() | 1 << VIRTIO_F_VERSION_1;
+    let mut ms: Vec<Member> = (0..2)
+        .map(|r| {
+            let mut m = Member::connect(&daemon.socket(r));
+            m.start(features, 1, 64);
+            m
+        })
+        .collect();
+    // The control socket has the vhost-user sockets' mode (0600).
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&sock).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+
+    let (ok, out, err) = ctl(&sock, &["state"]);
+    assert!(ok, "{err}");
+    let state: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(state["world_size"], 2);
+    assert_eq!(state["generation"], 1);
+    assert_eq!(state["timing"]["model"], "Ideal");
+    assert_eq!(state["members"][1]["connected"], true);
+    barrier_round(&mut ms);
+
+    let (ok, _, err) = ctl(&sock, &["delay", "1", "50000"]);
+    assert!(ok, "{err}");
+    let took = barrier_round(&mut ms);
+    assert!(took >= Duration::from_millis(50), "{took:?}");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+
+    let (ok, _, err) = ctl(&sock, &["load", bad.to_str().unwrap()]);
+    assert!(!ok);
+    assert!(err.contains("model.bandwidth_gbs is required"), "{err}");
+    let (ok, _, err) = ctl(&sock, &["load", ring.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let took = barrier_round(&mut ms);
+    assert!(took >= Duration::from_millis(40), "{took:?}");
+    let (ok, out, _) = ctl(&sock, &["metrics"]);
+    assert!(ok);
+    // The live delay applied once; the loaded file has none.
+    assert!(out.contains("dmlc_injected_delays_total 1\n"), "{out}");
+
+    let (ok, out, err) = ctl(&sock, &["trace"]);
+    assert!(ok, "{err}");
+    let doc: Value = serde_json::from_str(&out).unwrap();
+    let events = doc["traceEvents"].as_array().unwrap();
+    assert_eq!(
+        events
+            .iter()
+            .filter(|e| e["name"] == "injected delay" && e["pid"] == 2)
+            .count(),
+        1
+    );
+    let (ok, out, _) = ctl(&sock, &["dump"]);
+    assert!(ok && out.contains("trace.json"), "{out}");
+    assert!(trace.exists());
+
+    for (args, want) in [
+        (&["explode"][..], "unknown request"),
+        (&["delay", "2", "10"][..], "RANK must be a rank below 2"),
+        (&["delay", "1", "-3"][..], "US must be a number"),
+    ] {
+        let (ok, _, err) = ctl(&sock, args);
+        assert!(!ok && err.contains(want), "{args:?}: {err}");
+    }
+}

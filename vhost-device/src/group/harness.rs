@@ -384,6 +384,7 @@ pub(crate) fn config(world: u32) -> GroupConfig {
         faults: crate::fault::Faults::none(),
         timing: None,
         trace_capacity: 0,
+        live_control: false,
     }
 }
 
