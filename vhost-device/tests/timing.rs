@@ -28,6 +28,18 @@ fn barrier(m: &mut Member) -> (u16, u64) {
     (head, resp)
 }
 
+/// Connects one member per socket, each with one queue.
+fn members(daemon: &Backend) -> Vec<Member> {
+    let features = VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() | 1 << VIRTIO_F_VERSION_1;
+    (0..daemon.ranks())
+        .map(|r| {
+            let mut m = Member::connect(&daemon.socket(r));
+            m.start(features, 1, 64);
+            m
+        })
+        .collect()
+}
+
 #[test]
 fn bad_timing_options_fail_with_the_field_named() {
     let dir = temp_dir("timing-bad");
@@ -86,25 +98,11 @@ fn a_modelled_straggler_through_the_sockets_and_its_trace() {
             &addr,
         ],
     );
-    let features = VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() | 1 << VIRTIO_F_VERSION_1;
-    let mut ms: Vec<Member> = (0..2)
-        .map(|r| {
-            let mut m = Member::connect(&daemon.socket(r));
-            m.start(features, 1, 64);
-            m
-        })
-        .collect();
+    let mut ms = members(&daemon);
     for _ in 0..2 {
-        let t = Instant::now();
-        let pend: Vec<(u16, u64)> = ms.iter_mut().map(barrier).collect();
-        for (m, (head, resp)) in ms.iter_mut().zip(&pend) {
-            let (h, _) = m.wait_used(0);
-            assert_eq!(h, *head);
-            assert_eq!(m.read_resp(*resp).status.get(), Status::Ok.raw());
-            let took = t.elapsed();
-            assert!(took >= Duration::from_millis(100), "{took:?}");
-            assert!(took < Duration::from_secs(5), "{took:?}");
-        }
+        let took = barrier_round(&mut ms);
+        assert!(took >= Duration::from_millis(100), "{took:?}");
+        assert!(took < Duration::from_secs(5), "{took:?}");
     }
     assert_eq!(metric(&addr, "dmlc_injected_delays_total"), 2.0);
     assert_eq!(
@@ -190,14 +188,7 @@ fn live_control_changes_the_timing_while_the_group_runs() {
             trace.to_str().unwrap(),
         ],
     );
-    let features = VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() | 1 << VIRTIO_F_VERSION_1;
-    let mut ms: Vec<Member> = (0..2)
-        .map(|r| {
-            let mut m = Member::connect(&daemon.socket(r));
-            m.start(features, 1, 64);
-            m
-        })
-        .collect();
+    let mut ms = members(&daemon);
     // The control socket has the vhost-user sockets' mode (0600).
     use std::os::unix::fs::PermissionsExt;
     let mode = std::fs::metadata(&sock).unwrap().permissions().mode() & 0o777;
