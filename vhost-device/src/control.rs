@@ -15,6 +15,9 @@
 //! - `trace`: the flight recorder as Chrome trace JSON (needs
 //!   `--trace-out`, which sets the recorder up);
 //! - `dump`: writes the trace to `--trace-out`, as SIGUSR1 does;
+//! - `summary [WINDOW_MS]`: per window (default 1000 ms), the slowest
+//!   member: the one that arrived last most often, its mean lateness and
+//!   how much of it was injected ([`crate::trace::Recorder::summary`]);
 //! - `delay RANK US`: from the next arrival on, every arrival of `RANK`
 //!   counts `US` microseconds late (a constant injected delay, on top of
 //!   the file's rules; 0 removes it);
@@ -82,6 +85,20 @@ pub fn answer(
             Some(r) => Ok(format!("{}\n", r.chrome_json(world))),
             None => Err("no flight recorder: start the daemon with --trace-out".into()),
         },
+        ["summary"] | ["summary", _] => {
+            let ms: f64 = match words.get(1) {
+                Some(w) => w
+                    .parse()
+                    .ok()
+                    .filter(|m: &f64| m.is_finite() && *m > 0.0)
+                    .ok_or_else(|| format!("WINDOW_MS must be a number > 0, not {w:?}"))?,
+                None => 1000.0,
+            };
+            match group.recorder() {
+                Some(r) => Ok(r.summary(Duration::from_secs_f64(ms / 1000.0))),
+                None => Err("no flight recorder: start the daemon with --trace-out".into()),
+            }
+        }
         ["dump"] => match (group.recorder(), trace_out) {
             (Some(r), Some(path)) => r
                 .write_chrome(path, world)
@@ -112,7 +129,7 @@ pub fn answer(
         }
         _ => Err(format!(
             "unknown request {request:?}; the requests are state, metrics, trace, dump, \
-             delay RANK US, load FILE"
+             summary [WINDOW_MS], delay RANK US, load FILE"
         )),
     }
 }

@@ -227,6 +227,61 @@ impl Recorder {
         })
     }
 
+    /// A text summary per window of `window` (by each collective's last
+    /// arrival): how many collectives, and the slowest member: the one that
+    /// arrived last most often, how often, its mean lateness behind the
+    /// first arrival, and how much of that was injected.
+    pub fn summary(&self, window: Duration) -> String {
+        use std::fmt::Write as _;
+        let window = window.max(Duration::from_micros(1));
+        // Window -> rank -> (times last, lateness sum, injected sum), count.
+        let mut windows: std::collections::BTreeMap<u128, (usize, BTreeMapRanks)> =
+            std::collections::BTreeMap::new();
+        for r in self.records() {
+            let counted: Vec<(u32, Instant, Duration)> = r
+                .members
+                .iter()
+                .filter_map(|m| m.arrived.map(|a| (m.rank, a + m.delay, m.delay)))
+                .collect();
+            let (Some(first), Some(&(rank, last, delay))) = (
+                counted.iter().map(|c| c.1).min(),
+                counted.iter().max_by_key(|c| c.1),
+            ) else {
+                continue;
+            };
+            if counted.len() < 2 {
+                continue;
+            }
+            let w = last.saturating_duration_since(self.start).as_nanos() / window.as_nanos();
+            let (n, ranks) = windows.entry(w).or_default();
+            *n += 1;
+            let e = ranks.entry(rank).or_default();
+            e.0 += 1;
+            e.1 += last - first;
+            e.2 += delay;
+        }
+        let mut out = format!(
+            "# {:>10} {:>11} {:>8} {:>10} {:>14} {:>14}\n",
+            "window(s)", "collectives", "slowest", "times last", "lateness(us)", "injected(us)"
+        );
+        for (w, (n, ranks)) in windows {
+            let Some((rank, (times, late, injected))) =
+                ranks.into_iter().max_by_key(|(_, v)| (v.0, v.1))
+            else {
+                continue;
+            };
+            let start = (w * window.as_nanos()) as f64 / 1e9;
+            let _ = writeln!(
+                out,
+                "  {start:>10.3} {n:>11} {:>8} {times:>10} {:>14.1} {:>14.1}",
+                format!("rank {rank}"),
+                late.as_nanos() as f64 / 1000.0 / times as f64,
+                injected.as_nanos() as f64 / 1000.0 / times as f64,
+            );
+        }
+        out
+    }
+
     fn slice(&self, name: &str, cat: &str, from: Instant, to: Instant, args: Value) -> Value {
         let ts = self.us(from);
         json!({
@@ -257,6 +312,9 @@ impl Recorder {
         std::fs::rename(&tmp, path)
     }
 }
+
+/// Per rank: times it arrived last, lateness and injected delay summed.
+type BTreeMapRanks = std::collections::BTreeMap<u32, (usize, Duration, Duration)>;
 
 /// Assigns slices to threads so that those of one thread never overlap.
 #[derive(Default)]

@@ -232,6 +232,13 @@ fn live_control_changes_the_timing_while_the_group_runs() {
             .count(),
         1
     );
+    let (ok, out, err) = ctl(&sock, &["summary", "60000"]);
+    assert!(ok, "{err}");
+    // Of the 3 barrier rounds, rank 1 arrived last in the delayed one.
+    assert!(
+        out.lines().nth(1).is_some_and(|l| l.contains("rank")),
+        "{out}"
+    );
     let (ok, out, _) = ctl(&sock, &["dump"]);
     assert!(ok && out.contains("trace.json"), "{out}");
     assert!(trace.exists());

@@ -6,6 +6,7 @@
 //! dmlc-ctl --socket PATH delay 1 2000     # rank 1 arrives 2 ms late
 //! dmlc-ctl --socket PATH load ring.toml   # a new timing configuration
 //! dmlc-ctl --socket PATH trace > trace.json
+//! dmlc-ctl --socket PATH summary 1000     # the slowest member per second
 //! ```
 
 use std::io::{Read, Write};
@@ -17,7 +18,8 @@ use std::time::Duration;
 use clap::Parser;
 
 /// Live control of a vhost-device-dmlc daemon started with
-/// --control-socket: state, metrics, trace, dump, delay RANK US, load FILE.
+/// --control-socket: state, metrics, trace, dump, summary [WINDOW_MS],
+/// delay RANK US, load FILE.
 #[derive(Debug, Parser)]
 #[command(name = "dmlc-ctl", version)]
 struct Args {
@@ -26,7 +28,7 @@ struct Args {
     socket: PathBuf,
 
     /// The request and its arguments: state | metrics | trace | dump |
-    /// delay RANK US | load FILE.
+    /// summary [WINDOW_MS] | delay RANK US | load FILE.
     #[arg(value_name = "REQUEST", required = true, num_args = 1.., allow_hyphen_values = true,
           trailing_var_arg = true)]
     request: Vec<String>,

@@ -229,6 +229,14 @@ fn an_injected_delay_counts_as_a_late_arrival_and_repeats_with_the_seed() {
         assert!(recs
             .iter()
             .all(|r| r.injected.len() == 1 && r.injected[0].contains("rank 1")));
+        // One window of a minute: rank 1 is the slowest, 3 times, by at
+        // least the injected 80 ms, all of it injected.
+        let summary = w.group.recorder().unwrap().summary(Duration::from_secs(60));
+        let row: Vec<&str> = summary.lines().nth(1).unwrap().split_whitespace().collect();
+        assert_eq!(row[1..5], ["3", "rank", "1", "3"], "{summary}");
+        let late: f64 = row[5].parse().unwrap();
+        let injected: f64 = row[6].parse().unwrap();
+        assert!(injected >= 80_000.0 && late >= injected - 1.0, "{summary}");
         delays.push(d);
     }
     // The same seed gives the same delays.
