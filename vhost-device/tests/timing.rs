@@ -5,28 +5,11 @@
 
 use std::time::{Duration, Instant};
 
-use dmlc_test_support::frontend::{Desc, Member};
+use dmlc_test_support::frontend::Member;
 use dmlc_test_support::{free_local_addr, metric, run_backend, temp_dir, Backend, PATIENCE};
 use serde_json::Value;
 use vhost::vhost_user::VhostUserVirtioFeatures;
-use virtio_dmlc::{Opcode, Status, VirtioDmlcReq, REQ_HEADER_SIZE, RESP_SIZE, VIRTIO_F_VERSION_1};
-
-fn barrier(m: &mut Member) -> (u16, u64) {
-    let hdr = m.alloc(REQ_HEADER_SIZE);
-    let resp = m.alloc(RESP_SIZE);
-    m.write(
-        hdr,
-        &VirtioDmlcReq {
-            opcode: Opcode::Barrier.raw().into(),
-            ..Default::default()
-        },
-    );
-    let head = m.submit(
-        0,
-        &[Desc::r(hdr, REQ_HEADER_SIZE), Desc::w(resp, RESP_SIZE)],
-    );
-    (head, resp)
-}
+use virtio_dmlc::{Status, VIRTIO_F_VERSION_1};
 
 /// Connects one member per socket, each with one queue.
 fn members(daemon: &Backend) -> Vec<Member> {
@@ -155,7 +138,7 @@ fn ctl(socket: &std::path::Path, args: &[&str]) -> (bool, String, String) {
 /// One barrier on every member; the time it took.
 fn barrier_round(ms: &mut [Member]) -> Duration {
     let t = Instant::now();
-    let pend: Vec<(u16, u64)> = ms.iter_mut().map(barrier).collect();
+    let pend: Vec<(u16, u64)> = ms.iter_mut().map(|m| m.barrier(0, 0)).collect();
     for (m, (head, resp)) in ms.iter_mut().zip(&pend) {
         let (h, _) = m.wait_used(0);
         assert_eq!(h, *head);
