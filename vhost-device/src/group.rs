@@ -312,7 +312,7 @@ impl Group {
             .filter(|t| !t.is_ideal() || config.live_control)
             .or_else(|| config.live_control.then(|| Arc::new(Timing::ideal())));
         let per_queue = |n: usize| if timing.is_some() { n } else { 0 };
-        let rules = timing.as_ref().map_or(0, |t| t.delays.len());
+        let rules = timing.as_ref().map_or(0, |t| t.state_len());
         // Members are active only once the glue says they are ready.
         let gate = Gate {
             epoch: 0,
@@ -823,7 +823,7 @@ impl Group {
             // this queue: the same requests get the same delays.
             let m = &mut members[rank as usize];
             let (index, last) = &mut m.draws[usize::from(queue)];
-            last.resize(t.delays.len(), 0.0);
+            last.resize(t.state_len(), 0.0);
             arrival.delay = t.delay(rank, queue, *index, last);
             *index += 1;
             if !arrival.delay.is_zero() {

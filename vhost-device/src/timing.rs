@@ -114,6 +114,11 @@ pub struct DelaySpec {
     pub correlation: f64,
     /// Chance that an arrival is delayed at all (default 1).
     pub probability: Option<f64>,
+    /// Bursts (a Gilbert-Elliott straggler): the rule applies only in its
+    /// bad state, entered with this chance per arrival...
+    pub burst_enter: Option<f64>,
+    /// ...and left with this one.
+    pub burst_leave: Option<f64>,
 }
 
 /// One `[[fail]]` rule.
@@ -324,6 +329,9 @@ pub struct DelayRule {
     pub probability: f64,
     /// Set over the control socket (`delay RANK US`), not from the file.
     pub live: bool,
+    /// Gilbert-Elliott bursts: (chance to enter, chance to leave) the bad
+    /// state per arrival; the rule applies only in the bad state.
+    pub burst: Option<(f64, f64)>,
 }
 
 /// A checked `[[fail]]` rule.
@@ -471,6 +479,7 @@ impl Timing {
                 correlation: 0.0,
                 probability: 1.0,
                 live: true,
+                burst: None,
             });
         }
         t
@@ -481,9 +490,15 @@ impl Timing {
         self.model == Model::Ideal && self.delays.is_empty() && self.fails.is_empty()
     }
 
+    /// Length of the state [`Timing::delay`] keeps per rank and queue.
+    pub fn state_len(&self) -> usize {
+        2 * self.delays.len()
+    }
+
     /// The delay injected before arrival `index` (counted per rank and
-    /// queue) of `rank` on `queue` counts; `last` holds each rule's
-    /// previous draw for this rank and queue (for correlation).
+    /// queue) of `rank` on `queue` counts; `last` ([`Timing::state_len`]
+    /// long) holds each rule's previous draw and burst state for this rank
+    /// and queue (for correlation and bursts).
     pub fn delay(&self, rank: u32, queue: u16, index: u64, last: &mut [f64]) -> Duration {
         let mut total = 0.0;
         for (i, rule) in self.delays.iter().enumerate() {
@@ -491,6 +506,17 @@ impl Timing {
                 continue;
             }
             let mut draw = Draw::new(self.seed, rank, queue, index, i as u64);
+            if let (Some((enter, leave)), Some(bad)) = (rule.burst, last.get_mut(2 * i + 1)) {
+                let u = draw.uniform();
+                if *bad == 0.0 && u < enter {
+                    *bad = 1.0;
+                } else if *bad != 0.0 && u < leave {
+                    *bad = 0.0;
+                }
+                if *bad == 0.0 {
+                    continue;
+                }
+            }
             if rule.probability < 1.0 && draw.uniform() >= rule.probability {
                 continue;
             }
@@ -501,7 +527,7 @@ impl Timing {
                 // Inverse CDF; 1 - u is in (0, 1].
                 Dist::Pareto { scale, shape } => scale / (1.0 - draw.uniform()).powf(1.0 / shape),
             };
-            let v = match last.get_mut(i) {
+            let v = match last.get_mut(2 * i) {
                 Some(prev) if rule.correlation > 0.0 => {
                     let v = rule.correlation * *prev + (1.0 - rule.correlation) * fresh;
                     *prev = v;
@@ -769,12 +795,26 @@ fn check_delay(at: &str, d: &DelaySpec, members: u32) -> Result<DelayRule, Timin
             format!("names rank {bad}, but the group has {members} members"),
         ));
     }
+    let burst = match (d.burst_enter, d.burst_leave) {
+        (None, None) => None,
+        (Some(enter), Some(leave)) => {
+            for (f, v) in [("burst_enter", enter), ("burst_leave", leave)] {
+                if !(v > 0.0 && v <= 1.0) {
+                    return Err(field(name(f), format!("must be in (0, 1], not {v}")));
+                }
+            }
+            Some((enter, leave))
+        }
+        (Some(_), None) => return Err(field(name("burst_leave"), "is required with burst_enter")),
+        (None, Some(_)) => return Err(field(name("burst_enter"), "is required with burst_leave")),
+    };
     Ok(DelayRule {
         ranks: d.ranks.clone(),
         dist,
         correlation: d.correlation,
         probability,
         live: false,
+        burst,
     })
 }
 
@@ -1021,7 +1061,7 @@ mod tests {
     }
 
     fn draws(t: &Timing, rank: u32, n: u64) -> Vec<Duration> {
-        let mut last = vec![0.0; t.delays.len()];
+        let mut last = vec![0.0; t.state_len()];
         (0..n).map(|i| t.delay(rank, 0, i, &mut last)).collect()
     }
 
@@ -1088,5 +1128,29 @@ mod tests {
                 .sum::<f64>()
         };
         assert!(step(0.9) < step(0.0) / 3.0);
+    }
+
+    #[test]
+    fn bursts_come_in_runs() {
+        let t = Timing::from_toml(
+            "[[delay]]\ndist = \"constant\"\nus = 1000\nburst_enter = 0.05\nburst_leave = 0.2\n",
+            1,
+        )
+        .unwrap();
+        let d: Vec<bool> = draws(&t, 0, 8000).iter().map(|x| !x.is_zero()).collect();
+        let bad = d.iter().filter(|b| **b).count() as f64 / d.len() as f64;
+        // Stationary share of the bad state: 0.05 / (0.05 + 0.2) = 0.2.
+        assert!((0.14..0.26).contains(&bad), "{bad}");
+        let runs = d.windows(2).filter(|w| w[1] && !w[0]).count().max(1);
+        let mean_run = d.iter().filter(|b| **b).count() as f64 / runs as f64;
+        // Mean burst length 1 / 0.2 = 5 arrivals.
+        assert!((3.5..6.5).contains(&mean_run), "{mean_run}");
+        let e = Timing::from_toml(
+            "[[delay]]\ndist = \"constant\"\nus = 1\nburst_enter = 0.5\n",
+            1,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("delay[0].burst_leave is required"), "{e}");
     }
 }
