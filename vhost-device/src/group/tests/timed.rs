@@ -115,12 +115,13 @@ fn split_collectives_are_held_too() {
 
 #[test]
 fn a_held_completion_blocks_neither_the_submitter_nor_other_queues() {
-    // Every collective takes 1 s on the modelled cluster.
+    // Every collective takes 2 s on the modelled cluster (long, so that a
+    // loaded machine keeps the bounds below).
     let mut w = World::new(timed(
         2,
-        "[model]\nkind = \"tree\"\nalpha_us = 500000\nbandwidth_gbs = 1\n",
+        "[model]\nkind = \"tree\"\nalpha_us = 1000000\nbandwidth_gbs = 1\n",
     ));
-    let model = Duration::from_secs(1);
+    let model = Duration::from_secs(2);
     let t0 = Instant::now();
     let d: Vec<Vec<Desc>> = (0..2).map(|r| barrier_descs(&mut w, r)).collect();
     let a0 = w.submit(0, 0, &d[0]);
