@@ -433,6 +433,7 @@ pub fn run(a: DemoArgs) -> i32 {
             timeout: (m.timeout > 0).then(|| Duration::from_secs(m.timeout)),
             log_dir: m.log_dir.as_ref().map(|d| d.join(transport.as_str())),
             backend: backend.clone(),
+            backend_args: m.backend_arg.clone(),
             env: a.env.clone(),
             program: Program::Host(trainer.clone()),
             args: args.clone(),

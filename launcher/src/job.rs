@@ -112,6 +112,8 @@ pub struct Job {
     pub log_dir: Option<PathBuf>,
     /// The vhost-device-dmlc binary.
     pub backend: PathBuf,
+    /// More options for it, after the launcher's own.
+    pub backend_args: Vec<std::ffi::OsString>,
     /// Extra environment, after (so able to override) the launcher's.
     pub env: Vec<(String, String)>,
     pub program: Program,
@@ -338,7 +340,13 @@ impl Job {
             None => tmp.path().join("backend.log"),
         };
         let sock = tmp.path().join("dmlc.sock");
-        let mut backend = Backend::start(&self.backend, &sock, self.num_workers, &backend_log)?;
+        let mut backend = Backend::start(
+            &self.backend,
+            &sock,
+            self.num_workers,
+            &self.backend_args,
+            &backend_log,
+        )?;
 
         let token = unique();
         let specs: Vec<vm::VmSpec> = (0..self.num_workers)
@@ -439,7 +447,13 @@ struct Backend {
 }
 
 impl Backend {
-    fn start(bin: &Path, sock: &Path, n: usize, log: &Path) -> Result<Backend, JobError> {
+    fn start(
+        bin: &Path,
+        sock: &Path,
+        n: usize,
+        extra: &[std::ffi::OsString],
+        log: &Path,
+    ) -> Result<Backend, JobError> {
         let file = File::create(log).map_err(|e| JobError::Io(log.to_owned(), e))?;
         let file2 = file
             .try_clone()
@@ -449,6 +463,7 @@ impl Backend {
             .arg(sock)
             .arg("--socket-count")
             .arg(n.to_string())
+            .args(extra)
             .stdin(Stdio::null())
             .stdout(file)
             .stderr(file2)
@@ -971,6 +986,7 @@ mod tests {
             timeout: None,
             log_dir: None,
             backend: PathBuf::from("/bin/false"),
+            backend_args: Vec::new(),
             env: vec![("DMLC_DEVICE".to_owned(), "other".to_owned())],
             program: Program::Host(PathBuf::from("/opt/build/train")),
             args: vec!["--data".to_owned(), "it's here".to_owned()],

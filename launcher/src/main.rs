@@ -126,6 +126,12 @@ struct MachineArgs {
     /// dmlc-qemu].
     #[arg(long, value_name = "PATH")]
     backend: Option<PathBuf>,
+
+    /// One more option for vhost-device-dmlc (repeatable), e.g.
+    /// --backend-arg=--timing=ring.toml or --backend-arg=--trace-out=t.json
+    /// (docs/latency-experiments.md).
+    #[arg(long, value_name = "ARG", allow_hyphen_values = true)]
+    backend_arg: Vec<OsString>,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -396,6 +402,7 @@ fn submit_job(a: SubmitArgs) -> Job {
         timeout: (m.timeout > 0).then(|| Duration::from_secs(m.timeout)),
         log_dir: m.log_dir,
         backend: backend_path(m.backend.as_deref()),
+        backend_args: m.backend_arg,
         env: a.env,
         program,
         args,

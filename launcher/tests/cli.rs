@@ -39,6 +39,7 @@ fn help_explains_every_flag() {
         "--timeout <SECS>",
         "--log-dir <DIR>",
         "--backend <PATH>",
+        "--backend-arg <ARG>",
         "--env <K=V>",
         "<PROGRAM>...",
         "DMLC_TASK_ID=i",

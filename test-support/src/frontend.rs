@@ -357,6 +357,27 @@ impl Member {
         VirtioDmlcResp::read_from_bytes(&self.read_bytes(addr, virtio_dmlc::RESP_SIZE)).unwrap()
     }
 
+    /// Submits a barrier with `tag` on queue `q` (a header and a response
+    /// only); returns its head index and the address of its response.
+    pub fn barrier(&mut self, q: usize, tag: u64) -> (u16, u64) {
+        use virtio_dmlc::{Opcode, VirtioDmlcReq, REQ_HEADER_SIZE, RESP_SIZE};
+        let hdr = self.alloc(REQ_HEADER_SIZE);
+        let resp = self.alloc(RESP_SIZE);
+        self.write(
+            hdr,
+            &VirtioDmlcReq {
+                opcode: Opcode::Barrier.raw().into(),
+                tag: tag.into(),
+                ..Default::default()
+            },
+        );
+        let head = self.submit(
+            q,
+            &[Desc::r(hdr, REQ_HEADER_SIZE), Desc::w(resp, RESP_SIZE)],
+        );
+        (head, resp)
+    }
+
     /// Makes the chain `descs` available on queue `q` and kicks. Returns
     /// the head index.
     pub fn submit(&mut self, q: usize, descs: &[Desc]) -> u16 {

@@ -10,6 +10,7 @@ use thiserror::Error;
 
 use crate::fault::Faults;
 use crate::group::GroupConfig;
+use crate::timing::{Timing, TimingError};
 
 /// Largest virtqueue size a split ring allows.
 pub const MAX_QUEUE_SIZE: u16 = 32768;
@@ -18,7 +19,7 @@ pub const MAX_QUEUE_SIZE: u16 = 32768;
 const MAX_SOCKET_PATH: usize = 107;
 
 /// Why the options do not make a valid configuration.
-#[derive(Debug, Error, PartialEq, Eq)]
+#[derive(Debug, Error)]
 pub enum ConfigError {
     #[error("--socket-count must be at least 1")]
     NoSockets,
@@ -57,7 +58,28 @@ pub enum ConfigError {
     UnknownGroup(String),
     #[error("cannot look up group {name:?}: {reason}")]
     GroupLookup { name: String, reason: String },
+    #[error("--timing")]
+    Timing(#[source] TimingError),
+    #[error("--trace-capacity must be at least 1")]
+    NoTraceCapacity,
+    #[error("--trace-capacity needs --trace-out")]
+    TraceCapacityAlone,
 }
+
+impl PartialEq for ConfigError {
+    /// Equal if they print the same (a timing error holds an I/O error,
+    /// which has no equality of its own).
+    fn eq(&self, other: &Self) -> bool {
+        std::mem::discriminant(self) == std::mem::discriminant(other)
+            && self.to_string() == other.to_string()
+            && match (self, other) {
+                (ConfigError::Timing(a), ConfigError::Timing(b)) => a.to_string() == b.to_string(),
+                _ => true,
+            }
+    }
+}
+
+impl Eq for ConfigError {}
 
 /// How much the daemon logs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -156,6 +178,27 @@ pub struct Args {
     #[arg(long, value_name = "GROUP", value_parser = parse_group)]
     pub socket_group: Option<u32>,
 
+    /// Timing model and impairments: a TOML file (JSON if its name ends in
+    /// .json) that sets when collectives complete, delays members' arrivals
+    /// and injects failures; see docs/latency-experiments.md.
+    #[arg(long, value_name = "FILE")]
+    pub timing: Option<PathBuf>,
+
+    /// Keep a flight recorder of the last collectives and write it to FILE
+    /// as Chrome trace JSON (opens in Perfetto) on SIGUSR1 and at exit.
+    #[arg(long, value_name = "FILE")]
+    pub trace_out: Option<PathBuf>,
+
+    /// Collectives the flight recorder keeps, the oldest dropped first
+    /// [default: 65536]; needs --trace-out.
+    #[arg(long, value_name = "N")]
+    pub trace_capacity: Option<usize>,
+
+    /// Serve live control requests (state, trace, delay, load; see dmlc-ctl)
+    /// on this Unix socket, with the vhost-user sockets' mode and group.
+    #[arg(long, value_name = "PATH")]
+    pub control_socket: Option<PathBuf>,
+
     /// How much to log.
     #[arg(long, value_name = "LEVEL", value_enum, default_value_t = LogLevel::Info)]
     pub log_level: LogLevel,
@@ -190,6 +233,10 @@ pub struct Config {
     pub poll_anyway: bool,
     /// Where to serve metrics, if anywhere.
     pub metrics_addr: Option<SocketAddr>,
+    /// Where to write the flight recorder's trace, if anywhere.
+    pub trace_out: Option<PathBuf>,
+    /// Where to serve control requests, if anywhere.
+    pub control_socket: Option<PathBuf>,
     /// Log level.
     pub log_level: LogLevel,
 }
@@ -238,6 +285,23 @@ impl TryFrom<Args> for Config {
                 return Err(ConfigError::MetricsNotLoopback(addr));
             }
         }
+        let trace_capacity = match (&args.trace_out, args.trace_capacity) {
+            (_, Some(0)) => return Err(ConfigError::NoTraceCapacity),
+            (None, Some(_)) => return Err(ConfigError::TraceCapacityAlone),
+            (None, None) => 0,
+            (Some(_), n) => n.unwrap_or(crate::trace::DEFAULT_CAPACITY),
+        };
+        if let Some(p) = &args.control_socket {
+            if p.as_os_str().len() > MAX_SOCKET_PATH {
+                return Err(ConfigError::SocketPathTooLong(p.clone()));
+            }
+        }
+        let timing = match &args.timing {
+            Some(path) => Some(std::sync::Arc::new(
+                Timing::load(path, args.socket_count).map_err(ConfigError::Timing)?,
+            )),
+            None => None,
+        };
         Ok(Config {
             socket_paths,
             socket_access: SocketAccess {
@@ -256,11 +320,16 @@ impl TryFrom<Args> for Config {
                 group_id: args.group_id.unwrap_or_else(default_group_id),
                 // Tests only: the daemon fills it from DMLC_TEST_FAULTS.
                 faults: Faults::none(),
+                timing,
+                trace_capacity,
+                live_control: args.control_socket.is_some(),
             },
             queue_size: args.queue_size as u16,
             poll: Duration::from_micros(args.poll_us),
             poll_anyway: args.poll_anyway,
             metrics_addr: args.metrics_addr,
+            trace_out: args.trace_out,
+            control_socket: args.control_socket,
             log_level: args.log_level,
         })
     }

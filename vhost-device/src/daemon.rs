@@ -3,7 +3,8 @@
 //! Threads: `start_backend`'s caller waits for a termination signal or a
 //! fatal error; one thread per rank accepts connections on that rank's
 //! socket; one thread answers metrics requests; one thread waits for
-//! SIGINT/SIGTERM. vhost-user-backend adds, per connection, a thread for the
+//! SIGINT/SIGTERM (and SIGUSR1, which writes the flight recorder's trace
+//! to `--trace-out`; so does the shutdown). vhost-user-backend adds, per connection, a thread for the
 //! frontend's messages and one worker per queue (see [`crate::backend`]).
 //! While a rank is served, one more thread refuses any second frontend that
 //! connects to that rank's socket.
@@ -24,7 +25,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use log::{debug, error, info, warn};
-use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
 use signal_hook::iterator::Signals;
 use thiserror::Error;
 use vhost::vhost_user::{Error as VhostUserError, Listener};
@@ -128,7 +129,7 @@ enum Stop {
 /// SIGINT and SIGTERM are caught by signal-hook's handler and read by one
 /// thread, which stops the daemon.
 pub fn start_backend(config: Config) -> Result<(), DaemonError> {
-    let mut signals = Signals::new([SIGINT, SIGTERM]).map_err(DaemonError::Signals)?;
+    let mut signals = Signals::new([SIGINT, SIGTERM, SIGUSR1]).map_err(DaemonError::Signals)?;
     raise_fd_limit();
     // Before the sockets, so that failing here leaves no socket behind.
     let metrics = match config.metrics_addr {
@@ -140,6 +141,20 @@ pub fn start_backend(config: Config) -> Result<(), DaemonError> {
     };
     // Before the group's threads start: binding changes the process umask.
     let listeners = bind_sockets(&config.socket_paths, config.socket_access)?;
+    let control = match &config.control_socket {
+        Some(path) => {
+            match remove_stale_socket(path).and_then(|()| bind_unix(path, config.socket_access)) {
+                Ok(l) => Some(l),
+                Err(e) => {
+                    for p in &config.socket_paths {
+                        let _ = std::fs::remove_file(p);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        None => None,
+    };
     let mut group_config = config.group.clone();
     group_config.faults = crate::fault::faults_from_env().map_err(DaemonError::Faults)?;
     if !group_config.faults.is_none() {
@@ -154,16 +169,42 @@ pub fn start_backend(config: Config) -> Result<(), DaemonError> {
             items.join(", ")
         );
     }
+    if let Some(t) = &group_config.timing {
+        info!(
+            "timing model {:?} (modelled world size {}), {} delay rule(s), {} failure(s) planned",
+            t.model,
+            t.model.world(),
+            t.delays.len(),
+            t.fails.len()
+        );
+    }
     let group = Group::new(group_config);
+    let world = config.group.world_size;
 
     let (stop_tx, stop_rx) = mpsc::channel();
     let result = (|| {
         let tx = stop_tx.clone();
+        let dump = (group.clone(), config.trace_out.clone());
         spawn("dmlc-signals", move || {
-            if let Some(sig) = signals.forever().next() {
+            for sig in signals.forever() {
+                if sig == SIGUSR1 {
+                    write_trace(&dump.0, dump.1.as_deref(), world);
+                    continue;
+                }
                 let _ = tx.send(Stop::Signal(sig));
+                break;
             }
         })?;
+        if let Some(listener) = control {
+            let group = group.clone();
+            let trace_out = config.trace_out.clone();
+            spawn("dmlc-control", move || {
+                crate::control::serve(&listener, &group, trace_out.as_deref(), world)
+            })?;
+            if let Some(path) = &config.control_socket {
+                info!("control socket at {}", path.display());
+            }
+        }
         if let Some(listener) = metrics {
             let addr = listener.local_addr().ok();
             let group = group.clone();
@@ -210,16 +251,31 @@ pub fn start_backend(config: Config) -> Result<(), DaemonError> {
                 // Pending collectives complete with RESET rather than
                 // leaving their drivers to find the device gone.
                 group.reset();
+                write_trace(&group, config.trace_out.as_deref(), world);
                 Ok(())
             }
             Ok(Stop::Failed(e)) => Err(e),
             Err(mpsc::RecvError) => Ok(()),
         },
     };
-    for path in &config.socket_paths {
+    for path in config.socket_paths.iter().chain(&config.control_socket) {
         let _ = std::fs::remove_file(path);
     }
     outcome
+}
+
+/// Writes the flight recorder's trace to `path`, if both exist.
+pub(crate) fn write_trace(group: &Group, path: Option<&Path>, world: u32) {
+    let (Some(rec), Some(path)) = (group.recorder(), path) else {
+        if path.is_none() {
+            info!("SIGUSR1: no --trace-out, so no trace to write");
+        }
+        return;
+    };
+    match rec.write_chrome(path, world) {
+        Ok(()) => info!("trace written to {}", path.display()),
+        Err(e) => error!("cannot write the trace to {}: {e}", path.display()),
+    }
 }
 
 /// `PATH0`, or `PATH0 .. PATHn` for several sockets.
@@ -271,6 +327,13 @@ fn bind_sockets(paths: &[PathBuf], access: SocketAccess) -> Result<Vec<Listener>
 /// final chmod makes the mode exact where the umask does not apply (a
 /// directory with a default ACL).
 fn bind_socket(path: &Path, access: SocketAccess) -> Result<Listener, DaemonError> {
+    // Not `Listener::new`: its listener would remove the file when dropped,
+    // and `start_backend` does that itself.
+    bind_unix(path, access).map(Listener::from)
+}
+
+/// [`bind_socket`] as a plain Unix listener (the control socket too).
+fn bind_unix(path: &Path, access: SocketAccess) -> Result<UnixListener, DaemonError> {
     let first = match access.group {
         Some(_) => access.mode & 0o700,
         None => access.mode,
@@ -303,9 +366,7 @@ fn bind_socket(path: &Path, access: SocketAccess) -> Result<Listener, DaemonErro
         let _ = std::fs::remove_file(path);
         return Err(e);
     }
-    // Not `Listener::new`: its listener would remove the file when dropped,
-    // and `start_backend` does that itself.
-    Ok(Listener::from(listener))
+    Ok(listener)
 }
 
 /// Runs `f` with the process umask set to `mask`, then restores it. The

@@ -44,7 +44,7 @@
 //! or writes the lost member's buffers (the driver may reuse them after a
 //! reset), whichever thread runs the collective.
 
-use std::collections::{btree_map, BTreeMap, BTreeSet, HashMap};
+use std::collections::{btree_map, BTreeMap, BTreeSet, BinaryHeap, HashMap};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -64,6 +64,8 @@ use crate::chain::{self, Limits, Request};
 use crate::datapath::{self, SegRef};
 use crate::fault::{FaultState, Faults};
 use crate::metrics::{Held, Metrics};
+use crate::timing::{FailRule, Timing};
+use crate::trace::{MemberRecord, Record, Recorder};
 use crate::GuestMem;
 
 /// Collectives that move at least this many bytes are split over the
@@ -92,6 +94,17 @@ pub struct GroupConfig {
     /// Faults to inject, for tests only (default: none). The daemon fills
     /// it from `DMLC_TEST_FAULTS` ([`crate::fault::faults_from_env`]).
     pub faults: Faults,
+    /// Timing model and impairments (`--timing`, [`crate::timing`]); `None`
+    /// (or a file that models and injects nothing): every collective
+    /// completes as soon as its data has moved, at no extra cost.
+    pub timing: Option<Arc<Timing>>,
+    /// Collectives the flight recorder keeps ([`crate::trace`]); 0: no
+    /// recorder.
+    pub trace_capacity: usize,
+    /// The timing configuration may change while the group runs
+    /// ([`Group::set_timing`], the control socket): the timing machinery
+    /// runs even without a model.
+    pub live_control: bool,
 }
 
 /// How the engine hands a finished request back to its member's virtqueue.
@@ -107,6 +120,8 @@ pub struct Group {
     pool: Option<mpsc::Sender<Arc<Job>>>,
     workers: Vec<JoinHandle<()>>,
     timer: Option<JoinHandle<()>>,
+    /// Delivers held completions at their modelled time (with `timing`).
+    delayer: Option<JoinHandle<()>>,
 }
 
 /// Whether a member's requests may be completed: `epoch` changes every
@@ -138,9 +153,32 @@ struct Shared {
     resp_generation: AtomicU32,
     /// The test fault plan being carried out.
     faults: FaultState,
+    /// The timing configuration at start, if the timing machinery runs
+    /// (then also `later`, and `State::timing` holds the current one).
+    timing: Option<Arc<Timing>>,
+    /// Completions held until their modelled time (with `timing`).
+    later: Option<Later>,
+    /// The flight recorder, if any.
+    recorder: Option<Recorder>,
+    /// A collective that outlasted its model was logged.
+    late_warned: AtomicBool,
     /// Panics caught on reduction threads (for tests).
     #[cfg(test)]
     worker_panics: AtomicUsize,
+}
+
+/// Why the generation changes ([`Shared::bump`]).
+#[derive(Clone, Copy, Debug)]
+enum Cause {
+    /// Member lost, with its new gate.
+    Lost(u32, Gate),
+    /// A reset: shutdown, an operator, a collective that failed inside
+    /// the device.
+    Reset,
+    /// An injected loss of this member ([`crate::timing`]): the others'
+    /// requests fail with PEER_LOST, its own with RESET (it is still
+    /// there).
+    Injected(u32),
 }
 
 struct Member {
@@ -152,6 +190,9 @@ struct Member {
     /// Collectives that started before this one (see `State::next_run`)
     /// may hold buffers the member offered before its last loss.
     lost_before: u64,
+    /// With `timing`, per queue: arrivals so far (never reset), and each
+    /// delay rule's previous draw.
+    draws: Vec<(u64, Vec<f64>)>,
 }
 
 struct State {
@@ -176,6 +217,12 @@ struct State {
     /// them only if there are any.
     quiet_waiters: u32,
     shutdown: bool,
+    /// With `timing`, per queue: when the last modelled collective ends,
+    /// and collectives started so far (never reset).
+    modelled: Vec<(Instant, u64)>,
+    /// The timing configuration in force (`Shared::timing` at start; may be
+    /// replaced with [`Group::set_timing`]).
+    timing: Option<Arc<Timing>>,
 }
 
 enum Slot {
@@ -209,6 +256,8 @@ struct Arrival {
     mem: Arc<GuestMem>,
     done: Arc<dyn Completion>,
     at: Instant,
+    /// Injected before the arrival counts: it counts at `at + delay`.
+    delay: Duration,
     /// Counts the request in `dmlc_requests_pending` while it lives.
     _held: Held,
 }
@@ -255,6 +304,15 @@ impl Group {
     pub fn new(config: GroupConfig) -> Arc<Group> {
         let world = config.world_size.max(1);
         let num_queues = config.num_queues.max(1);
+        // A file that models and injects nothing costs nothing, unless the
+        // configuration may change later.
+        let timing = config
+            .timing
+            .clone()
+            .filter(|t| !t.is_ideal() || config.live_control)
+            .or_else(|| config.live_control.then(|| Arc::new(Timing::ideal())));
+        let per_queue = |n: usize| if timing.is_some() { n } else { 0 };
+        let rules = timing.as_ref().map_or(0, |t| t.state_len());
         // Members are active only once the glue says they are ready.
         let gate = Gate {
             epoch: 0,
@@ -267,6 +325,7 @@ impl Group {
                 req_timeout: false,
                 seqs: vec![0; usize::from(num_queues)],
                 lost_before: 0,
+                draws: vec![(0, vec![0.0; rules]); per_queue(usize::from(num_queues))],
             })
             .collect();
         let shared = Arc::new(Shared {
@@ -284,6 +343,8 @@ impl Group {
                 running: BTreeSet::new(),
                 quiet_waiters: 0,
                 shutdown: false,
+                modelled: vec![(Instant::now(), 0); per_queue(usize::from(num_queues))],
+                timing: timing.clone(),
             }),
             timer_cv: Condvar::new(),
             quiet_cv: Condvar::new(),
@@ -291,6 +352,10 @@ impl Group {
             generation: AtomicU32::new(1),
             resp_generation: AtomicU32::new(1),
             faults: FaultState::new(config.faults.clone()),
+            later: timing.as_ref().map(|_| Later::default()),
+            timing,
+            recorder: (config.trace_capacity > 0).then(|| Recorder::new(config.trace_capacity)),
+            late_warned: AtomicBool::new(false),
             #[cfg(test)]
             worker_panics: AtomicUsize::new(0),
             cfg: config,
@@ -315,6 +380,22 @@ impl Group {
                 .map_err(|e| log::error!("cannot start the timer thread: {e}"))
                 .ok()
         };
+
+        let delayer = shared.later.as_ref().and_then(|later| {
+            let sh = shared.clone();
+            thread::Builder::new()
+                .name("dmlc-delay".into())
+                .spawn(move || delay_loop(&sh))
+                .map_err(|e| {
+                    log::error!(
+                        "cannot start the timing model's thread: {e}; collectives complete \
+                         without the model"
+                    );
+                    // Nothing would deliver held completions: hold none.
+                    lock(&later.heap).shutdown = true;
+                })
+                .ok()
+        });
 
         let mut workers = Vec::new();
         let mut pool = None;
@@ -341,6 +422,7 @@ impl Group {
             pool,
             workers,
             timer,
+            delayer,
         })
     }
 
@@ -376,6 +458,88 @@ impl Group {
     /// The group's counters.
     pub fn metrics(&self) -> &Metrics {
         &self.shared.metrics
+    }
+
+    /// The flight recorder, if the group keeps one.
+    pub fn recorder(&self) -> Option<&Recorder> {
+        self.shared.recorder.as_ref()
+    }
+
+    /// True if the timing machinery runs (a model or an impairment was
+    /// configured, or the configuration may change).
+    pub fn timed(&self) -> bool {
+        self.shared.timing.is_some()
+    }
+
+    /// The timing configuration in force, if the timing machinery runs.
+    pub fn timing(&self) -> Option<Arc<Timing>> {
+        lock(&self.shared.state).timing.clone()
+    }
+
+    /// Replaces the timing configuration from the next arrival on
+    /// (collectives already scheduled keep theirs). Refused unless the
+    /// timing machinery runs (`--timing` with a model, or `--control-socket`).
+    pub fn set_timing(&self, t: Timing) -> Result<(), &'static str> {
+        if self.shared.later.is_none() {
+            return Err(
+                "the daemon runs without the timing machinery (start it with a \
+                        --timing model or with --control-socket)",
+            );
+        }
+        log::info!(
+            "timing changed: model {:?}, {} delay rule(s), {} failure(s) planned",
+            t.model,
+            t.delays.len(),
+            t.fails.len()
+        );
+        lock(&self.shared.state).timing = Some(Arc::new(t));
+        Ok(())
+    }
+
+    /// The group's state, for the control socket: generation, members,
+    /// sequence numbers, waiting collectives, held completions, timing.
+    pub fn state_json(&self) -> serde_json::Value {
+        let sh = &self.shared;
+        let held = sh.later.as_ref().map(|l| lock(&l.heap).entries.len());
+        let st = lock(&sh.state);
+        let members: Vec<serde_json::Value> = st
+            .members
+            .iter()
+            .enumerate()
+            .map(|(rank, m)| {
+                serde_json::json!({
+                    "rank": rank,
+                    "connected": m.connected,
+                    "active": m.gate.accepting,
+                    "next_seq": m.seqs,
+                })
+            })
+            .collect();
+        let waiting = st
+            .slots
+            .values()
+            .filter(|s| matches!(s, Slot::Waiting(_)))
+            .count();
+        serde_json::json!({
+            "group_id": format!("{:#x}", sh.cfg.group_id),
+            "world_size": sh.world,
+            "queues": sh.num_queues,
+            "generation": generation_of(st.era),
+            "published_generation": generation_of(st.published),
+            "members": members,
+            "waiting_collectives": waiting,
+            "running_collectives": st.running.len(),
+            "requests_pending": sh.metrics.pending(),
+            "held_completions": held,
+            "timing": st.timing.as_ref().map(|t| serde_json::json!({
+                "model": format!("{:?}", t.model),
+                "modelled_world_size": t.model.world(),
+                "delay_rules": t.delays.len(),
+                "failures_planned": t.fails.len(),
+                "seed": t.seed,
+            })),
+            "trace_records": sh.recorder.as_ref().map(Recorder::len),
+        })
     }
 
     /// The generation config space shows (1 at start, +1 on every member
@@ -466,7 +630,7 @@ impl Group {
             }
         };
         if let Some(gate) = gate {
-            self.shared.bump(Some((rank, gate)), &[]);
+            self.shared.bump(Cause::Lost(rank, gate), &[]);
         }
         self.wait_untouched(rank);
     }
@@ -498,7 +662,7 @@ impl Group {
     /// pending collective fails with RESET on every member, and sequence
     /// numbers restart. Members stay active.
     pub fn reset(&self) {
-        self.shared.bump(None, &[]);
+        self.shared.bump(Cause::Reset, &[]);
     }
 
     /// Completes a chain without running it, with `RESET`: a request that
@@ -620,7 +784,7 @@ impl Group {
         sh.metrics.request(req.opcode);
 
         let now = Instant::now();
-        let arrival = Arrival {
+        let mut arrival = Arrival {
             rank,
             queue,
             epoch: gate.epoch,
@@ -628,6 +792,7 @@ impl Group {
             mem: mem.clone(),
             done: done.clone(),
             at: now,
+            delay: Duration::ZERO,
             _held: sh.metrics.hold(),
         };
         let mut st = lock(&sh.state);
@@ -650,6 +815,21 @@ impl Group {
         let seq = m.seqs[usize::from(queue)];
         m.seqs[usize::from(queue)] = seq + 1;
         let key = (queue, seq);
+        let State {
+            timing, members, ..
+        } = &mut *st;
+        if let Some(t) = timing {
+            // Under the state lock, in the member's order of arrivals on
+            // this queue: the same requests get the same delays.
+            let m = &mut members[rank as usize];
+            let (index, last) = &mut m.draws[usize::from(queue)];
+            last.resize(t.state_len(), 0.0);
+            arrival.delay = t.delay(rank, queue, *index, last);
+            *index += 1;
+            if !arrival.delay.is_zero() {
+                sh.metrics.injected_delay(arrival.delay);
+            }
+        }
 
         let mut waiting = match st.slots.remove(&key) {
             Some(Slot::TimedOut(mut t)) => {
@@ -664,8 +844,21 @@ impl Group {
                 let era = st.era;
                 let batch = Outgoing::register(&self.shared, &mut st, era);
                 drop(st);
-                sh.deliver(&arrival, Outcome::fail(Status::Timeout, 0, peer));
+                let out = Outcome::fail(Status::Timeout, 0, peer);
+                let delivered = sh.deliver(&arrival, out);
                 drop(batch);
+                if let Some(rec) = &sh.recorder {
+                    let generation = sh.resp_generation.load(Ordering::Acquire);
+                    let mut r = record_of(
+                        key,
+                        generation,
+                        std::slice::from_ref(&arrival),
+                        sh.world,
+                        out,
+                    );
+                    r.members[rank as usize].completed = delivered.then(Instant::now);
+                    rec.push(r);
+                }
                 return;
             }
             Some(Slot::Waiting(w)) => w,
@@ -693,16 +886,31 @@ impl Group {
         // Counted as running under the state lock, so that a loss after
         // this point waits for it.
         let running = Running::start(&self.shared, &mut st);
+        let sched = st
+            .timing
+            .clone()
+            .map(|t| schedule(&t, &mut st, key, &waiting));
         drop(st);
-        self.run(key, waiting, running);
+        self.run(key, waiting, running, sched);
     }
 
     /// Runs collective `key`, whose members have all arrived.
-    fn run(&self, key: (u16, u64), w: Waiting, running: Running) {
+    fn run(&self, key: (u16, u64), w: Waiting, running: Running, sched: Option<Schedule>) {
         let sh = &self.shared;
         let arrivals: Vec<Arrival> = w.arrivals.into_iter().flatten().collect();
-        let last = arrivals.iter().map(|a| a.at).max().unwrap_or(w.first);
-        sh.metrics.skew(last.saturating_duration_since(w.first));
+        // Effective arrivals: an injected delay counts as its member's.
+        let counted = |a: &Arrival| a.at + a.delay;
+        let last = arrivals.iter().map(counted).max().unwrap_or(w.first);
+        let first = arrivals.iter().map(counted).min().unwrap_or(w.first);
+        sh.metrics.skew(last.saturating_duration_since(first));
+        if let Some(Schedule {
+            fail: Some(injected),
+            ..
+        }) = sched
+        {
+            self.inject(key, arrivals, running, injected, w.deadline);
+            return;
+        }
 
         let reference = &arrivals[0].req;
         let mut mask = 0;
@@ -718,10 +926,20 @@ impl Group {
             // No data moves.
             running.end();
             let out = Outcome::fail(Status::Mismatch, mask, peer);
+            let mut done_at = Vec::new();
             for a in &arrivals {
-                sh.deliver(a, out);
+                let delivered = sh.deliver(a, out);
+                if sh.recorder.is_some() {
+                    done_at.push(delivered.then(Instant::now));
+                }
             }
             running.delivered();
+            if let Some(rec) = &sh.recorder {
+                let generation = sh.resp_generation.load(Ordering::Acquire);
+                let mut r = record_of(key, generation, &arrivals, sh.world, out);
+                completed_at(&mut r, &arrivals, &done_at);
+                rec.push(r);
+            }
             return;
         }
 
@@ -770,6 +988,8 @@ impl Group {
             panic_at: None,
             skip_write,
             running,
+            moved_from: (sched.is_some() || sh.recorder.is_some()).then(Instant::now),
+            sched,
         };
         // Bounced elements are loaded before any data moves (a panic here
         // fails the collective like one in a part).
@@ -801,8 +1021,393 @@ impl Group {
                 for (i, p) in job.pieces.iter().enumerate() {
                     job.run_unit(i, i, 0, p.len());
                 }
-                job.finish();
+                if job.sched.is_some() {
+                    // Its completions may be held until the modelled time.
+                    let job = Arc::new(job);
+                    job.finish(Some(&job));
+                } else {
+                    job.finish(None);
+                }
             }
+        }
+    }
+}
+
+impl Group {
+    /// Fails collective `key` on purpose, as `injected` says, instead of
+    /// running it: the members get the statuses a real failure gives.
+    fn inject(
+        &self,
+        key: (u16, u64),
+        arrivals: Vec<Arrival>,
+        running: Running,
+        injected: Injected,
+        deadline: Instant,
+    ) {
+        let sh = &self.shared;
+        // No data moves.
+        running.end();
+        let (status, rank, what, at) = match injected {
+            Injected::Rule(FailRule { status, rank, .. }) => (
+                status,
+                rank,
+                format!("{status} of rank {rank} ([[fail]] rule)"),
+                deadline,
+            ),
+            Injected::LateArrival { rank, at } => (
+                Status::Timeout,
+                rank,
+                format!("timeout: rank {rank}'s injected delay ended after the deadline"),
+                at.max(deadline),
+            ),
+        };
+        log::info!(
+            "injected: collective (queue {}, seq {}) fails with {what}",
+            key.0,
+            key.1
+        );
+        if status == Status::PeerLost {
+            // As a real loss of `rank` (a new generation; every pending
+            // collective fails with PEER_LOST), except that `rank` stays a
+            // member: its own requests complete with RESET.
+            sh.bump(Cause::Injected(rank), &arrivals);
+            running.delivered();
+            if let Some(rec) = &sh.recorder {
+                let generation = sh.resp_generation.load(Ordering::Acquire);
+                let out = Outcome::fail(Status::PeerLost, 0, rank);
+                let mut r = record_of(key, generation, &arrivals, sh.world, out);
+                let now = Instant::now();
+                for m in &mut r.members {
+                    m.completed = m.arrived.map(|_| now);
+                    if m.rank == rank {
+                        m.status = Status::Reset;
+                    }
+                }
+                r.injected.push(what);
+                rec.push(r);
+            }
+            return;
+        }
+        // TIMEOUT, at the deadline as a real one.
+        let f = FailLater {
+            shared: sh.clone(),
+            key,
+            arrivals,
+            out: Outcome::fail(Status::Timeout, 0, rank),
+            running,
+            what,
+        };
+        match &sh.later {
+            Some(later) if at > Instant::now() => later.push(at, Due::Fail(Box::new(f))),
+            _ => f.deliver(),
+        }
+    }
+}
+
+/// When a collective completes under the timing model, and whether it
+/// fails on purpose.
+#[derive(Clone, Copy, Debug)]
+struct Schedule {
+    /// Modelled start: the last effective arrival, or the modelled end of
+    /// the previous collective on the same queue if later.
+    start: Instant,
+    /// Modelled completion.
+    due: Instant,
+    /// A failure to inject instead of running it.
+    fail: Option<Injected>,
+}
+
+/// A failure the daemon injects.
+#[derive(Clone, Copy, Debug)]
+enum Injected {
+    /// From a `[[fail]]` rule.
+    Rule(FailRule),
+    /// An injected delay made member `rank` count as arriving at `at`,
+    /// after the collective's deadline.
+    LateArrival { rank: u32, at: Instant },
+}
+
+/// The schedule of collective `key`, whose members have all arrived
+/// (`w`); called under the state lock `st`, in the order collectives fill.
+fn schedule(t: &Timing, st: &mut State, key: (u16, u64), w: &Waiting) -> Schedule {
+    let q = usize::from(key.0);
+    let (busy, started) = st.modelled[q];
+    st.modelled[q].1 = started + 1;
+    let present: Vec<&Arrival> = w.arrivals.iter().flatten().collect();
+    let (last_rank, last) = present
+        .iter()
+        .map(|a| (a.rank, a.at + a.delay))
+        .max_by_key(|x| x.1)
+        .unwrap_or((0, w.first));
+    let failing = |fail| Schedule {
+        start: last,
+        due: last,
+        fail: Some(fail),
+    };
+    if let Some(rule) = t.failure(key.0, started) {
+        return failing(Injected::Rule(rule));
+    }
+    if last > w.deadline {
+        return failing(Injected::LateArrival {
+            rank: last_rank,
+            at: last,
+        });
+    }
+    let reference = &present[0].req;
+    if present[1..]
+        .iter()
+        .any(|a| mismatch_mask(reference, &a.req) != 0)
+    {
+        // Fails at once with MISMATCH: nothing to model.
+        return Schedule {
+            start: last,
+            due: last,
+            fail: None,
+        };
+    }
+    let start = last.max(busy);
+    let due = start
+        + t.model
+            .time(reference.opcode, reference.count_bytes() as u64);
+    st.modelled[q].0 = due;
+    Schedule {
+        start,
+        due,
+        fail: None,
+    }
+}
+
+/// What a record of collective `key` starts with: its header (that of the
+/// first arrival), every member's arrival, `out` as every member's status.
+fn record_of(
+    key: (u16, u64),
+    generation: u32,
+    arrivals: &[Arrival],
+    world: u32,
+    out: Outcome,
+) -> Record {
+    let reference = arrivals.first().map(|a| &a.req);
+    let mut members: Vec<MemberRecord> = (0..world)
+        .map(|rank| MemberRecord {
+            rank,
+            arrived: None,
+            delay: Duration::ZERO,
+            completed: None,
+            status: out.status,
+        })
+        .collect();
+    let mut injected = Vec::new();
+    for a in arrivals {
+        if let Some(m) = members.get_mut(a.rank as usize) {
+            m.arrived = Some(a.at);
+            m.delay = a.delay;
+        }
+        if !a.delay.is_zero() {
+            injected.push(format!(
+                "delay of rank {} by {:.1} us",
+                a.rank,
+                a.delay.as_nanos() as f64 / 1000.0
+            ));
+        }
+    }
+    Record {
+        queue: key.0,
+        seq: key.1,
+        generation,
+        opcode: reference.map_or(Opcode::Barrier, |r| r.opcode),
+        dtype: reference.and_then(|r| r.dtype),
+        op: reference.and_then(|r| r.op),
+        count: reference.map_or(0, |r| r.count),
+        bytes: reference.map_or(0, |r| r.count_bytes() as u64),
+        members,
+        moved: None,
+        modelled: None,
+        late: false,
+        peer: out.peer,
+        injected,
+    }
+}
+
+/// Sets each arrival's completion time in `r` (`done_at` in the order of
+/// `arrivals`).
+fn completed_at(r: &mut Record, arrivals: &[Arrival], done_at: &[Option<Instant>]) {
+    for (a, t) in arrivals.iter().zip(done_at) {
+        if let Some(m) = r.members.get_mut(a.rank as usize) {
+            m.completed = *t;
+        }
+    }
+}
+
+/// An injected TIMEOUT held until the deadline.
+struct FailLater {
+    shared: Arc<Shared>,
+    key: (u16, u64),
+    arrivals: Vec<Arrival>,
+    out: Outcome,
+    running: Running,
+    what: String,
+}
+
+impl FailLater {
+    fn deliver(self) {
+        let sh = &self.shared;
+        let mut done_at = Vec::new();
+        for a in &self.arrivals {
+            let delivered = sh.deliver(a, self.out);
+            if delivered {
+                sh.metrics.injected_error(self.out.status);
+            }
+            done_at.push(delivered.then(Instant::now));
+        }
+        self.running.delivered();
+        if let Some(rec) = &sh.recorder {
+            let generation = sh.resp_generation.load(Ordering::Acquire);
+            let mut r = record_of(self.key, generation, &self.arrivals, sh.world, self.out);
+            completed_at(&mut r, &self.arrivals, &done_at);
+            r.injected.push(self.what);
+            rec.push(r);
+        }
+    }
+}
+
+/// A completion held until its time.
+enum Due {
+    /// A collective whose data has moved (its end, and whether it ended
+    /// after the modelled completion).
+    Job {
+        job: Arc<Job>,
+        moved_to: Option<Instant>,
+        late: bool,
+    },
+    Fail(Box<FailLater>),
+}
+
+impl Due {
+    fn deliver(self) {
+        match self {
+            Due::Job {
+                job,
+                moved_to,
+                late,
+            } => job.deliver_all(moved_to, late),
+            Due::Fail(f) => f.deliver(),
+        }
+    }
+}
+
+struct LaterEntry {
+    due: Instant,
+    id: u64,
+    what: Due,
+}
+
+impl PartialEq for LaterEntry {
+    fn eq(&self, other: &Self) -> bool {
+        (self.due, self.id) == (other.due, other.id)
+    }
+}
+
+impl Eq for LaterEntry {}
+
+impl PartialOrd for LaterEntry {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for LaterEntry {
+    /// Reversed, so that the max-heap pops the earliest first (and, at the
+    /// same time, the first pushed).
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (other.due, other.id).cmp(&(self.due, self.id))
+    }
+}
+
+#[derive(Default)]
+struct LaterHeap {
+    entries: BinaryHeap<LaterEntry>,
+    next: u64,
+    shutdown: bool,
+}
+
+/// Completions held until their modelled time, delivered by the
+/// `dmlc-delay` thread ([`delay_loop`]). Its lock is a leaf: nothing is
+/// delivered while it is held.
+#[derive(Default)]
+struct Later {
+    heap: Mutex<LaterHeap>,
+    cv: Condvar,
+}
+
+impl Later {
+    /// Holds `what` until `due` (delivers it at once after shutdown).
+    fn push(&self, due: Instant, what: Due) {
+        let mut h = lock(&self.heap);
+        if h.shutdown {
+            drop(h);
+            what.deliver();
+            return;
+        }
+        let id = h.next;
+        h.next += 1;
+        let earliest = h.entries.peek().is_none_or(|e| due < e.due);
+        h.entries.push(LaterEntry { due, id, what });
+        drop(h);
+        if earliest {
+            self.cv.notify_one();
+        }
+    }
+
+    /// Delivers every held completion now, earliest first (a generation
+    /// change does not wait for the model).
+    fn flush(&self) {
+        let entries = std::mem::take(&mut lock(&self.heap).entries);
+        // Ascending in the reversed order: the latest first.
+        for e in entries.into_sorted_vec().into_iter().rev() {
+            e.what.deliver();
+        }
+    }
+}
+
+/// Delivers held completions at their time (`Later`).
+fn delay_loop(sh: &Arc<Shared>) {
+    let Some(later) = &sh.later else {
+        return;
+    };
+    // SAFETY: prctl(PR_SET_TIMERSLACK) takes an integer and changes only
+    // this thread's timer slack (1 ns: wake as close to the deadline as the
+    // kernel can); no memory is passed.
+    unsafe {
+        libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong);
+    }
+    let spin = sh.timing.as_ref().map_or(Duration::ZERO, |t| t.spin);
+    let mut h = lock(&later.heap);
+    loop {
+        let now = Instant::now();
+        let next = h.entries.peek().map(|e| e.due);
+        match next {
+            Some(due) if due <= now || h.shutdown => {
+                let Some(e) = h.entries.pop() else { continue };
+                drop(h);
+                e.what.deliver();
+                h = lock(&later.heap);
+            }
+            None if h.shutdown => return,
+            Some(due) if due - now <= spin => {
+                drop(h);
+                while Instant::now() < due {
+                    std::hint::spin_loop();
+                }
+                h = lock(&later.heap);
+            }
+            Some(due) => {
+                h = later
+                    .cv
+                    .wait_timeout(h, due - now - spin)
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .0;
+            }
+            None => h = later.cv.wait(h).unwrap_or_else(PoisonError::into_inner),
         }
     }
 }
@@ -810,6 +1415,16 @@ impl Group {
 impl Drop for Group {
     fn drop(&mut self) {
         lock(&self.shared.state).shutdown = true;
+        if let Some(later) = &self.shared.later {
+            // The thread delivers what is held, then ends.
+            lock(&later.heap).shutdown = true;
+            later.cv.notify_all();
+        }
+        if let Some(t) = self.delayer.take() {
+            if t.thread().id() != thread::current().id() {
+                let _ = t.join();
+            }
+        }
         self.shared.timer_cv.notify_all();
         let me = thread::current().id();
         if let Some(t) = self.timer.take() {
@@ -828,14 +1443,15 @@ impl Drop for Group {
 }
 
 impl Shared {
-    /// Completes an arrival with `out`, in the current generation.
-    fn deliver(&self, a: &Arrival, out: Outcome) {
+    /// Completes an arrival with `out`, in the current generation; false if
+    /// its member was lost (the completion is dropped).
+    fn deliver(&self, a: &Arrival, out: Outcome) -> bool {
         let generation = self.resp_generation.load(Ordering::Acquire);
-        self.deliver_in(a, out, generation);
+        self.deliver_in(a, out, generation)
     }
 
     /// Completes an arrival with `out`; its response carries `generation`.
-    fn deliver_in(&self, a: &Arrival, out: Outcome, generation: u32) {
+    fn deliver_in(&self, a: &Arrival, out: Outcome, generation: u32) -> bool {
         self.finish(
             a.rank,
             a.epoch,
@@ -844,20 +1460,27 @@ impl Shared {
             &a.done,
             Some((&a.mem, a.req.response, out, generation)),
             a.req.writable_len,
-        );
+        )
     }
 
-    /// A generation change: `lost` is the lost member and its new gate, or
-    /// `None` for a reset. Every waiting collective fails (the lost
-    /// member's own requests are dropped), and so do the requests in
-    /// `extra` (those of a collective that failed inside the device); all
-    /// of them are completed, with the new generation in their response,
-    /// before config space shows it.
-    fn bump(self: &Arc<Shared>, lost: Option<(u32, Gate)>, extra: &[Arrival]) {
+    /// A generation change, for `cause`. Every waiting collective fails
+    /// (a lost member's own requests are dropped), and so do the requests
+    /// in `extra` (those of a collective that failed inside the device, or
+    /// on purpose); all of them are completed, with the new generation in
+    /// their response, before config space shows it. Completions held by
+    /// the timing model are then delivered at once.
+    fn bump(self: &Arc<Shared>, cause: Cause, extra: &[Arrival]) {
         let sh = self;
-        let outcome = match lost {
-            Some((rank, _)) => Outcome::fail(Status::PeerLost, 0, rank),
-            None => Outcome::fail(Status::Reset, 0, NO_PEER),
+        let lost = match cause {
+            Cause::Lost(rank, gate) => Some((rank, gate)),
+            Cause::Reset | Cause::Injected(_) => None,
+        };
+        let outcome = |a: &Arrival| match cause {
+            Cause::Lost(rank, _) => Outcome::fail(Status::PeerLost, 0, rank),
+            Cause::Reset => Outcome::fail(Status::Reset, 0, NO_PEER),
+            // The member said lost is alive: its requests fail as in a reset.
+            Cause::Injected(rank) if a.rank == rank => Outcome::fail(Status::Reset, 0, NO_PEER),
+            Cause::Injected(rank) => Outcome::fail(Status::PeerLost, 0, rank),
         };
         let mut failed = Vec::new();
         let (generation, batch) = {
@@ -869,6 +1492,12 @@ impl Shared {
             sh.resp_generation.store(generation, Ordering::Release);
             for m in &mut st.members {
                 m.seqs.iter_mut().for_each(|s| *s = 0);
+            }
+            // The modelled cluster starts afresh too (held completions are
+            // delivered below).
+            let now = Instant::now();
+            for q in &mut st.modelled {
+                q.0 = now;
             }
             let next_run = st.next_run;
             if let Some((rank, gate)) = lost {
@@ -901,9 +1530,15 @@ impl Shared {
             (generation, batch)
         };
         for a in failed.iter().chain(extra) {
-            sh.deliver_in(a, outcome, generation);
+            let out = outcome(a);
+            if sh.deliver_in(a, out, generation) && matches!(cause, Cause::Injected(_)) {
+                sh.metrics.injected_error(out.status);
+            }
         }
         drop(batch);
+        if let Some(later) = &sh.later {
+            later.flush();
+        }
     }
 
     /// Makes the latest generation that may be shown visible in config
@@ -924,8 +1559,8 @@ impl Shared {
 
     /// Writes the response (if any) and completes the chain, with used
     /// length `writable_len` (or 0 without a response), unless the member
-    /// was lost since `epoch`. The response carries the generation given
-    /// with it.
+    /// was lost since `epoch` (then false). The response carries the
+    /// generation given with it.
     #[allow(clippy::too_many_arguments)]
     fn finish(
         &self,
@@ -936,11 +1571,11 @@ impl Shared {
         done: &Arc<dyn Completion>,
         response: Option<(&GuestMem, GuestAddress, Outcome, u32)>,
         writable_len: u32,
-    ) {
+    ) -> bool {
         let gate = read(&self.gates[rank as usize]);
         if gate.epoch != epoch || !gate.accepting {
             self.metrics.dropped();
-            return;
+            return false;
         }
         let written = match response {
             Some((mem, addr, out, generation)) => {
@@ -969,6 +1604,7 @@ impl Shared {
             }
         };
         done.complete(queue, head, written);
+        true
     }
 }
 
@@ -1008,15 +1644,28 @@ fn timer_loop(sh: &Arc<Shared>) {
                 }),
             );
             let out = Outcome::fail(Status::Timeout, 0, peer);
-            failed.extend(w.arrivals.into_iter().flatten().map(|a| (a, out)));
+            let arrivals: Vec<Arrival> = w.arrivals.into_iter().flatten().collect();
+            failed.push((key, arrivals, out));
         }
         st.timer_target = next;
         if !failed.is_empty() {
             let era = st.era;
             let batch = Outgoing::register(sh, &mut st, era);
             drop(st);
-            for (a, out) in &failed {
-                sh.deliver(a, *out);
+            for (key, arrivals, out) in &failed {
+                let mut done_at = Vec::new();
+                for a in arrivals {
+                    let delivered = sh.deliver(a, *out);
+                    if sh.recorder.is_some() {
+                        done_at.push(delivered.then(Instant::now));
+                    }
+                }
+                if let Some(rec) = &sh.recorder {
+                    let generation = sh.resp_generation.load(Ordering::Acquire);
+                    let mut r = record_of(*key, generation, arrivals, sh.world, *out);
+                    completed_at(&mut r, arrivals, &done_at);
+                    rec.push(r);
+                }
             }
             drop(failed);
             drop(batch);
@@ -1255,6 +1904,10 @@ struct Job {
     skip_write: Option<u32>,
     /// Ended once the last byte has moved (or when the job is dropped).
     running: Running,
+    /// When the data movement started (with a timing model or a recorder).
+    moved_from: Option<Instant>,
+    /// With a timing model: when it completes.
+    sched: Option<Schedule>,
 }
 
 /// A collective counted in `State::running` until [`Running::end`] (or
@@ -1347,7 +2000,7 @@ impl Drop for Outgoing {
 impl Job {
     /// Takes byte ranges until none is left; the thread that finishes the
     /// last one completes the collective.
-    fn work(&self) {
+    fn work(self: &Arc<Self>) {
         loop {
             let i = self.next.fetch_add(1, Ordering::Relaxed);
             let Some(&(piece, start, len)) = self.parts.get(i) else {
@@ -1355,7 +2008,7 @@ impl Job {
             };
             self.run_unit(i, piece, start, len);
             if self.left.fetch_sub(1, Ordering::AcqRel) == 1 {
-                self.finish();
+                self.finish(Some(self));
             }
         }
     }
@@ -1443,8 +2096,10 @@ impl Job {
 
     /// Writes every member's response and completes its chain: OK, or,
     /// if the data movement panicked, RESET for every member as the whole
-    /// group is reset.
-    fn finish(&self) {
+    /// group is reset. With a timing model, an OK completion comes no
+    /// earlier than its modelled time: if that is still to come, the job
+    /// (`me`, its own handle) is held until then.
+    fn finish(&self, me: Option<&Arc<Job>>) {
         let sh = &self.shared;
         if !self.failed.load(Ordering::Acquire) {
             self.guarded(|| {
@@ -1465,11 +2120,19 @@ impl Job {
         // not wait for the completions (they may need the lost member's
         // vring, and its responses are dropped anyway).
         self.running.end();
+        let moved_to = self.moved_from.map(|_| Instant::now());
         if self.failed.load(Ordering::Acquire) {
             // Every member fails with RESET; the reset delivers them before
             // config space shows the new generation.
-            sh.bump(None, &self.arrivals);
+            sh.bump(Cause::Reset, &self.arrivals);
             self.running.delivered();
+            if let Some(rec) = &sh.recorder {
+                let generation = sh.resp_generation.load(Ordering::Acquire);
+                let out = Outcome::fail(Status::Reset, 0, NO_PEER);
+                let mut r = record_of(self.key, generation, &self.arrivals, sh.world, out);
+                r.moved = self.moved_from.zip(moved_to);
+                rec.push(r);
+            }
             return;
         }
         for p in &self.pieces {
@@ -1479,10 +2142,64 @@ impl Job {
             }
         }
         sh.metrics.collective_done(self.opcode);
+        let mut late = false;
+        if let (Some(s), Some(me), Some(later), Some(now)) = (&self.sched, me, &sh.later, moved_to)
+        {
+            if s.due > now {
+                later.push(
+                    s.due,
+                    Due::Job {
+                        job: me.clone(),
+                        moved_to,
+                        late: false,
+                    },
+                );
+                return;
+            }
+            // The host was too slow to honour the model.
+            late = now > s.due;
+            if late {
+                sh.metrics.model_late();
+                if !sh.late_warned.swap(true, Ordering::Relaxed) {
+                    log::warn!(
+                        "{} collective (queue {}, seq {}) moved its data {:.1} us after its \
+                         modelled completion: the host is too slow to honour the timing model \
+                         (counted in dmlc_model_late_total; warned once)",
+                        self.opcode,
+                        self.key.0,
+                        self.key.1,
+                        (now - s.due).as_nanos() as f64 / 1000.0
+                    );
+                }
+            }
+        }
+        self.deliver_all(moved_to, late);
+    }
+
+    /// Completes every member with OK (and records the collective).
+    fn deliver_all(&self, moved_to: Option<Instant>, late: bool) {
+        let sh = &self.shared;
+        let mut done_at = Vec::new();
         for a in &self.arrivals {
-            sh.deliver(a, Outcome::OK);
+            let delivered = sh.deliver(a, Outcome::OK);
+            if sh.recorder.is_some() {
+                done_at.push(delivered.then(Instant::now));
+            }
         }
         self.running.delivered();
+        if let Some(s) = &self.sched {
+            sh.metrics
+                .model_error(Instant::now().saturating_duration_since(s.due));
+        }
+        if let Some(rec) = &sh.recorder {
+            let generation = sh.resp_generation.load(Ordering::Acquire);
+            let mut r = record_of(self.key, generation, &self.arrivals, sh.world, Outcome::OK);
+            completed_at(&mut r, &self.arrivals, &done_at);
+            r.moved = self.moved_from.zip(moved_to);
+            r.modelled = self.sched.map(|s| (s.start, s.due));
+            r.late = late;
+            rec.push(r);
+        }
     }
 }
 

@@ -14,18 +14,36 @@
 //! - [`metrics`]: counters and their Prometheus text form;
 //! - [`backend`]: the `VhostUserBackend` of one member;
 //! - [`spare_cpu`]: whether busy-polling would take a CPU from the ranks;
+//! - [`timing`]: the timing model and impairments (`--timing`);
+//! - [`trace`]: the flight recorder and its Chrome trace dump (`--trace-out`);
 //! - [`config`]: command-line options and the daemon's configuration;
+//! - [`control`]: the control socket (`--control-socket`, `dmlc-ctl`);
 //! - [`daemon`]: the per-socket serve loops and the metrics endpoint.
 
 pub mod backend;
 pub mod chain;
 pub mod config;
+pub mod control;
 pub mod daemon;
 pub mod datapath;
 pub mod fault;
 pub mod group;
 pub mod metrics;
 pub mod spare_cpu;
+pub mod timing;
+pub mod trace;
+
+/// An error and its causes: `outer: cause: root cause`.
+pub fn error_text(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
 
 /// Guest memory as the backend sees it (no dirty-page bitmap).
 pub type GuestMem = vm_memory::GuestMemoryMmap<()>;

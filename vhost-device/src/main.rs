@@ -19,20 +19,8 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {}", chain(e.as_ref()));
+            eprintln!("error: {}", vhost_device_dmlc::error_text(e.as_ref()));
             ExitCode::FAILURE
         }
     }
-}
-
-/// The error and its causes: `outer: cause: root cause`.
-fn chain(e: &dyn Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }

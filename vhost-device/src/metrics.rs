@@ -41,10 +41,19 @@ pub struct Metrics {
     no_status: AtomicU64,
     /// Requests dropped because their member was lost or not active.
     dropped: AtomicU64,
-    /// Straggler skew: non-cumulative bucket counts, then the overflow bucket.
-    skew_buckets: [AtomicU64; SKEW_BUCKETS.len() + 1],
-    skew_sum_ns: AtomicU64,
-    skew_count: AtomicU64,
+    /// Straggler skew (from effective arrivals: injected delays count).
+    skew: Histogram,
+    /// Modelled collectives: how much later than the modelled time their
+    /// completions were made.
+    model_error: Histogram,
+    /// Modelled collectives whose data movement ended after their modelled
+    /// completion time (the host was too slow to honour the model).
+    model_late: AtomicU64,
+    /// Arrivals held back by an injected delay, and the delays' sum.
+    injected_delays: AtomicU64,
+    injected_delay_ns: AtomicU64,
+    /// Requests completed with an injected failure, per status.
+    injected_errors: [AtomicU64; STATUSES],
     generation: AtomicU64,
     members_connected: AtomicU64,
     /// Valid requests the engine holds (waiting for their collective, or in
@@ -53,6 +62,44 @@ pub struct Metrics {
     /// Queues stopped because their driver had more requests in flight
     /// than the queue size.
     queue_overruns: AtomicU64,
+}
+
+/// A histogram over [`SKEW_BUCKETS`]: non-cumulative bucket counts, then
+/// the overflow bucket.
+#[derive(Debug, Default)]
+struct Histogram {
+    buckets: [AtomicU64; SKEW_BUCKETS.len() + 1],
+    sum_ns: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Histogram {
+    fn observe(&self, d: Duration) {
+        let secs = d.as_secs_f64();
+        let bucket = SKEW_BUCKETS
+            .iter()
+            .position(|&le| secs <= le)
+            .unwrap_or(SKEW_BUCKETS.len());
+        self.buckets[bucket].fetch_add(1, Ordering::Relaxed);
+        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        self.sum_ns.fetch_add(ns, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        header(out, name, help, "histogram");
+        let mut cumulative = 0u64;
+        for (i, le) in SKEW_BUCKETS.iter().enumerate() {
+            cumulative += load(&self.buckets[i]);
+            let _ = writeln!(out, "{name}_bucket{{le=\"{le}\"}} {cumulative}");
+        }
+        cumulative += load(&self.buckets[SKEW_BUCKETS.len()]);
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {cumulative}");
+        let sum = load(&self.sum_ns) as f64 / 1e9;
+        let _ = writeln!(out, "{name}_sum {sum}");
+        let _ = writeln!(out, "{name}_count {}", load(&self.count));
+    }
 }
 
 /// One request counted in `dmlc_requests_pending` until it is dropped.
@@ -113,15 +160,47 @@ impl Metrics {
 
     /// Time from a collective's first arrival to its last.
     pub fn skew(&self, skew: Duration) {
-        let secs = skew.as_secs_f64();
-        let bucket = SKEW_BUCKETS
-            .iter()
-            .position(|&le| secs <= le)
-            .unwrap_or(SKEW_BUCKETS.len());
-        self.skew_buckets[bucket].fetch_add(1, Ordering::Relaxed);
-        let ns = u64::try_from(skew.as_nanos()).unwrap_or(u64::MAX);
-        self.skew_sum_ns.fetch_add(ns, Ordering::Relaxed);
-        self.skew_count.fetch_add(1, Ordering::Relaxed);
+        self.skew.observe(skew);
+    }
+
+    /// A modelled collective's completions were made `error` after its
+    /// modelled completion time.
+    pub fn model_error(&self, error: Duration) {
+        self.model_error.observe(error);
+    }
+
+    /// A modelled collective's data movement ended after its modelled
+    /// completion time.
+    pub fn model_late(&self) {
+        self.model_late.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// An arrival was held back by an injected delay.
+    pub fn injected_delay(&self, delay: Duration) {
+        self.injected_delays.fetch_add(1, Ordering::Relaxed);
+        let ns = u64::try_from(delay.as_nanos()).unwrap_or(u64::MAX);
+        self.injected_delay_ns.fetch_add(ns, Ordering::Relaxed);
+    }
+
+    /// A request was completed with an injected failure `status` (counted
+    /// in `dmlc_errors_total` as well).
+    pub fn injected_error(&self, status: Status) {
+        self.injected_errors[status.raw() as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Modelled collectives whose data movement outlasted the model.
+    pub fn model_late_count(&self) -> u64 {
+        self.model_late.load(Ordering::Relaxed)
+    }
+
+    /// Requests completed with an injected failure `status`.
+    pub fn injected_errors(&self, status: Status) -> u64 {
+        self.injected_errors[status.raw() as usize].load(Ordering::Relaxed)
+    }
+
+    /// Arrivals held back by an injected delay.
+    pub fn injected_delays(&self) -> u64 {
+        self.injected_delays.load(Ordering::Relaxed)
     }
 
     /// The group's generation is now `generation`.
@@ -187,7 +266,7 @@ impl Metrics {
 
     /// Number of skew observations.
     pub fn skew_count(&self) -> u64 {
-        self.skew_count.load(Ordering::Relaxed)
+        self.skew.count.load(Ordering::Relaxed)
     }
 
     /// Prometheus text exposition of every counter.
@@ -265,32 +344,51 @@ impl Metrics {
             load(&self.dropped),
         );
 
-        header(
+        self.skew.render(
             &mut out,
             "dmlc_straggler_skew_seconds",
-            "Time from the first member's arrival to the last member's arrival, per collective.",
-            "histogram",
+            "Time from the first member's arrival to the last member's arrival, per collective \
+             (an injected delay counts as part of its member's arrival).",
         );
-        let mut cumulative = 0u64;
-        for (i, le) in SKEW_BUCKETS.iter().enumerate() {
-            cumulative += load(&self.skew_buckets[i]);
-            let _ = writeln!(
-                out,
-                "dmlc_straggler_skew_seconds_bucket{{le=\"{le}\"}} {cumulative}"
-            );
+        self.model_error.render(
+            &mut out,
+            "dmlc_model_error_seconds",
+            "With a timing model: time from a collective's modelled completion to its completions \
+             being made.",
+        );
+        simple(
+            &mut out,
+            "dmlc_model_late_total",
+            "With a timing model: collectives whose data movement ended after their modelled \
+             completion time (the host was too slow to honour the model).",
+            "counter",
+            load(&self.model_late),
+        );
+        simple(
+            &mut out,
+            "dmlc_injected_delays_total",
+            "Arrivals held back by an injected delay (--timing), not a real straggler.",
+            "counter",
+            load(&self.injected_delays),
+        );
+        let _ = writeln!(
+            out,
+            "# HELP dmlc_injected_delay_seconds_total Sum of the injected delays.\n\
+             # TYPE dmlc_injected_delay_seconds_total counter\n\
+             dmlc_injected_delay_seconds_total {}",
+            load(&self.injected_delay_ns) as f64 / 1e9
+        );
+        header(
+            &mut out,
+            "dmlc_injected_errors_total",
+            "Requests completed with an injected failure (--timing), by status; also counted in \
+             dmlc_errors_total.",
+            "counter",
+        );
+        for st in [Status::PeerLost, Status::Timeout, Status::Reset] {
+            let v = load(&self.injected_errors[st.raw() as usize]);
+            let _ = writeln!(out, "dmlc_injected_errors_total{{status=\"{st}\"}} {v}");
         }
-        cumulative += load(&self.skew_buckets[SKEW_BUCKETS.len()]);
-        let _ = writeln!(
-            out,
-            "dmlc_straggler_skew_seconds_bucket{{le=\"+Inf\"}} {cumulative}"
-        );
-        let sum = load(&self.skew_sum_ns) as f64 / 1e9;
-        let _ = writeln!(out, "dmlc_straggler_skew_seconds_sum {sum}");
-        let _ = writeln!(
-            out,
-            "dmlc_straggler_skew_seconds_count {}",
-            load(&self.skew_count)
-        );
 
         simple(
             &mut out,

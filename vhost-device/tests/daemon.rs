@@ -9,18 +9,18 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use dmlc_test_support::frontend::{Desc, Member};
+use dmlc_test_support::frontend::Member;
 use dmlc_test_support::{
     backend_bin, free_local_addr, http_get, run_backend, temp_dir, Backend, PATIENCE,
 };
 use vhost::vhost_user::{Frontend, VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost::VhostBackend;
 use virtio_dmlc::{
-    Opcode, Status, VirtioDmlcReq, REQ_HEADER_SIZE, RESP_SIZE, VIRTIO_DMLC_F_REQ_TIMEOUT,
-    VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
+    Status, RESP_SIZE, VIRTIO_DMLC_F_REQ_TIMEOUT, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
+    VIRTIO_RING_F_INDIRECT_DESC,
 };
 
-const FLAGS: [&str; 15] = [
+const FLAGS: [&str; 19] = [
     "--socket-path",
     "--socket-count",
     "--queues",
@@ -35,6 +35,10 @@ const FLAGS: [&str; 15] = [
     "--metrics-addr",
     "--socket-mode",
     "--socket-group",
+    "--timing",
+    "--trace-out",
+    "--trace-capacity",
+    "--control-socket",
     "--log-level",
 ];
 
@@ -434,30 +438,10 @@ fn bad_socket_modes_and_groups_exit_2_without_sockets() {
     }
 }
 
-/// Submits a barrier with `tag` on queue 0 of `m`; returns the address of
-/// its response.
-fn barrier(m: &mut Member, tag: u64) -> u64 {
-    let hdr = m.alloc(REQ_HEADER_SIZE);
-    let resp = m.alloc(RESP_SIZE);
-    m.write(
-        hdr,
-        &VirtioDmlcReq {
-            opcode: Opcode::Barrier.raw().into(),
-            tag: tag.into(),
-            ..Default::default()
-        },
-    );
-    m.submit(
-        0,
-        &[Desc::r(hdr, REQ_HEADER_SIZE), Desc::w(resp, RESP_SIZE)],
-    );
-    resp
-}
-
 /// A barrier across `members`: every one must complete it with OK in
 /// `generation`.
 fn barrier_succeeds(members: &mut [Member], tag: u64, generation: u32) {
-    let resps: Vec<u64> = members.iter_mut().map(|m| barrier(m, tag)).collect();
+    let resps: Vec<u64> = members.iter_mut().map(|m| m.barrier(0, tag).1).collect();
     for (m, resp) in members.iter_mut().zip(resps) {
         let (_, len) = m.wait_used(0);
         assert_eq!(len as usize, RESP_SIZE);

@@ -382,6 +382,9 @@ pub(crate) fn config(world: u32) -> GroupConfig {
         reduce_threads: 0,
         group_id: 0x1234,
         faults: crate::fault::Faults::none(),
+        timing: None,
+        trace_capacity: 0,
+        live_control: false,
     }
 }
 

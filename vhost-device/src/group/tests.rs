@@ -1863,3 +1863,5 @@ fn config_space_shows_a_new_generation_only_after_its_failures_are_completed() {
         std::thread::yield_now();
     }
 }
+
+mod timed;

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Fidelity of the backend's timing model (docs/latency-experiments.md): on
+# the host transport, runs `dmlc-guest local` with N ranks and an f32 sum
+# allreduce `bench` from 4 B to 16 MiB, under the ring model (alpha, beta,
+# modelled world size p) and without a model, and prints per size the
+# modelled time, the measured medians (rank 0, out of place and in place),
+# the error against the model, and whether it is within 5% or 20 us.
+#
+#   bench/timing-fidelity.sh [--ranks N] [--world P] [--alpha-us A]
+#                            [--bandwidth-gbs B] [--iters I] [--max BYTES]
+#                            [--repeat K] [--spin-us S] [--rank-arg ARG]
+#
+# Defaults: 2 ranks, p = 8, alpha 100 us, 1 GB/s, 50 iterations, up to
+# 16M, 1 repetition. With --repeat K, the runs with and without the model
+# alternate K times and each figure is the median of the K medians.
+# --spin-us sets the file's spin_us (the backend busy-waits the last S us
+# before each modelled completion); --rank-arg passes an option to every
+# rank's bench (e.g. --rank-arg=--interrupt).
+set -euo pipefail
+
+ranks=2 world=8 alpha=100 bw=1 iters=50 max=16M repeat=1 spin=0 rank_args=()
+while [ $# -gt 0 ]; do
+    case $1 in
+        --ranks) ranks=$2; shift 2 ;;
+        --world) world=$2; shift 2 ;;
+        --alpha-us) alpha=$2; shift 2 ;;
+        --bandwidth-gbs) bw=$2; shift 2 ;;
+        --iters) iters=$2; shift 2 ;;
+        --max) max=$2; shift 2 ;;
+        --repeat) repeat=$2; shift 2 ;;
+        --spin-us) spin=$2; shift 2 ;;
+        --rank-arg) rank_args+=("$2"); shift 2 ;;
+        --rank-arg=*) rank_args+=("${1#--rank-arg=}"); shift ;;
+        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+        *) echo "timing-fidelity.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+cargo build --release -q -p dmlc-guest -p vhost-device-dmlc
+target=${CARGO_TARGET_DIR:-$root/target}/release
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+cat >"$tmp/ring.toml" <<EOF
+spin_us = $spin
+[model]
+kind = "ring"
+world = $world
+alpha_us = $alpha
+bandwidth_gbs = $bw
+EOF
+
+# Prints "size oop_median ip_median" per size.
+run() {
+    "$target/dmlc-guest" local --ranks "$ranks" --backend "$target/vhost-device-dmlc" "$@" \
+        -- bench -b 4 -e "$max" -n "$iters" -w $((iters / 5 + 1)) "${rank_args[@]}" 2>/dev/null |
+        awk '$1 ~ /^[0-9]+$/ { print $1, $6, $10 }'
+}
+
+echo "# timing-fidelity.sh: $ranks ranks (host transport), ring model p=$world alpha=${alpha}us bandwidth=${bw}GB/s spin_us=$spin, ranks' extra options: ${rank_args[*]:-none}, f32 sum allreduce, $iters iterations, $repeat repetition(s); $(nproc) CPUs, load average $(cut -d' ' -f1-3 /proc/loadavg)"
+for rep in $(seq "$repeat"); do
+    run --backend-arg=--timing="$tmp/ring.toml" | sed "s/^/model /" >>"$tmp/raw"
+    run | sed "s/^/none /" >>"$tmp/raw"
+    echo "  repetition $rep done" >&2
+done
+awk -v p="$world" -v a="$alpha" -v bw="$bw" '
+    function median(list,   n, v, i, j, t) {
+        n = split(list, v, " ")
+        for (i = 2; i <= n; i++) for (j = i; j > 1 && v[j-1] + 0 > v[j] + 0; j--) { t = v[j]; v[j] = v[j-1]; v[j-1] = t }
+        return n % 2 ? v[(n+1)/2] : (v[n/2] + v[n/2+1]) / 2
+    }
+    {
+        key = $1 SUBSEP $2
+        oop[key] = oop[key] " " $3; ip[key] = ip[key] " " $4
+        if (!($2 in seen)) { seen[$2] = 1; sizes[++ns] = $2 }
+    }
+    END {
+        printf "%10s %12s %12s %9s %8s %12s %12s %7s\n", "size(B)", "model(us)", "meas.oop", "err(%)", "ok", "meas.ip", "no-model", "late"
+        within = 0
+        for (k = 1; k <= ns; k++) {
+            n = sizes[k]
+            m = (2 * (p - 1) * a * 1e-6 + 2 * ((p - 1) / p) * n / (bw * 1e9)) * 1e6
+            mo = median(oop["model" SUBSEP n]); mi = median(ip["model" SUBSEP n]); no = median(oop["none" SUBSEP n])
+            err = (mo - m) / m * 100
+            tol = m * 0.05; if (tol < 20) tol = 20
+            d = mo - m; if (d < 0) d = -d
+            ok = d <= tol ? "yes" : "NO"
+            if (ok == "yes") within++
+            printf "%10d %12.2f %12.2f %9.2f %8s %12.2f %12.2f %7s\n", n, m, mo, err, ok, mi, no, (no > m ? "host" : "-")
+        }
+        printf "# %d of %d sizes within 5%% or 20 us of the model (out of place); late = host: the run without a model is already slower than the model\n", within, ns
+    }' "$tmp/raw"
