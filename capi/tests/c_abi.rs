@@ -64,6 +64,9 @@ fn header_constants_match_the_device_abi() {
         virtio_dmlc::FLAG_IN_PLACE.into(),
     );
     check("DMLC_NO_PEER".into(), virtio_dmlc::NO_PEER.into());
+    check("DMLC_WAIT_HYBRID".into(), ffi::DMLC_WAIT_HYBRID.into());
+    check("DMLC_WAIT_POLL".into(), 1);
+    check("DMLC_WAIT_INTERRUPT".into(), 0);
     check(
         "sizeof(dmlc_config)".into(),
         virtio_dmlc::CONFIG_SIZE as i64,

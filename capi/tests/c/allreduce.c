@@ -83,6 +83,9 @@ static int constants(void)
     PRINT(DMLC_OPCODE_BARRIER);
     PRINT(DMLC_FLAG_IN_PLACE);
     PRINT(DMLC_NO_PEER);
+    PRINT(DMLC_WAIT_INTERRUPT);
+    PRINT(DMLC_WAIT_POLL);
+    PRINT(DMLC_WAIT_HYBRID);
     PRINT(sizeof(dmlc_config));
     PRINT(sizeof(dmlc_request));
     PRINT(sizeof(dmlc_open_options));
