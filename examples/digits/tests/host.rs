@@ -65,17 +65,20 @@ fn trainer() -> Command {
     cmd
 }
 
-/// Starts one trainer per rank with the DMLC environment plus `env(rank)`.
+/// Starts one trainer per rank with `args`, and the DMLC environment plus
+/// `env(rank)`.
 fn start_trainers(
     dir: &Path,
     tag: &str,
     data: &Path,
+    args: &[&str],
     env: impl Fn(u32) -> Vec<(&'static str, String)>,
 ) -> Vec<Proc> {
     (0..RANKS)
         .map(|rank| {
             let mut cmd = trainer();
-            cmd.arg("--data")
+            cmd.args(args)
+                .arg("--data")
                 .arg(data)
                 .arg("--json")
                 .arg(dir.join(format!("{tag}-{{rank}}.json")))
@@ -164,7 +167,7 @@ fn two_ranks_pass_over_the_device_and_over_tcp_with_the_same_model() {
     let dir = dir.path();
 
     let mut backend = start_backend();
-    let mut ranks = start_trainers(dir, "device", &data, |rank| {
+    let mut ranks = start_trainers(dir, "device", &data, &[], |rank| {
         vec![
             ("DMLC_TRANSPORT", "device".to_string()),
             ("DMLC_SOCKET", backend.socket(rank).display().to_string()),
@@ -183,7 +186,7 @@ fn two_ranks_pass_over_the_device_and_over_tcp_with_the_same_model() {
         })
         .collect();
     let peers = peers.join(",");
-    let mut ranks = start_trainers(dir, "tcp", &data, |_| {
+    let mut ranks = start_trainers(dir, "tcp", &data, &[], |_| {
         vec![
             ("DMLC_TRANSPORT", "tcp".to_string()),
             ("DMLC_TCP_PEERS", peers.clone()),
@@ -195,6 +198,53 @@ fn two_ranks_pass_over_the_device_and_over_tcp_with_the_same_model() {
         device_fp, tcp_fp,
         "the device and TCP gave different models (both must reduce in rank order)"
     );
+}
+
+/// The demo's large model through the device: a 4.5 MB allreduce a step,
+/// bitwise the same weights on both ranks, the single-process check
+/// passed, and the report names the model.
+#[test]
+fn the_mlp_of_a_million_parameters_passes_over_the_device() {
+    let data = common::data_path();
+    let dir = temp_dir("digits-mlp");
+    let dir = dir.path();
+    let backend = start_backend();
+    let args = ["--model", "mlp", "--batch", "4", "--steps", "6"];
+    let mut ranks = start_trainers(dir, "mlp", &data, &args, |rank| {
+        vec![
+            ("DMLC_TRANSPORT", "device".to_string()),
+            ("DMLC_SOCKET", backend.socket(rank).display().to_string()),
+            ("DMLC_DMA_BYTES", "16M".to_string()),
+        ]
+    });
+    wait_all(&mut ranks, LIMIT);
+    let mut fingerprints = Vec::new();
+    for (rank, p) in ranks.iter_mut().enumerate() {
+        let st = p.wait_timeout(Duration::ZERO).expect("exited");
+        assert!(st.success(), "{} failed ({st}):\n{}", p.name, p.dump());
+        let out = p.stdout();
+        assert!(
+            out.contains("model mlp 64-1024-1024-10 (1126410 parameters)"),
+            "{}:\n{out}",
+            p.name
+        );
+        assert!(out.contains("step 5 loss "), "{}:\n{out}", p.name);
+        assert!(
+            out.contains("PASS identical weights on all 2 ranks")
+                && out.contains("PASS matches single-process run")
+                && !out.contains("FAIL"),
+            "{}:\n{out}",
+            p.name
+        );
+        let json = fs::read_to_string(dir.join(format!("mlp-{rank}.json"))).unwrap();
+        let doc: serde_json::Value = serde_json::from_str(&json).unwrap();
+        assert_eq!(doc["model"]["params"], 1_126_410, "{json}");
+        assert_eq!(doc["settings"]["batch"], 4, "{json}");
+        assert_eq!(doc["steps"].as_array().map(Vec::len), Some(6), "{json}");
+        assert!(doc["steps"][5]["update_ms"].as_f64() > Some(0.0), "{json}");
+        fingerprints.push(doc["identical_weights"]["fingerprint"].clone());
+    }
+    assert_eq!(fingerprints[0], fingerprints[1]);
 }
 
 #[test]
