@@ -412,19 +412,7 @@ mod tests {
         for (i, p) in m.params.iter_mut().enumerate() {
             *p = *p * 50.0 + (i as f32 * 0.37).sin() * 0.8;
         }
-        let data = Dataset {
-            features: 3,
-            classes: 4,
-            x: vec![
-                0.1, 0.9, 0.0, //
-                1.0, 0.2, 0.5, //
-                0.0, 0.0, 0.0, //
-                0.7, 0.7, 0.3, //
-                0.25, 0.0, 1.0, //
-                0.5, 0.5, 0.5,
-            ],
-            y: vec![0, 3, 1, 2, 3, 0],
-        };
+        let data = Dataset::six_samples();
         (m, data)
     }
 

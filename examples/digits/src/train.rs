@@ -432,45 +432,26 @@ mod tests {
     }
 
     #[test]
-    fn a_different_model_is_a_disagreement() {
-        let data = blobs(50);
-        let mut group = Threads::group(2);
-        let mut c1 = group.pop().unwrap();
-        let mut c0 = group.pop().unwrap();
-        let d1 = data.clone();
-        let h = thread::spawn(move || {
-            let s = Settings {
-                model: Arch::Mlp { hidden: 4 },
-                ..Settings::default()
-            };
-            train(&mut c1, &s, &d1, |_| {}).map(|_| ())
-        });
-        let s0 = Settings {
-            model: Arch::Mlp { hidden: 5 },
+    fn disagreement_is_detected() {
+        let other_steps = Settings {
+            steps: 7,
             ..Settings::default()
         };
-        let r0 = train(&mut c0, &s0, &data, |_| {}).map(|_| ());
-        assert!(matches!(r0, Err(TrainError::Inconsistent)), "{r0:?}");
-        assert!(matches!(h.join().unwrap(), Err(TrainError::Inconsistent)));
-    }
-
-    #[test]
-    fn disagreement_is_detected() {
-        let data = blobs(50);
-        let mut group = Threads::group(2);
-        let mut c1 = group.pop().unwrap();
-        let mut c0 = group.pop().unwrap();
-        let d1 = data.clone();
-        let h = thread::spawn(move || {
-            let s = Settings {
-                steps: 7,
-                ..Settings::default()
-            };
-            train(&mut c1, &s, &d1, |_| {}).map(|_| ())
-        });
-        let r0 = train(&mut c0, &Settings::default(), &data, |_| {}).map(|_| ());
-        assert!(matches!(r0, Err(TrainError::Inconsistent)), "{r0:?}");
-        assert!(matches!(h.join().unwrap(), Err(TrainError::Inconsistent)));
+        let mlp = |hidden| Settings {
+            model: Arch::Mlp { hidden },
+            ..Settings::default()
+        };
+        for (s0, s1) in [(Settings::default(), other_steps), (mlp(5), mlp(4))] {
+            let data = blobs(50);
+            let mut group = Threads::group(2);
+            let mut c1 = group.pop().unwrap();
+            let mut c0 = group.pop().unwrap();
+            let d1 = data.clone();
+            let h = thread::spawn(move || train(&mut c1, &s1, &d1, |_| {}).map(|_| ()));
+            let r0 = train(&mut c0, &s0, &data, |_| {}).map(|_| ());
+            assert!(matches!(r0, Err(TrainError::Inconsistent)), "{r0:?}");
+            assert!(matches!(h.join().unwrap(), Err(TrainError::Inconsistent)));
+        }
     }
 
     #[test]

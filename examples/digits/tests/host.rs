@@ -94,9 +94,28 @@ fn start_trainers(
         .collect()
 }
 
+/// What a job must show: its step count and the least test accuracy.
+struct Expect {
+    steps: usize,
+    accuracy: f64,
+}
+
+/// The softmax model's 100 default steps.
+const SOFTMAX: Expect = Expect {
+    steps: 100,
+    accuracy: 0.85,
+};
+
 /// Checks every rank's exit status, output and JSON; returns the common
 /// model fingerprint.
-fn check_job(dir: &Path, tag: &str, transport: &str, ranks: &mut [Proc]) -> String {
+fn check_job(
+    dir: &Path,
+    tag: &str,
+    transport: &str,
+    ranks: &mut [Proc],
+    expect: &Expect,
+) -> String {
+    let last = expect.steps - 1;
     let started = Instant::now();
     wait_all(ranks, LIMIT);
     println!("{tag}: {RANKS} ranks finished in {:?}", started.elapsed());
@@ -111,7 +130,11 @@ fn check_job(dir: &Path, tag: &str, transport: &str, ranks: &mut [Proc]) -> Stri
             p.name
         );
         assert!(out.contains("step 0 loss 2.30"), "{}:\n{out}", p.name);
-        assert!(out.contains("step 99 loss "), "{}:\n{out}", p.name);
+        assert!(
+            out.contains(&format!("step {last} loss ")),
+            "{}:\n{out}",
+            p.name
+        );
         let fp = out
             .lines()
             .find_map(|l| {
@@ -133,7 +156,7 @@ fn check_job(dir: &Path, tag: &str, transport: &str, ranks: &mut [Proc]) -> Stri
             .and_then(|l| l.split_whitespace().next())
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| panic!("{}: no accuracy line:\n{out}", p.name));
-        assert!(acc >= 0.85, "{}: accuracy {acc}", p.name);
+        assert!(acc >= expect.accuracy, "{}: accuracy {acc}", p.name);
         let json = fs::read_to_string(dir.join(format!("{tag}-{rank}.json")))
             .unwrap_or_else(|e| panic!("{}: no JSON report: {e}", p.name));
         let doc: serde_json::Value = serde_json::from_str(&json)
@@ -145,10 +168,15 @@ fn check_job(dir: &Path, tag: &str, transport: &str, ranks: &mut [Proc]) -> Stri
         assert_eq!(doc["identical_weights"]["pass"], true, "{}: {json}", p.name);
         assert_eq!(doc["single_process"]["pass"], true, "{}: {json}", p.name);
         let steps = doc["steps"].as_array().expect("steps");
-        assert_eq!(steps.len(), 100, "{}: {json}", p.name);
-        assert_eq!(steps[99]["step"], 99, "{}: {json}", p.name);
+        assert_eq!(steps.len(), expect.steps, "{}: {json}", p.name);
+        assert_eq!(steps[last]["step"], last, "{}: {json}", p.name);
         assert!(
-            doc["test_accuracy"].as_f64() >= Some(0.85),
+            doc["test_accuracy"].as_f64() >= Some(expect.accuracy),
+            "{}: {json}",
+            p.name
+        );
+        assert!(
+            steps[last]["update_ms"].as_f64() > Some(0.0),
             "{}: {json}",
             p.name
         );
@@ -174,7 +202,7 @@ fn two_ranks_pass_over_the_device_and_over_tcp_with_the_same_model() {
             ("DMLC_DMA_BYTES", "4M".to_string()),
         ]
     });
-    let device_fp = check_job(dir, "device", "device", &mut ranks);
+    let device_fp = check_job(dir, "device", "device", &mut ranks, &SOFTMAX);
     assert!(backend.alive(), "backend died:\n{}", backend.proc.dump());
     drop(backend);
 
@@ -193,7 +221,7 @@ fn two_ranks_pass_over_the_device_and_over_tcp_with_the_same_model() {
             ("DMLC_TCP_CONNECT_TIMEOUT_S", "60".to_string()),
         ]
     });
-    let tcp_fp = check_job(dir, "tcp", "tcp", &mut ranks);
+    let tcp_fp = check_job(dir, "tcp", "tcp", &mut ranks, &SOFTMAX);
     assert_eq!(
         device_fp, tcp_fp,
         "the device and TCP gave different models (both must reduce in rank order)"
@@ -217,34 +245,24 @@ fn the_mlp_of_a_million_parameters_passes_over_the_device() {
             ("DMLC_DMA_BYTES", "16M".to_string()),
         ]
     });
-    wait_all(&mut ranks, LIMIT);
-    let mut fingerprints = Vec::new();
-    for (rank, p) in ranks.iter_mut().enumerate() {
-        let st = p.wait_timeout(Duration::ZERO).expect("exited");
-        assert!(st.success(), "{} failed ({st}):\n{}", p.name, p.dump());
-        let out = p.stdout();
+    // Six steps from the same start barely learn: the accuracy is not
+    // checked, the rest is.
+    let expect = Expect {
+        steps: 6,
+        accuracy: 0.0,
+    };
+    check_job(dir, "mlp", "device", &mut ranks, &expect);
+    for rank in 0..RANKS {
+        let out = ranks[rank as usize].stdout();
         assert!(
             out.contains("model mlp 64-1024-1024-10 (1126410 parameters)"),
-            "{}:\n{out}",
-            p.name
-        );
-        assert!(out.contains("step 5 loss "), "{}:\n{out}", p.name);
-        assert!(
-            out.contains("PASS identical weights on all 2 ranks")
-                && out.contains("PASS matches single-process run")
-                && !out.contains("FAIL"),
-            "{}:\n{out}",
-            p.name
+            "{out}"
         );
         let json = fs::read_to_string(dir.join(format!("mlp-{rank}.json"))).unwrap();
         let doc: serde_json::Value = serde_json::from_str(&json).unwrap();
         assert_eq!(doc["model"]["params"], 1_126_410, "{json}");
         assert_eq!(doc["settings"]["batch"], 4, "{json}");
-        assert_eq!(doc["steps"].as_array().map(Vec::len), Some(6), "{json}");
-        assert!(doc["steps"][5]["update_ms"].as_f64() > Some(0.0), "{json}");
-        fingerprints.push(doc["identical_weights"]["fingerprint"].clone());
     }
-    assert_eq!(fingerprints[0], fingerprints[1]);
 }
 
 #[test]
