@@ -1,7 +1,7 @@
-//! `dmlc-qemu demo`: trains the digits example across N VMs with the
-//! gradients going through the virtio-dmlc device, then the same job over
-//! TCP between the VMs, and prints the two side by side from the trainer's
-//! JSON reports.
+//! `dmlc-qemu demo`: trains the digits example (the MLP or softmax
+//! regression) across N VMs with the gradients going through the
+//! virtio-dmlc device, then the same job over TCP between the VMs, and
+//! prints the two side by side from the trainer's JSON reports.
 
 use std::fmt::Write as _;
 use std::io;
@@ -13,13 +13,21 @@ use serde::Deserialize;
 use crate::job::{Job, Outcome, Program, Transport};
 use crate::{
     accel, backend_path, check_executable, job_error, prepare, progress, report, sibling,
-    usage_error, DemoArgs,
+    usage_error, DemoArgs, DemoModel,
 };
 
 /// Where the data goes in the guest (the trainer's default).
 const GUEST_DATA: &str = "/data/digits.csv.gz";
 /// Where each rank writes its JSON report in the guest.
 const GUEST_REPORT: &str = "/root/dmlc-report.json";
+
+/// The MLP's samples per worker and step: few, so that the emulated compute
+/// (about 70 ms a sample in a TCG guest) stays small next to the 4.5 MB
+/// exchange.
+const MLP_SAMPLES_PER_WORKER: usize = 2;
+/// Default steps: the MLP's keep both runs to a few minutes under TCG.
+const MLP_STEPS: u32 = 40;
+const SOFTMAX_STEPS: u32 = 100;
 
 /// Errors of reading the trainer's reports.
 #[derive(Debug, thiserror::Error)]
@@ -35,6 +43,9 @@ pub enum ReportError {
 /// writes a number that is not finite as null: an optional one reads as NaN.
 #[derive(Debug, Deserialize)]
 struct Report {
+    model: Option<ModelInfo>,
+    settings: Option<SettingsInfo>,
+    train_samples: Option<usize>,
     steps: Vec<Step>,
     test_accuracy: f64,
     phases_ms: Phases,
@@ -43,10 +54,23 @@ struct Report {
 }
 
 #[derive(Debug, Deserialize)]
+struct ModelInfo {
+    name: String,
+    widths: Vec<usize>,
+    params: usize,
+}
+
+#[derive(Debug, Deserialize)]
+struct SettingsInfo {
+    batch: usize,
+}
+
+#[derive(Debug, Deserialize)]
 struct Step {
     loss: Option<f64>,
     compute_ms: Option<f64>,
     exchange_ms: Option<f64>,
+    update_ms: Option<f64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -73,17 +97,27 @@ struct SingleProcess {
 /// The numbers of one run, over all ranks.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Summary {
+    /// Rank 0's model, e.g. "mlp 64-1024-1024-10" (empty if not reported).
+    pub model: String,
+    /// Its parameter count (0 if not reported).
+    pub params: usize,
+    /// Samples per step over all ranks (0 if not reported).
+    pub batch: usize,
     pub steps: usize,
     /// Median over every step of every rank.
     pub compute_ms: f64,
     pub exchange_ms: f64,
+    /// The objective and the update after the exchange.
+    pub update_ms: f64,
+    /// A whole step: compute, exchange and update.
+    pub step_ms: f64,
     /// Median over the steps of the smallest exchange time of the step:
     /// that of the rank that arrived last, which waited for nobody, so
     /// the cost of the exchange itself without the ranks' skew.
     pub exchange_last_ms: f64,
-    /// Training time of the slowest rank: the sum of its steps' compute
-    /// and exchange times. (The trainer's own total_ms also counts the
-    /// initial broadcast, which waits for the last VM to boot.)
+    /// Training time of the slowest rank: the sum of its steps' compute,
+    /// exchange and update times. (The trainer's own total_ms also counts
+    /// the initial broadcast, which waits for the last VM to boot.)
     pub train_ms: f64,
     /// Rank 0's loss at the last step.
     pub final_loss: f64,
@@ -166,12 +200,18 @@ impl Summary {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let (mut compute, mut exchange) = (Vec::new(), Vec::new());
+        let (mut update, mut whole) = (Vec::new(), Vec::new());
         // Per step, the smallest exchange time over the ranks.
         let mut last_in: Vec<f64> = Vec::new();
         let mut s = Summary {
+            model: String::new(),
+            params: 0,
+            batch: 0,
             steps: 0,
             compute_ms: 0.0,
             exchange_ms: 0.0,
+            update_ms: 0.0,
+            step_ms: 0.0,
             exchange_last_ms: 0.0,
             train_ms: 0.0,
             final_loss: f64::NAN,
@@ -191,22 +231,42 @@ impl Summary {
         for (rank, r) in reports.iter().enumerate() {
             let mut train_ms = 0.0;
             for (i, st) in r.steps.iter().enumerate() {
-                let x = nan(st.exchange_ms);
-                compute.push(nan(st.compute_ms));
-                train_ms += nan(st.compute_ms) + x;
+                let (c, x, u) = (nan(st.compute_ms), nan(st.exchange_ms), nan(st.update_ms));
+                compute.push(c);
                 exchange.push(x);
+                update.push(u);
+                whole.push(c + x + u);
+                train_ms += c + x + u;
                 match last_in.get_mut(i) {
                     Some(m) => *m = m.min(x),
                     None => last_in.push(x),
                 }
             }
             if rank == 0 {
+                if let Some(m) = &r.model {
+                    let widths: Vec<String> = m.widths.iter().map(usize::to_string).collect();
+                    s.model = format!("{} {}", m.name, widths.join("-"));
+                    s.params = m.params;
+                }
+                // 0 (or more than there are) means the whole training set.
+                let whole_set = r.train_samples.unwrap_or(0);
+                s.batch = match r.settings.as_ref().map(|st| st.batch) {
+                    Some(b) if b == 0 || b > whole_set => whole_set,
+                    Some(b) => b,
+                    None => 0,
+                };
                 s.steps = r.steps.len();
                 s.final_loss = nan(r.steps.last().and_then(|st| st.loss));
                 s.accuracy = r.test_accuracy;
                 s.fingerprint = r.identical_weights.fingerprint.clone();
             }
-            s.train_ms = s.train_ms.max(train_ms);
+            // A step without a time leaves the training time unknown
+            // (f64::max would drop the NaN).
+            s.train_ms = if train_ms.is_nan() || s.train_ms.is_nan() {
+                f64::NAN
+            } else {
+                s.train_ms.max(train_ms)
+            };
             s.init_ms = s.init_ms.max(r.phases_ms.init);
             s.load_ms = s.load_ms.max(r.phases_ms.load);
             s.total_ms = s.total_ms.max(r.phases_ms.train);
@@ -220,6 +280,8 @@ impl Summary {
         }
         s.compute_ms = median(&mut compute);
         s.exchange_ms = median(&mut exchange);
+        s.update_ms = median(&mut update);
+        s.step_ms = median(&mut whole);
         s.exchange_last_ms = median(&mut last_in);
         Ok(s)
     }
@@ -262,6 +324,16 @@ pub fn table(dev: &Summary, tcp: &Summary, n: usize) -> String {
             "exchange, last rank to arrive (median)".into(),
             format!("{:.3} ms", dev.exchange_last_ms),
             format!("{:.3} ms", tcp.exchange_last_ms),
+        ),
+        (
+            "update per step (median)".into(),
+            format!("{:.3} ms", dev.update_ms),
+            format!("{:.3} ms", tcp.update_ms),
+        ),
+        (
+            "step: compute + exchange + update (median)".into(),
+            format!("{:.3} ms", dev.step_ms),
+            format!("{:.3} ms", tcp.step_ms),
         ),
         (
             "training steps, slowest rank (sum)".into(),
@@ -333,7 +405,11 @@ pub fn table(dev: &Summary, tcp: &Summary, n: usize) -> String {
     let w1 = rows.iter().map(|r| r.1.len()).max().unwrap_or(0).max(6);
     let w2 = rows.iter().map(|r| r.2.len()).max().unwrap_or(0).max(3);
     let mut t = String::new();
-    let _ = writeln!(t, "\n== digits, {n} VMs: device vs tcp ==");
+    let _ = writeln!(
+        t,
+        "\n== digits{}, {n} VMs: device vs tcp ==",
+        model_title(dev)
+    );
     let _ = writeln!(t, "{:w0$}  {:>w1$}  {:>w2$}", "", "device", "tcp");
     for (name, d, c) in &rows {
         let _ = writeln!(t, "{name:w0$}  {d:>w1$}  {c:>w2$}");
@@ -342,10 +418,18 @@ pub fn table(dev: &Summary, tcp: &Summary, n: usize) -> String {
         t,
         "\nexchange time, tcp / device: {:.1}x for the last rank to arrive \
          (the exchange itself), {:.1}x over all ranks (with waiting for the \
-         slowest); training steps {:.2}x",
+         slowest)",
         tcp.exchange_last_ms / dev.exchange_last_ms,
         tcp.exchange_ms / dev.exchange_ms,
-        tcp.train_ms / dev.train_ms
+    );
+    let _ = writeln!(
+        t,
+        "time, tcp / device: step {:.2}x, training steps {:.2}x, training {:.2}x, \
+         whole job {:.2}x",
+        tcp.step_ms / dev.step_ms,
+        tcp.train_ms / dev.train_ms,
+        tcp.total_ms / dev.total_ms,
+        tcp.times.wall_s / dev.times.wall_s
     );
     let _ = writeln!(
         t,
@@ -353,6 +437,25 @@ pub fn table(dev: &Summary, tcp: &Summary, n: usize) -> String {
         dev.tolerance, dev.fingerprint, tcp.fingerprint
     );
     t
+}
+
+/// What the title says of the model: its name and widths, its size and
+/// the bytes one step allreduces, and the batch.
+fn model_title(s: &Summary) -> String {
+    if s.model.is_empty() {
+        return String::new();
+    }
+    // The gradient in f32, plus the loss and the count.
+    let bytes = (s.params + 2) * 4;
+    let size = if bytes >= 1 << 20 {
+        format!("{:.1} MB", bytes as f64 / 1e6)
+    } else {
+        format!("{:.1} KB", bytes as f64 / 1e3)
+    };
+    format!(
+        " {} ({} parameters, {size} allreduced a step; {} samples a step)",
+        s.model, s.params, s.batch
+    )
 }
 
 /// One run of the trainer; `None` when the demo must stop (the exit code
@@ -409,16 +512,33 @@ pub fn run(a: DemoArgs) -> i32 {
         Ok(q) => q,
         Err(e) => return job_error(&e),
     };
+    let n = usize::from(a.num_workers);
+    let (model, steps) = match a.model {
+        DemoModel::Mlp => (
+            vec![
+                "--model".to_owned(),
+                "mlp".to_owned(),
+                "--batch".to_owned(),
+                (MLP_SAMPLES_PER_WORKER * n).to_string(),
+            ],
+            MLP_STEPS,
+        ),
+        DemoModel::Softmax => (
+            vec!["--model".to_owned(), "softmax".to_owned()],
+            SOFTMAX_STEPS,
+        ),
+    };
     let mut args = vec![
         "--data".to_owned(),
         GUEST_DATA.to_owned(),
         "--steps".to_owned(),
-        a.steps.to_string(),
+        a.steps.unwrap_or(steps).to_string(),
         "--json".to_owned(),
         GUEST_REPORT.to_owned(),
     ];
+    args.extend(model);
+    // Last, so that they override the demo's choices.
     args.extend(a.trainer_args.iter().cloned());
-    let n = usize::from(a.num_workers);
     let jobs: Vec<Job> = [Transport::Device, Transport::Tcp]
         .into_iter()
         .map(|transport| Job {
@@ -452,7 +572,11 @@ pub fn run(a: DemoArgs) -> i32 {
             Transport::Device => "gradients through the virtio-dmlc device",
             Transport::Tcp => "gradients over TCP between the VMs (virtio-net)",
         };
-        progress(&format!("run {}/2: {n} workers, {title}", i + 1));
+        let what = match a.model {
+            DemoModel::Mlp => "the MLP",
+            DemoModel::Softmax => "softmax regression",
+        };
+        progress(&format!("run {}/2: {n} workers, {what}, {title}", i + 1));
         match run_one(job, &qemu) {
             Ok((_, s)) => summaries.push(s),
             Err(code) => {
@@ -486,13 +610,17 @@ mod tests {
             .zip(exchange)
             .enumerate()
             .map(|(step, ((loss, compute), x))| {
-                json!({"step": step, "loss": loss, "compute_ms": compute, "exchange_ms": x})
+                json!({"step": step, "loss": loss, "compute_ms": compute, "exchange_ms": x,
+                       "update_ms": 0.25 * f64::from(compute)})
             })
             .collect();
         json!({
             "rank": rank,
             "world_size": 2,
             "transport": "device",
+            "model": {"name": "mlp", "widths": [64, 1024, 1024, 10], "params": 1126410},
+            "settings": {"steps": 3, "lr": 0.2, "l2": 0.0, "batch": 4, "seed": 42},
+            "train_samples": 1500,
             "steps": steps,
             "total_ms": 10 + rank,
             "test_accuracy": 0.9,
@@ -519,12 +647,19 @@ mod tests {
         };
         let s = Summary::from_reports(&texts, times).unwrap();
         assert_eq!(s.steps, 3);
+        assert_eq!(
+            (s.model.as_str(), s.params, s.batch),
+            ("mlp 64-1024-1024-10", 1126410, 4)
+        );
         assert_eq!(s.compute_ms, 2.0);
         assert!((s.exchange_ms - 0.35).abs() < 1e-12);
+        assert_eq!(s.update_ms, 0.5);
+        // Steps (c + x + u): rank 0 1.35 3.95 2.8, rank 1 1.65 4.25 3.1.
+        assert!((s.step_ms - 2.95).abs() < 1e-12, "{}", s.step_ms);
         // Per step min over the ranks: 0.1 0.2 0.3.
         assert!((s.exchange_last_ms - 0.2).abs() < 1e-12);
-        // Rank 1: compute 1+3+2, exchange 0.4+0.5+0.6.
-        assert!((s.train_ms - 7.5).abs() < 1e-12);
+        // Rank 1: compute 1+3+2, exchange 0.4+0.5+0.6, update 1.5.
+        assert!((s.train_ms - 9.0).abs() < 1e-12);
         assert_eq!(s.final_loss, 0.5);
         assert_eq!(s.accuracy, 0.9);
         assert!(s.identical && s.single && s.passed());
@@ -532,6 +667,28 @@ mod tests {
         let t = table(&s, &s, 2);
         assert!(t.contains("exchange per step (median)"));
         assert!(t.contains("tcp / device: 1.0x for the last rank"));
+        assert!(
+            t.contains(
+                "== digits mlp 64-1024-1024-10 (1126410 parameters, 4.5 MB allreduced a \
+                 step; 4 samples a step), 2 VMs"
+            ),
+            "{t}"
+        );
+        assert!(
+            t.contains("step: compute + exchange + update (median)       2.950 ms"),
+            "{t}"
+        );
+        // Another TCP run, slower in every way.
+        let mut slow = s.clone();
+        slow.step_ms *= 4.0;
+        slow.train_ms *= 3.0;
+        slow.total_ms *= 2.5;
+        slow.times.wall_s *= 2.0;
+        let t = table(&s, &slow, 2);
+        assert!(
+            t.contains("step 4.00x, training steps 3.00x, training 2.50x, whole job 2.00x"),
+            "{t}"
+        );
         // 1.5 s of program, 1.25 s of it in measured phases.
         assert!((s.program_rest_s() - 0.25).abs() < 1e-9);
         assert!(t.contains("whole job (wall)"), "{t}");
@@ -569,5 +726,24 @@ mod tests {
         assert!(s.final_loss.is_nan());
         assert!(s.tolerance.is_nan());
         assert_eq!(s.steps, 3);
+    }
+
+    #[test]
+    fn the_model_and_the_update_may_be_missing() {
+        let mut v: serde_json::Value = serde_json::from_str(&report(0, "0xab", [0.1; 3])).unwrap();
+        let o = v.as_object_mut().unwrap();
+        for k in ["model", "settings", "train_samples"] {
+            o.remove(k);
+        }
+        v["steps"][1].as_object_mut().unwrap().remove("update_ms");
+        let s = Summary::from_reports(&[v.to_string()], Times::default()).unwrap();
+        assert_eq!((s.model.as_str(), s.params, s.batch), ("", 0, 0));
+        assert!(s.train_ms.is_nan());
+        assert!(table(&s, &s, 1).contains("== digits, 1 VMs: device vs tcp =="));
+        // Batch 0 is the whole training set.
+        let mut v: serde_json::Value = serde_json::from_str(&report(0, "0xab", [0.1; 3])).unwrap();
+        v["settings"]["batch"] = json!(0);
+        let s = Summary::from_reports(&[v.to_string()], Times::default()).unwrap();
+        assert_eq!(s.batch, 1500);
     }
 }

@@ -55,8 +55,9 @@ enum Cmd {
         override_usage = "dmlc-qemu submit --num-workers N [OPTIONS] [--] PROGRAM [ARGS]..."
     )]
     Submit(SubmitArgs),
-    /// Train the digits example across VMs through the device, then over
-    /// TCP, and compare the two.
+    /// Train the digits example (an MLP of 1.1M parameters, or softmax
+    /// regression) across VMs through the device, then over TCP, and
+    /// compare the two.
     #[command(
         after_help = DEMO_AFTER_HELP,
         override_usage = "dmlc-qemu demo [OPTIONS] [-- TRAINER_ARGS...]"
@@ -80,9 +81,18 @@ Exit status: the first non-zero status of the workers (0 if all succeed);
 start; 128+N on signal N; 2 for bad options.";
 
 const DEMO_AFTER_HELP: &str = "\
+Models (--model):
+  mlp      64 inputs, two hidden ReLU layers of 1024, 10 classes: 1,126,410
+           parameters, so every step allreduces a 4.5 MB gradient; 2 samples
+           per worker a step, so that the exchange is a large part of the step
+           (the default; both runs took 2 to 5 minutes on 2 busy host cores)
+  softmax  softmax regression, 650 parameters (a 2.6 KB gradient), the whole
+           training set every step: the emulated compute dominates
+
 Needs target/*/dmlc-train-digits next to dmlc-qemu:
   cargo build -p dmlc-example-digits -p vhost-device-dmlc -p dmlc-qemu
-Arguments after '--' go to dmlc-train-digits (e.g. -- --lr 0.5).";
+Arguments after '--' go to dmlc-train-digits and override the demo's
+(e.g. -- --lr 0.5 --batch 8 --hidden 512).";
 
 /// VM and job settings shared by `submit` and `demo`.
 #[derive(Debug, Args)]
@@ -188,10 +198,14 @@ struct DemoArgs {
           value_parser = clap::value_parser!(u16).range(1..=64))]
     num_workers: u16,
 
-    /// Gradient-descent steps of each run.
-    #[arg(long, value_name = "N", default_value_t = 100,
+    /// The model to train (see below).
+    #[arg(long, value_enum, default_value_t = DemoModel::Mlp)]
+    model: DemoModel,
+
+    /// Gradient-descent steps of each run [default: mlp 40, softmax 100].
+    #[arg(long, value_name = "N",
           value_parser = clap::value_parser!(u32).range(1..))]
-    steps: u32,
+    steps: Option<u32>,
 
     #[command(flatten)]
     machine: MachineArgs,
@@ -208,6 +222,15 @@ struct DemoArgs {
     /// More arguments for dmlc-train-digits.
     #[arg(value_name = "TRAINER_ARGS", last = true)]
     trainer_args: Vec<String>,
+}
+
+/// The demo's models (`demo --model`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DemoModel {
+    /// The MLP of 1.1M parameters, a few samples a step.
+    Mlp,
+    /// Softmax regression, 650 parameters, the whole training set a step.
+    Softmax,
 }
 
 /// Parses guest RAM: a size in MiB (see [`parse_mib`]), 128M to 1024G.

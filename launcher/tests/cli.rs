@@ -61,6 +61,10 @@ fn help_explains_every_flag() {
         "--steps <N>",
         "--num-workers <N>",
         "--trainer <PATH>",
+        "--model <MODEL>",
+        "[default: mlp]",
+        "1,126,410",
+        "softmax regression, 650",
         "cargo build",
     ] {
         assert!(
@@ -132,6 +136,10 @@ fn wrong_flags_get_clear_errors() {
         (&["frobnicate"], "unrecognized subcommand 'frobnicate'"),
         (&["demo", "--steps", "0"], "0 is not in 1.."),
         (&["demo", "--trainer", "/no/such"], "trainer /no/such"),
+        (
+            &["demo", "--model", "cnn"],
+            "invalid value 'cnn' for '--model <MODEL>'",
+        ),
     ];
     for (args, needle) in cases {
         let out = dmlc_qemu(args);

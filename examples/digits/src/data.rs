@@ -108,6 +108,27 @@ impl Dataset {
     }
 }
 
+#[cfg(test)]
+impl Dataset {
+    /// The models' tests' tiny problem: 3 features, 4 classes, 6 samples
+    /// (one of them blank).
+    pub(crate) fn six_samples() -> Dataset {
+        Dataset {
+            features: 3,
+            classes: 4,
+            x: vec![
+                0.1, 0.9, 0.0, //
+                1.0, 0.2, 0.5, //
+                0.0, 0.0, 0.0, //
+                0.7, 0.7, 0.3, //
+                0.25, 0.0, 1.0, //
+                0.5, 0.5, 0.5,
+            ],
+            y: vec![0, 3, 1, 2, 3, 0],
+        }
+    }
+}
+
 /// FNV-1a, 64 bit: tiny, deterministic everywhere, and good enough to tell
 /// different buffers apart (not a defence against deliberate collisions).
 #[derive(Clone, Copy, Debug)]

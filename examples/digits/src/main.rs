@@ -1,4 +1,4 @@
-//! `dmlc-train-digits`: data-parallel softmax regression on the
+//! `dmlc-train-digits`: data-parallel softmax regression or an MLP on the
 //! handwritten-digits data, one process per rank, gradients summed through
 //! the dmlc-comm rabit API (the device, or TCP, as the DMLC environment
 //! says).
@@ -8,44 +8,57 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use thiserror::Error;
 
 use dmlc_comm::rabit::{self, Op, RabitError};
 use dmlc_example_digits::data::{self, DataError, DEFAULT_TEST_SIZE};
+use dmlc_example_digits::model::{Arch, DEFAULT_HIDDEN};
 use dmlc_example_digits::report::{median, Phases, Report};
 use dmlc_example_digits::train::{
     check_identical, check_single, train, Collective, CommError, Settings, TrainError,
     DEFAULT_TOLERANCE,
 };
 
-/// Trains softmax regression on the handwritten-digits data across the ranks
-/// of a DMLC job (rank and world size from DMLC_TASK_ID / DMLC_NUM_WORKER,
-/// transport from DMLC_TRANSPORT), then checks that all ranks hold bitwise
-/// identical weights and that they match a single-process run.
+/// Trains softmax regression or an MLP on the handwritten-digits data across
+/// the ranks of a DMLC job (rank and world size from DMLC_TASK_ID /
+/// DMLC_NUM_WORKER, transport from DMLC_TRANSPORT), then checks that all
+/// ranks hold bitwise identical weights and that they match a
+/// single-process run. A later option overrides an earlier one.
 #[derive(Debug, Parser)]
-#[command(name = "dmlc-train-digits", version)]
+#[command(name = "dmlc-train-digits", version, args_override_self = true)]
 struct Args {
     /// The digits CSV (gzip-compressed or plain), as fetch-data.sh gets it.
     #[arg(long, value_name = "PATH", default_value = "/data/digits.csv.gz")]
     data: PathBuf,
 
+    /// The model: softmax regression (64x10 weights and 10 biases, 650
+    /// parameters), or an MLP with two hidden ReLU layers of --hidden units
+    /// (1,126,410 parameters at 1024, a 4.5 MB gradient per step).
+    #[arg(long, value_enum, default_value_t = Kind::Softmax)]
+    model: Kind,
+
+    /// Width of the MLP's two hidden layers.
+    #[arg(long, value_name = "H", default_value_t = DEFAULT_HIDDEN as u32,
+          value_parser = clap::value_parser!(u32).range(1..=8192))]
+    hidden: u32,
+
     /// Gradient-descent steps.
     #[arg(long, value_name = "N", default_value_t = 100)]
     steps: u32,
 
-    /// Learning rate.
-    #[arg(long, value_name = "RATE", default_value_t = 1.0)]
-    lr: f32,
+    /// Learning rate [default: softmax 1.0, mlp 0.2].
+    #[arg(long, value_name = "RATE")]
+    lr: Option<f32>,
 
-    /// L2 penalty on the weights.
-    #[arg(long, value_name = "LAMBDA", default_value_t = 1e-4)]
-    l2: f32,
+    /// L2 penalty on the weights [default: softmax 0.0001, mlp 0].
+    #[arg(long, value_name = "LAMBDA")]
+    l2: Option<f32>,
 
     /// Samples per step over all ranks; 0 uses the whole training set every
-    /// step.
-    #[arg(long, value_name = "N", default_value_t = 0)]
-    batch: usize,
+    /// step [default: softmax 0, mlp 32].
+    #[arg(long, value_name = "N")]
+    batch: Option<usize>,
 
     /// Seed of the initial weights (drawn on rank 0 and broadcast).
     #[arg(long, value_name = "N", default_value_t = 42)]
@@ -67,6 +80,39 @@ struct Args {
     /// path is replaced by the rank.
     #[arg(long, value_name = "FILE")]
     json: Option<String>,
+}
+
+/// The `--model` choices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Kind {
+    Softmax,
+    Mlp,
+}
+
+impl Args {
+    /// The model, and the learning rate, L2 penalty and batch: as given,
+    /// else the model's defaults.
+    fn settings(&self) -> Settings {
+        let (model, lr, l2, batch) = match self.model {
+            Kind::Softmax => (Arch::Softmax, 1.0, 1e-4, 0),
+            Kind::Mlp => (
+                Arch::Mlp {
+                    hidden: self.hidden as usize,
+                },
+                0.2,
+                0.0,
+                32,
+            ),
+        };
+        Settings {
+            model,
+            steps: self.steps,
+            lr: self.lr.unwrap_or(lr),
+            l2: self.l2.unwrap_or(l2),
+            batch: self.batch.unwrap_or(batch),
+            seed: self.seed,
+        }
+    }
 }
 
 /// Errors of the program.
@@ -145,18 +191,19 @@ fn run<C: Collective + ?Sized>(
     let all = data::load(&args.data)?;
     let (train_set, test_set) = all.split(args.test_size)?;
     let load_ms = ms_since(t);
-    let settings = Settings {
-        steps: args.steps,
-        lr: args.lr,
-        l2: args.l2,
-        batch: args.batch,
-        seed: args.seed,
-    };
+    let settings = args.settings();
+    let widths = settings.model.widths(train_set.features, train_set.classes);
+    let widths: Vec<String> = widths.iter().map(usize::to_string).collect();
     let shard = (0..train_set.len())
         .filter(|i| i % ranks as usize == rank as usize)
         .count();
     println!(
-        "rank {rank} of {ranks} transport {transport} train {} (shard {shard}) test {} steps {} lr {} l2 {} batch {}",
+        "rank {rank} of {ranks} transport {transport} model {} {} ({} parameters) train {} (shard {shard}) test {} steps {} lr {} l2 {} batch {}",
+        settings.model.name(),
+        widths.join("-"),
+        settings
+            .model
+            .param_count(train_set.features, train_set.classes),
         train_set.len(),
         test_set.len(),
         settings.steps,
@@ -171,8 +218,8 @@ fn run<C: Collective + ?Sized>(
     let trained = train(comm, &settings, &train_set, |s| {
         if s.step % every == 0 || s.step == last {
             println!(
-                "step {} loss {:.6} compute_ms {:.3} exchange_ms {:.3}",
-                s.step, s.loss, s.compute_ms, s.exchange_ms
+                "step {} loss {:.6} compute_ms {:.3} exchange_ms {:.3} update_ms {:.3}",
+                s.step, s.loss, s.compute_ms, s.exchange_ms, s.update_ms
             );
         }
     })?;
@@ -180,11 +227,14 @@ fn run<C: Collective + ?Sized>(
     let steps = &trained.steps;
     let compute: f64 = steps.iter().map(|s| s.compute_ms).sum();
     let exchange: f64 = steps.iter().map(|s| s.exchange_ms).sum();
+    let update: f64 = steps.iter().map(|s| s.update_ms).sum();
     println!(
         "time total_ms {total_ms:.1} compute_ms {compute:.1} exchange_ms {exchange:.1} \
-         median_step_compute_ms {:.3} median_step_exchange_ms {:.3}",
+         update_ms {update:.1} median_step_compute_ms {:.3} median_step_exchange_ms {:.3} \
+         median_step_update_ms {:.3}",
         median(steps, |s| s.compute_ms),
-        median(steps, |s| s.exchange_ms)
+        median(steps, |s| s.exchange_ms),
+        median(steps, |s| s.update_ms)
     );
 
     let t_checks = Instant::now();
@@ -240,6 +290,7 @@ fn run<C: Collective + ?Sized>(
         rank,
         world_size: ranks,
         transport,
+        model,
         settings: &settings,
         train_samples: train_set.len(),
         test_samples: test_set.len(),

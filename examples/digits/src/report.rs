@@ -3,11 +3,12 @@
 //!
 //! ```json
 //! {"rank":0,"world_size":2,"transport":"device",
+//!  "model":{"name":"softmax","widths":[64,10],"params":650},
 //!  "settings":{"steps":100,"lr":1.0,"l2":0.0001,"batch":0,"seed":42},
 //!  "train_samples":1500,"test_samples":297,
-//!  "steps":[{"step":0,"loss":2.30,"compute_ms":1.2,"exchange_ms":0.05},...],
-//!  "total_ms":310.5,"mean_compute_ms":1.1,"mean_exchange_ms":0.04,
-//!  "median_compute_ms":1.0,"median_exchange_ms":0.03,
+//!  "steps":[{"step":0,"loss":2.30,"compute_ms":1.2,"exchange_ms":0.05,"update_ms":0.01},...],
+//!  "total_ms":310.5,"mean_compute_ms":1.1,"mean_exchange_ms":0.04,"mean_update_ms":0.01,
+//!  "median_compute_ms":1.0,"median_exchange_ms":0.03,"median_update_ms":0.01,
 //!  "test_correct":280,"test_accuracy":0.9427,
 //!  "identical_weights":{"pass":true,"fingerprint":"0x...","min":"0x...","max":"0x..."},
 //!  "single_process":{"pass":true,"max_abs_diff":1.2e-7,"tolerance":0.0001},
@@ -17,6 +18,7 @@
 
 use serde::Serialize;
 
+use crate::model::Model;
 use crate::train::{Identical, Reference, Settings, StepStats};
 
 /// Everything one rank reports.
@@ -26,6 +28,8 @@ pub struct Report<'a> {
     pub world_size: u32,
     /// "device" or "tcp" (as the rabit init chose it).
     pub transport: &'a str,
+    /// The trained model (its kind and shape are reported).
+    pub model: &'a Model,
     pub settings: &'a Settings,
     pub train_samples: usize,
     pub test_samples: usize,
@@ -98,6 +102,14 @@ impl Report<'_> {
             rank: self.rank,
             world_size: self.world_size,
             transport: self.transport,
+            model: ModelJson {
+                name: self.model.arch.name(),
+                widths: self
+                    .model
+                    .arch
+                    .widths(self.model.features, self.model.classes),
+                params: self.model.params.len(),
+            },
             settings: SettingsJson {
                 steps: s.steps,
                 lr: s.lr,
@@ -115,13 +127,16 @@ impl Report<'_> {
                     loss: st.loss,
                     compute_ms: st.compute_ms,
                     exchange_ms: st.exchange_ms,
+                    update_ms: st.update_ms,
                 })
                 .collect(),
             total_ms: self.total_ms,
             mean_compute_ms: mean(self.steps, |s| s.compute_ms),
             mean_exchange_ms: mean(self.steps, |s| s.exchange_ms),
+            mean_update_ms: mean(self.steps, |s| s.update_ms),
             median_compute_ms: median(self.steps, |s| s.compute_ms),
             median_exchange_ms: median(self.steps, |s| s.exchange_ms),
+            median_update_ms: median(self.steps, |s| s.update_ms),
             phases_ms: PhasesJson {
                 init: p.init_ms,
                 load: p.load_ms,
@@ -155,6 +170,7 @@ struct ReportJson<'a> {
     rank: u32,
     world_size: u32,
     transport: &'a str,
+    model: ModelJson,
     settings: SettingsJson,
     train_samples: usize,
     test_samples: usize,
@@ -162,14 +178,24 @@ struct ReportJson<'a> {
     total_ms: f64,
     mean_compute_ms: f64,
     mean_exchange_ms: f64,
+    mean_update_ms: f64,
     median_compute_ms: f64,
     median_exchange_ms: f64,
+    median_update_ms: f64,
     phases_ms: PhasesJson,
     test_correct: usize,
     test_accuracy: f64,
     identical_weights: IdenticalJson,
     single_process: SingleJson,
     pass: bool,
+}
+
+#[derive(Serialize)]
+struct ModelJson {
+    name: &'static str,
+    /// Inputs, hidden layers, classes.
+    widths: Vec<usize>,
+    params: usize,
 }
 
 /// f32s are written in their own shortest form (0.0001 rather than the
@@ -189,6 +215,7 @@ struct StepJson {
     loss: f64,
     compute_ms: f64,
     exchange_ms: f64,
+    update_ms: f64,
 }
 
 #[derive(Serialize)]
@@ -217,7 +244,7 @@ struct SingleJson {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::Model;
+    use crate::model::Arch;
 
     #[test]
     fn writes_the_fields() {
@@ -228,12 +255,14 @@ mod tests {
                 loss: 2.5,
                 compute_ms: 1.0,
                 exchange_ms: 0.5,
+                update_ms: 0.25,
             },
             StepStats {
                 step: 1,
                 loss: f64::NAN,
                 compute_ms: 3.0,
                 exchange_ms: 1.5,
+                update_ms: 0.75,
             },
         ];
         let reference = Reference {
@@ -245,6 +274,7 @@ mod tests {
             rank: 1,
             world_size: 2,
             transport: "de\"v\u{1}\t",
+            model: &Model::new(Arch::Mlp { hidden: 3 }, 2, 4),
             settings: &settings,
             train_samples: 1500,
             test_samples: 4,
@@ -273,18 +303,21 @@ mod tests {
             "rank": 1,
             "world_size": 2,
             "transport": "de\"v\u{1}\t",
+            "model": {"name": "mlp", "widths": [2, 3, 3, 4], "params": 37},
             "settings": {"steps": 100, "lr": 1.0, "l2": 0.0001, "batch": 0, "seed": 42},
             "train_samples": 1500,
             "test_samples": 4,
             "steps": [
-                {"step": 0, "loss": 2.5, "compute_ms": 1.0, "exchange_ms": 0.5},
-                {"step": 1, "loss": null, "compute_ms": 3.0, "exchange_ms": 1.5},
+                {"step": 0, "loss": 2.5, "compute_ms": 1.0, "exchange_ms": 0.5, "update_ms": 0.25},
+                {"step": 1, "loss": null, "compute_ms": 3.0, "exchange_ms": 1.5, "update_ms": 0.75},
             ],
             "total_ms": 12.5,
             "mean_compute_ms": 2.0,
             "mean_exchange_ms": 1.0,
+            "mean_update_ms": 0.5,
             "median_compute_ms": 2.0,
             "median_exchange_ms": 1.0,
+            "median_update_ms": 0.5,
             "phases_ms": {"init": 1.5, "load": 2.0, "train": 12.5, "checks": 0.25},
             "test_correct": 3,
             "test_accuracy": 0.75,
@@ -301,6 +334,7 @@ mod tests {
         // In the order of the module's example.
         let keys = [
             "\"rank\"",
+            "\"model\"",
             "\"settings\"",
             "\"train_samples\"",
             "\"steps\":[",
@@ -324,6 +358,7 @@ mod tests {
             loss: 0.0,
             compute_ms: ms,
             exchange_ms: 0.0,
+            update_ms: 0.0,
         };
         let steps = [st(5.0), st(1.0), st(30.0)];
         assert_eq!(mean(&steps, |s| s.compute_ms), 12.0);

@@ -14,7 +14,7 @@ use std::time::Instant;
 use thiserror::Error;
 
 use crate::data::{Dataset, Fnv};
-use crate::model::Model;
+use crate::model::{Arch, Model};
 
 /// What a collective call returns on failure.
 pub type CommError = Box<dyn std::error::Error + Send + Sync + 'static>;
@@ -88,6 +88,8 @@ fn comm(what: &'static str) -> impl FnOnce(CommError) -> TrainError {
 /// Training settings; every rank must use the same.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Settings {
+    /// The model trained.
+    pub model: Arch,
     /// Gradient-descent steps.
     pub steps: u32,
     /// Learning rate.
@@ -104,6 +106,7 @@ pub struct Settings {
 impl Default for Settings {
     fn default() -> Self {
         Settings {
+            model: Arch::Softmax,
             steps: 100,
             lr: 1.0,
             l2: 1e-4,
@@ -117,6 +120,7 @@ impl Settings {
     /// Hash of the settings, for the consistency check at the start.
     fn fingerprint(&self) -> u64 {
         let mut h = Fnv::new();
+        h.write(&self.model.code().to_le_bytes());
         h.write(&self.steps.to_le_bytes());
         h.write(&self.lr.to_bits().to_le_bytes());
         h.write(&self.l2.to_bits().to_le_bytes());
@@ -148,6 +152,8 @@ pub struct StepStats {
     pub compute_ms: f64,
     /// Milliseconds spent in the allreduce.
     pub exchange_ms: f64,
+    /// Milliseconds spent after it: the objective and the update.
+    pub update_ms: f64,
 }
 
 /// A finished training run.
@@ -180,17 +186,17 @@ pub fn train<C: Collective + ?Sized>(
         return Err(TrainError::Inconsistent);
     }
 
+    let arch = settings.model;
     let mut model = if rank == 0 {
-        Model::random(data.features, data.classes, settings.seed)
+        Model::init(arch, data.features, data.classes, settings.seed)
     } else {
-        Model::zeros(data.features, data.classes)
+        Model::new(arch, data.features, data.classes)
     };
     comm_
         .broadcast_f32(&mut model.params, 0)
         .map_err(comm("broadcasting the initial weights"))?;
 
     let np = model.params.len();
-    let mut grad = vec![0.0f64; np];
     // Gradient, then the loss sum and the sample count.
     let mut buf = vec![0.0f32; np + 2];
     let mut steps = Vec::with_capacity(settings.steps as usize);
@@ -200,11 +206,7 @@ pub fn train<C: Collective + ?Sized>(
         let expected = batch.clone().count();
         let mine = batch.filter(|i| i % ranks == rank);
         let count = mine.clone().count();
-        grad.fill(0.0);
-        let loss = model.accumulate_gradient(data, mine, &mut grad);
-        for (b, &g) in buf.iter_mut().zip(&grad) {
-            *b = g as f32;
-        }
+        let loss = model.gradient(data, mine, &mut buf[..np]);
         buf[np] = loss as f32;
         buf[np + 1] = count as f32;
         let compute = t0.elapsed();
@@ -224,13 +226,16 @@ pub fn train<C: Collective + ?Sized>(
                 expected,
             });
         }
+        let t2 = Instant::now();
+        let loss = model.objective(f64::from(buf[np]), f64::from(total), settings.l2);
+        model.step(&buf[..np], total, settings.lr, settings.l2);
         let stats = StepStats {
             step,
-            loss: model.objective(f64::from(buf[np]), f64::from(total), settings.l2),
+            loss,
             compute_ms: compute.as_secs_f64() * 1e3,
             exchange_ms: exchange.as_secs_f64() * 1e3,
+            update_ms: t2.elapsed().as_secs_f64() * 1e3,
         };
-        model.step(&buf[..np], total, settings.lr, settings.l2);
         on_step(&stats);
         steps.push(stats);
     }
@@ -356,9 +361,12 @@ mod tests {
     #[test]
     fn ranks_agree_and_match_single_process() {
         let data = blobs(203);
-        for batch in [0, 64] {
+        let models = [(Arch::Softmax, 1.0), (Arch::Mlp { hidden: 12 }, 0.2)];
+        for ((model, lr), batch) in models.into_iter().flat_map(|m| [(m, 0), (m, 64)]) {
             let settings = Settings {
+                model,
                 steps: 60,
+                lr,
                 batch,
                 ..Settings::default()
             };
@@ -369,8 +377,12 @@ mod tests {
                 for m in &models[1..] {
                     assert_eq!(m.fingerprint(), models[0].fingerprint(), "n={n}");
                 }
+                assert_eq!(models[0].arch, model);
                 let diff = single.model.max_abs_diff(&models[0]);
-                assert!(diff <= DEFAULT_TOLERANCE, "n={n} batch={batch} diff={diff}");
+                assert!(
+                    diff <= DEFAULT_TOLERANCE,
+                    "{model:?} n={n} batch={batch} diff={diff}"
+                );
                 if n == 1 {
                     assert_eq!(diff, 0.0);
                 }
@@ -398,22 +410,48 @@ mod tests {
     }
 
     #[test]
+    fn the_mlp_learns_in_minibatches() {
+        let data = blobs(300);
+        let settings = Settings {
+            model: Arch::Mlp { hidden: 16 },
+            steps: 150,
+            lr: 0.2,
+            l2: 0.0,
+            batch: 8,
+            seed: 5,
+        };
+        let t = train(&mut Single, &settings, &data, |_| {}).unwrap();
+        let first: f64 = t.steps[..10].iter().map(|s| s.loss).sum();
+        let last: f64 = t.steps[140..].iter().map(|s| s.loss).sum();
+        assert!(last < first * 0.5, "{:?}", t.steps);
+        assert!(t.model.correct(&data) >= 270, "{}", t.model.correct(&data));
+        assert!(t
+            .steps
+            .iter()
+            .all(|s| s.update_ms >= 0.0 && s.compute_ms > 0.0));
+    }
+
+    #[test]
     fn disagreement_is_detected() {
-        let data = blobs(50);
-        let mut group = Threads::group(2);
-        let mut c1 = group.pop().unwrap();
-        let mut c0 = group.pop().unwrap();
-        let d1 = data.clone();
-        let h = thread::spawn(move || {
-            let s = Settings {
-                steps: 7,
-                ..Settings::default()
-            };
-            train(&mut c1, &s, &d1, |_| {}).map(|_| ())
-        });
-        let r0 = train(&mut c0, &Settings::default(), &data, |_| {}).map(|_| ());
-        assert!(matches!(r0, Err(TrainError::Inconsistent)), "{r0:?}");
-        assert!(matches!(h.join().unwrap(), Err(TrainError::Inconsistent)));
+        let other_steps = Settings {
+            steps: 7,
+            ..Settings::default()
+        };
+        let mlp = |hidden| Settings {
+            model: Arch::Mlp { hidden },
+            ..Settings::default()
+        };
+        for (s0, s1) in [(Settings::default(), other_steps), (mlp(5), mlp(4))] {
+            let data = blobs(50);
+            let mut group = Threads::group(2);
+            let mut c1 = group.pop().unwrap();
+            let mut c0 = group.pop().unwrap();
+            let d1 = data.clone();
+            let h = thread::spawn(move || train(&mut c1, &s1, &d1, |_| {}).map(|_| ()));
+            let r0 = train(&mut c0, &s0, &data, |_| {}).map(|_| ());
+            assert!(matches!(r0, Err(TrainError::Inconsistent)), "{r0:?}");
+            assert!(matches!(h.join().unwrap(), Err(TrainError::Inconsistent)));
+        }
     }
 
     #[test]
