@@ -368,9 +368,10 @@ class Device:
         count = int(np.prod(dims, dtype=np.int64))
         torch_dtype = dtype if type(dtype).__module__.startswith("torch") else None
         if torch_dtype is not None:
-            if torch_dtype not in _torch_dtypes():
+            device_dtype = _torch_dtypes().get(torch_dtype)
+            if device_dtype is None:
                 raise TypeError(f"dmlc has no element type for {torch_dtype}")
-            nbytes = count * _SIZES[_torch_dtypes()[torch_dtype]]
+            nbytes = count * _SIZES[device_dtype]
         else:
             np_dtype = np.dtype(dtype)
             if np_dtype not in _NUMPY_DTYPES:
@@ -386,10 +387,11 @@ class Device:
         # Every view keeps `raw` alive; when the last one is gone, the
         # buffer goes back to the device.
         weakref.finalize(raw, self._release, addr, buf)
-        if torch_dtype is not None:
-            t = _torch().frombuffer(raw, dtype=torch_dtype, count=count) if count else None
-            return t.reshape(dims) if t is not None else _torch().empty(dims, dtype=torch_dtype)
-        return np.frombuffer(raw, dtype=np_dtype, count=count).reshape(dims)
+        if torch_dtype is None:
+            return np.frombuffer(raw, dtype=np_dtype, count=count).reshape(dims)
+        if not count:  # torch.frombuffer refuses an empty view
+            return _torch().empty(dims, dtype=torch_dtype)
+        return _torch().frombuffer(raw, dtype=torch_dtype, count=count).reshape(dims)
 
     def _release(self, addr: int, buf: ctypes.c_void_p) -> None:
         with self._owned_lock:
