@@ -446,7 +446,7 @@ impl Cluster {
                     // family: TCG runs AVX2 and FMA through slow helpers, so
                     // libraries that pick them run far slower than on SSE
                     // (measured in a guest: a 64x1024x1024 sgemm in torch
-                    // 15.9 s with AVX2 and FMA, 1.46 s without). A `-cpu`
+                    // 14.3 s with AVX2 and FMA, 1.5 s without: docs/bench/tcg-cpu.txt). A `-cpu`
                     // in `qemu_args` comes later and wins.
                     push("-cpu");
                     push(TCG_HOST_ROOT_CPU);
