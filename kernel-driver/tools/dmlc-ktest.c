@@ -1,0 +1,517 @@
+// SPDX-License-Identifier: GPL-2.0-only
+/*
+ * dmlc-ktest: exercise /dev/dmlcN (the virtio_dmlc kernel driver) with
+ * buffers from plain malloc, straight through the ioctl ABI.
+ *
+ *   dmlc-ktest [--dev PATH] info
+ *   dmlc-ktest [--dev PATH] selftest [--quick]
+ *   dmlc-ktest [--dev PATH] bench [--iters N] [--spin-us US]
+ *   dmlc-ktest [--dev PATH] hold
+ *
+ * Every rank computes the expected result of each collective itself, from
+ * the inputs every rank derives from its own rank: no check goes through
+ * the device under test.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "../include/uapi/virtio_dmlc.h"
+
+enum { ALLREDUCE, BROADCAST, REDUCE, ALLGATHER, REDUCE_SCATTER, BARRIER };
+enum { F32 = 0 };
+enum { SUM = 0, MAX = 3 };
+static const char *const status_name[] = {
+	"ok", "bad_request", "mismatch", "peer_lost", "timeout",
+	"unsupported", "too_big", "reset",
+};
+
+static int fd = -1;
+static struct dmlc_info info;
+static unsigned int checks;
+static uint32_t spin_us = 1000000;	/* poll: the userspace driver's default */
+
+static void die(const char *fmt, const char *what)
+{
+	fprintf(stderr, "dmlc-ktest: ");
+	fprintf(stderr, fmt, what);
+	fprintf(stderr, "\n");
+	exit(1);
+}
+
+static double now_us(void)
+{
+	struct timespec t;
+
+	clock_gettime(CLOCK_MONOTONIC, &t);
+	return t.tv_sec * 1e6 + t.tv_nsec / 1e3;
+}
+
+static void get_info(void)
+{
+	memset(&info, 0, sizeof(info));
+	info.argsz = sizeof(info);
+	if (ioctl(fd, DMLC_IOC_INFO, &info))
+		die("DMLC_IOC_INFO: %s", strerror(errno));
+}
+
+static const char *outcome(const struct dmlc_completion *c)
+{
+	static char buf[96];
+
+	if (c->error)
+		snprintf(buf, sizeof(buf), "driver error %s", strerror(-c->error));
+	else
+		snprintf(buf, sizeof(buf), "status %s detail %u peer %d",
+			 c->status < 8 ? status_name[c->status] : "?", c->detail,
+			 (int)c->peer);
+	return buf;
+}
+
+/* One collective; float buffers (or none). Returns the completion. */
+static struct dmlc_completion run(uint16_t opcode, uint8_t op, uint32_t root,
+				  uint64_t count, const void *in, size_t in_len,
+				  void *out, size_t out_len, uint32_t flags)
+{
+	struct dmlc_iovec iv = { (uintptr_t)in, in_len };
+	struct dmlc_iovec ov = { (uintptr_t)out, out_len };
+	struct dmlc_submit s = {
+		.argsz = sizeof(s),
+		.flags = flags | DMLC_SUBMIT_WAIT,
+		.opcode = opcode, .dtype = F32, .op = op, .root = root,
+		.count = count, .timeout_ms = 60000,
+		.in_iov = (uintptr_t)&iv, .in_cnt = in_len ? 1 : 0,
+		.out_iov = (uintptr_t)&ov, .out_cnt = out_len ? 1 : 0,
+		.spin_us = spin_us,
+	};
+
+	if (ioctl(fd, DMLC_IOC_SUBMIT, &s))
+		die("DMLC_IOC_SUBMIT: %s", strerror(errno));
+	return s.done;
+}
+
+static void expect_ok(const char *what, const struct dmlc_completion *c)
+{
+	if (!c->error && !c->status)
+		return;
+	fprintf(stderr, "dmlc-ktest: rank %u: %s: %s\n", info.rank, what, outcome(c));
+	exit(1);
+}
+
+/* Rank r's input element i: small integers, so every sum is exact. */
+static float input(uint32_t r, uint64_t i)
+{
+	return (float)((r + 1) * (i % 97 + 1));
+}
+
+static void fill(float *p, uint32_t r, uint64_t base, uint64_t n)
+{
+	for (uint64_t i = 0; i < n; i++)
+		p[i] = input(r, base + i);
+}
+
+static void check(const char *what, const float *got, uint64_t n,
+		  float (*want)(uint64_t i, void *ctx), void *ctx)
+{
+	for (uint64_t i = 0; i < n; i++) {
+		float w = want(i, ctx);
+
+		if (got[i] != w) {
+			fprintf(stderr, "dmlc-ktest: rank %u: %s: element %llu is %g, want %g\n",
+				info.rank, what, (unsigned long long)i, got[i], w);
+			exit(1);
+		}
+	}
+	checks++;
+}
+
+static float want_sum(uint64_t i, void *ctx)
+{
+	uint64_t base = ctx ? *(uint64_t *)ctx : 0;
+	float s = 0;
+
+	for (uint32_t r = 0; r < info.world_size; r++)
+		s += input(r, base + i);
+	return s;
+}
+
+static float want_max(uint64_t i, void *ctx)
+{
+	(void)ctx;
+	return input(info.world_size - 1, i);
+}
+
+static float want_root(uint64_t i, void *ctx)
+{
+	return input(*(uint32_t *)ctx, i);
+}
+
+/* Allgather output: block r holds rank r's input. */
+static uint64_t gather_count;
+static float want_gather(uint64_t i, void *ctx)
+{
+	(void)ctx;
+	return input(i / gather_count, i % gather_count);
+}
+
+/*
+ * Buffers from malloc, deliberately 4 bytes past an aligned address, so
+ * that they straddle pages unevenly.
+ */
+static float *alloc_f32(uint64_t n)
+{
+	char *p = malloc(n * 4 + 64);
+
+	if (!p)
+		die("out of memory (%s)", "malloc");
+	return (float *)(p + 4);
+}
+
+static void free_f32(float *p)
+{
+	free((char *)p - 4);
+}
+
+/* Retries a barrier until the whole group is here (members may still be joining). */
+static void sync_group(void)
+{
+	for (int tries = 0; tries < 60; tries++) {
+		struct dmlc_completion c = run(BARRIER, 0, 0, 0, NULL, 0, NULL, 0, 0);
+
+		if (!c.error && !c.status)
+			return;
+		fprintf(stderr, "dmlc-ktest: rank %u: sync barrier: %s, again\n",
+			info.rank, outcome(&c));
+		sleep(1);
+	}
+	die("the group never got together (%s)", "60 barriers failed");
+}
+
+static void test_allreduce(uint64_t n, int in_place)
+{
+	float *in = alloc_f32(n), *out = alloc_f32(n);
+	struct dmlc_completion c;
+	char what[80];
+
+	snprintf(what, sizeof(what), "allreduce of %llu f32%s",
+		 (unsigned long long)n, in_place ? " in place" : "");
+	fill(in_place ? out : in, info.rank, 0, n);
+	if (in_place)
+		c = run(ALLREDUCE, SUM, 0, n, NULL, 0, out, n * 4, DMLC_SUBMIT_IN_PLACE);
+	else
+		c = run(ALLREDUCE, SUM, 0, n, in, n * 4, out, n * 4, 0);
+	expect_ok(what, &c);
+	check(what, out, n, want_sum, NULL);
+	if (!in_place) {
+		fill(out, info.rank, 0, n);	/* the input is unchanged */
+		if (memcmp(in, out, n * 4))
+			die("%s changed its input", what);
+	}
+	printf("rank %u: %s ok (%u device requests)\n", info.rank, what, c.requests);
+	free_f32(in);
+	free_f32(out);
+}
+
+static void test_others(uint64_t n)
+{
+	uint32_t w = info.world_size, root = w - 1;
+	float *in = alloc_f32(n * w), *out = alloc_f32(n * w);
+	struct dmlc_completion c;
+
+	/* broadcast from the last rank */
+	fill(in, info.rank, 0, n);
+	c = run(BROADCAST, 0, root, n, info.rank == root ? in : NULL,
+		info.rank == root ? n * 4 : 0, out, n * 4, 0);
+	expect_ok("broadcast", &c);
+	check("broadcast", out, n, want_root, &root);
+	printf("rank %u: broadcast of %llu f32 ok (%u device requests)\n", info.rank,
+	       (unsigned long long)n, c.requests);
+
+	/* allgather */
+	c = run(ALLGATHER, 0, 0, n, in, n * 4, out, n * w * 4, 0);
+	expect_ok("allgather", &c);
+	gather_count = n;
+	check("allgather", out, n * w, want_gather, NULL);
+	printf("rank %u: allgather of %llu f32 ok (%u device requests)\n", info.rank,
+	       (unsigned long long)n, c.requests);
+
+	/* reduce-scatter: this rank gets the sums of block rank */
+	fill(in, info.rank, 0, n * w);
+	c = run(REDUCE_SCATTER, SUM, 0, n, in, n * w * 4, out, n * 4, 0);
+	expect_ok("reduce_scatter", &c);
+	{
+		uint64_t base = (uint64_t)info.rank * n;
+
+		check("reduce_scatter", out, n, want_sum, &base);
+	}
+	printf("rank %u: reduce_scatter of %llu f32 ok (%u device requests)\n",
+	       info.rank, (unsigned long long)n, c.requests);
+
+	/* reduce (max) to rank 0 */
+	c = run(REDUCE, MAX, 0, 1000, in, 4000, info.rank == 0 ? out : NULL,
+		info.rank == 0 ? 4000 : 0, 0);
+	expect_ok("reduce", &c);
+	if (info.rank == 0)
+		check("reduce max", out, 1000, want_max, NULL);
+	free_f32(in);
+	free_f32(out);
+}
+
+/* Four allreduces in flight at once, reaped through poll() and read(). */
+static void test_async(void)
+{
+	enum { N = 4, COUNT = 5000 };
+	float *in[N], *out[N];
+	struct dmlc_iovec iv[N], ov[N];
+	int seen[N] = { 0 };
+
+	for (int k = 0; k < N; k++) {
+		struct dmlc_submit s = { .argsz = sizeof(s), .opcode = ALLREDUCE,
+			.dtype = F32, .op = SUM, .count = COUNT, .timeout_ms = 60000,
+			.in_cnt = 1, .out_cnt = 1, .user_data = k };
+
+		in[k] = alloc_f32(COUNT);
+		out[k] = alloc_f32(COUNT);
+		fill(in[k], info.rank, 0, COUNT);
+		iv[k] = (struct dmlc_iovec){ (uintptr_t)in[k], COUNT * 4 };
+		ov[k] = (struct dmlc_iovec){ (uintptr_t)out[k], COUNT * 4 };
+		s.in_iov = (uintptr_t)&iv[k];
+		s.out_iov = (uintptr_t)&ov[k];
+		if (ioctl(fd, DMLC_IOC_SUBMIT, &s))
+			die("async DMLC_IOC_SUBMIT: %s", strerror(errno));
+	}
+	for (int got = 0; got < N;) {
+		struct pollfd p = { .fd = fd, .events = POLLIN };
+		struct dmlc_completion c[N];
+		ssize_t r;
+
+		if (poll(&p, 1, 60000) != 1)
+			die("poll: no completion in 60 s (%s)", "async");
+		r = read(fd, c, sizeof(c));
+		if (r <= 0 || r % sizeof(c[0]))
+			die("read: %s", r < 0 ? strerror(errno) : "short record");
+		for (int j = 0; j < r / (ssize_t)sizeof(c[0]); j++) {
+			uint64_t k = c[j].user_data;
+
+			if (k >= N || seen[k]++)
+				die("read: unknown or repeated completion (%s)", "user_data");
+			expect_ok("async allreduce", &c[j]);
+			check("async allreduce", out[k], COUNT, want_sum, NULL);
+			got++;
+		}
+	}
+	for (int k = 0; k < N; k++) {
+		free_f32(in[k]);
+		free_f32(out[k]);
+	}
+	printf("rank %u: 4 allreduces in flight, reaped with poll and read: ok\n", info.rank);
+}
+
+/* Requests the driver must refuse before the device sees them. */
+static void test_refusals(void)
+{
+	float *buf = alloc_f32(16);
+	struct dmlc_iovec v = { (uintptr_t)buf + 2, 32 };	/* not f32-aligned */
+	struct dmlc_submit s = { .argsz = sizeof(s), .opcode = ALLREDUCE,
+		.dtype = F32, .count = 8, .in_iov = (uintptr_t)&v, .in_cnt = 1,
+		.out_iov = (uintptr_t)&v, .out_cnt = 1 };
+
+	if (ioctl(fd, DMLC_IOC_SUBMIT, &s) == 0 || errno != EINVAL)
+		die("a misaligned buffer was not refused with EINVAL (%s)", strerror(errno));
+	s.flags = 1u << 7;
+	if (ioctl(fd, DMLC_IOC_SUBMIT, &s) == 0 || errno != EINVAL)
+		die("an unknown flag was not refused with EINVAL (%s)", strerror(errno));
+	s.argsz = 8;
+	if (ioctl(fd, DMLC_IOC_SUBMIT, &s) == 0 || errno != EINVAL)
+		die("a short argsz was not refused with EINVAL (%s)", strerror(errno));
+	free_f32(buf);
+	checks += 3;
+}
+
+static int selftest(int quick)
+{
+	uint64_t big = info.chunk_bytes / 4 * 3 / 2 + 1;	/* two device requests */
+
+	sync_group();
+	test_refusals();
+	test_allreduce(1, 0);
+	test_allreduce(1000, 0);
+	test_allreduce(big, 0);
+	test_allreduce(big, 1);
+	if (!quick)
+		test_allreduce(big * 5 + 7, 0);
+	test_others(quick ? 3000 : big);
+	test_async();
+	get_info();
+	if (info.pinned_bytes || info.in_flight)
+		die("pages still pinned after every completion was reaped (%s)", "pinned_bytes");
+	printf("rank %u: selftest ok: %u checks, nothing pinned after\n", info.rank, checks);
+	return 0;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+
+	return x < y ? -1 : x > y;
+}
+
+static double median(double *v, int n)
+{
+	qsort(v, n, sizeof(*v), cmp_double);
+	return v[n / 2];
+}
+
+/* Median time of iters allreduces of bytes (malloc buffers), in us. */
+static double time_allreduce(size_t bytes, int iters, double *p90)
+{
+	float *in = alloc_f32(bytes / 4), *out = alloc_f32(bytes / 4);
+	double *t = calloc(iters, sizeof(*t));
+
+	fill(in, info.rank, 0, bytes / 4);
+	for (int i = -iters / 10 - 2; i < iters; i++) {
+		double t0 = now_us();
+		struct dmlc_completion c = run(ALLREDUCE, SUM, 0, bytes / 4, in, bytes,
+					       out, bytes, 0);
+
+		expect_ok("bench allreduce", &c);
+		if (i >= 0)
+			t[i] = now_us() - t0;
+	}
+	qsort(t, iters, sizeof(*t), cmp_double);
+	if (p90)
+		*p90 = t[iters * 9 / 10];
+	double m = t[iters / 2];
+
+	free(t);
+	free_f32(in);
+	free_f32(out);
+	return m;
+}
+
+/* A copy of bytes between malloc buffers: what the userspace driver adds per direction. */
+static double time_memcpy(size_t bytes, int iters)
+{
+	char *a = malloc(bytes), *b = malloc(bytes);
+	double t[16];
+
+	memset(a, 1, bytes);
+	memset(b, 2, bytes);
+	for (int i = 0; i < iters; i++) {
+		double t0 = now_us();
+
+		memcpy(b, a, bytes);
+		t[i] = now_us() - t0;
+	}
+	free(a);
+	free(b);
+	return median(t, iters);
+}
+
+static int bench(int iters)
+{
+	double p90, lat, mib, big, cp;
+
+	sync_group();
+	lat = time_allreduce(4, iters, &p90);
+	mib = time_allreduce(1 << 20, 20, NULL);
+	big = time_allreduce(64 << 20, 5, NULL);
+	cp = time_memcpy(64 << 20, 5);
+	if (info.rank == 0) {
+		printf("kernel driver, malloc buffers, %u ranks, spin %u us\n",
+		       info.world_size, spin_us);
+		printf("ktest allreduce 4 B: p50 %.1f us p90 %.1f us (%d iters)\n", lat, p90, iters);
+		printf("ktest allreduce 1 MiB: median %.1f us\n", mib);
+		printf("ktest allreduce 64 MiB: median %.1f us\n", big);
+		printf("ktest memcpy 64 MiB (malloc to malloc): median %.1f us\n", cp);
+	}
+	return 0;
+}
+
+/* Submits an allreduce nobody else joins and waits to be killed. */
+static __attribute__((noreturn)) void hold(void)
+{
+	size_t n = 65536;
+	float *in = alloc_f32(n), *out = alloc_f32(n);
+	struct dmlc_iovec iv = { (uintptr_t)in, n * 4 }, ov = { (uintptr_t)out, n * 4 };
+	struct dmlc_submit s = { .argsz = sizeof(s), .opcode = ALLREDUCE,
+		.dtype = F32, .count = n, .in_iov = (uintptr_t)&iv, .in_cnt = 1,
+		.out_iov = (uintptr_t)&ov, .out_cnt = 1 };
+
+	if (ioctl(fd, DMLC_IOC_SUBMIT, &s))
+		die("DMLC_IOC_SUBMIT: %s", strerror(errno));
+	get_info();
+	printf("rank %u: holding collective %llu, %llu bytes pinned\n", info.rank,
+	       (unsigned long long)s.id, (unsigned long long)info.pinned_total);
+	fflush(stdout);
+	for (;;)
+		pause();
+}
+
+static void usage(int code)
+{
+	fprintf(code ? stderr : stdout,
+		"usage: dmlc-ktest [--dev PATH] [--spin-us US] info|selftest [--quick]|bench [--iters N]|hold\n"
+		"  info      print the device's config and the driver's counters\n"
+		"  selftest  every collective on malloc buffers, checked by each rank\n"
+		"  bench     4 B, 1 MiB and 64 MiB allreduce times (rank 0 prints)\n"
+		"  hold      submit an allreduce nobody joins, then wait to be killed\n"
+		"  --spin-us busy-poll this long before sleeping on the interrupt\n"
+		"            (default 1000000: poll, as the userspace driver does)\n");
+	exit(code);
+}
+
+int main(int argc, char **argv)
+{
+	const char *dev = "/dev/dmlc0", *cmd = NULL;
+	int quick = 0, iters = 1000;
+
+	for (int i = 1; i < argc; i++) {
+		if (!strcmp(argv[i], "--dev") && i + 1 < argc)
+			dev = argv[++i];
+		else if (!strcmp(argv[i], "--spin-us") && i + 1 < argc)
+			spin_us = strtoul(argv[++i], NULL, 0);
+		else if (!strcmp(argv[i], "--iters") && i + 1 < argc)
+			iters = atoi(argv[++i]);
+		else if (!strcmp(argv[i], "--quick"))
+			quick = 1;
+		else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help"))
+			usage(0);
+		else if (argv[i][0] != '-' && !cmd)
+			cmd = argv[i];
+		else
+			usage(2);
+	}
+	if (!cmd || iters < 1)
+		usage(2);
+	fd = open(dev, O_RDWR | O_CLOEXEC);
+	if (fd < 0)
+		die("cannot open the device: %s", strerror(errno));
+	get_info();
+	if (!strcmp(cmd, "info")) {
+		printf("abi %u rank %u world %u queues %u max_segments %u chunk_bytes %u\n",
+		       info.abi_version, info.rank, info.world_size, info.num_queues,
+		       info.max_segments, info.chunk_bytes);
+		printf("generation %u group_id %#llx features %#llx\n", info.generation,
+		       (unsigned long long)info.group_id, (unsigned long long)info.features);
+		printf("pinned_bytes %llu pinned_total %llu pinned_limit %llu in_flight %u resets %u\n",
+		       (unsigned long long)info.pinned_bytes,
+		       (unsigned long long)info.pinned_total,
+		       (unsigned long long)info.pinned_limit, info.in_flight, info.resets);
+		return 0;
+	}
+	if (!strcmp(cmd, "selftest"))
+		return selftest(quick);
+	if (!strcmp(cmd, "bench"))
+		return bench(iters);
+	if (!strcmp(cmd, "hold"))
+		hold();
+	usage(2);
+}
