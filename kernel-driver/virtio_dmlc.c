@@ -42,7 +42,7 @@
 
 #define VIRTIO_ID_DMLC			63
 #define VIRTIO_DMLC_F_REQ_TIMEOUT	0
-#define DMLC_FLAG_IN_PLACE		(1u << 0)
+#define DMLC_FLAG_IN_PLACE		BIT(0)
 #define DMLC_STATUS_OK			0
 #define DMLC_OPCODE_MAX			5	/* barrier */
 #define DMLC_DTYPE_MAX			9	/* u64 */
@@ -956,6 +956,16 @@ static struct dmlc_op *dmlc_first_unclaimed(struct dmlc_file *f)
 	return NULL;
 }
 
+static bool dmlc_has_unclaimed(struct dmlc_file *f)
+{
+	bool any;
+
+	spin_lock_irq(&f->d->lock);
+	any = dmlc_first_unclaimed(f);
+	spin_unlock_irq(&f->d->lock);
+	return any;
+}
+
 /* Reaps ready collectives in completion order, one record each. */
 static ssize_t dmlc_read(struct file *file, char __user *buf, size_t len,
 			 loff_t *ppos)
@@ -967,13 +977,7 @@ static ssize_t dmlc_read(struct file *file, char __user *buf, size_t len,
 	if (len < sizeof(struct dmlc_completion))
 		return -EINVAL;
 	if (!(file->f_flags & O_NONBLOCK) &&
-	    wait_event_interruptible(d->wq, ({
-		bool any;
-
-		spin_lock_irq(&d->lock);
-		any = dmlc_first_unclaimed(f);
-		spin_unlock_irq(&d->lock);
-		any; })))
+	    wait_event_interruptible(d->wq, dmlc_has_unclaimed(f)))
 		return -EINTR;
 	while (len - done >= sizeof(struct dmlc_completion)) {
 		struct dmlc_completion c;

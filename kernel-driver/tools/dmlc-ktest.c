@@ -352,7 +352,7 @@ static int selftest(int quick)
 	get_info();
 	if (info.pinned_bytes || info.in_flight)
 		die("pages still pinned after every completion was reaped (%s)", "pinned_bytes");
-	printf("rank %u: selftest ok: %u checks, nothing pinned after\n", info.rank, checks);
+	printf("rank %u: all collectives ok: %u checks, nothing pinned after\n", info.rank, checks);
 	return 0;
 }
 
@@ -427,7 +427,8 @@ static int bench(int iters)
 	if (info.rank == 0) {
 		printf("kernel driver, malloc buffers, %u ranks, spin %u us\n",
 		       info.world_size, spin_us);
-		printf("ktest allreduce 4 B: p50 %.1f us p90 %.1f us (%d iters)\n", lat, p90, iters);
+		printf("ktest allreduce 4 B: p50 %.1f us p90 %.1f us (%d iters)\n",
+		       lat, p90, iters);
 		printf("ktest allreduce 1 MiB: median %.1f us\n", mib);
 		printf("ktest allreduce 64 MiB: median %.1f us\n", big);
 		printf("ktest memcpy 64 MiB (malloc to malloc): median %.1f us\n", cp);
@@ -436,7 +437,7 @@ static int bench(int iters)
 }
 
 /* Submits an allreduce nobody else joins and waits to be killed. */
-static __attribute__((noreturn)) void hold(void)
+static int hold(void)
 {
 	size_t n = 65536;
 	float *in = alloc_f32(n), *out = alloc_f32(n);
@@ -453,12 +454,14 @@ static __attribute__((noreturn)) void hold(void)
 	fflush(stdout);
 	for (;;)
 		pause();
+	return 0;
 }
 
-static void usage(int code)
+static void print_usage(int code)
 {
 	fprintf(code ? stderr : stdout,
-		"usage: dmlc-ktest [--dev PATH] [--spin-us US] info|selftest [--quick]|bench [--iters N]|hold\n"
+		"usage: dmlc-ktest [--dev PATH] [--spin-us US] COMMAND\n"
+		"commands: info, selftest [--quick], bench [--iters N], hold\n"
 		"  info      print the device's config and the driver's counters\n"
 		"  selftest  every collective on malloc buffers, checked by each rank\n"
 		"  bench     4 B, 1 MiB and 64 MiB allreduce times (rank 0 prints)\n"
@@ -483,14 +486,14 @@ int main(int argc, char **argv)
 		else if (!strcmp(argv[i], "--quick"))
 			quick = 1;
 		else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help"))
-			usage(0);
+			print_usage(0);
 		else if (argv[i][0] != '-' && !cmd)
 			cmd = argv[i];
 		else
-			usage(2);
+			print_usage(2);
 	}
 	if (!cmd || iters < 1)
-		usage(2);
+		print_usage(2);
 	fd = open(dev, O_RDWR | O_CLOEXEC);
 	if (fd < 0)
 		die("cannot open the device: %s", strerror(errno));
@@ -501,10 +504,11 @@ int main(int argc, char **argv)
 		       info.max_segments, info.chunk_bytes);
 		printf("generation %u group_id %#llx features %#llx\n", info.generation,
 		       (unsigned long long)info.group_id, (unsigned long long)info.features);
-		printf("pinned_bytes %llu pinned_total %llu pinned_limit %llu in_flight %u resets %u\n",
+		printf("pinned_bytes %llu pinned_total %llu pinned_limit %llu",
 		       (unsigned long long)info.pinned_bytes,
 		       (unsigned long long)info.pinned_total,
-		       (unsigned long long)info.pinned_limit, info.in_flight, info.resets);
+		       (unsigned long long)info.pinned_limit);
+		printf(" in_flight %u resets %u\n", info.in_flight, info.resets);
 		return 0;
 	}
 	if (!strcmp(cmd, "selftest"))
@@ -512,6 +516,6 @@ int main(int argc, char **argv)
 	if (!strcmp(cmd, "bench"))
 		return bench(iters);
 	if (!strcmp(cmd, "hold"))
-		hold();
-	usage(2);
+		return hold();
+	print_usage(2);
 }

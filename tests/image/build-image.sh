@@ -3,13 +3,21 @@
 # initramfs (cpio.gz) holding busybox-static, the kernel modules the guest
 # needs, tests/image/init as /init, and extra files.
 #
-# Usage: build-image.sh [--module NAME]... [--strip] [HOST:GUEST]...
+# Usage: build-image.sh [--module NAME]... [--strip] [--headers] [--checkpatch]
+#                       [HOST:GUEST]...
 #   HOST:GUEST   copy file or directory HOST to GUEST in the image (GUEST
 #                ending in / means "into that directory"). Dynamically linked
 #                ELF files get the libraries `ldd` lists, at the same paths.
 #   --module N   also load kernel module N (and what it depends on).
 #   --strip      strip debug info from the extra ELF files (a debug build of
 #                dmlc-guest is ~40 MB; stripped, a few MB: faster boots).
+#   --headers    also fetch Debian's headers for the image's kernel (the
+#                packages linux-headers-VERSION, its -common and linux-kbuild)
+#                and print DMLC_KERNEL_HEADERS=DIR before the two lines
+#                below: `make -C DIR M=...` builds an out-of-tree module.
+#   --checkpatch also fetch that kernel's scripts/checkpatch.pl (from the
+#                139 MB linux-source package, once) and print
+#                DMLC_CHECKPATCH=FILE before the lines below.
 #
 # Output: progress on stderr; stdout's last two lines are
 #   DMLC_INITRD=/abs/path/initrd-KEY.cpio.gz
@@ -50,6 +58,8 @@ usage() {
 
 modules=$default_modules
 strip=0
+headers=0
+checkpatch=0
 for m in ${DMLC_IMAGE_MODULES:-}; do modules="$modules $m"; done
 extras=()
 while [ $# -gt 0 ]; do
@@ -57,6 +67,14 @@ while [ $# -gt 0 ]; do
     -h | --help) usage 0 ;;
     --strip)
         strip=1
+        shift
+        ;;
+    --headers)
+        headers=1
+        shift
+        ;;
+    --checkpatch)
+        checkpatch=1
         shift
         ;;
     --module)
@@ -357,5 +375,45 @@ else
     ls -t "$cache"/initrd-*.cpio.gz | tail -n +9 | xargs -r rm -f
 fi
 
+# The headers of the same kernel, unpacked once per package version.
+# Debian's headers Makefile includes the -common tree by its installed
+# path (/usr/src/...): point it at the unpacked one.
+if [ "$headers" = 1 ]; then
+    hdr_deb=$(fetch "headers-$kver" "linux-headers-$kver")
+    deps=$(dpkg-deb -f "$hdr_deb" Depends)
+    common_pkg=$(grep -oE 'linux-headers-[0-9][^ ,(]*-common' <<<"$deps" | head -n 1)
+    kbuild_pkg=$(grep -oE 'linux-kbuild-[0-9][^ ,(]*' <<<"$deps" | head -n 1)
+    [ -n "$common_pkg" ] && [ -n "$kbuild_pkg" ] || die "linux-headers-$kver: unexpected Depends: $deps"
+    common_deb=$(fetch "headers-common-$kver" "$common_pkg")
+    kbuild_deb=$(fetch "kbuild-$kver" "$kbuild_pkg")
+    hkey=$(cat "$hdr_deb" "$common_deb" "$kbuild_deb" | sha256sum | cut -c1-16)
+    hroot="$cache/headers-$hkey"
+    if [ ! -f "$hroot/.done" ]; then
+        say "unpacking the headers of $kver"
+        rm -rf "$hroot"
+        mkdir -p "$hroot"
+        for d in "$hdr_deb" "$common_deb" "$kbuild_deb"; do dpkg-deb -x "$d" "$hroot"; done
+        sed -i "s|^include /usr/src/|include $hroot/usr/src/|" "$hroot/usr/src/linux-headers-$kver/Makefile"
+        touch "$hroot/.done"
+    fi
+    echo "DMLC_KERNEL_HEADERS=$hroot/usr/src/linux-headers-$kver"
+fi
+# checkpatch.pl and the two data files it reads, from the kernel's source.
+if [ "$checkpatch" = 1 ]; then
+    kbranch=$(sed -E 's/^([0-9]+\.[0-9]+).*/\1/' <<<"$kver")
+    src_deb=$(fetch "source-$kbranch" "linux-source-$kbranch")
+    sdir="$cache/checkpatch-$(sha256sum "$src_deb" | cut -c1-16)"
+    if [ ! -f "$sdir/.done" ]; then
+        say "extracting checkpatch.pl from $(basename "$src_deb")"
+        rm -rf "$sdir"
+        mkdir -p "$sdir"
+        dpkg-deb --fsys-tarfile "$src_deb" | tar -xO "./usr/src/linux-source-$kbranch.tar.xz" |
+            tar -xJ -C "$sdir" --strip-components=1 "linux-source-$kbranch/scripts/checkpatch.pl" \
+                "linux-source-$kbranch/scripts/spelling.txt" \
+                "linux-source-$kbranch/scripts/const_structs.checkpatch"
+        touch "$sdir/.done"
+    fi
+    echo "DMLC_CHECKPATCH=$sdir/scripts/checkpatch.pl"
+fi
 echo "DMLC_INITRD=$initrd"
 echo "DMLC_KERNEL=$kernel_out"

@@ -67,8 +67,8 @@ struct dmlc_completion {
 };
 
 /* dmlc_submit.flags */
-#define DMLC_SUBMIT_IN_PLACE	(1u << 0)	/* no input: output holds it */
-#define DMLC_SUBMIT_WAIT	(1u << 1)	/* block; fill .done */
+#define DMLC_SUBMIT_IN_PLACE	0x1u	/* no input: output holds it */
+#define DMLC_SUBMIT_WAIT	0x2u	/* block; fill .done */
 #define DMLC_SUBMIT_FLAGS	(DMLC_SUBMIT_IN_PLACE | DMLC_SUBMIT_WAIT)
 
 /*
