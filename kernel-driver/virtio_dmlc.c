@@ -533,6 +533,7 @@ static bool dmlc_harvest_locked(struct dmlc_dev *d, struct dmlc_queue *q)
 		q->in_device--;
 		op->in_device--;
 		op->done.requests++;
+		op->done.written += len;
 		if (len < sizeof(r->resp) || status == U32_MAX) {
 			dmlc_fail_locked(d, op, -EIO);
 			continue;
@@ -905,18 +906,20 @@ static long dmlc_ioctl_wait(struct dmlc_file *f, void __user *arg)
 
 	if (err)
 		return err;
-	if (w.flags)
+	if (w.flags & ~DMLC_WAIT_FLAGS)
 		return -EINVAL;
 	spin_lock_irq(&f->d->lock);
 	op = dmlc_find_op(f, w.id);
-	if (op && op->claimed)
+	if (op && (w.flags & DMLC_WAIT_PEEK))
+		err = op->ready ? 0 : -EAGAIN;
+	else if (op && op->claimed)
 		err = -EBUSY;		/* another thread waits for it */
 	else if (op)
 		op->claimed = true;
 	spin_unlock_irq(&f->d->lock);
 	if (!op)
 		return -ENOENT;
-	if (err)
+	if (err || (w.flags & DMLC_WAIT_PEEK))
 		return err;
 	err = dmlc_wait_op(f, op, w.spin_us, w.timeout_ms, &w.done);
 	if (err)

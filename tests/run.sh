@@ -5,8 +5,9 @@
 # unit and integration tests of every crate (backend, driver, C ABI, hostile
 # frontends, faults) over real vhost-user sockets, the Python package and
 # its torch backend (pytest, with torch in a cached venv), a short soak, a short
-# fuzzing run, and last the system tests, which boot QEMU VMs with the
-# virtio-dmlc device (tests/system/).
+# fuzzing run, the kernel driver's build (kernel-driver/build.sh --check), and
+# last the system tests, which boot QEMU VMs with the virtio-dmlc device
+# (tests/system/), the kernel driver's among them.
 #
 # Every stage prints its duration when it ends, and a summary of all of them
 # comes last (also when a stage fails).
@@ -145,6 +146,12 @@ export DMLC_BACKEND_BIN=$PWD/target/release/vhost-device-dmlc
 # the host's userland, with the release C library.
 export DMLC_LIBRARY=$PWD/target/release/libdmlc_guest.so
 export DMLC_PYTHON=$venv/bin/python
+
+step "kernel driver: virtio_dmlc.ko against Debian's headers for the guest kernel (cached), W=1, sparse, checkpatch"
+# kernel-driver/build.sh fetches the headers (and checkpatch.pl from the
+# kernel's source package) once through tests/image/build-image.sh.
+eval "$(kernel-driver/build.sh --check | tail -n 2)"
+export DMLC_KMOD DMLC_KTEST
 
 step "system tests: VMs (${DMLC_ACCEL:-tcg}), one test at a time"
 cargo test --locked -p dmlc-system-tests --test system -- --test-threads=1

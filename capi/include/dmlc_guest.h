@@ -184,6 +184,12 @@ int dmlc_open_host_ex(const char *socket, const dmlc_open_options *opts, dmlc_de
  * root and opts->dma_bytes of free 2 MiB hugepages (docs/qemu.md). */
 int dmlc_open_pci(const char *addr, const dmlc_open_options *opts, dmlc_device **out);
 
+/* Opens the device through the virtio_dmlc kernel module from inside a
+ * guest (kernel-driver/, docs/kernel-driver.md): `node` is its device node,
+ * NULL for /dev/dmlc0. Needs no root and no hugepages, only read and write
+ * access to the node; opts->dma_bytes is ordinary memory. */
+int dmlc_open_kernel(const char *node, const dmlc_open_options *opts, dmlc_device **out);
+
 /* Closes the device. Buffers still allocated keep the device's memory alive
  * until they are freed. Pending handles must be waited for first. NULL is a
  * no-op. */

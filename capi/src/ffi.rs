@@ -461,6 +461,48 @@ pub unsafe extern "C" fn dmlc_open_pci(
     })
 }
 
+/// Opens the device through the virtio_dmlc kernel module from inside a
+/// guest: no root or hugepages, only access to the device node.
+///
+/// # Safety
+///
+/// `node` is NULL (/dev/dmlc0) or a NUL-terminated path; `opts` is NULL or
+/// points to a `dmlc_open_options`; `out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_open_kernel(
+    node: *const c_char,
+    opts: *const DmlcOpenOptions,
+    out: *mut *mut DmlcDevice,
+) -> c_int {
+    guard(|| {
+        if out.is_null() {
+            return Err(Fail::invalid("out is NULL"));
+        }
+        // SAFETY: `out` is non-NULL and writable per the contract.
+        unsafe { out.write(std::ptr::null_mut()) };
+        let node = if node.is_null() {
+            None
+        } else {
+            // SAFETY: `node` is a NUL-terminated string per the contract.
+            let n = unsafe { CStr::from_ptr(node) };
+            Some(std::path::PathBuf::from(
+                n.to_str()
+                    .map_err(|_| Fail::invalid("the node path is not UTF-8"))?,
+            ))
+        };
+        // SAFETY: `opts` is NULL or points to a dmlc_open_options.
+        let options = unsafe { open_options(opts) }?;
+        let dev = dmlc_driver::kernel::open(node.as_deref(), &options).map_err(|e| {
+            let mut f = Fail::from(e);
+            f.msg = format!("cannot open the kernel driver's device: {}", f.msg);
+            f
+        })?;
+        // SAFETY: `out` is non-NULL and writable per the contract.
+        unsafe { out.write(boxed_device(dev)) };
+        Ok(())
+    })
+}
+
 /// Closes a device (buffers keep its memory alive until freed).
 ///
 /// # Safety

@@ -51,7 +51,7 @@
 //! | `DMLC_TASK_ID` | this worker's rank; checked against the device's |
 //! | `DMLC_NUM_WORKER` | number of workers; checked against the device's |
 //! | `DMLC_TRANSPORT` | `device` (default) or `tcp` |
-//! | `DMLC_DEVICE` | `pci` (the first virtio-dmlc PCI device, inside a VM) or `pci:0000:00:04.0` |
+//! | `DMLC_DEVICE` | `pci` (the first virtio-dmlc PCI device, inside a VM) or `pci:0000:00:04.0`; `kernel` (the `virtio_dmlc` module's /dev/dmlc0, no root needed) or `kernel:/dev/dmlcN` |
 //! | `DMLC_SOCKET` | path of a backend socket: this process plays the VM (host transport) |
 //! | `DMLC_DMA_BYTES` | device-visible memory to set aside, e.g. `16M` (default 256M; in a VM it comes from hugepages) |
 //! | `DMLC_POLL` | `1` (default) busy-polls for completions, `0` sleeps on interrupts, `hybrid` spins up to 200 us (as long as recent waits suggest) and then sleeps |
@@ -208,6 +208,8 @@ pub enum TransportKind {
 pub enum DeviceSpec {
     /// The PCI device at this address (`None`: the first one).
     Pci(Option<String>),
+    /// The kernel driver's device node (`None`: /dev/dmlc0).
+    Kernel(Option<PathBuf>),
     /// The host transport: a backend socket.
     Host(PathBuf),
 }
@@ -325,13 +327,17 @@ impl Config {
             }
             (Some(d), None) => Some(match d.as_str() {
                 "pci" => DeviceSpec::Pci(None),
-                s => match s.strip_prefix("pci:") {
-                    Some(addr) if !addr.is_empty() => DeviceSpec::Pci(Some(addr.to_string())),
+                "kernel" => DeviceSpec::Kernel(None),
+                s => match (s.strip_prefix("pci:"), s.strip_prefix("kernel:")) {
+                    (Some(addr), _) if !addr.is_empty() => DeviceSpec::Pci(Some(addr.to_string())),
+                    (_, Some(node)) if !node.is_empty() => {
+                        DeviceSpec::Kernel(Some(PathBuf::from(node)))
+                    }
                     _ => {
                         return Err(bad(
                             "DMLC_DEVICE",
                             s,
-                            "expected pci or pci:DOMAIN:BUS:SLOT.FN",
+                            "expected pci, pci:DOMAIN:BUS:SLOT.FN, kernel or kernel:/dev/dmlcN",
                         ))
                     }
                 },
@@ -455,6 +461,20 @@ impl Rabit {
                             which: format!("socket {}", path.display()),
                             source,
                         })?,
+                    Some(DeviceSpec::Kernel(node)) => {
+                        dmlc_driver::kernel::open(node.as_deref(), &cfg.open).map_err(|source| {
+                            RabitError::Open {
+                                which: format!(
+                                    "kernel driver node {}",
+                                    node.as_deref()
+                                        .map_or(dmlc_driver::kernel::DEFAULT_NODE.into(), |p| p
+                                            .display()
+                                            .to_string())
+                                ),
+                                source,
+                            }
+                        })?
+                    }
                     Some(DeviceSpec::Pci(addr)) => {
                         dmlc_driver::pci::open(addr.as_deref(), &cfg.open).map_err(|source| {
                             RabitError::Open {
@@ -737,6 +757,14 @@ mod tests {
             cfg(&[("DMLC_DEVICE", "pci")]).unwrap().device,
             Some(DeviceSpec::Pci(None))
         );
+        assert_eq!(
+            cfg(&[("DMLC_DEVICE", "kernel")]).unwrap().device,
+            Some(DeviceSpec::Kernel(None))
+        );
+        assert_eq!(
+            cfg(&[("DMLC_DEVICE", "kernel:/dev/dmlc1")]).unwrap().device,
+            Some(DeviceSpec::Kernel(Some("/dev/dmlc1".into())))
+        );
 
         let err = |vars: &[(&str, &str)]| cfg(vars).unwrap_err().to_string();
         assert_eq!(
@@ -755,6 +783,7 @@ mod tests {
         assert!(err(&[("DMLC_TRANSPORT", "rdma")]).contains("expected device or tcp"));
         assert!(err(&[("DMLC_DEVICE", "pci"), ("DMLC_SOCKET", "/s")]).contains("set only one"));
         assert!(err(&[("DMLC_DEVICE", "usb")]).contains("expected pci"));
+        assert!(err(&[("DMLC_DEVICE", "kernel:")]).contains("kernel:/dev/dmlcN"));
         assert!(err(&[("DMLC_DMA_BYTES", "lots")]).contains("not a size"));
         assert!(err(&[("DMLC_POLL", "maybe")]).contains("expected 1, 0 or hybrid"));
         assert!(err(&[("DMLC_TCP_PEERS", "nowhere")]).starts_with("invalid DMLC_TCP_PEERS"));

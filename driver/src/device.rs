@@ -33,6 +33,7 @@ use zerocopy::{FromBytes, IntoBytes};
 use crate::bounce::Bounce;
 use crate::dma::{DmaAlloc, DmaMemory, DMA_ALIGN};
 use crate::error::{Error, Result};
+use crate::kernel::KernelFile;
 use crate::transport::Transport;
 use crate::virtqueue::{QueueError, Segment, SplitQueue, DESC_SIZE, MAX_QUEUE_SIZE};
 
@@ -266,7 +267,7 @@ impl BufMem {
 
 /// A request's hold on one buffer, from posting until its completion has
 /// been taken from the used ring (or the device is gone).
-struct Lease {
+pub(crate) struct Lease {
     mem: Arc<BufMem>,
     write: bool,
 }
@@ -487,6 +488,11 @@ impl BufSlice {
         self.len == 0
     }
 
+    /// The device-contiguous pieces of this slice (device address, length).
+    pub(crate) fn device_ranges(&self, f: &mut dyn FnMut(u64, usize)) {
+        self.mem.alloc.device_ranges(self.offset, self.len, f);
+    }
+
     /// Offset in the buffer.
     pub fn offset(&self) -> usize {
         self.offset
@@ -528,6 +534,19 @@ impl Handle {
     /// The queue the request was posted on.
     pub fn queue(&self) -> u16 {
         self.queue
+    }
+
+    /// A collective the kernel driver knows by `id`.
+    pub(crate) fn kernel(queue: u16, id: u64) -> Handle {
+        Handle {
+            queue,
+            head: 0,
+            serial: id,
+        }
+    }
+
+    pub(crate) fn serial(&self) -> u64 {
+        self.serial
     }
 }
 
@@ -618,10 +637,10 @@ fn in_flight_of(st: &mut QueueState, h: Handle) -> Option<&mut InFlight> {
         .filter(|r| r.serial == h.serial)
 }
 
-struct Completion {
-    len: u32,
-    resp: VirtioDmlcResp,
-    has_resp: bool,
+pub(crate) struct Completion {
+    pub(crate) len: u32,
+    pub(crate) resp: VirtioDmlcResp,
+    pub(crate) has_resp: bool,
 }
 
 struct QueueState {
@@ -727,6 +746,9 @@ pub struct Device {
     known_group: AtomicU64,
     /// [`WAIT_MARGIN`], shorter in tests.
     wait_margin: Duration,
+    /// Opened over the kernel driver (`crate::kernel`): it owns the queues,
+    /// and `queues` is empty.
+    kernel: Option<KernelFile>,
 }
 
 fn bit(b: u32) -> u64 {
@@ -826,6 +848,42 @@ impl Device {
             known_generation: AtomicU32::new(config.generation.get()),
             known_group: AtomicU64::new(config.group_id.get()),
             wait_margin: WAIT_MARGIN,
+            kernel: None,
+        })
+    }
+
+    /// A device whose queues the kernel driver owns (`crate::kernel::open`).
+    pub(crate) fn over_kernel(
+        transport: Box<dyn Transport>,
+        mem: Arc<dyn DmaMemory>,
+        config: VirtioDmlcConfig,
+        kernel: KernelFile,
+        opts: &OpenOptions,
+    ) -> Result<Device> {
+        let (rank, world) = (config.rank.get(), config.world_size.get());
+        if world == 0 || rank >= world {
+            return Err(Error::BadConfig(format!(
+                "rank {rank} of a group of {world}"
+            )));
+        }
+        Ok(Device {
+            features: transport.device_features(),
+            transport,
+            queues: Box::new([]),
+            mem,
+            config,
+            poll: opts.poll,
+            spin_cap: if opts.poll {
+                Duration::ZERO
+            } else {
+                opts.spin_cap
+            },
+            wait_estimate_ns: AtomicU64::new(0),
+            bounce: Mutex::new(None),
+            known_generation: AtomicU32::new(config.generation.get()),
+            known_group: AtomicU64::new(config.group_id.get()),
+            wait_margin: WAIT_MARGIN,
+            kernel: Some(kernel),
         })
     }
 
@@ -841,12 +899,23 @@ impl Device {
 
     /// Number of queues set up (at most what the device offers).
     pub fn num_queues(&self) -> u16 {
-        self.queues.len() as u16
+        match &self.kernel {
+            Some(k) => k.num_queues(),
+            None => self.queues.len() as u16,
+        }
     }
 
-    /// Descriptors per queue.
+    /// Descriptors per queue (0 over the kernel driver: its own rings).
     pub fn queue_size(&self) -> u16 {
-        self.queues[0].lock().vq.size()
+        match self.queues.first() {
+            Some(q) => q.lock().vq.size(),
+            None => 0,
+        }
+    }
+
+    /// True if the device was opened over the kernel driver.
+    pub fn is_kernel(&self) -> bool {
+        self.kernel.is_some()
     }
 
     /// Negotiated feature bits.
@@ -1049,6 +1118,13 @@ impl Device {
         header: &VirtioDmlcReq,
         chain: &[RawDesc],
     ) -> Result<Handle> {
+        if self.kernel.is_some() {
+            return Err(Error::InvalidArgument(
+                "submit_raw needs the pci or host transport: the kernel driver builds every \
+                 chain itself"
+                    .into(),
+            ));
+        }
         self.post(queue, header, chain, false, None)
     }
 
@@ -1065,8 +1141,47 @@ impl Device {
         self.check(req, input, output)?;
         let deadline = timeout.map(|t| Instant::now() + t);
         let chain = standard_chain(input, output);
+        if let Some(k) = &self.kernel {
+            // One system call: submit and wait, within the wait's bound.
+            let header = req.header();
+            let bound = Instant::now() + self.wait_bound(&header);
+            let limit = deadline.map_or(bound, |d| d.min(bound));
+            let leases = self.leases(&chain)?;
+            let (_, done) = k.submit(queue, &header, &chain, leases, Some(Some(limit)))?;
+            return match done.expect("a waiting submit reports its outcome") {
+                Err(Error::WaitTimeout) if deadline.is_none_or(|d| d > bound) => {
+                    Err(Error::Unanswered {
+                        after: self.wait_bound(&header),
+                    })
+                }
+                r => r,
+            };
+        }
         let h = self.post(queue, &req.header(), &chain, true, deadline)?;
         self.wait_deadline(h, deadline)
+    }
+
+    /// One lease per buffer of `chain`, a writing one if any descriptor
+    /// writes it.
+    fn leases(&self, chain: &[RawDesc]) -> Result<Vec<Lease>> {
+        let mut uses: Vec<(&Arc<BufMem>, bool)> = Vec::new();
+        for d in chain {
+            if let RawDesc::Read(s) | RawDesc::Write(s) = d {
+                if !same_memory(s.mem.alloc.memory(), &self.mem) {
+                    return Err(Error::InvalidArgument(
+                        "buffer from another device's memory".into(),
+                    ));
+                }
+                let write = matches!(d, RawDesc::Write(_));
+                match uses.iter_mut().find(|(m, _)| Arc::ptr_eq(m, &s.mem)) {
+                    Some((_, w)) => *w |= write,
+                    None => uses.push((&s.mem, write)),
+                }
+            }
+        }
+        uses.into_iter()
+            .map(|(m, write)| m.lease(write))
+            .collect::<Result<Vec<_>>>()
     }
 
     /// The effective timeout of a request with this header, as far as the
@@ -1089,27 +1204,12 @@ impl Device {
         block: bool,
         deadline: Option<Instant>,
     ) -> Result<Handle> {
-        let q = self.queue(queue)?;
-        // One lease per buffer, a writing one if any descriptor writes it.
-        let mut uses: Vec<(&Arc<BufMem>, bool)> = Vec::new();
-        for d in chain {
-            if let RawDesc::Read(s) | RawDesc::Write(s) = d {
-                if !same_memory(s.mem.alloc.memory(), &self.mem) {
-                    return Err(Error::InvalidArgument(
-                        "buffer from another device's memory".into(),
-                    ));
-                }
-                let write = matches!(d, RawDesc::Write(_));
-                match uses.iter_mut().find(|(m, _)| Arc::ptr_eq(m, &s.mem)) {
-                    Some((_, w)) => *w |= write,
-                    None => uses.push((&s.mem, write)),
-                }
-            }
+        if let Some(k) = &self.kernel {
+            let leases = self.leases(chain)?;
+            return Ok(k.submit(queue, header, chain, leases, None)?.0);
         }
-        let leases = uses
-            .into_iter()
-            .map(|(m, write)| m.lease(write))
-            .collect::<Result<Vec<_>>>()?;
+        let q = self.queue(queue)?;
+        let leases = self.leases(chain)?;
         let mut keep = Some(leases);
         let after = self.wait_bound(header);
         let ctx = PostCtx {
@@ -1173,6 +1273,21 @@ impl Device {
     }
 
     fn wait_deadline(&self, h: Handle, deadline: Option<Instant>) -> Result<Done> {
+        if let Some(k) = &self.kernel {
+            // The module keeps no per-request bound: the longest a request
+            // can take is its timeout (at most the assumed default) plus
+            // the margin, counted from now as the request's posting time
+            // is the module's.
+            let bound = Instant::now() + ASSUMED_DEFAULT_TIMEOUT + self.wait_margin;
+            return match k.wait(h, Some(deadline.map_or(bound, |d| d.min(bound)))) {
+                Err(Error::WaitTimeout) if deadline.is_none_or(|d| d > bound) => {
+                    Err(Error::Unanswered {
+                        after: ASSUMED_DEFAULT_TIMEOUT + self.wait_margin,
+                    })
+                }
+                r => r,
+            };
+        }
         let q = self.queue(h.queue)?;
         let bound = {
             let st = q.lock();
@@ -1257,6 +1372,9 @@ impl Device {
 
     /// True if the request has completed (its result waits in [`Self::wait`]).
     pub fn is_done(&self, h: Handle) -> Result<bool> {
+        if let Some(k) = &self.kernel {
+            return k.is_done(h);
+        }
         let q = self.queue(h.queue)?;
         let mut st = q.lock();
         st.harvest()?;
@@ -1770,7 +1888,7 @@ fn post_locked(
     ))
 }
 
-fn completion_result(c: &Completion) -> Result<Done> {
+pub(crate) fn completion_result(c: &Completion) -> Result<Done> {
     if c.len == 0 || !c.has_resp {
         return Err(Error::NoStatus);
     }

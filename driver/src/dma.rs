@@ -349,6 +349,15 @@ impl MemfdMemory {
     }
 
     /// The memfd (for the vhost-user memory table).
+    /// A memfd mapping whose device addresses are its own virtual
+    /// addresses: for a device that reaches this process's memory through
+    /// its kernel driver (`crate::kernel`), which pins the pages.
+    pub fn at_own_addresses(len: usize) -> Result<Self, DmaError> {
+        let mut m = MemfdMemory::new(len, 0)?;
+        m.guest_base = m.base.as_ptr() as u64;
+        Ok(m)
+    }
+
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
     }

@@ -7,7 +7,8 @@
 //! memory through DMA memory for collectives on it. Transports plug in from their
 //! own modules, each behind a feature: [`host`] (vhost-user: this process
 //! plays the VM) and [`pci`] (from inside a guest, with [`hugepage`] DMA
-//! memory). Collectives over a [`Device`] or TCP live in `dmlc-comm`.
+//! memory); [`kernel`] (from inside a guest, through the `virtio_dmlc`
+//! module's /dev/dmlcN: no root, no hugepages) needs no feature. Collectives over a [`Device`] or TCP live in `dmlc-comm`.
 //!
 //! ```no_run
 //! use dmlc_driver::{host, OpenOptions, ReduceOp};
@@ -21,6 +22,7 @@ pub mod bounce;
 pub mod device;
 pub mod dma;
 pub mod error;
+pub mod kernel;
 pub mod transport;
 pub mod virtqueue;
 

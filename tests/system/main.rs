@@ -23,6 +23,9 @@
 //! - `faults`: a VM killed in a collective (peer lost, a new VM rejoins);
 //!   the backend killed and restarted, with the same group id (the guests
 //!   never notice) and as a new group (the guests reopen the device).
+//! - `kernel_driver`: the virtio_dmlc module (`DMLC_KMOD`, `DMLC_KTEST`
+//!   from kernel-driver/build.sh): dmlc-ktest on 2 and 4 VMs, as a non-root
+//!   user, a process killed mid-collective, and `dmlc-guest --kernel`.
 //! - `killed_driver`: a driver killed mid-collective; its freed hugepages
 //!   are never written afterwards.
 //! - `pause`: a VM stopped and resumed through QMP in a loop of
@@ -31,6 +34,7 @@
 mod collectives;
 mod common;
 mod faults;
+mod kernel_driver;
 mod killed_driver;
 mod pause;
 mod plumbing;

@@ -22,12 +22,20 @@ pub fn run(dev: &Device, setup: &Setup) {
     println!("mode          {}", setup.mode);
     println!("rank          {}", c.rank.get());
     println!("world size    {}", c.world_size.get());
-    println!(
-        "queues        {} (using {}, {} descriptors each)",
-        c.num_queues.get(),
-        dev.num_queues(),
-        dev.queue_size()
-    );
+    if dev.is_kernel() {
+        println!(
+            "queues        {} (using {}, the kernel driver's rings)",
+            c.num_queues.get(),
+            dev.num_queues()
+        );
+    } else {
+        println!(
+            "queues        {} (using {}, {} descriptors each)",
+            c.num_queues.get(),
+            dev.num_queues(),
+            dev.queue_size()
+        );
+    }
     println!("max segments  {}", c.max_segments.get());
     println!(
         "max bytes     {} ({})",

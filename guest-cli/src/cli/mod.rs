@@ -44,6 +44,11 @@ struct Globals {
     /// no BDF is given [default when DMLC_DEVICE=pci].
     #[arg(long, global = true, value_name = "BDF", num_args = 0..=1, require_equals = true, default_missing_value = "auto", conflicts_with = "socket")]
     pci: Option<String>,
+    /// Use the virtio_dmlc kernel module's device node (kernel-driver/): no
+    /// root or hugepages, only access to the node; --kernel=/dev/dmlcN,
+    /// or /dev/dmlc0 when no path is given [default when DMLC_DEVICE=kernel].
+    #[arg(long, global = true, value_name = "NODE", num_args = 0..=1, require_equals = true, default_missing_value = "/dev/dmlc0", conflicts_with_all = ["socket", "pci"])]
+    kernel: Option<PathBuf>,
     /// Busy-poll the used ring for completions (the default): lowest
     /// latency, one core busy while waiting.
     #[arg(long, global = true)]
@@ -112,6 +117,11 @@ impl Globals {
         if let Some(bdf) = &self.pci {
             v.push(format!("--pci={bdf}").into());
         }
+        if let Some(node) = &self.kernel {
+            let mut a = OsString::from("--kernel=");
+            a.push(node);
+            v.push(a);
+        }
         if self.interrupt {
             v.push("--interrupt".into());
         }
@@ -177,7 +187,42 @@ impl Globals {
         Ok((dev, setup))
     }
 
+    /// The kernel driver's node, if asked for (flag or DMLC_DEVICE).
+    fn kernel_node(&self) -> Option<PathBuf> {
+        if self.kernel.is_some() || self.socket.is_some() || self.pci.is_some() {
+            return self.kernel.clone();
+        }
+        match std::env::var("DMLC_DEVICE").ok()?.as_str() {
+            "kernel" => Some(PathBuf::from(dmlc_driver::kernel::DEFAULT_NODE)),
+            d => d.strip_prefix("kernel:").map(PathBuf::from),
+        }
+    }
+
+    /// Opens the device through the kernel driver; DMA memory is a plain
+    /// memfd mapping (the module pins what each collective uses).
+    fn open_kernel(&self, node: PathBuf, dma_need: u64) -> Result<(Device, Setup), CliError> {
+        let mut opts = self.wait_options();
+        let dma = self
+            .dma
+            .unwrap_or_else(|| dma_need.max(opts.dma_bytes as u64));
+        opts.dma_bytes = usize::try_from(dma)
+            .map_err(|_| CliError::Usage(format!("--dma {dma} is too large")))?;
+        let dev =
+            dmlc_driver::kernel::open(Some(&node), &opts).map_err(|source| CliError::Open {
+                path: node.clone(),
+                source,
+            })?;
+        let setup = Setup {
+            transport: format!("kernel ({})", node.display()),
+            mode: self.mode(),
+        };
+        Ok((dev, setup))
+    }
+
     fn open(&self, dma_need: u64) -> Result<(Device, Setup), CliError> {
+        if let Some(node) = self.kernel_node() {
+            return self.open_kernel(node, dma_need);
+        }
         if let Some(bdf) = self.pci() {
             return self.open_pci(bdf, dma_need);
         }

@@ -64,6 +64,8 @@ struct dmlc_completion {
 	__u32 peer;
 	__u32 generation;
 	__u32 requests;		/* device requests it took */
+	__u32 written;		/* bytes the device wrote, responses included */
+	__u32 reserved;
 };
 
 /* dmlc_submit.flags */
@@ -102,10 +104,14 @@ struct dmlc_submit {
 	struct dmlc_completion done;	/* out, with DMLC_SUBMIT_WAIT */
 };
 
+/* dmlc_wait.flags */
+#define DMLC_WAIT_PEEK		0x1u	/* EAGAIN unless done; reap nothing */
+#define DMLC_WAIT_FLAGS		DMLC_WAIT_PEEK
+
 /* Wait for one submitted collective and reap it. */
 struct dmlc_wait {
 	__u32 argsz;
-	__u32 flags;		/* none defined: 0 */
+	__u32 flags;
 	__u64 id;
 	__u32 timeout_ms;	/* 0: no limit (ETIMEDOUT after it) */
 	__u32 spin_us;

@@ -162,6 +162,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "dmlc_open_options_init": (None, [POINTER(OpenOptions)]),
         "dmlc_open_host_ex": (c_int, [c_char_p, POINTER(OpenOptions), POINTER(c_void_p)]),
         "dmlc_open_pci": (c_int, [c_char_p, POINTER(OpenOptions), POINTER(c_void_p)]),
+        "dmlc_open_kernel": (c_int, [c_char_p, POINTER(OpenOptions), POINTER(c_void_p)]),
         "dmlc_close": (None, [dev]),
         "dmlc_rank": (c_int32, [dev]),
         "dmlc_world_size": (c_int32, [dev]),

@@ -281,11 +281,26 @@ class Device:
         return cls(out.value or 0, lib)
 
     @classmethod
+    def open_kernel(
+        cls, node: str | None = None, *, poll: Wait = False, dma_bytes: int | None = None
+    ) -> Device:
+        """The device through the virtio_dmlc kernel module's node (no root needed)."""
+        lib = cls.library()
+        out = ctypes.c_void_p()
+        opts = cls._options(poll, dma_bytes)
+        rc = lib.dmlc_open_kernel(
+            os.fsencode(node) if node else None, ctypes.byref(opts), ctypes.byref(out)
+        )
+        _raise_if(lib, rc)
+        return cls(out.value or 0, lib)
+
+    @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Device:
         """Opens the device the job's environment names, and checks the rank.
 
         ``DMLC_SOCKET`` (a backend socket; or ``DMLC_SOCKET_PREFIX`` plus the
-        rank) or ``DMLC_DEVICE=pci[:ADDR]``; ``DMLC_POLL=1`` polls,
+        rank), ``DMLC_DEVICE=pci[:ADDR]`` or ``DMLC_DEVICE=kernel[:NODE]``;
+        ``DMLC_POLL=1`` polls,
         ``DMLC_POLL=hybrid`` spins briefly before it sleeps (the default, 0,
         sleeps on the interrupt at once),
         ``DMLC_DMA_BYTES`` sizes the device memory. A rank given by the
@@ -314,10 +329,13 @@ class Device:
         elif env.get("DMLC_DEVICE", "").startswith("pci"):
             addr = env["DMLC_DEVICE"].partition(":")[2] or None
             dev = cls.open_pci(addr, poll=poll, dma_bytes=dma_bytes)
+        elif env.get("DMLC_DEVICE", "").startswith("kernel"):
+            node = env["DMLC_DEVICE"].partition(":")[2] or None
+            dev = cls.open_kernel(node, poll=poll, dma_bytes=dma_bytes)
         else:
             raise ValueError(
                 "no device in the environment: set DMLC_SOCKET (host transport) "
-                "or DMLC_DEVICE=pci (inside a guest)"
+                "or DMLC_DEVICE=pci or DMLC_DEVICE=kernel (inside a guest)"
             )
         if given_rank is not None and given_rank != dev.rank:
             dev.close()
