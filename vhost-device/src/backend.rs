@@ -1003,7 +1003,7 @@ mod tests {
 
     use super::{
         check_regions_backed, lock, AtomicMem, BackendConfig, MemberBackend, MemoryTableError,
-        Vring,
+        Vring, DEVICE_FEATURES,
     };
     use crate::group::harness::{config, hdr, Desc, World};
     use crate::group::Group;
@@ -1086,6 +1086,46 @@ mod tests {
             serve_earlier_requests: false,
         };
         MemberBackend::new(cfg, group.clone(), mem)
+    }
+
+    /// The device offers VIRTIO_F_VERSION_1, none of the device-specific
+    /// bits that spec 5.X.3 reserves (1 to 23), and not the ring features
+    /// it must not offer: ACCESS_PLATFORM (33), RING_PACKED (34) and
+    /// IN_ORDER (35).
+    #[test]
+    fn offered_features_are_the_specs() {
+        let offered = DEVICE_FEATURES;
+        assert_ne!(offered & (1 << virtio_dmlc::VIRTIO_F_VERSION_1), 0);
+        for reserved in 1..=23 {
+            assert_eq!(offered & (1 << reserved), 0, "bit {reserved}");
+        }
+        for forbidden in [33, 34, 35] {
+            assert_eq!(offered & (1 << forbidden), 0, "bit {forbidden}");
+        }
+        let b = backend(
+            0,
+            256,
+            &World::new(config(2)).group,
+            AtomicMem::new(GuestMem::new()),
+        );
+        assert_eq!(b.features(), offered);
+    }
+
+    /// Config space is read-only: a driver's write is accepted (an error
+    /// would close the connection) and changes nothing the driver reads.
+    #[test]
+    fn config_writes_are_ignored() {
+        let w = World::new(config(2));
+        let b = backend(1, 256, &w.group, AtomicMem::new(GuestMem::new()));
+        let size = std::mem::size_of::<virtio_dmlc::VirtioDmlcConfig>() as u32;
+        let before = b.get_config(0, size);
+        assert_eq!(before.len(), size as usize);
+        for offset in [0, 0x04, 0x24, 0x28] {
+            b.set_config(offset, &[0xff; 8]).unwrap();
+        }
+        b.set_config(0, &vec![0xff; size as usize]).unwrap();
+        assert_eq!(b.get_config(0, size), before);
+        assert_eq!(w.group.config_space(1).as_bytes(), &before[..]);
     }
 
     /// A member whose worker is inside `drain` (as when it runs a

@@ -10,7 +10,7 @@ use virtio_dmlc::{
 };
 
 use vm_memory::{Bytes, GuestAddress};
-use zerocopy::FromBytes;
+use zerocopy::{FromBytes, IntoBytes};
 
 use super::harness::{config, hdr, Desc, Pending, Rng, World};
 use super::Group;
@@ -1862,6 +1862,69 @@ fn config_space_shows_a_new_generation_only_after_its_failures_are_completed() {
         assert!(Instant::now() < deadline, "generation 3 never shown");
         std::thread::yield_now();
     }
+}
+
+/// The generation never takes the value 0: it starts at 1, goes up by
+/// one per change, and wraps from `u32::MAX` to 1.
+#[test]
+fn generation_starts_at_one_and_wraps_past_zero() {
+    assert_eq!(super::generation_of(0), 1);
+    assert_eq!(super::generation_of(1), 2);
+    let last = u64::from(u32::MAX) - 1;
+    assert_eq!(super::generation_of(last), u32::MAX);
+    assert_eq!(super::generation_of(last + 1), 1);
+    assert_eq!(super::generation_of(last + 2), 2);
+    for era in [0, last, last + 1, 2 * last + 1, 2 * last + 2, u64::MAX] {
+        assert_ne!(super::generation_of(era), 0, "era {era}");
+    }
+    assert_eq!(World::new(config(2)).group.generation(), 1);
+}
+
+/// Every member reads the same configuration space but for `rank`, which
+/// is its own and differs from every other member's, also after the
+/// generation changed.
+#[test]
+fn every_member_sees_the_same_config_but_its_own_rank() {
+    let n = 4;
+    let w = World::new(config(n));
+    for lost in [None, Some(2)] {
+        if let Some(r) = lost {
+            w.group.member_lost(r);
+            w.group.member_ready(r);
+        }
+        let spaces: Vec<_> = (0..n).map(|r| w.group.config_space(r)).collect();
+        for (r, c) in spaces.iter().enumerate() {
+            assert_eq!(c.rank.get(), r as u32);
+            let mut same = *c;
+            same.rank = spaces[0].rank;
+            assert_eq!(same, spaces[0], "rank {r}");
+        }
+        let want = if lost.is_some() { 2 } else { 1 };
+        assert_eq!(spaces[0].generation.get(), want);
+    }
+}
+
+/// The device reads a header once, when the request arrives: a driver that
+/// rewrites the header memory afterwards changes nothing (here the tag,
+/// which would otherwise be a mismatch).
+#[test]
+fn a_header_rewritten_after_arrival_has_no_effect() {
+    let mut w = World::new(config(2));
+    let tagged = |tag| hdr(Opcode::Barrier.raw(), 0, 0, 0, 0, tag, 0, 0);
+    let d0 = {
+        let m = &mut w.members[0];
+        vec![m.header(&tagged(5)), m.response()]
+    };
+    let p0 = w.submit(0, 0, &d0);
+    assert!(w.is_pending(&p0));
+    w.members[0].write(d0[0].addr, tagged(6).as_bytes());
+    let d1 = {
+        let m = &mut w.members[1];
+        vec![m.header(&tagged(5)), m.response()]
+    };
+    let p1 = w.submit(1, 0, &d1);
+    assert_eq!(w.wait(&p1).1, ok_resp(1));
+    assert_eq!(w.wait(&p0).1, ok_resp(1));
 }
 
 mod timed;
