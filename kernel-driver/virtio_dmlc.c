@@ -104,6 +104,10 @@ struct dmlc_piece {
 	unsigned int first;	/* index of its first page in pages[] */
 };
 
+/* Small buffers (one piece, a few pages) need no allocation of their own. */
+#define DMLC_FEW_PAGES	4
+#define DMLC_INLINE_SG	8
+
 struct dmlc_buf {
 	struct dmlc_piece *pieces;
 	unsigned int npieces;
@@ -111,6 +115,8 @@ struct dmlc_buf {
 	unsigned int npages;	/* pinned */
 	u64 len;
 	bool write;
+	struct dmlc_piece one_piece;
+	struct page *few_pages[DMLC_FEW_PAGES];
 };
 
 struct dmlc_op;
@@ -122,6 +128,7 @@ struct dmlc_req {
 	struct dmlc_op *op;
 	struct scatterlist *out_sg;	/* hdr, inputs */
 	struct scatterlist *in_sg;	/* outputs, resp */
+	struct scatterlist inline_sg[DMLC_INLINE_SG];
 };
 
 struct dmlc_file;
@@ -136,6 +143,7 @@ struct dmlc_op {
 	struct dmlc_buf in, out;
 	u64 pinned;			/* bytes counted against the file */
 	struct dmlc_req **reqs;
+	struct dmlc_req *one_req;	/* reqs when there is one */
 	unsigned int nreqs;
 	unsigned int next;		/* first request not yet posted */
 	unsigned int in_device;		/* posted, not yet used */
@@ -236,8 +244,10 @@ static void dmlc_put_buf(struct dmlc_buf *b)
 {
 	if (b->npages)
 		unpin_user_pages_dirty_lock(b->pages, b->npages, b->write);
-	kvfree(b->pages);
-	kfree(b->pieces);
+	if (b->pages != b->few_pages)
+		kvfree(b->pages);
+	if (b->pieces != &b->one_piece)
+		kfree(b->pieces);
 	memset(b, 0, sizeof(*b));
 }
 
@@ -258,7 +268,7 @@ static int dmlc_get_buf(struct dmlc_buf *b, u64 uiov, u32 cnt, bool write,
 		return 0;
 	if (cnt > DMLC_MAX_IOV)
 		return -E2BIG;
-	b->pieces = kcalloc(cnt, sizeof(*b->pieces), GFP_KERNEL);
+	b->pieces = cnt == 1 ? &b->one_piece : kcalloc(cnt, sizeof(*b->pieces), GFP_KERNEL);
 	if (!b->pieces)
 		return -ENOMEM;
 	for (i = 0; i < cnt; i++) {
@@ -284,7 +294,8 @@ static int dmlc_get_buf(struct dmlc_buf *b, u64 uiov, u32 cnt, bool write,
 	b->npieces = cnt;
 	if ((u64)total << PAGE_SHIFT > *budget)
 		return -ENOMEM;
-	b->pages = kvmalloc_array(total, sizeof(*b->pages), GFP_KERNEL);
+	b->pages = total <= DMLC_FEW_PAGES ? b->few_pages :
+		   kvmalloc_array(total, sizeof(*b->pages), GFP_KERNEL);
 	if (!b->pages)
 		return -ENOMEM;
 	for (i = 0; i < cnt; i++) {
@@ -393,13 +404,18 @@ static void dmlc_free_reqs(struct dmlc_op *op)
 	unsigned int i;
 
 	for (i = 0; i < op->nreqs; i++) {
-		if (!op->reqs[i])
+		struct dmlc_req *r = op->reqs[i];
+
+		if (!r)
 			continue;
-		kvfree(op->reqs[i]->out_sg);
-		kvfree(op->reqs[i]->in_sg);
-		kfree(op->reqs[i]);
+		if (r->out_sg != r->inline_sg) {
+			kvfree(r->out_sg);
+			kvfree(r->in_sg);
+		}
+		kfree(r);
 	}
-	kvfree(op->reqs);
+	if (op->reqs != &op->one_req)
+		kvfree(op->reqs);
 	op->reqs = NULL;
 	op->nreqs = 0;
 }
@@ -426,7 +442,7 @@ static int dmlc_build_reqs(struct dmlc_dev *d, struct dmlc_op *op,
 	}
 	if (nreqs > INT_MAX / 2)
 		return -E2BIG;
-	op->reqs = kvcalloc(nreqs, sizeof(*op->reqs), GFP_KERNEL);
+	op->reqs = nreqs == 1 ? &op->one_req : kvcalloc(nreqs, sizeof(*op->reqs), GFP_KERNEL);
 	if (!op->reqs)
 		return -ENOMEM;
 	op->nreqs = nreqs;
@@ -444,10 +460,15 @@ static int dmlc_build_reqs(struct dmlc_dev *d, struct dmlc_op *op,
 			return -ENOMEM;
 		op->reqs[k] = r;
 		r->op = op;
-		r->out_sg = kvmalloc_array(nin + 1, sizeof(*r->out_sg), GFP_KERNEL);
-		r->in_sg = kvmalloc_array(nout + 1, sizeof(*r->in_sg), GFP_KERNEL);
-		if (!r->out_sg || !r->in_sg)
-			return -ENOMEM;
+		if (nin + nout + 2 <= DMLC_INLINE_SG) {
+			r->out_sg = r->inline_sg;
+			r->in_sg = r->inline_sg + nin + 1;
+		} else {
+			r->out_sg = kvmalloc_array(nin + 1, sizeof(*r->out_sg), GFP_KERNEL);
+			r->in_sg = kvmalloc_array(nout + 1, sizeof(*r->in_sg), GFP_KERNEL);
+			if (!r->out_sg || !r->in_sg)
+				return -ENOMEM;
+		}
 		sg_init_table(r->out_sg, nin + 1);
 		sg_init_table(r->in_sg, nout + 1);
 		sg_set_buf(&r->out_sg[0], &r->hdr, sizeof(r->hdr));

@@ -415,11 +415,48 @@ static double time_memcpy(size_t bytes, int iters)
 	return median(t, iters);
 }
 
+/* Median barrier time: a request with no buffer to pin. */
+static double time_barrier(int iters)
+{
+	double *t = calloc(iters, sizeof(*t)), m;
+
+	for (int i = -iters / 10 - 2; i < iters; i++) {
+		double t0 = now_us();
+		struct dmlc_completion c = run(BARRIER, 0, 0, 0, NULL, 0, NULL, 0, 0);
+
+		expect_ok("bench barrier", &c);
+		if (i >= 0)
+			t[i] = now_us() - t0;
+	}
+	m = median(t, iters);
+	free(t);
+	return m;
+}
+
+/* Median time of an ioctl the driver refuses at once: the system call alone. */
+static double time_syscall(int iters)
+{
+	struct dmlc_submit s = { .argsz = sizeof(s), .flags = 1u << 7 };
+	double *t = calloc(iters, sizeof(*t)), m;
+
+	for (int i = 0; i < iters; i++) {
+		double t0 = now_us();
+
+		ioctl(fd, DMLC_IOC_SUBMIT, &s);
+		t[i] = now_us() - t0;
+	}
+	m = median(t, iters);
+	free(t);
+	return m;
+}
+
 static int bench(int iters)
 {
-	double p90, lat, mib, big, cp;
+	double p90, lat, mib, big, cp, bar, sys;
 
 	sync_group();
+	sys = time_syscall(iters);
+	bar = time_barrier(iters);
 	lat = time_allreduce(4, iters, &p90);
 	mib = time_allreduce(1 << 20, 20, NULL);
 	big = time_allreduce(64 << 20, 5, NULL);
@@ -429,6 +466,8 @@ static int bench(int iters)
 		       info.world_size, spin_us);
 		printf("ktest allreduce 4 B: p50 %.1f us p90 %.1f us (%d iters)\n",
 		       lat, p90, iters);
+		printf("ktest barrier: p50 %.1f us\n", bar);
+		printf("ktest refused ioctl (the system call alone): p50 %.1f us\n", sys);
 		printf("ktest allreduce 1 MiB: median %.1f us\n", mib);
 		printf("ktest allreduce 64 MiB: median %.1f us\n", big);
 		printf("ktest memcpy 64 MiB (malloc to malloc): median %.1f us\n", cp);
