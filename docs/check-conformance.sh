@@ -50,10 +50,10 @@ done
 
 # A driver row that names no test does not claim the userspace driver is checked.
 # Columns: | id | summary | side | tests | userspace driver | kernel driver |
-while IFS='|' read -r _ id _ side tests user kernel _; do
+while IFS="|" read -r _ id _ side tcol user kernel _; do
   [ "${side// /}" = driver ] || continue
   case "$user" in
-    " checked"*) [[ "$tests" == *'::'* ]] || problem "$id: the userspace driver column says checked but the row names no test" ;;
+    " checked"*) [[ "$tcol" == *"::"* ]] || problem "$id: the userspace driver column says checked but the row names no test" ;;
   esac
   case "$kernel" in
     " checked"*) [[ "$kernel" == *'::'* ]] || problem "$id: the kernel driver column says checked but names no test" ;;

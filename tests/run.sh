@@ -72,6 +72,9 @@ fi
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
+step "docs: the spec's conformance table (docs/check-conformance.sh)"
+docs/check-conformance.sh
+
 step "cargo clippy -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
