@@ -679,20 +679,46 @@ static bool dmlc_op_ready(struct dmlc_dev *d, struct dmlc_op *op)
 	return r;
 }
 
-/* Busy-polls op's queue for up to spin_us, with its interrupts off. */
-static void dmlc_spin(struct dmlc_dev *d, struct dmlc_op *op, u32 spin_us)
+/* Under d->lock: a waiter polls q; its completions need no interrupt. */
+static void dmlc_spin_begin(struct dmlc_queue *q)
+{
+	if (!q->spinners++)
+		virtqueue_disable_cb(q->vq);
+}
+
+/*
+ * Ends a dmlc_spin_begin(); the last poller turns interrupts back on and
+ * collects what completed meanwhile. A reset in between set every count
+ * to 0 with the new queues.
+ */
+static void dmlc_spin_end(struct dmlc_dev *d, struct dmlc_queue *q)
+{
+	spin_lock_irq(&d->lock);
+	if (d->ready && q->spinners && !--q->spinners &&
+	    !virtqueue_enable_cb(q->vq) && dmlc_harvest_locked(d, q))
+		virtqueue_notify(q->vq);
+	spin_unlock_irq(&d->lock);
+}
+
+/*
+ * Busy-polls op's queue for up to spin_us, with its interrupts off. With
+ * begun, the caller did dmlc_spin_begin() already (before posting, so that
+ * a quick completion raises no interrupt either).
+ */
+static void dmlc_spin(struct dmlc_dev *d, struct dmlc_op *op, u32 spin_us, bool begun)
 {
 	ktime_t end = ktime_add_us(ktime_get(), spin_us);
 	struct dmlc_queue *q = &d->queues[op->queue];
 	bool done = false;
 
 	spin_lock_irq(&d->lock);
-	if (!d->ready || op->ready) {
-		spin_unlock_irq(&d->lock);
-		return;
+	if (!begun) {
+		if (!d->ready) {
+			spin_unlock_irq(&d->lock);
+			return;
+		}
+		dmlc_spin_begin(q);
 	}
-	if (!q->spinners++)
-		virtqueue_disable_cb(q->vq);
 	spin_unlock_irq(&d->lock);
 	while (!done) {
 		spin_lock_irq(&d->lock);
@@ -705,11 +731,7 @@ static void dmlc_spin(struct dmlc_dev *d, struct dmlc_op *op, u32 spin_us)
 		cond_resched();
 		cpu_relax();
 	}
-	spin_lock_irq(&d->lock);
-	if (!--q->spinners && d->ready && !virtqueue_enable_cb(q->vq) &&
-	    dmlc_harvest_locked(d, q))
-		virtqueue_notify(q->vq);
-	spin_unlock_irq(&d->lock);
+	dmlc_spin_end(d, q);
 }
 
 /* Releases a ready op's pages and frees it; fills *c. */
@@ -737,13 +759,13 @@ static void dmlc_reap(struct dmlc_file *f, struct dmlc_op *op,
  * early gives the claim back: the op stays for a later wait or read().
  */
 static int dmlc_wait_op(struct dmlc_file *f, struct dmlc_op *op, u32 spin_us,
-			u32 timeout_ms, struct dmlc_completion *c)
+			u32 timeout_ms, bool begun, struct dmlc_completion *c)
 {
 	struct dmlc_dev *d = f->d;
 	long left;
 
 	if (spin_us)
-		dmlc_spin(d, op, spin_us);
+		dmlc_spin(d, op, spin_us, begun);
 	if (timeout_ms) {
 		left = wait_event_interruptible_timeout(d->wq, dmlc_op_ready(d, op),
 							msecs_to_jiffies(timeout_ms));
@@ -892,6 +914,8 @@ static long dmlc_ioctl_submit(struct dmlc_file *f, void __user *arg)
 	list_add_tail(&op->node, &f->ops);
 	f->nops++;
 	list_add_tail(&op->pending, &q->pending);
+	if ((s.flags & DMLC_SUBMIT_WAIT) && s.spin_us)
+		dmlc_spin_begin(q);
 	if (dmlc_post_locked(d, q))
 		virtqueue_notify(q->vq);
 	spin_unlock_irq(&d->lock);
@@ -899,9 +923,15 @@ static long dmlc_ioctl_submit(struct dmlc_file *f, void __user *arg)
 	s.id = op->id;
 	if (s.flags & DMLC_SUBMIT_WAIT) {
 		/* The id goes back first: an interrupted wait can be resumed. */
-		if (dmlc_copy_out(arg, &s, sizeof(s)))
+		if (dmlc_copy_out(arg, &s, sizeof(s))) {
+			if (s.spin_us)
+				dmlc_spin_end(d, q);
+			spin_lock_irq(&d->lock);
+			op->claimed = false;	/* reaped by read() or at close */
+			spin_unlock_irq(&d->lock);
 			return -EFAULT;
-		err = dmlc_wait_op(f, op, s.spin_us, s.wait_ms, &s.done);
+		}
+		err = dmlc_wait_op(f, op, s.spin_us, s.wait_ms, true, &s.done);
 		if (err)
 			return err;
 	}
@@ -942,7 +972,7 @@ static long dmlc_ioctl_wait(struct dmlc_file *f, void __user *arg)
 		return -ENOENT;
 	if (err || (w.flags & DMLC_WAIT_PEEK))
 		return err;
-	err = dmlc_wait_op(f, op, w.spin_us, w.timeout_ms, &w.done);
+	err = dmlc_wait_op(f, op, w.spin_us, w.timeout_ms, false, &w.done);
 	if (err)
 		return err;
 	return dmlc_copy_out(arg, &w, sizeof(w));
