@@ -1132,6 +1132,33 @@ mod tests {
         assert_eq!(rc, DMLC_ERR_INVALID_ARGUMENT);
     }
 
+    #[test]
+    fn opening_a_missing_kernel_node_fails_with_a_message() {
+        let mut opts = DmlcOpenOptions {
+            poll: 0,
+            queue_size: 0,
+            event_idx: 0,
+            dma_bytes: 0,
+        };
+        // SAFETY: `opts` is writable.
+        unsafe { dmlc_open_options_init(&mut opts) };
+        let node = CString::new("/nonexistent/dmlc9").unwrap();
+        let mut out = std::ptr::dangling_mut();
+        // SAFETY: valid string, options and out pointer.
+        let rc = unsafe { dmlc_open_kernel(node.as_ptr(), &opts, &mut out) };
+        assert_ne!(rc, DMLC_OK);
+        assert!(out.is_null(), "out must be cleared on failure");
+        // SAFETY: the message is a valid C string until the next failure.
+        let msg = unsafe { CStr::from_ptr(dmlc_last_error_message()) };
+        let msg = msg.to_string_lossy();
+        assert!(
+            msg.contains("cannot open the kernel driver's device")
+                && msg.contains("/nonexistent/dmlc9")
+                && msg.contains("is the module loaded"),
+            "{msg}"
+        );
+    }
+
     fn dmlc_allreduce_dtype_check() -> c_int {
         // Unknown dtype with a NULL device: the dtype is judged first.
         // SAFETY: NULL pointers are allowed.

@@ -85,3 +85,10 @@ def test_ddp_unmodified_gives_every_rank_the_same_parameters(tmp_path: Path, wor
     # dmlc and gloo agree up to summation order.
     a, g = float(_field(dmlc_runs[0], "params sum")), float(_field(gloo_runs[0], "params sum"))
     assert abs(a - g) <= 1e-6 * max(1.0, abs(g)), (a, g)
+
+
+def test_a_missing_kernel_driver_node_is_named_in_the_error() -> None:
+    with pytest.raises(dmlc.DmlcError, match=r"/nonexistent/dmlc9.*is the module loaded"):
+        dmlc.Device.open_kernel("/nonexistent/dmlc9")
+    with pytest.raises(dmlc.DmlcError, match="/nonexistent/dmlc8"):
+        dmlc.Device.from_env({"DMLC_DEVICE": "kernel:/nonexistent/dmlc8"})
