@@ -27,6 +27,7 @@
 #include <linux/module.h>
 #include <linux/poll.h>
 #include <linux/scatterlist.h>
+#include <linux/sched/mm.h>
 #include <linux/sched/signal.h>
 #include <linux/slab.h>
 #include <linux/uaccess.h>
@@ -104,9 +105,14 @@ struct dmlc_piece {
 	unsigned int first;	/* index of its first page in pages[] */
 };
 
-/* Small buffers (one piece, a few pages) need no allocation of their own. */
+/*
+ * Small buffers (one piece, a few pages) need no allocation of their own,
+ * and those of at most DMLC_SMALL_BYTES are copied instead of pinned:
+ * pinning and unpinning cost more than the copy.
+ */
 #define DMLC_FEW_PAGES	4
 #define DMLC_INLINE_SG	8
+#define DMLC_SMALL_BYTES	256
 
 struct dmlc_buf {
 	struct dmlc_piece *pieces;
@@ -115,8 +121,10 @@ struct dmlc_buf {
 	unsigned int npages;	/* pinned */
 	u64 len;
 	bool write;
+	bool copied;		/* in small[], not pinned */
 	struct dmlc_piece one_piece;
 	struct page *few_pages[DMLC_FEW_PAGES];
+	u8 small[DMLC_SMALL_BYTES] __aligned(64);
 };
 
 struct dmlc_op;
@@ -150,6 +158,7 @@ struct dmlc_op {
 	bool failed;			/* post no more requests */
 	bool ready;			/* the device is done with every buffer */
 	bool claimed;			/* a waiter will reap it; read() skips it */
+	struct mm_struct *mm;		/* the submitter's, for copied outputs */
 	struct dmlc_completion done;
 };
 
@@ -292,6 +301,14 @@ static int dmlc_get_buf(struct dmlc_buf *b, u64 uiov, u32 cnt, bool write,
 		total += last - first + 1;
 	}
 	b->npieces = cnt;
+	if (b->len <= DMLC_SMALL_BYTES) {
+		for (i = 0; i < cnt; i++)
+			if (copy_from_user(b->small + b->pieces[i].start,
+					   u64_to_user_ptr(b->pieces[i].addr), b->pieces[i].len))
+				return -EFAULT;
+		b->copied = true;
+		return 0;
+	}
 	if ((u64)total << PAGE_SHIFT > *budget)
 		return -ENOMEM;
 	b->pages = total <= DMLC_FEW_PAGES ? b->few_pages :
@@ -332,6 +349,11 @@ static unsigned int dmlc_map_range(struct dmlc_buf *b, u64 off, u64 len,
 	struct page *prev = NULL;
 	unsigned int prev_off = 0, prev_len = 0;
 
+	if (b->copied) {
+		if (sg)
+			sg_set_buf(sg, b->small + off, len);
+		return 1;
+	}
 	while (i < b->npieces && b->pieces[i].start + b->pieces[i].len <= off)
 		i++;
 	while (len && i < b->npieces) {
@@ -734,17 +756,42 @@ static void dmlc_spin(struct dmlc_dev *d, struct dmlc_op *op, u32 spin_us, bool 
 	dmlc_spin_end(d, q);
 }
 
+/*
+ * A copied output goes back to the caller's pieces, in the process that
+ * submitted it (another process sharing the file gets -EFAULT).
+ */
+static void dmlc_copy_back(struct dmlc_op *op)
+{
+	struct dmlc_buf *b = &op->out;
+	unsigned int i;
+
+	if (!b->copied || !b->npieces)
+		return;
+	if (current->mm != op->mm) {
+		op->done.error = op->done.error ?: -EFAULT;
+		return;
+	}
+	for (i = 0; i < b->npieces; i++)
+		if (copy_to_user(u64_to_user_ptr(b->pieces[i].addr),
+				 b->small + b->pieces[i].start, b->pieces[i].len))
+			op->done.error = op->done.error ?: -EFAULT;
+}
+
 /* Releases a ready op's pages and frees it; fills *c. */
 static void dmlc_reap(struct dmlc_file *f, struct dmlc_op *op,
 		      struct dmlc_completion *c)
 {
 	struct dmlc_dev *d = f->d;
 
-	if (c)
+	if (c) {
+		dmlc_copy_back(op);
 		*c = op->done;
+	}
 	dmlc_put_buf(&op->in);
 	dmlc_put_buf(&op->out);
 	dmlc_free_reqs(op);
+	if (op->mm)
+		mmdrop(op->mm);
 	spin_lock_irq(&d->lock);
 	list_del(&op->node);
 	f->nops--;
@@ -890,6 +937,11 @@ static long dmlc_ioctl_submit(struct dmlc_file *f, void __user *arg)
 	err = dmlc_get_buf(&op->in, s.in_iov, s.in_cnt, false, esize, &budget);
 	if (!err)
 		err = dmlc_get_buf(&op->out, s.out_iov, s.out_cnt, true, esize, &budget);
+	if (!err && op->out.copied && op->out.npieces) {
+		/* Held so that the pointer names this process until reaped. */
+		op->mm = current->mm;
+		mmgrab(op->mm);
+	}
 	op->pinned = (u64)(op->in.npages + op->out.npages) << PAGE_SHIFT;
 	spin_lock_irq(&d->lock);
 	f->pinned += op->pinned;
@@ -922,22 +974,16 @@ static long dmlc_ioctl_submit(struct dmlc_file *f, void __user *arg)
 
 	s.id = op->id;
 	if (s.flags & DMLC_SUBMIT_WAIT) {
-		/* The id goes back first: an interrupted wait can be resumed. */
-		if (dmlc_copy_out(arg, &s, sizeof(s))) {
-			if (s.spin_us)
-				dmlc_spin_end(d, q);
-			spin_lock_irq(&d->lock);
-			op->claimed = false;	/* reaped by read() or at close */
-			spin_unlock_irq(&d->lock);
-			return -EFAULT;
-		}
 		err = dmlc_wait_op(f, op, s.spin_us, s.wait_ms, true, &s.done);
+		/* A wait that ended early hands back the id, to wait again. */
 		if (err)
-			return err;
+			return dmlc_copy_out(arg, &s, sizeof(s)) ?: err;
 	}
 	return dmlc_copy_out(arg, &s, sizeof(s));
 
 fail:
+	if (op->mm)
+		mmdrop(op->mm);
 	dmlc_put_buf(&op->in);
 	dmlc_put_buf(&op->out);
 	spin_lock_irq(&d->lock);
