@@ -285,12 +285,17 @@ fn digits_trains_on_two_vms_through_the_device() {
     let logs = env.tmp.path().with_file_name("launcher-digits-logs");
     let _ = fs::remove_dir_all(&logs);
     let files = format!("{data}:/data/digits.csv.gz");
+    // The flight recorder of the job's daemon, written when the job ends.
+    let trace = env.tmp.path().with_file_name("launcher-digits-trace.json");
+    let _ = fs::remove_file(&trace);
+    let trace_arg = format!("--backend-arg=--trace-out={}", trace.display());
     let args = [
         "submit",
         "--num-workers",
         "2",
         "--timeout",
         "400",
+        &trace_arg,
         "--log-dir",
         logs.to_str().unwrap(),
         "--files",
@@ -364,6 +369,26 @@ fn digits_trains_on_two_vms_through_the_device() {
     assert!(
         backend.contains("rank 1: frontend connected"),
         "backend.log: {backend}"
+    );
+    // The trace is Chrome trace JSON as Perfetto imports it, with a slice
+    // for every collective of each rank (the 20 steps' allreduces and
+    // more) and the device's data movement.
+    let doc: serde_json::Value = serde_json::from_str(
+        &fs::read_to_string(&trace).unwrap_or_else(|e| panic!("{}: {e}", trace.display())),
+    )
+    .unwrap_or_else(|e| panic!("{} is not JSON: {e}", trace.display()));
+    let slices = dmlc_test_support::chrome_trace::check(&doc);
+    for pid in [1, 2] {
+        let n: usize = slices
+            .iter()
+            .filter(|((p, _), _)| *p == pid)
+            .map(|(_, v)| v.len())
+            .sum();
+        assert!(n >= 20, "rank {}: {n} collectives in the trace", pid - 1);
+    }
+    assert!(
+        slices.keys().any(|(p, _)| *p == 0),
+        "no data movement slices"
     );
     env.assert_nothing_left();
     fs::remove_dir_all(&logs).unwrap();

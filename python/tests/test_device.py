@@ -3,14 +3,17 @@ and torch tensors, errors as exceptions, the environment."""
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import dmlc
-from conftest import Backend, checks_passed
+from conftest import Backend, checks_passed, start_backend
+from dmlc import flight_recorder
 from dmlc.device import memory, parse_size, reduce_op
 
 
@@ -92,3 +95,28 @@ def test_a_missing_kernel_driver_node_is_named_in_the_error() -> None:
         dmlc.Device.open_kernel("/nonexistent/dmlc9")
     with pytest.raises(dmlc.DmlcError, match="/nonexistent/dmlc8"):
         dmlc.Device.from_env({"DMLC_DEVICE": "kernel:/nonexistent/dmlc8"})
+
+
+def test_the_flight_recorder_dump_loads_in_torchs_analyser(tmp_path: Path) -> None:
+    fr_trace = pytest.importorskip(
+        "torch.distributed.flight_recorder.fr_trace", reason="torch is not installed"
+    )
+    trace = tmp_path / "trace.json"
+    b = start_backend(tmp_path, 2, "--timeout-ms", "5000", "--trace-out", str(trace))
+    try:
+        counts = checks_passed(b.run("numpy"))
+    finally:
+        b.proc.terminate()  # writes the trace
+        b.proc.wait(10)
+    assert len(set(counts)) == 1, counts
+    paths = flight_recorder.write(trace, tmp_path / "fr")
+    assert [p.name for p in paths] == ["dmlc_fr_rank0", "dmlc_fr_rank1"]
+    db_path = tmp_path / "fr.db"
+    fr_trace.main([str(tmp_path / "fr"), "--prefix", "dmlc_fr_rank", "-o", str(db_path)])
+    with db_path.open("rb") as f:
+        _, db = pickle.load(f)
+    records = int(json.loads(trace.read_text())["otherData"]["records"])
+    assert len(db.collectives) == records > 0
+    failed = [c for c in db.collectives if not c.pass_check]
+    assert not failed, failed
+    assert len(db.ncclcalls) == 2 * records

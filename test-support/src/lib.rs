@@ -17,6 +17,8 @@ use std::time::{Duration, Instant};
 
 pub use tempfile::TempDir;
 
+#[cfg(feature = "trace")]
+pub mod chrome_trace;
 #[cfg(feature = "frontend")]
 pub mod frontend;
 

@@ -3,8 +3,6 @@
 //! never comes before its modelled time) and generous upper bounds, so a
 //! loaded machine does not fail them.
 
-use std::collections::BTreeMap;
-
 use serde_json::Value;
 
 use super::*;
@@ -359,60 +357,6 @@ fn a_file_that_models_nothing_costs_nothing() {
     assert!(w.group.recorder().is_none());
 }
 
-/// Checks `trace` against the Chrome trace event format as Perfetto's
-/// JSON importer reads it; returns the X events by (pid, tid).
-fn check_chrome_trace(trace: &Value) -> BTreeMap<(u64, u64), Vec<Value>> {
-    let events = trace["traceEvents"].as_array().expect("traceEvents array");
-    assert!(!events.is_empty());
-    let mut slices: BTreeMap<(u64, u64), Vec<Value>> = BTreeMap::new();
-    for e in events {
-        let ph = e["ph"].as_str().expect("ph");
-        assert!(e["name"].is_string(), "{e}");
-        let pid = e["pid"].as_u64().expect("pid");
-        let tid = e["tid"].as_u64().expect("tid");
-        match ph {
-            "M" => {
-                let what = e["name"].as_str().unwrap();
-                assert!(
-                    ["process_name", "thread_name", "process_sort_index"].contains(&what),
-                    "{e}"
-                );
-                assert!(e["args"].is_object());
-            }
-            "X" => {
-                let ts = e["ts"].as_f64().expect("ts");
-                let dur = e["dur"].as_f64().expect("dur");
-                assert!(ts >= 0.0 && dur >= 0.0, "{e}");
-                assert!(e["cat"].is_string() && e["args"].is_object(), "{e}");
-                slices.entry((pid, tid)).or_default().push(e.clone());
-            }
-            other => panic!("unexpected phase {other}: {e}"),
-        }
-    }
-    // The slices of one thread nest or follow each other.
-    for (track, list) in &mut slices {
-        list.sort_by(|a, b| {
-            a["ts"]
-                .as_f64()
-                .unwrap()
-                .total_cmp(&b["ts"].as_f64().unwrap())
-        });
-        let mut open: Vec<f64> = Vec::new();
-        for e in list.iter() {
-            let ts = e["ts"].as_f64().unwrap();
-            let end = ts + e["dur"].as_f64().unwrap();
-            while open.last().is_some_and(|&o| o <= ts + 1e-3) {
-                open.pop();
-            }
-            if let Some(&outer) = open.last() {
-                assert!(end <= outer + 1e-3, "slices overlap on {track:?}: {e}");
-            }
-            open.push(end);
-        }
-    }
-    slices
-}
-
 #[test]
 fn the_trace_is_chrome_json_with_one_process_per_member() {
     let mut cfg = timed(
@@ -446,7 +390,7 @@ fn the_trace_is_chrome_json_with_one_process_per_member() {
     let trace: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
     assert_eq!(trace["otherData"]["overwritten"], 1);
-    let slices = check_chrome_trace(&trace);
+    let slices = dmlc_test_support::chrome_trace::check(&trace);
     let of = |pid: u64| -> Vec<&Value> {
         slices
             .iter()
