@@ -134,12 +134,18 @@ fn kernel_driver_selftest_on_malloc_buffers_2_and_4_vms_and_as_non_root() {
     }
     let backend = Backend::start(&env, "kdrv4", 4, &[]);
     let cmds: Vec<String> = (0..4)
-        .map(|_| "dmlc-ktest selftest --quick".into())
+        .map(|_| "dmlc-ktest selftest --quick && dmlc-ktest bench --iters 50".into())
         .collect();
-    let out = run_group(&env, &backend, &cmds, "kernel selftest, 4 VMs");
+    let out = run_group(&env, &backend, &cmds, "kernel selftest and bench, 4 VMs");
     for (r, o) in out.iter().enumerate() {
         assert_passed(o, r, "4 VMs");
     }
+    assert!(
+        out[0].contains("kernel driver, malloc buffers, 4 ranks")
+            && out[0].contains("ktest allreduce 64 MiB: median"),
+        "rank 0 printed no bench table:\n{}",
+        out[0]
+    );
 }
 
 #[test]
@@ -190,7 +196,8 @@ fn dmlc_guest_selftest_over_the_kernel_transport() {
     };
     let backend = Backend::start(&env, "kdrvguest", 2, &[]);
     let cmd = format!(
-        "dmlc-guest selftest --quick --kernel && {ADD_USER} && \
+        "dmlc-guest selftest --quick --kernel && \
+         dmlc-guest bench --kernel -b 4 -e 1M -f 512 -n 5 -w 1 && {ADD_USER} && \
          su dmlc -c 'dmlc-guest info --kernel'"
     );
     let out = run_group(&env, &backend, &[cmd.clone(), cmd], "dmlc-guest --kernel");
@@ -198,6 +205,10 @@ fn dmlc_guest_selftest_over_the_kernel_transport() {
         assert!(
             o.contains("selftest PASS: ") && o.contains(&format!("rank {r} of 2")),
             "rank {r}: dmlc-guest selftest over the kernel driver did not pass:\n{o}"
+        );
+        assert!(
+            o.contains(&format!("# rank {r} of 2: ok, #wrong 0")),
+            "rank {r}: dmlc-guest bench over the kernel driver did not pass:\n{o}"
         );
         assert!(
             o.contains("transport     kernel (/dev/dmlc0)")
