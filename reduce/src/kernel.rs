@@ -832,14 +832,30 @@ impl Kernel {
     /// overlap `result`; the memory may be read or written by another
     /// process meanwhile.
     pub unsafe fn write(&self, result: &[u8], dst: *mut u8, stores: Stores) {
+        // SAFETY: the caller's promise.
+        unsafe { self.write_many(result, &[dst], stores) }
+    }
+
+    /// As [`Kernel::write`], to every destination in `dsts`; streaming
+    /// stores write the destinations together, a line of each in turn,
+    /// where they have the same offset in a cache line.
+    ///
+    /// # Safety
+    /// As for [`Kernel::write`], for every destination (which may overlap
+    /// each other).
+    pub unsafe fn write_many(&self, result: &[u8], dsts: &[*mut u8], stores: Stores) {
         let (src, n) = (result.as_ptr(), result.len());
-        // SAFETY: `src` holds `n` bytes (a slice), `dst` is the caller's
-        // promise; the streaming copy of this kernel's ISA runs only
-        // where the CPU has it (`Kernel::with_isa`).
+        // SAFETY: `src` holds `n` bytes (a slice), the destinations are
+        // the caller's promise; the streaming copy of this kernel's ISA
+        // runs only where the CPU has it (`Kernel::with_isa`).
         unsafe {
             match stores {
-                Stores::Cached => std::ptr::copy_nonoverlapping(src, dst, n),
-                Stores::Streaming => (self.stream)(dst, src, n),
+                Stores::Cached => {
+                    for &dst in dsts {
+                        std::ptr::copy_nonoverlapping(src, dst, n);
+                    }
+                }
+                Stores::Streaming => (self.stream)(dsts, src, n),
             }
         }
     }

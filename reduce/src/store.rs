@@ -85,9 +85,9 @@ pub fn fence() {
     std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::Release);
 }
 
-/// A copy of `n` bytes from a source of ours to a destination: `(dst,
-/// src, n)`.
-pub(crate) type CopyFn = unsafe fn(*mut u8, *const u8, usize);
+/// A copy of `n` bytes from a source of ours to every destination:
+/// `(dsts, src, n)`.
+pub(crate) type CopyFn = unsafe fn(&[*mut u8], *const u8, usize);
 
 /// The streaming copy of `isa`.
 pub(crate) fn stream_fn(isa: Isa) -> CopyFn {
@@ -108,12 +108,14 @@ const STREAM_MIN: usize = 128;
 /// Copies with ordinary stores.
 ///
 /// # Safety
-/// `src` is valid for reads and `dst` for writes of `n` bytes; they do not
-/// overlap.
+/// `src` is valid for reads and every destination for writes of `n`
+/// bytes; no destination overlaps `src` (they may overlap each other).
 #[cfg_attr(target_arch = "x86_64", allow(dead_code))]
-unsafe fn plain_copy(dst: *mut u8, src: *const u8, n: usize) {
-    // SAFETY: the caller's promise.
-    unsafe { ptr::copy_nonoverlapping(src, dst, n) }
+unsafe fn plain_copy(dsts: &[*mut u8], src: *const u8, n: usize) {
+    for &dst in dsts {
+        // SAFETY: the caller's promise.
+        unsafe { ptr::copy_nonoverlapping(src, dst, n) }
+    }
 }
 
 /// Splits a copy to `dst` of `n` bytes into a head up to `dst`'s first
@@ -127,25 +129,67 @@ fn lines_of(dst: *mut u8, n: usize) -> (usize, usize) {
     (head, (n - head) / 64)
 }
 
-/// The body of the streaming copies: the head and tail with ordinary
-/// stores, every whole line of `dst` through `line(dst, src)`.
+/// The body of the streaming copies: the heads and tails with ordinary
+/// stores, every whole line of the destinations through `line(dst, src)`.
+/// Destinations at the same offset in a line are written together, a line
+/// of each in turn (several pages at a time, which the memcpy probe found
+/// faster than one after another); others one after another.
 ///
 /// # Safety
 /// As for [`plain_copy`]; `line` writes the 64 bytes at its (64-aligned)
 /// first argument from the 64 at its second.
 #[inline(always)]
-unsafe fn stream_with(dst: *mut u8, src: *const u8, n: usize, line: impl Fn(*mut u8, *const u8)) {
-    let (head, lines) = lines_of(dst, n);
-    // SAFETY: `head <= n`: the first bytes of both buffers.
-    unsafe { ptr::copy_nonoverlapping(src, dst, head) };
+unsafe fn stream_with(
+    dsts: &[*mut u8],
+    src: *const u8,
+    n: usize,
+    line: impl Fn(*mut u8, *const u8),
+) {
+    let Some(first) = dsts.first() else {
+        return;
+    };
+    let offset = first.addr() % 64;
+    if dsts.iter().all(|d| d.addr() % 64 == offset) {
+        // SAFETY: the caller's promise; every destination has `offset`.
+        unsafe { stream_together(dsts, src, n, &line) }
+    } else {
+        for dst in dsts {
+            // SAFETY: as above, one destination at a time.
+            unsafe { stream_together(std::slice::from_ref(dst), src, n, &line) }
+        }
+    }
+}
+
+/// [`stream_with`] for destinations that all have the same offset in a
+/// line.
+///
+/// # Safety
+/// As for [`stream_with`].
+#[inline(always)]
+unsafe fn stream_together(
+    dsts: &[*mut u8],
+    src: *const u8,
+    n: usize,
+    line: &impl Fn(*mut u8, *const u8),
+) {
+    let (head, lines) = lines_of(dsts[0], n);
+    for &dst in dsts {
+        // SAFETY: `head <= n`: the first bytes of source and destination.
+        unsafe { ptr::copy_nonoverlapping(src, dst, head) };
+    }
     for l in 0..lines {
         let at = head + 64 * l;
-        // In bounds: `head + 64 * lines <= n`.
-        line(dst.wrapping_add(at), src.wrapping_add(at));
+        for &dst in dsts {
+            // In bounds: `head + 64 * lines <= n`; `dst + at` is 64-aligned,
+            // as `dsts[0] + head` is and all share its offset in a line.
+            line(dst.wrapping_add(at), src.wrapping_add(at));
+        }
     }
     let done = head + 64 * lines;
-    // SAFETY: bytes `done..n` of both buffers.
-    unsafe { ptr::copy_nonoverlapping(src.add(done), dst.add(done), n - done) };
+    for &dst in dsts {
+        // SAFETY: bytes `done..n` of source and destination.
+        unsafe { ptr::copy_nonoverlapping(src.add(done), dst.add(done), n - done) };
+    }
 }
 
 /// Streaming copy with SSE2 (x86-64's baseline): four 16-byte
@@ -154,7 +198,7 @@ unsafe fn stream_with(dst: *mut u8, src: *const u8, n: usize, line: impl Fn(*mut
 /// # Safety
 /// As for [`plain_copy`].
 #[cfg(target_arch = "x86_64")]
-unsafe fn stream_sse2(dst: *mut u8, src: *const u8, n: usize) {
+unsafe fn stream_sse2(dsts: &[*mut u8], src: *const u8, n: usize) {
     use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
     let line = |d: *mut u8, s: *const u8| {
         for k in 0..4 {
@@ -168,7 +212,7 @@ unsafe fn stream_sse2(dst: *mut u8, src: *const u8, n: usize) {
     };
     // SAFETY: the caller's promise; `stream_with` hands `line` 64 bytes of
     // each buffer, the destination's 64-aligned.
-    unsafe { stream_with(dst, src, n, line) }
+    unsafe { stream_with(dsts, src, n, line) }
 }
 
 /// Streaming copy with AVX: two 32-byte non-temporal stores a line.
@@ -177,7 +221,7 @@ unsafe fn stream_sse2(dst: *mut u8, src: *const u8, n: usize) {
 /// As for [`plain_copy`]; the CPU has AVX (`Isa::Avx2`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx")]
-unsafe fn stream_avx(dst: *mut u8, src: *const u8, n: usize) {
+unsafe fn stream_avx(dsts: &[*mut u8], src: *const u8, n: usize) {
     use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256};
     let line = |d: *mut u8, s: *const u8| {
         for k in 0..2 {
@@ -191,12 +235,44 @@ unsafe fn stream_avx(dst: *mut u8, src: *const u8, n: usize) {
         }
     };
     // SAFETY: as in `stream_sse2`.
-    unsafe { stream_with(dst, src, n, line) }
+    unsafe { stream_with(dsts, src, n, line) }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Several destinations at once, at the same offset in a line (written
+    /// together) and at different ones (one after another), for every ISA:
+    /// each gets exactly its bytes.
+    #[test]
+    fn streaming_copies_to_several_destinations_write_each_exactly() {
+        let src: Vec<u8> = (0..5000u32).map(|i| (i * 13 + 1) as u8).collect();
+        for isa in Isa::available() {
+            let copy = stream_fn(isa);
+            for offsets in [[0, 0, 0], [8, 8, 8], [4, 4, 36], [1, 2, 3]] {
+                for n in [0, 100, 127, 128, 4096 + 33] {
+                    let mut buf = vec![0u64; 3 * 8192 / 8 + 64];
+                    let base = buf.as_mut_ptr().cast::<u8>();
+                    let align = (64 - base.addr() % 64) % 64;
+                    let starts: Vec<usize> =
+                        (0..3).map(|k| align + k * 8192 + offsets[k]).collect();
+                    let dsts: Vec<*mut u8> = starts.iter().map(|&s| base.wrapping_add(s)).collect();
+                    // SAFETY: each destination lies in its own 8 KiB of
+                    // `buf` (`n` + 63 bytes at most); `src` is a separate
+                    // Vec.
+                    unsafe { copy(&dsts, src.as_ptr(), n) };
+                    fence();
+                    let bytes: Vec<u8> = buf.iter().flat_map(|w| w.to_ne_bytes()).collect();
+                    let mut want = vec![0u8; bytes.len()];
+                    for &s in &starts {
+                        want[s..s + n].copy_from_slice(&src[..n]);
+                    }
+                    assert!(bytes == want, "{isa:?} offsets {offsets:?} n {n}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn the_threshold_picks_streaming_from_its_value_on() {
@@ -223,7 +299,7 @@ mod tests {
                     let src = &src[skew..skew + n];
                     // SAFETY: `lead + n` plus a canary byte fits `buf`;
                     // `src` is a separate Vec.
-                    unsafe { copy(base.add(lead), src.as_ptr(), n) };
+                    unsafe { copy(&[base.add(lead)], src.as_ptr(), n) };
                     fence();
                     let bytes: Vec<u8> = buf.iter().flat_map(|w| w.to_ne_bytes()).collect();
                     let what = format!("{isa:?} skew {skew} n {n}");

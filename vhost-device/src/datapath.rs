@@ -130,8 +130,8 @@ fn walk2(
     }
 }
 
-/// As [`walk`], over the lists of a group of inputs in lock-step: pieces
-/// end at the boundaries of any of them.
+/// As [`walk`], over the lists of a group of inputs (or outputs) in
+/// lock-step: pieces end at the boundaries of any of them.
 fn walk_group(
     refs: &[SegRef<'_>],
     pos: &mut [Pos],
@@ -296,15 +296,25 @@ pub unsafe fn reduce_range_tuned(
                 });
                 start = end;
             }
-            // Then write it to every output.
+            // Then write it to every output, a group of outputs at a time
+            // in lock-step (streaming stores write a line of each in
+            // turn).
             let result = kernel.finish(scratch, bytes / size, world);
-            for (output, pos) in outputs.iter().zip(&mut st.outputs) {
-                walk(output.segs, pos, bytes, |at, p, n| {
-                    // SAFETY: the piece lies in an output segment, which the
-                    // caller guarantees writable; the result is our
-                    // scratch, so the two cannot overlap.
-                    unsafe { kernel.write(&result[at..at + n], p, stores) }
+            let mut start = 0;
+            for group in groups(outputs.len()) {
+                let end = start + group;
+                let pos = &mut st.outputs[start..end];
+                walk_group(&outputs[start..end], pos, bytes, |at, dsts, n| {
+                    let mut out = [ptr::null_mut::<u8>(); MAX_GROUP];
+                    for (o, d) in out.iter_mut().zip(dsts) {
+                        *o = d.cast_mut();
+                    }
+                    // SAFETY: every piece lies in an output segment, which
+                    // the caller guarantees writable; the result is our
+                    // scratch, so none can overlap it.
+                    unsafe { kernel.write_many(&result[at..at + n], &out[..dsts.len()], stores) }
                 });
+                start = end;
             }
             done += bytes;
         }
@@ -646,7 +656,9 @@ mod tests {
     /// page, end inside lines, straddle page boundaries and lie apart (as
     /// a chain's segments in different memory regions do), with chunks
     /// that end inside lines too: both kinds of stores give the reference
-    /// in every byte of them, and write none outside.
+    /// in every byte of them, and write none outside. Two of the outputs
+    /// start at the same offset in a line and then part (written together,
+    /// then one after the other), a third is cut at random.
     #[test]
     fn outputs_at_any_alignment_across_pages_get_exactly_their_bytes() {
         let mut rng = Rng::new(16);
@@ -656,7 +668,8 @@ mod tests {
         let (inputs, _) = setup(&mut rng, dtype, 3, elems);
         let want = want(dtype, op, &inputs);
         let ins: Vec<SegRef> = inputs.iter().map(Buf::whole).collect();
-        let mut arena = vec![CANARY; 16 * 4096];
+        const HALF: usize = 16 * 4096;
+        let mut arena = vec![CANARY; 2 * HALF + 4096];
         for (stores, chunk) in STORES
             .into_iter()
             .flat_map(|s| [(s, 448), (s, s.chunk_bytes())])
@@ -666,44 +679,54 @@ mod tests {
                 let page = arena.as_ptr().addr().wrapping_neg() % 4096;
                 let base = arena.as_mut_ptr().wrapping_add(page + 4096);
                 // 20 bytes past the first page boundary, a short one, two
-                // pages and 12 bytes, the rest; 100, 104, 108 bytes apart.
+                // pages and 12 bytes, the rest; 100 + 4i bytes apart in the
+                // first output, 164 + 8i in the second (half the arena on).
                 let first = 4096 - skew + 20;
                 let lens = [first, 44, 8192 + 12, len - first - 44 - 8204];
-                let mut at = skew;
-                let segs: Vec<HostSeg> = lens
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &n)| {
-                        let seg = HostSeg {
-                            ptr: base.wrapping_add(at),
-                            len: n,
-                        };
-                        at += n + 100 + 4 * i;
-                        seg
-                    })
-                    .collect();
+                let segs_at = |from: usize, gap: usize, step: usize| -> Vec<HostSeg> {
+                    let mut at = from + skew;
+                    lens.iter()
+                        .enumerate()
+                        .map(|(i, &n)| {
+                            let seg = HostSeg {
+                                ptr: base.wrapping_add(at),
+                                len: n,
+                            };
+                            at += n + gap + step * i;
+                            seg
+                        })
+                        .collect()
+                };
+                let lists = [segs_at(0, 100, 4), segs_at(HALF, 164, 8)];
                 let other = Buf::random(&mut rng, elems, 4);
                 let outs = [
                     SegRef {
-                        segs: &segs,
+                        segs: &lists[0],
+                        offset: 0,
+                    },
+                    SegRef {
+                        segs: &lists[1],
                         offset: 0,
                     },
                     other.whole(),
                 ];
                 let t = tuning(chunk, stores);
-                // SAFETY: the inputs are live Bufs of `len` bytes; the
-                // segments lie in `arena` (at most 4096 + 4092 + len + 312
-                // bytes from its first page boundary).
+                // SAFETY: the inputs are live Bufs of `len` bytes; each list
+                // lies in its half of `arena` (at most 4092 + len + 648
+                // bytes from its start, one page past a page boundary).
                 unsafe { reduce_range_tuned(dtype, op, 3, &ins, &outs, len, t) };
                 let what = format!("{stores:?} chunk {chunk} skew {skew}");
-                let mut got = Vec::new();
                 let mut inside = vec![false; arena.len()];
-                for seg in &segs {
-                    let start = seg.ptr.addr() - arena.as_ptr().addr();
-                    got.extend_from_slice(&arena[start..start + seg.len]);
-                    inside[start..start + seg.len].fill(true);
+                for (k, segs) in lists.iter().enumerate() {
+                    let mut got = Vec::new();
+                    for seg in segs {
+                        let start = seg.ptr.addr() - arena.as_ptr().addr();
+                        got.extend_from_slice(&arena[start..start + seg.len]);
+                        inside[start..start + seg.len].fill(true);
+                    }
+                    reference::check(dtype, &got, &want)
+                        .unwrap_or_else(|e| panic!("{what}, output {k}: {e}"));
                 }
-                reference::check(dtype, &got, &want).unwrap_or_else(|e| panic!("{what}: {e}"));
                 for (i, (&b, &ins)) in arena.iter().zip(&inside).enumerate() {
                     assert!(ins || b == CANARY, "{what}: byte {i} outside written");
                 }
