@@ -32,17 +32,20 @@ pub enum Stores {
 }
 
 /// Output bytes of one collective (all of its outputs together) from which
-/// results are written with [`Stores::Streaming`]: below it ordinary
-/// stores were as fast or faster in the micro-benchmark, from it on
-/// streaming ones were faster (docs/benchmarks.md, "Streaming stores").
+/// results are written with [`Stores::Streaming`]. From memory streaming
+/// stores were faster at every size; on buffers that stay cached (an
+/// 8 MiB pool) ordinary ones were 4 to 6% faster, in a 16 MiB pool
+/// streaming ones 9 to 21% faster: the threshold puts a collective whose
+/// working set (inputs and outputs) is 4 MiB or more on the streaming
+/// side (docs/benchmarks.md, "Streaming stores").
 pub const STREAM_FROM: usize = 2 << 20;
 
 /// Accumulator bytes of one chunk with [`Stores::Streaming`]. Larger than
 /// [`CHUNK_BYTES`]: a chunk's reads and its output writes alternate, and
 /// from memory longer runs of each were faster in the micro-benchmark
-/// (32 KiB 7 to 15% faster than 8 KiB, 64 KiB within 3% of 32 KiB;
-/// docs/benchmarks.md), while 32 KiB still fits in L1 on the machine
-/// measured (48 KiB).
+/// (docs/bench/reduce-stream-chunks.txt: 32 KiB 6 to 9% faster than 8 KiB,
+/// 64 KiB within 6% of 32 KiB), while 32 KiB still fits in L1 on the
+/// machine measured (48 KiB).
 pub const STREAM_CHUNK_BYTES: usize = 32 << 10;
 
 impl Stores {
@@ -106,9 +109,10 @@ pub(crate) fn stream_fn(isa: Isa) -> CopyFn {
 const STREAM_MIN: usize = 128;
 
 /// A streaming copy of at least `WAYS` pages' worth of lines writes `WAYS`
-/// stretches of it in turn, a line of each (as glibc's large copy does
-/// with pages): in the micro-benchmark's `nt copy` column that took one
-/// thread from about 14 to 19 GB/s.
+/// stretches of it in turn, a line of each, as glibc's large copy and the
+/// memcpy probe (bench/memcpy_bw.c -m nt) do with pages: on the machine of
+/// docs/benchmarks.md that made the probe's copy faster than one stretch
+/// after another.
 const WAYS: usize = 4;
 
 /// Copies with ordinary stores.
