@@ -106,6 +106,7 @@ pub(crate) fn stream_fn(isa: Isa) -> CopyFn {
 
 /// Below this many bytes a copy has at most one whole line: ordinary
 /// stores only.
+#[cfg(target_arch = "x86_64")]
 const STREAM_MIN: usize = 128;
 
 /// A streaming copy of at least `WAYS` pages' worth of lines writes `WAYS`
@@ -113,6 +114,7 @@ const STREAM_MIN: usize = 128;
 /// memcpy probe (bench/memcpy_bw.c -m nt) do with pages: on the machine of
 /// docs/benchmarks.md that made the probe's copy faster than one stretch
 /// after another.
+#[cfg(target_arch = "x86_64")]
 const WAYS: usize = 4;
 
 /// Copies with ordinary stores.
@@ -130,6 +132,7 @@ unsafe fn plain_copy(dsts: &[*mut u8], src: *const u8, n: usize) {
 
 /// Splits a copy to `dst` of `n` bytes into a head up to `dst`'s first
 /// 64-byte boundary, a number of whole lines, and a tail: (head, lines).
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn lines_of(dst: *mut u8, n: usize) -> (usize, usize) {
     let head = (64 - dst.addr() % 64) % 64;
@@ -148,6 +151,7 @@ fn lines_of(dst: *mut u8, n: usize) -> (usize, usize) {
 /// # Safety
 /// As for [`plain_copy`]; `line` writes the 64 bytes at its (64-aligned)
 /// first argument from the 64 at its second.
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn stream_with(
     dsts: &[*mut u8],
@@ -175,6 +179,7 @@ unsafe fn stream_with(
 ///
 /// # Safety
 /// As for [`stream_with`].
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn stream_together(
     dsts: &[*mut u8],

@@ -5,11 +5,12 @@
 //! once and writes every output once: one cache-sized chunk at a time, it
 //! folds the inputs into this thread's accumulator ([`dmlc_reduce`]) in
 //! rank order, up to [`MAX_GROUP`] inputs per pass, and then writes the
-//! result from there into each output: with non-temporal (streaming)
-//! stores when the collective writes at least [`dmlc_reduce::STREAM_FROM`]
-//! bytes ([`Tuning`]), fenced before the call returns. Each list is walked by its own cursor: a
-//! segment boundary splits only the pass that reads it (the lists of one
-//! group of inputs are walked in lock-step) or that output's copy, never
+//! result from there into the outputs, up to [`MAX_GROUP`] of them in
+//! lock-step: with non-temporal (streaming) stores when the collective
+//! writes at least [`dmlc_reduce::STREAM_FROM`] bytes ([`Tuning`]), fenced
+//! before the call returns. Each list is walked by its own cursor: a
+//! segment boundary splits only the pass that reads it or writes it (the
+//! lists of one group of inputs or outputs are walked in lock-step), never
 //! the chunk itself.
 //!
 //! Because a chunk is read completely before any of it is written, an
