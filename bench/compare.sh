@@ -8,7 +8,8 @@
 # Builds the release binaries and the C baselines, installs Open MPI with
 # apt-get if mpicc is missing, then runs bench/compare.py: for every N, the
 # device through `dmlc-guest local` in poll and in interrupt mode, Open MPI's
-# MPI_Allreduce (shared memory), and a memcpy bandwidth probe; with
+# MPI_Allreduce (shared memory), and memcpy bandwidth probes (glibc and
+# non-temporal stores, bench/memcpy_bw.c -m libc / -m nt); with
 # --repeat K it runs all of them K times, interleaved, and reports per-size
 # medians. It writes device-vs-mpi.{md,json,svg} into DIR (default
 # docs/bench).

@@ -12,8 +12,9 @@ use std::ptr;
 
 use virtio_dmlc::{Dtype, ReduceOp};
 
-use crate::kernel::{groups, Kernel, CHUNK_BYTES, MAX_GROUP};
+use crate::kernel::{groups, Kernel, MAX_GROUP};
 use crate::scratch::Scratch;
+use crate::store::{self, Stores};
 
 /// Why a reduction of host buffers was refused. Nothing has been written
 /// when one is returned.
@@ -69,7 +70,8 @@ pub fn reduce_into(
     inputs: &[&[u8]],
     out: &mut [u8],
 ) -> Result<(), ReduceError> {
-    reduce_into_chunked(dtype, op, world, inputs, out, CHUNK_BYTES)
+    let stores = Stores::for_output(out.len());
+    reduce_into_tuned(dtype, op, world, inputs, out, stores.chunk_bytes(), stores)
 }
 
 /// As [`reduce_into`], where the output is one of the inputs: `own`, the
@@ -89,18 +91,22 @@ pub fn reduce_in_place(
     own: &mut [u8],
     others: &[&[u8]],
 ) -> Result<(), ReduceError> {
-    reduce_in_place_chunked(dtype, op, world, own_rank, own, others, CHUNK_BYTES)
+    let stores = Stores::for_output(own.len());
+    let chunk_bytes = stores.chunk_bytes();
+    reduce_in_place_tuned(dtype, op, world, own_rank, own, others, chunk_bytes, stores)
 }
 
-/// [`reduce_into`] with chunks of `chunk_bytes` accumulator bytes (for
-/// tests: many chunks from small buffers).
-fn reduce_into_chunked(
+/// [`reduce_into`] with chunks of `chunk_bytes` accumulator bytes and the
+/// given stores (for tests: many chunks from small buffers, streaming
+/// stores below the threshold).
+fn reduce_into_tuned(
     dtype: Dtype,
     op: ReduceOp,
     world: u32,
     inputs: &[&[u8]],
     out: &mut [u8],
     chunk_bytes: usize,
+    stores: Stores,
 ) -> Result<(), ReduceError> {
     let len = out.len();
     let kernel = prepare(dtype, op, world, inputs.len(), len)?;
@@ -117,12 +123,24 @@ fn reduce_into_chunked(
     // exclusive one of as many, all borrowed for the whole call: readable,
     // writable, unchanged by anyone else, and `out` disjoint from the
     // inputs.
-    unsafe { drive(&kernel, world, inputs.len(), src, out, len, chunk_bytes) };
+    unsafe {
+        drive(
+            &kernel,
+            world,
+            inputs.len(),
+            src,
+            out,
+            len,
+            (chunk_bytes, stores),
+        )
+    };
     Ok(())
 }
 
-/// [`reduce_in_place`] with chunks of `chunk_bytes` accumulator bytes.
-fn reduce_in_place_chunked(
+/// [`reduce_in_place`] with chunks of `chunk_bytes` accumulator bytes and
+/// the given stores.
+#[allow(clippy::too_many_arguments)]
+fn reduce_in_place_tuned(
     dtype: Dtype,
     op: ReduceOp,
     world: u32,
@@ -130,6 +148,7 @@ fn reduce_in_place_chunked(
     own: &mut [u8],
     others: &[&[u8]],
     chunk_bytes: usize,
+    stores: Stores,
 ) -> Result<(), ReduceError> {
     let len = own.len();
     let inputs = others.len() + 1;
@@ -155,9 +174,9 @@ fn reduce_in_place_chunked(
         Ordering::Equal => own.cast_const(),
         Ordering::Greater => others[r - 1].as_ptr(),
     };
-    // SAFETY: as in `reduce_into_chunked`, except that `own` is an input
+    // SAFETY: as in `reduce_into_tuned`, except that `own` is an input
     // too, which `drive` allows: it is the very same memory as the output.
-    unsafe { drive(&kernel, world, inputs, src, own, len, chunk_bytes) };
+    unsafe { drive(&kernel, world, inputs, src, own, len, (chunk_bytes, stores)) };
     Ok(())
 }
 
@@ -187,7 +206,8 @@ fn prepare(
 /// order) into `out`, as the backend's data path does: one chunk of
 /// `chunk_bytes` accumulator bytes at a time, read from every source in the
 /// passes of [`groups`] ([`Kernel::first`], then [`Kernel::fold`]), then
-/// finished and copied out.
+/// finished and written out with `stores` ([`Kernel::write`]; streaming
+/// stores are fenced before the return).
 ///
 /// # Safety
 /// `len` is a multiple of the kernel's element size, `inputs > 0` and
@@ -202,7 +222,7 @@ unsafe fn drive(
     src: impl Fn(usize) -> *const u8,
     out: *mut u8,
     len: usize,
-    chunk_bytes: usize,
+    (chunk_bytes, stores): (usize, Stores),
 ) {
     let size = kernel.elem_size();
     let chunk_elems = (chunk_bytes / kernel.acc_size()).max(1);
@@ -236,10 +256,13 @@ unsafe fn drive(
             // SAFETY: bytes `done..done + bytes` of `out` are writable by
             // the caller's promise; `result` (`bytes` long) is our scratch,
             // which cannot overlap them.
-            unsafe { ptr::copy_nonoverlapping(result.as_ptr(), out.add(done), bytes) };
+            unsafe { kernel.write(result, out.add(done), stores) };
             done += bytes;
         }
     });
+    if stores == Stores::Streaming {
+        store::fence();
+    }
 }
 
 #[cfg(test)]
@@ -249,6 +272,7 @@ mod tests {
 
     use super::*;
     use crate::reference::{self, Rng};
+    use crate::CHUNK_BYTES;
 
     /// `bytes` at byte offset `skew` of a fresh buffer (unaligned for
     /// every dtype wider than a byte when `skew` is odd).
@@ -277,28 +301,40 @@ mod tests {
             .enumerate()
             .map(|(r, b)| &b[1 + r % 7..])
             .collect();
-        let mut out = vec![0xee; len + 3];
-        reduce_into_chunked(dtype, op, world, &unaligned, &mut out[3..], chunk_bytes)
-            .unwrap_or_else(|e| panic!("{what}: {e}"));
-        let got = &out[3..];
-        reference::check(dtype, got, &want).unwrap_or_else(|e| panic!("{what}: {e}"));
-        for own_rank in 0..inputs.len() {
-            let mut own = shifted(&inputs[own_rank], 1);
-            let others: Vec<&[u8]> = (0..inputs.len())
-                .filter(|&r| r != own_rank)
-                .map(|r| unaligned[r])
-                .collect();
-            reduce_in_place_chunked(
+        for stores in [Stores::Cached, Stores::Streaming] {
+            let what = format!("{what} {stores:?}");
+            let mut out = vec![0xee; len + 3];
+            reduce_into_tuned(
                 dtype,
                 op,
                 world,
-                own_rank,
-                &mut own[1..],
-                &others,
+                &unaligned,
+                &mut out[3..],
                 chunk_bytes,
+                stores,
             )
-            .unwrap_or_else(|e| panic!("{what} own rank {own_rank}: {e}"));
-            assert_eq!(&own[1..], got, "{what}: in place as rank {own_rank}");
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let got = &out[3..];
+            reference::check(dtype, got, &want).unwrap_or_else(|e| panic!("{what}: {e}"));
+            for own_rank in 0..inputs.len() {
+                let mut own = shifted(&inputs[own_rank], 1);
+                let others: Vec<&[u8]> = (0..inputs.len())
+                    .filter(|&r| r != own_rank)
+                    .map(|r| unaligned[r])
+                    .collect();
+                reduce_in_place_tuned(
+                    dtype,
+                    op,
+                    world,
+                    own_rank,
+                    &mut own[1..],
+                    &others,
+                    chunk_bytes,
+                    stores,
+                )
+                .unwrap_or_else(|e| panic!("{what} own rank {own_rank}: {e}"));
+                assert_eq!(&own[1..], got, "{what}: in place as rank {own_rank}");
+            }
         }
     }
 
@@ -378,6 +414,31 @@ mod tests {
                 let want = kernel.finish(&mut scratch, n, world as u32);
                 assert!(got == want, "{dtype} {op} N={world}");
             }
+        }
+    }
+
+    /// Either side of the streaming threshold (so through both kinds of
+    /// stores), out of place at an odd output offset and in place: the
+    /// reference's bits.
+    #[test]
+    fn results_either_side_of_the_streaming_threshold_match_the_reference() {
+        let mut rng = Rng::new(25);
+        let dtype = Dtype::F32;
+        for len in [crate::STREAM_FROM - 4, crate::STREAM_FROM] {
+            assert_eq!(
+                Stores::for_output(len) == Stores::Streaming,
+                len == crate::STREAM_FROM
+            );
+            let inputs: Vec<Vec<u8>> = (0..3).map(|_| rng.elems(dtype, len / 4)).collect();
+            let refs: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
+            let want = reference::reduce(dtype, ReduceOp::Sum, 3, &refs);
+            let mut out = vec![0u8; len + 4];
+            reduce_into(dtype, ReduceOp::Sum, 3, &refs, &mut out[4..]).unwrap();
+            assert!(out[4..] == want[..], "out of place, {len} bytes");
+            assert_eq!(out[..4], [0; 4], "before the output");
+            let mut own = inputs[1].clone();
+            reduce_in_place(dtype, ReduceOp::Sum, 3, 1, &mut own, &[refs[0], refs[2]]).unwrap();
+            assert!(own == want, "in place, {len} bytes");
         }
     }
 

@@ -27,6 +27,7 @@ use std::slice;
 use virtio_dmlc::{Dtype, ReduceOp};
 
 use crate::scratch::Scratch;
+use crate::store::{self, CopyFn, Stores};
 
 /// Default accumulator size of one chunk, in bytes. 8 KiB keeps the
 /// accumulator in L1 next to the input lines streaming through it: on
@@ -693,6 +694,8 @@ pub struct Kernel {
     op: ReduceOp,
     acc_size: usize,
     fns: Fns,
+    /// The streaming copy of the same ISA.
+    stream: CopyFn,
 }
 
 impl std::fmt::Debug for Kernel {
@@ -728,6 +731,7 @@ impl Kernel {
             op,
             acc_size,
             fns,
+            stream: store::stream_fn(isa),
         })
     }
 
@@ -817,6 +821,43 @@ impl Kernel {
         // initialised (zeroed at allocation, then written as numbers) and
         // borrowed from `scratch` for the returned lifetime.
         unsafe { slice::from_raw_parts(lines.as_ptr().cast::<u8>(), bytes) }
+    }
+
+    /// Writes `result` (what [`Kernel::finish`] returned, or any bytes of
+    /// ours) to `dst` with `stores`. After [`Stores::Streaming`], the
+    /// caller calls [`crate::fence`] before the result is published.
+    ///
+    /// # Safety
+    /// `dst` must be valid for writes of `result.len()` bytes and must not
+    /// overlap `result`; the memory may be read or written by another
+    /// process meanwhile.
+    pub unsafe fn write(&self, result: &[u8], dst: *mut u8, stores: Stores) {
+        // SAFETY: the caller's promise.
+        unsafe { self.write_many(result, &[dst], stores) }
+    }
+
+    /// As [`Kernel::write`], to every destination in `dsts`; streaming
+    /// stores write the destinations together, a line of each in turn,
+    /// where they have the same offset in a cache line.
+    ///
+    /// # Safety
+    /// As for [`Kernel::write`], for every destination (which may overlap
+    /// each other).
+    pub unsafe fn write_many(&self, result: &[u8], dsts: &[*mut u8], stores: Stores) {
+        let (src, n) = (result.as_ptr(), result.len());
+        // SAFETY: `src` holds `n` bytes (a slice), the destinations are
+        // the caller's promise; the streaming copy of this kernel's ISA
+        // runs only where the CPU has it (`Kernel::with_isa`).
+        unsafe {
+            match stores {
+                Stores::Cached => {
+                    for &dst in dsts {
+                        std::ptr::copy_nonoverlapping(src, dst, n);
+                    }
+                }
+                Stores::Streaming => (self.stream)(dsts, src, n),
+            }
+        }
     }
 }
 

@@ -10,6 +10,9 @@
 //! - [`reduce_into`] and [`reduce_in_place`]: the same kernels driven the
 //!   same way over safe host buffers, for the TCP and self communicators,
 //!   so that their results equal the device's bit for bit.
+//! - [`Stores`] and [`fence`]: how results are written out, ordinary or
+//!   non-temporal (streaming) stores, from [`STREAM_FROM`] output bytes
+//!   on ([`Kernel::write`]).
 //! - `reference` (with the `reference` feature, and in this crate's
 //!   tests): the independent scalar reduction all of them are tested
 //!   against.
@@ -38,7 +41,9 @@ mod kernel;
 #[cfg(any(test, feature = "reference"))]
 pub mod reference;
 mod scratch;
+mod store;
 
 pub use host::{reduce_in_place, reduce_into, ReduceError};
 pub use kernel::{groups, Isa, Kernel, CHUNK_BYTES, MAX_GROUP};
 pub use scratch::Scratch;
+pub use store::{fence, Stores, STREAM_CHUNK_BYTES, STREAM_FROM};

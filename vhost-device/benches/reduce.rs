@@ -1,7 +1,9 @@
 //! Reduction micro-benchmark: an f32 sum allreduce of N members through
 //! the backend's `datapath::reduce_range` (this crate's kernels over
-//! scatter-gather lists), against memcpy of the same memory traffic; and,
-//! with `--kernels`, every kernel of this crate in cache.
+//! scatter-gather lists), against memcpy of the same memory traffic, with
+//! ordinary stores (glibc's memcpy) and with non-temporal ones (this
+//! crate's streaming copy, `Kernel::write`); and, with `--kernels`, every
+//! kernel of this crate in cache.
 //!
 //! ```text
 //! cargo bench -p vhost-device-dmlc --bench reduce -- [options]
@@ -11,7 +13,11 @@
 //!   --reps R           repeats; the table shows the median (default 11, quick 5)
 //!   --threads T        threads for the multi-thread rows (default 2; 1: none)
 //!   --mt-from SIZE     smallest size with multi-thread rows (default 1M)
-//!   --chunks 16K,32K   accumulator chunk sizes to compare (default: the built-in one)
+//!   --chunks 16K,32K   accumulator chunk sizes to compare (default auto: the
+//!                      engine's for the stores, CHUNK_BYTES or STREAM_CHUNK_BYTES)
+//!   --stores auto,cached,streaming
+//!                      how the reduction writes its outputs (default auto: as
+//!                      the engine does, streaming from STREAM_FROM output bytes)
 //!   --seg SIZE         cut each member's buffer into segments of SIZE bytes
 //!   --skew SIZE        put SIZE bytes between buffers (default 0: buffers
 //!                      S apart, the same alignment, a worst case for caches)
@@ -24,15 +30,17 @@
 //! engine sees them. Every repeat moves on to the next set of buffers in a
 //! pool larger than the last-level cache, so large sizes are not cache-hot.
 //! Traffic is 2·N·S bytes (read every input once, write every output
-//! once); the memcpy baseline copies each member's input to its output, the
-//! same traffic. Reduce and memcpy repeats alternate, so that load from
-//! other processes hits both alike.
+//! once); the memcpy baselines copy each member's input to its output, the
+//! same traffic: `memcpy` with glibc (ordinary stores at these sizes, so
+//! each output line is also read first), `nt copy` with streaming stores
+//! (each output line only written). Reduce and memcpy repeats alternate,
+//! so that load from other processes hits all alike.
 
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
-use dmlc_reduce::{Isa, Kernel, Scratch, CHUNK_BYTES};
-use vhost_device_dmlc::datapath::{reduce_range_chunked, HostSeg, SegRef};
+use dmlc_reduce::{Isa, Kernel, Scratch, Stores, STREAM_FROM};
+use vhost_device_dmlc::datapath::{reduce_range_tuned, HostSeg, SegRef, Tuning};
 use virtio_dmlc::{Dtype, ReduceOp};
 
 struct Opts {
@@ -43,11 +51,45 @@ struct Opts {
     threads: usize,
     mt_from: usize,
     chunks: Vec<usize>,
+    stores: Vec<StoresOpt>,
     seg: Option<usize>,
     skew: usize,
     pool: usize,
     kernels: bool,
     json: Option<String>,
+}
+
+/// How the reduction rows write: as the engine would, or forced.
+#[derive(Clone, Copy)]
+enum StoresOpt {
+    Auto,
+    Fixed(Stores),
+}
+
+impl StoresOpt {
+    fn parse(s: &str) -> StoresOpt {
+        match s {
+            "auto" => StoresOpt::Auto,
+            "cached" => StoresOpt::Fixed(Stores::Cached),
+            "streaming" => StoresOpt::Fixed(Stores::Streaming),
+            _ => panic!("bad --stores value {s:?} (auto, cached, streaming)"),
+        }
+    }
+
+    /// The stores of a reduction of N members of `size` bytes.
+    fn resolve(self, members: usize, size: usize) -> Stores {
+        match self {
+            StoresOpt::Auto => Stores::for_output(members * size),
+            StoresOpt::Fixed(s) => s,
+        }
+    }
+}
+
+fn stores_name(s: Stores) -> &'static str {
+    match s {
+        Stores::Cached => "cached",
+        Stores::Streaming => "streaming",
+    }
 }
 
 fn parse_size(s: &str) -> usize {
@@ -97,7 +139,8 @@ fn parse_args() -> Opts {
         batch: Duration::from_millis(20),
         threads: 2,
         mt_from: 1 << 20,
-        chunks: vec![CHUNK_BYTES],
+        chunks: vec![0],
+        stores: vec![StoresOpt::Auto],
         seg: None,
         skew: 0,
         pool: (2 * llc_bytes()).max(1 << 30),
@@ -119,7 +162,13 @@ fn parse_args() -> Opts {
             "--reps" => opts.reps = value().parse().unwrap(),
             "--threads" => opts.threads = value().parse().unwrap(),
             "--mt-from" => opts.mt_from = parse_size(&value()),
-            "--chunks" => opts.chunks = value().split(',').map(parse_size).collect(),
+            "--chunks" => {
+                opts.chunks = value()
+                    .split(',')
+                    .map(|c| if c == "auto" { 0 } else { parse_size(c) })
+                    .collect()
+            }
+            "--stores" => opts.stores = value().split(',').map(StoresOpt::parse).collect(),
             "--seg" => opts.seg = Some(parse_size(&value())),
             "--skew" => opts.skew = parse_size(&value()),
             "--pool-mib" => opts.pool = value().parse::<usize>().unwrap() << 20,
@@ -197,7 +246,7 @@ impl Layout {
     }
 
     /// Reduces bytes `[from, to)` of every member of `set`.
-    fn reduce(&self, set: usize, from: usize, to: usize, chunk: usize) {
+    fn reduce(&self, set: usize, from: usize, to: usize, tuning: Tuning) {
         let n = self.members;
         let refs = |b: usize| SegRef {
             segs: self.buf(set, b),
@@ -215,14 +264,14 @@ impl Layout {
         // SAFETY: every list describes `size` bytes of the pool, which
         // lives for the whole run; `[from, to)` lies within them.
         unsafe {
-            reduce_range_chunked(
+            reduce_range_tuned(
                 Dtype::F32,
                 ReduceOp::Sum,
                 n as u32,
                 &ins[..n],
                 &outs[..n],
                 to - from,
-                chunk,
+                tuning,
             )
         };
     }
@@ -240,6 +289,24 @@ impl Layout {
                 )
             };
         }
+    }
+
+    /// As [`Layout::memcpy`] with streaming stores (the reduction's own
+    /// output writer), fenced as the reduction fences them.
+    fn memcpy_nt(&self, set: usize, from: usize, to: usize, kernel: &Kernel) {
+        for r in 0..self.members {
+            // SAFETY: as in `memcpy`; nothing writes the input meanwhile,
+            // so a shared slice of it is sound.
+            unsafe {
+                let src = std::slice::from_raw_parts(self.ptr(set, r).add(from), to - from);
+                kernel.write(
+                    src,
+                    self.ptr(set, self.members + r).add(from),
+                    Stores::Streaming,
+                );
+            }
+        }
+        dmlc_reduce::fence();
     }
 
     /// Counts output elements of `set` that differ from the f32 sum of the
@@ -263,9 +330,10 @@ impl Layout {
     }
 }
 
-/// Splits `[0, size)` into `threads` ranges on 64-byte boundaries.
+/// Splits `[0, size)` into `threads` ranges on page boundaries (as the
+/// engine cuts a collective).
 fn split(size: usize, threads: usize) -> Vec<(usize, usize)> {
-    let step = (size / threads) & !63;
+    let step = (size / threads) & !4095;
     (0..threads)
         .map(|t| {
             let end = if t + 1 == threads {
@@ -351,9 +419,12 @@ struct Row {
     size: usize,
     threads: usize,
     chunk: usize,
+    stores: Stores,
     /// Medians of the repeats: wall clock and CPU time per op.
     reduce: Sample,
     memcpy: Sample,
+    /// memcpy with streaming stores.
+    memcpy_nt: Sample,
     wrong: usize,
 }
 
@@ -364,6 +435,11 @@ impl Row {
 
     fn ratio(&self) -> f64 {
         self.memcpy.wall / self.reduce.wall
+    }
+
+    /// Against the faster of the two copies.
+    fn best_ratio(&self) -> f64 {
+        self.memcpy.wall.min(self.memcpy_nt.wall) / self.reduce.wall
     }
 
     fn cpu_ratio(&self) -> f64 {
@@ -379,23 +455,43 @@ fn medians(samples: &[Sample]) -> Sample {
     }
 }
 
-/// Measures memcpy and reduce (with each chunk size) on one layout:
-/// repeats alternate between them, each a batch of enough ops to last
-/// `opts.batch`; the rows hold the median time per op.
+/// Measures both memcpys and reduce (with each chunk size and stores) on
+/// one layout: repeats alternate between them, each a batch of enough ops
+/// to last `opts.batch`; the rows hold the median time per op.
 fn measure(layout: &Layout, opts: &Opts, threads: usize) -> Vec<Row> {
     type Op<'a> = Box<dyn Fn(usize, usize, usize) + Sync + 'a>;
-    let mut ops: Vec<Op> = vec![Box::new(|set, from, to| layout.memcpy(set, from, to))];
-    for &chunk in &opts.chunks {
+    let kernel = Kernel::new(Dtype::F32, ReduceOp::Sum).expect("f32 sum");
+    let mut ops: Vec<Op> = vec![
+        Box::new(|set, from, to| layout.memcpy(set, from, to)),
+        Box::new(move |set, from, to| layout.memcpy_nt(set, from, to, &kernel)),
+    ];
+    let mut tunings = Vec::new();
+    for &chunk_bytes in &opts.chunks {
+        for &stores in &opts.stores {
+            let stores = stores.resolve(layout.members, layout.size);
+            tunings.push(Tuning {
+                // 0: the engine's.
+                chunk_bytes: if chunk_bytes == 0 {
+                    stores.chunk_bytes()
+                } else {
+                    chunk_bytes
+                },
+                stores,
+            });
+        }
+    }
+    for &tuning in &tunings {
         ops.push(Box::new(move |set, from, to| {
-            layout.reduce(set, from, to, chunk)
+            layout.reduce(set, from, to, tuning)
         }));
     }
+    const REDUCE: usize = 2;
     let mut next = 0;
     // Warm up (page tables, thread-local scratch) and size the batches.
     for op in &ops {
         run_batch(layout, &mut next, 2, threads, op);
     }
-    let once = run_batch(layout, &mut next, 1, threads, &ops[1]).wall;
+    let once = run_batch(layout, &mut next, 1, threads, &ops[REDUCE]).wall;
     let count = (opts.batch.as_secs_f64() / once.max(1e-9)).ceil() as usize;
     let count = count.clamp(1, 1 << 20);
     let mut samples = vec![Vec::new(); ops.len()];
@@ -405,11 +501,12 @@ fn measure(layout: &Layout, opts: &Opts, threads: usize) -> Vec<Row> {
         }
     }
     let memcpy = medians(&samples[0]);
-    opts.chunks
+    let memcpy_nt = medians(&samples[1]);
+    tunings
         .iter()
-        .zip(&samples[1..])
-        .zip(&ops[1..])
-        .map(|((&chunk, s), op)| {
+        .zip(&samples[REDUCE..])
+        .zip(&ops[REDUCE..])
+        .map(|((&tuning, s), op)| {
             // Correctness of the code measured: reduce set 0 the same way
             // and check it.
             let mut zero = 0;
@@ -418,9 +515,11 @@ fn measure(layout: &Layout, opts: &Opts, threads: usize) -> Vec<Row> {
                 members: layout.members,
                 size: layout.size,
                 threads,
-                chunk,
+                chunk: tuning.chunk_bytes,
+                stores: tuning.stores,
                 reduce: medians(s),
                 memcpy,
+                memcpy_nt,
                 wrong: layout.wrong(0),
             }
         })
@@ -505,12 +604,16 @@ fn main() {
     let opts = parse_args();
     let started = Instant::now();
     eprintln!(
-        "pool {} MiB (LLC {} MiB), {} repeats of >= {:?}, chunk(s) {:?}",
+        "pool {} MiB (LLC {} MiB), {} repeats of >= {:?}, chunk(s) {:?}, streaming from {} output bytes",
         opts.pool >> 20,
         llc_bytes() >> 20,
         opts.reps,
         opts.batch,
-        opts.chunks.iter().map(|&c| human(c)).collect::<Vec<_>>()
+        opts.chunks
+            .iter()
+            .map(|&c| if c == 0 { "auto".into() } else { human(c) })
+            .collect::<Vec<_>>(),
+        human(STREAM_FROM)
     );
     // Small integers: sums are exact and stay far from overflow.
     let mut pool = vec![0u8; opts.pool];
@@ -528,11 +631,13 @@ fn main() {
             for &t in &threads {
                 for row in measure(&layout, &opts, t) {
                     eprintln!(
-                        "N={members} S={} threads={t} chunk={}: {:.1} us, ratio {:.2}, CPU-time ratio {:.2}",
+                        "N={members} S={} threads={t} chunk={} {}: {:.1} us, ratio {:.2} (vs nt copy {:.2}), CPU-time ratio {:.2}",
                         human(size),
                         human(row.chunk),
+                        stores_name(row.stores),
                         row.reduce.wall * 1e6,
                         row.ratio(),
+                        row.memcpy_nt.wall / row.reduce.wall,
                         row.cpu_ratio()
                     );
                     rows.push(row);
@@ -541,22 +646,24 @@ fn main() {
         }
     }
     let mut table = String::from(
-        "| N | size | threads | chunk | reduce us | reduce GB/s | memcpy us | memcpy GB/s | ratio | CPU-time ratio | #wrong |\n\
-         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| N | size | threads | chunk | stores | reduce us | reduce GB/s | memcpy GB/s | nt copy GB/s | ratio | ratio to best copy | CPU-time ratio | #wrong |\n\
+         |---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in &rows {
         writeln!(
             table,
-            "| {} | {} | {} | {} | {:.2} | {:.1} | {:.2} | {:.1} | {:.2} | {:.2} | {} |",
+            "| {} | {} | {} | {} | {} | {:.2} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2} | {} |",
             r.members,
             human(r.size),
             r.threads,
             human(r.chunk),
+            stores_name(r.stores),
             r.reduce.wall * 1e6,
             r.traffic() / r.reduce.wall / 1e9,
-            r.memcpy.wall * 1e6,
             r.traffic() / r.memcpy.wall / 1e9,
+            r.traffic() / r.memcpy_nt.wall / 1e9,
             r.ratio(),
+            r.best_ratio(),
             r.cpu_ratio(),
             r.wrong
         )
@@ -575,8 +682,12 @@ fn main() {
                     "size": r.size,
                     "threads": r.threads,
                     "chunk": r.chunk,
+                    "stores": stores_name(r.stores),
                     "reduce_s": r.reduce.wall,
                     "memcpy_s": r.memcpy.wall,
+                    "memcpy_nt_s": r.memcpy_nt.wall,
+                    "memcpy_nt_gbps": r.traffic() / r.memcpy_nt.wall / 1e9,
+                    "ratio_best": r.best_ratio(),
                     "reduce_cpu_s": r.reduce.cpu,
                     "memcpy_cpu_s": r.memcpy.cpu,
                     "reduce_gbps": r.traffic() / r.reduce.wall / 1e9,

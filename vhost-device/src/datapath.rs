@@ -4,10 +4,13 @@
 //! memory, as mapped in this process. [`reduce_range`] reads every input
 //! once and writes every output once: one cache-sized chunk at a time, it
 //! folds the inputs into this thread's accumulator ([`dmlc_reduce`]) in
-//! rank order, up to [`MAX_GROUP`] inputs per pass, and then copies the
-//! result into each output. Each list is walked by its own cursor: a
-//! segment boundary splits only the pass that reads it (the lists of one
-//! group of inputs are walked in lock-step) or that output's copy, never
+//! rank order, up to [`MAX_GROUP`] inputs per pass, and then writes the
+//! result from there into the outputs, up to [`MAX_GROUP`] of them in
+//! lock-step: with non-temporal (streaming) stores when the collective
+//! writes at least [`dmlc_reduce::STREAM_FROM`] bytes ([`Tuning`]), fenced
+//! before the call returns. Each list is walked by its own cursor: a
+//! segment boundary splits only the pass that reads it or writes it (the
+//! lists of one group of inputs or outputs are walked in lock-step), never
 //! the chunk itself.
 //!
 //! Because a chunk is read completely before any of it is written, an
@@ -24,7 +27,7 @@ use std::ptr;
 
 use virtio_dmlc::{Dtype, ReduceOp};
 
-use dmlc_reduce::{groups, Kernel, Scratch, CHUNK_BYTES, MAX_GROUP};
+use dmlc_reduce::{groups, Kernel, Scratch, Stores, MAX_GROUP};
 
 /// Source bytes per step of a copy to several destinations: the chunk is
 /// read from memory once and from cache for the other destinations.
@@ -128,8 +131,8 @@ fn walk2(
     }
 }
 
-/// As [`walk`], over the lists of a group of inputs in lock-step: pieces
-/// end at the boundaries of any of them.
+/// As [`walk`], over the lists of a group of inputs (or outputs) in
+/// lock-step: pieces end at the boundaries of any of them.
 fn walk_group(
     refs: &[SegRef<'_>],
     pos: &mut [Pos],
@@ -172,12 +175,36 @@ thread_local! {
     };
 }
 
+/// How [`reduce_range_tuned`] moves its bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tuning {
+    /// Accumulator bytes of one chunk.
+    pub chunk_bytes: usize,
+    /// How the outputs are written.
+    pub stores: Stores,
+}
+
+impl Tuning {
+    /// The stores for a collective that writes `output_bytes` bytes in
+    /// all, every output counted ([`Stores::for_output`]), and their
+    /// chunk ([`Stores::chunk_bytes`]). Every range of one collective
+    /// takes the tuning of the whole.
+    pub fn for_output(output_bytes: usize) -> Tuning {
+        let stores = Stores::for_output(output_bytes);
+        Tuning {
+            chunk_bytes: stores.chunk_bytes(),
+            stores,
+        }
+    }
+}
+
 /// Reduces `len` bytes: for every output `o`, `o[..len] = reduce(inputs[0][..len], .., inputs[n-1][..len])`,
 /// inputs in the order given (rank order), moving through a cache-sized scratch.
 ///
 /// `world` is the divisor of avg. An output may be the very same memory as
 /// an input at the same position (in place): each chunk is read fully
-/// before any of it is written.
+/// before any of it is written. The tuning is that of a collective of
+/// these `len` bytes ([`Tuning::for_output`]).
 ///
 /// # Panics
 /// If `op` is not defined for `dtype`, `inputs` is empty, `world` is 0, or
@@ -196,27 +223,35 @@ pub unsafe fn reduce_range(
     outputs: &[SegRef<'_>],
     len: usize,
 ) {
-    // SAFETY: the caller's promises are those of `reduce_range_chunked`.
-    unsafe { reduce_range_chunked(dtype, op, world, inputs, outputs, len, CHUNK_BYTES) }
+    let tuning = Tuning::for_output(len.saturating_mul(outputs.len()));
+    // SAFETY: the caller's promises are those of `reduce_range_tuned`.
+    unsafe { reduce_range_tuned(dtype, op, world, inputs, outputs, len, tuning) }
 }
 
-/// [`reduce_range`] with an accumulator of `chunk_bytes` bytes per chunk
-/// instead of [`CHUNK_BYTES`] (for tests and for measuring the choice).
+/// [`reduce_range`] with the given chunk size and stores (the engine's
+/// ranges of one collective all take its tuning; tests and the benchmark
+/// set their own). With [`Stores::Streaming`], the outputs are fenced
+/// ([`dmlc_reduce::fence`]) before it returns, so that whoever publishes
+/// the result after it (a completion, an atomic) publishes all of it.
 ///
 /// # Panics
 /// As [`reduce_range`].
 ///
 /// # Safety
 /// As [`reduce_range`].
-pub unsafe fn reduce_range_chunked(
+pub unsafe fn reduce_range_tuned(
     dtype: Dtype,
     op: ReduceOp,
     world: u32,
     inputs: &[SegRef<'_>],
     outputs: &[SegRef<'_>],
     len: usize,
-    chunk_bytes: usize,
+    tuning: Tuning,
 ) {
+    let Tuning {
+        chunk_bytes,
+        stores,
+    } = tuning;
     let kernel =
         Kernel::new(dtype, op).unwrap_or_else(|| panic!("{op} is not defined for {dtype}"));
     let size = dtype.size();
@@ -262,20 +297,32 @@ pub unsafe fn reduce_range_chunked(
                 });
                 start = end;
             }
-            // Then write it to every output.
+            // Then write it to every output, a group of outputs at a time
+            // in lock-step (streaming stores write a line of each in
+            // turn).
             let result = kernel.finish(scratch, bytes / size, world);
-            for (output, pos) in outputs.iter().zip(&mut st.outputs) {
-                walk(output.segs, pos, bytes, |at, p, n| {
-                    let src = &result[at..at + n];
-                    // SAFETY: the piece lies in an output segment, which the
-                    // caller guarantees writable; `src` is our scratch, so
-                    // the two cannot overlap.
-                    unsafe { ptr::copy_nonoverlapping(src.as_ptr(), p, n) }
+            let mut start = 0;
+            for group in groups(outputs.len()) {
+                let end = start + group;
+                let pos = &mut st.outputs[start..end];
+                walk_group(&outputs[start..end], pos, bytes, |at, dsts, n| {
+                    let mut out = [ptr::null_mut::<u8>(); MAX_GROUP];
+                    for (o, d) in out.iter_mut().zip(dsts) {
+                        *o = d.cast_mut();
+                    }
+                    // SAFETY: every piece lies in an output segment, which
+                    // the caller guarantees writable; the result is our
+                    // scratch, so none can overlap it.
+                    unsafe { kernel.write_many(&result[at..at + n], &out[..dsts.len()], stores) }
                 });
+                start = end;
             }
             done += bytes;
         }
     });
+    if stores == Stores::Streaming {
+        dmlc_reduce::fence();
+    }
 }
 
 /// Copies `len` bytes from `src` into every destination in `dsts`.
@@ -331,6 +378,7 @@ pub unsafe fn copy_range(src: SegRef<'_>, dsts: &[SegRef<'_>], len: usize) {
 mod tests {
     use super::*;
     use dmlc_reduce::reference::{self, Rng};
+    use dmlc_reduce::CHUNK_BYTES;
 
     const CANARY: u8 = 0xcd;
     const GAP: usize = 8;
@@ -458,11 +506,20 @@ mod tests {
         reference::reduce(dtype, op, inputs.len() as u32, &refs)
     }
 
-    fn run(dtype: Dtype, op: ReduceOp, inputs: &[Buf], outputs: &[Buf], len: usize, chunk: usize) {
+    const STORES: [Stores; 2] = [Stores::Cached, Stores::Streaming];
+
+    fn tuning(chunk_bytes: usize, stores: Stores) -> Tuning {
+        Tuning {
+            chunk_bytes,
+            stores,
+        }
+    }
+
+    fn run(dtype: Dtype, op: ReduceOp, inputs: &[Buf], outputs: &[Buf], len: usize, t: Tuning) {
         let ins: Vec<SegRef> = inputs.iter().map(Buf::whole).collect();
         let outs: Vec<SegRef> = outputs.iter().map(Buf::whole).collect();
         // SAFETY: every segment lies in a live Buf of at least `len` bytes.
-        unsafe { reduce_range_chunked(dtype, op, inputs.len() as u32, &ins, &outs, len, chunk) }
+        unsafe { reduce_range_tuned(dtype, op, inputs.len() as u32, &ins, &outs, len, t) }
     }
 
     fn check_outputs(dtype: Dtype, outputs: &[Buf], want: &[u8], what: &str) {
@@ -479,13 +536,17 @@ mod tests {
         let mut rng = Rng::new(7);
         for (dtype, op) in reference::pairs() {
             for world in [1, 2, 3, 4, 5, 8, 9] {
-                for elems in [1, 3, 7, 33, 1001] {
+                for (elems, stores) in [1, 3, 7, 33, 1001]
+                    .into_iter()
+                    .flat_map(|e| STORES.map(|s| (e, s)))
+                {
                     let (inputs, outputs) = setup(&mut rng, dtype, world, elems);
                     let want = want(dtype, op, &inputs);
                     // Small chunks, so that 1001 elements take several
                     // chunks and a tail.
-                    run(dtype, op, &inputs, &outputs, elems * dtype.size(), 448);
-                    let what = format!("{dtype} {op} N={world} elems={elems}");
+                    let t = tuning(448, stores);
+                    run(dtype, op, &inputs, &outputs, elems * dtype.size(), t);
+                    let what = format!("{dtype} {op} N={world} elems={elems} {stores:?}");
                     check_outputs(dtype, &outputs, &want, &what);
                     for input in &inputs {
                         input.assert_canaries();
@@ -525,9 +586,18 @@ mod tests {
         let (inputs, _) = setup(&mut rng, dtype, 4, 777);
         let want = want(dtype, ReduceOp::Sum, &inputs);
         for chunk in [1, 2, 4, 12, 100, 4096, 1 << 20] {
-            let outputs: Vec<Buf> = (0..2).map(|_| Buf::random(&mut rng, 777, 2)).collect();
-            run(dtype, ReduceOp::Sum, &inputs, &outputs, 777 * 2, chunk);
-            check_outputs(dtype, &outputs, &want, &format!("chunk {chunk}"));
+            for stores in STORES {
+                let outputs: Vec<Buf> = (0..2).map(|_| Buf::random(&mut rng, 777, 2)).collect();
+                run(
+                    dtype,
+                    ReduceOp::Sum,
+                    &inputs,
+                    &outputs,
+                    777 * 2,
+                    tuning(chunk, stores),
+                );
+                check_outputs(dtype, &outputs, &want, &format!("chunk {chunk} {stores:?}"));
+            }
         }
     }
 
@@ -540,7 +610,7 @@ mod tests {
             (Dtype::Bf16, ReduceOp::Prod),
             (Dtype::U64, ReduceOp::Min),
         ] {
-            for world in 1..=4 {
+            for (world, stores) in (1..=4).flat_map(|w| STORES.map(|s| (w, s))) {
                 let elems = 1999;
                 let (inputs, _) = setup(&mut rng, dtype, world, elems);
                 let want = want(dtype, op, &inputs);
@@ -566,9 +636,123 @@ mod tests {
                 };
                 let len = elems * dtype.size();
                 // SAFETY: every list addresses live Bufs of `len` bytes.
-                unsafe { reduce_range_chunked(dtype, op, world as u32, &ins, &outs, len, 1000) };
-                check_outputs(dtype, &inputs, &want, &format!("{dtype} {op} N={world}"));
+                unsafe {
+                    reduce_range_tuned(
+                        dtype,
+                        op,
+                        world as u32,
+                        &ins,
+                        &outs,
+                        len,
+                        tuning(1000, stores),
+                    )
+                };
+                let what = format!("{dtype} {op} N={world} {stores:?}");
+                check_outputs(dtype, &inputs, &want, &what);
             }
+        }
+    }
+
+    /// Outputs whose segments start at many offsets in a cache line and a
+    /// page, end inside lines, straddle page boundaries and lie apart (as
+    /// a chain's segments in different memory regions do), with chunks
+    /// that end inside lines too: both kinds of stores give the reference
+    /// in every byte of them, and write none outside. Two of the outputs
+    /// start at the same offset in a line and then part (written together,
+    /// then one after the other), a third is cut at random.
+    #[test]
+    fn outputs_at_any_alignment_across_pages_get_exactly_their_bytes() {
+        let mut rng = Rng::new(16);
+        let (dtype, op) = (Dtype::F32, ReduceOp::Sum);
+        let elems = 5000;
+        let len = elems * 4;
+        let (inputs, _) = setup(&mut rng, dtype, 3, elems);
+        let want = want(dtype, op, &inputs);
+        let ins: Vec<SegRef> = inputs.iter().map(Buf::whole).collect();
+        const HALF: usize = 16 * 4096;
+        let mut arena = vec![CANARY; 2 * HALF + 4096];
+        for (stores, chunk) in STORES
+            .into_iter()
+            .flat_map(|s| [(s, 448), (s, s.chunk_bytes())])
+        {
+            for skew in (0..64).step_by(4).chain([4096 - 64, 4096 - 4]) {
+                arena.fill(CANARY);
+                let page = arena.as_ptr().addr().wrapping_neg() % 4096;
+                let base = arena.as_mut_ptr().wrapping_add(page + 4096);
+                // 20 bytes past the first page boundary, a short one, two
+                // pages and 12 bytes, the rest; 100 + 4i bytes apart in the
+                // first output, 164 + 8i in the second (half the arena on).
+                let first = 4096 - skew + 20;
+                let lens = [first, 44, 8192 + 12, len - first - 44 - 8204];
+                let segs_at = |from: usize, gap: usize, step: usize| -> Vec<HostSeg> {
+                    let mut at = from + skew;
+                    lens.iter()
+                        .enumerate()
+                        .map(|(i, &n)| {
+                            let seg = HostSeg {
+                                ptr: base.wrapping_add(at),
+                                len: n,
+                            };
+                            at += n + gap + step * i;
+                            seg
+                        })
+                        .collect()
+                };
+                let lists = [segs_at(0, 100, 4), segs_at(HALF, 164, 8)];
+                let other = Buf::random(&mut rng, elems, 4);
+                let outs = [
+                    SegRef {
+                        segs: &lists[0],
+                        offset: 0,
+                    },
+                    SegRef {
+                        segs: &lists[1],
+                        offset: 0,
+                    },
+                    other.whole(),
+                ];
+                let t = tuning(chunk, stores);
+                // SAFETY: the inputs are live Bufs of `len` bytes; each list
+                // lies in its half of `arena` (at most 4092 + len + 648
+                // bytes from its start, one page past a page boundary).
+                unsafe { reduce_range_tuned(dtype, op, 3, &ins, &outs, len, t) };
+                let what = format!("{stores:?} chunk {chunk} skew {skew}");
+                let mut inside = vec![false; arena.len()];
+                for (k, segs) in lists.iter().enumerate() {
+                    let mut got = Vec::new();
+                    for seg in segs {
+                        let start = seg.ptr.addr() - arena.as_ptr().addr();
+                        got.extend_from_slice(&arena[start..start + seg.len]);
+                        inside[start..start + seg.len].fill(true);
+                    }
+                    reference::check(dtype, &got, &want)
+                        .unwrap_or_else(|e| panic!("{what}, output {k}: {e}"));
+                }
+                for (i, (&b, &ins)) in arena.iter().zip(&inside).enumerate() {
+                    assert!(ins || b == CANARY, "{what}: byte {i} outside written");
+                }
+                check_outputs(dtype, &[other], &want, &what);
+            }
+        }
+    }
+
+    /// [`reduce_range`] takes its stores from the bytes it writes: either
+    /// side of the threshold, the result is the reference's.
+    #[test]
+    fn reduce_either_side_of_the_streaming_threshold() {
+        let mut rng = Rng::new(17);
+        let (dtype, op) = (Dtype::F32, ReduceOp::Sum);
+        let half = dmlc_reduce::STREAM_FROM / 2;
+        for len in [half - 4, half] {
+            let streaming = Tuning::for_output(2 * len).stores == Stores::Streaming;
+            assert_eq!(streaming, len == half);
+            let (inputs, outputs) = setup(&mut rng, dtype, 2, len / 4);
+            let want = want(dtype, op, &inputs);
+            let ins: Vec<SegRef> = inputs.iter().map(Buf::whole).collect();
+            let outs: Vec<SegRef> = outputs.iter().map(Buf::whole).collect();
+            // SAFETY: every segment lies in a live Buf of `len` bytes.
+            unsafe { reduce_range(dtype, op, 2, &ins, &outs, len) };
+            check_outputs(dtype, &outputs, &want, &format!("{len} bytes"));
         }
     }
 
@@ -617,7 +801,8 @@ mod tests {
                     input.write(&data);
                 }
                 let want = want(dtype, op, &inputs);
-                run(dtype, op, &inputs, &outputs, elems * size, CHUNK_BYTES);
+                let t = tuning(CHUNK_BYTES, Stores::Streaming);
+                run(dtype, op, &inputs, &outputs, elems * size, t);
                 check_outputs(dtype, &outputs, &want, &format!("{dtype} {op}"));
                 let got = outputs[0].read();
                 for (i, &nan) in nan_at.iter().enumerate() {

@@ -73,8 +73,14 @@ use crate::GuestMem;
 pub const SPLIT_THRESHOLD: usize = 1 << 20;
 /// Smallest byte range handed to one reduction thread.
 const MIN_PART: usize = 256 << 10;
-/// Byte ranges start on cache-line (and so element) boundaries.
-const PART_ALIGN: usize = 64;
+/// Byte ranges start on page (and so cache-line and element) boundaries
+/// of the buffers: no two threads write one line, and a range's chunks
+/// start on lines.
+const PART_ALIGN: usize = 4096;
+/// Ranges per thread taking part: threads take ranges as they come free,
+/// so a thread that waits for a CPU (a busy machine) leaves its share to
+/// the others instead of holding up the collective.
+const PARTS_PER_THREAD: usize = 4;
 
 /// Settings of one group, fixed for the daemon's life.
 #[derive(Clone, Debug)]
@@ -1841,11 +1847,13 @@ fn plan(arrivals: &[Arrival]) -> Vec<Piece> {
 }
 
 /// Cuts the pieces into byte ranges `(piece, start, len)` for the arriving
-/// thread and `threads` helpers.
+/// thread and `threads` helpers: [`PARTS_PER_THREAD`] a thread, each of at
+/// least [`MIN_PART`] bytes, all but a piece's last a multiple of
+/// [`PART_ALIGN`].
 fn split(pieces: &[Piece], threads: usize) -> Vec<(usize, usize, usize)> {
     let total: usize = pieces.iter().map(Piece::len).sum();
     let part = total
-        .div_ceil(threads + 1)
+        .div_ceil(PARTS_PER_THREAD * (threads + 1))
         .next_multiple_of(PART_ALIGN)
         .max(MIN_PART);
     let mut parts = Vec::new();
@@ -2064,11 +2072,15 @@ impl Job {
     fn run_part(&self, piece: usize, start: usize, len: usize) {
         match &self.pieces[piece] {
             Piece::Reduce {
-                inputs, outputs, ..
+                inputs,
+                outputs,
+                len: whole,
             } => {
                 let Some((dtype, op)) = self.reduce else {
                     return;
                 };
+                // Every range takes the stores of the whole step.
+                let tuning = datapath::Tuning::for_output(whole.saturating_mul(outputs.len()));
                 let ins: Vec<SegRef<'_>> = inputs.iter().map(|b| self.seg_ref(*b, start)).collect();
                 let outs: Vec<SegRef<'_>> =
                     outputs.iter().map(|b| self.seg_ref(*b, start)).collect();
@@ -2079,8 +2091,18 @@ impl Job {
                 // inside it; bases, starts and lengths are multiples of the
                 // element size, and every segment length is too (checked at
                 // parse time), so crossed boundaries fall between elements.
+                // Streaming stores are fenced before `reduce_range_tuned`
+                // returns, so before `work` counts the range done.
                 unsafe {
-                    datapath::reduce_range(dtype, op, self.shared.world, &ins, &outs, len);
+                    datapath::reduce_range_tuned(
+                        dtype,
+                        op,
+                        self.shared.world,
+                        &ins,
+                        &outs,
+                        len,
+                        tuning,
+                    );
                 }
             }
             Piece::Copy { src, dsts, .. } => {

@@ -1928,3 +1928,47 @@ fn a_header_rewritten_after_arrival_has_no_effect() {
 }
 
 mod timed;
+
+/// `split` cuts every piece into page-aligned ranges that cover it in
+/// order, at least `MIN_PART` long but a piece's last, a few per thread.
+#[test]
+fn split_ranges_are_page_aligned_and_cover_every_piece() {
+    use super::{split, BufAt, Piece, MIN_PART, PARTS_PER_THREAD, PART_ALIGN};
+    let at = BufAt {
+        member: 0,
+        output: false,
+        base: 0,
+    };
+    let piece = |len| Piece::Copy {
+        src: at,
+        dsts: vec![],
+        len,
+    };
+    for threads in [1, 2, 7] {
+        for lens in [
+            vec![1 << 20],
+            vec![64 << 20],
+            vec![(3 << 20) + 4, 12, 1 << 20],
+            vec![(64 << 20) - 8],
+        ] {
+            let pieces: Vec<Piece> = lens.iter().map(|&l| piece(l)).collect();
+            let parts = split(&pieces, threads);
+            let total: usize = lens.iter().sum();
+            let most = (PARTS_PER_THREAD * (threads + 1)).max(total.div_ceil(MIN_PART));
+            assert!(parts.len() <= most + lens.len(), "{threads} {lens:?}");
+            for (i, &len) in lens.iter().enumerate() {
+                let mine: Vec<_> = parts.iter().filter(|p| p.0 == i).collect();
+                let mut next = 0;
+                for (k, &&(_, start, n)) in mine.iter().enumerate() {
+                    assert_eq!(start, next, "{threads} {lens:?}: in order, no gaps");
+                    assert_eq!(start % PART_ALIGN, 0, "{threads} {lens:?}: aligned");
+                    if k + 1 < mine.len() {
+                        assert!(n >= MIN_PART && n % PART_ALIGN == 0, "{threads} {lens:?}");
+                    }
+                    next += n;
+                }
+                assert_eq!(next, len, "{threads} {lens:?}: covered");
+            }
+        }
+    }
+}
