@@ -273,6 +273,9 @@ struct Outcome {
     status: Status,
     detail: u32,
     peer: u32,
+    /// The daemon failed it on purpose (`--timing` `[[fail]]`): counted in
+    /// the injected errors as well, before the completion is visible.
+    injected: bool,
 }
 
 impl Outcome {
@@ -280,6 +283,7 @@ impl Outcome {
         status: Status::Ok,
         detail: 0,
         peer: NO_PEER,
+        injected: false,
     };
 
     fn fail(status: Status, detail: u32, peer: u32) -> Self {
@@ -287,6 +291,14 @@ impl Outcome {
             status,
             detail,
             peer,
+            injected: false,
+        }
+    }
+
+    fn injected(self) -> Self {
+        Outcome {
+            injected: true,
+            ..self
         }
     }
 }
@@ -1259,10 +1271,7 @@ impl FailLater {
         let sh = &self.shared;
         let mut done_at = Vec::new();
         for a in &self.arrivals {
-            let delivered = sh.deliver(a, self.out);
-            if delivered {
-                sh.metrics.injected_error(self.out.status);
-            }
+            let delivered = sh.deliver(a, self.out.injected());
             done_at.push(delivered.then(Instant::now));
         }
         self.running.delivered();
@@ -1536,10 +1545,11 @@ impl Shared {
             (generation, batch)
         };
         for a in failed.iter().chain(extra) {
-            let out = outcome(a);
-            if sh.deliver_in(a, out, generation) && matches!(cause, Cause::Injected(_)) {
-                sh.metrics.injected_error(out.status);
-            }
+            let out = match cause {
+                Cause::Injected(_) => outcome(a).injected(),
+                _ => outcome(a),
+            };
+            sh.deliver_in(a, out, generation);
         }
         drop(batch);
         if let Some(later) = &sh.later {
@@ -1593,6 +1603,9 @@ impl Shared {
                 };
                 if out.status != Status::Ok {
                     self.metrics.error(out.status);
+                }
+                if out.injected {
+                    self.metrics.injected_error(out.status);
                 }
                 match mem.write_slice(resp.as_bytes(), addr) {
                     Ok(()) => writable_len,
