@@ -1103,8 +1103,8 @@ mod tests {
         assert_eq!(with(DMLC_WAIT_HYBRID), (false, cap));
     }
 
-    #[test]
-    fn opening_a_missing_pci_device_fails_with_a_message() {
+    /// The options `dmlc_open_options_init` gives.
+    fn default_options() -> DmlcOpenOptions {
         let mut opts = DmlcOpenOptions {
             poll: 0,
             queue_size: 0,
@@ -1113,6 +1113,12 @@ mod tests {
         };
         // SAFETY: `opts` is writable.
         unsafe { dmlc_open_options_init(&mut opts) };
+        opts
+    }
+
+    #[test]
+    fn opening_a_missing_pci_device_fails_with_a_message() {
+        let opts = default_options();
         let addr = CString::new("0000:ff:1f.7").unwrap();
         let mut out = std::ptr::dangling_mut();
         // SAFETY: valid string, options and out pointer.
@@ -1134,14 +1140,7 @@ mod tests {
 
     #[test]
     fn opening_a_missing_kernel_node_fails_with_a_message() {
-        let mut opts = DmlcOpenOptions {
-            poll: 0,
-            queue_size: 0,
-            event_idx: 0,
-            dma_bytes: 0,
-        };
-        // SAFETY: `opts` is writable.
-        unsafe { dmlc_open_options_init(&mut opts) };
+        let opts = default_options();
         let node = CString::new("/nonexistent/dmlc9").unwrap();
         let mut out = std::ptr::dangling_mut();
         // SAFETY: valid string, options and out pointer.

@@ -255,44 +255,35 @@ class Device:
         return opts
 
     @classmethod
+    def _open(cls, opener: str, where: bytes | None, poll: Wait, dma_bytes: int | None) -> Device:
+        """Calls the C ABI's ``opener(where, options, &device)``."""
+        lib = cls.library()
+        out = ctypes.c_void_p()
+        opts = cls._options(poll, dma_bytes)
+        rc = getattr(lib, opener)(where, ctypes.byref(opts), ctypes.byref(out))
+        _raise_if(lib, rc)
+        return cls(out.value or 0, lib)
+
+    @classmethod
     def open_host(
         cls, socket: str | os.PathLike[str], *, poll: Wait = False, dma_bytes: int | None = None
     ) -> Device:
         """The device served by the backend at `socket` (this process plays the VM)."""
-        lib = cls.library()
-        out = ctypes.c_void_p()
-        opts = cls._options(poll, dma_bytes)
-        rc = lib.dmlc_open_host_ex(os.fsencode(socket), ctypes.byref(opts), ctypes.byref(out))
-        _raise_if(lib, rc)
-        return cls(out.value or 0, lib)
+        return cls._open("dmlc_open_host_ex", os.fsencode(socket), poll, dma_bytes)
 
     @classmethod
     def open_pci(
         cls, addr: str | None = None, *, poll: Wait = False, dma_bytes: int | None = None
     ) -> Device:
         """The PCI device from inside a guest (root and hugepages needed)."""
-        lib = cls.library()
-        out = ctypes.c_void_p()
-        opts = cls._options(poll, dma_bytes)
-        rc = lib.dmlc_open_pci(
-            addr.encode() if addr else None, ctypes.byref(opts), ctypes.byref(out)
-        )
-        _raise_if(lib, rc)
-        return cls(out.value or 0, lib)
+        return cls._open("dmlc_open_pci", addr.encode() if addr else None, poll, dma_bytes)
 
     @classmethod
     def open_kernel(
         cls, node: str | None = None, *, poll: Wait = False, dma_bytes: int | None = None
     ) -> Device:
         """The device through the virtio_dmlc kernel module's node (no root needed)."""
-        lib = cls.library()
-        out = ctypes.c_void_p()
-        opts = cls._options(poll, dma_bytes)
-        rc = lib.dmlc_open_kernel(
-            os.fsencode(node) if node else None, ctypes.byref(opts), ctypes.byref(out)
-        )
-        _raise_if(lib, rc)
-        return cls(out.value or 0, lib)
+        return cls._open("dmlc_open_kernel", os.fsencode(node) if node else None, poll, dma_bytes)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Device:
