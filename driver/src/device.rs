@@ -1422,12 +1422,17 @@ impl Device {
             };
             if now.duration_since(last_check) >= ALIVE_CHECK {
                 last_check = now;
-                self.transport.check_alive()?;
+                if let Err(e) = self.transport.check_alive() {
+                    q.release(st);
+                    return self.last_look(q, ready, e.into());
+                }
             }
             if let Some(w) = watch.as_mut() {
                 if now >= next_watch {
                     q.release(st);
-                    w(q)?;
+                    if let Err(e) = w(q) {
+                        return self.last_look(q, ready, e);
+                    }
                     next_watch = Instant::now() + WATCH_EVERY;
                     continue;
                 }
@@ -1470,8 +1475,29 @@ impl Device {
                     }
                 }
                 q.cond.notify_all();
-                woke?;
+                if let Err(e) = woke {
+                    return self.last_look(q, ready, e.into());
+                }
             }
+        }
+    }
+
+    /// The wait ends with `err` (the device is gone, or the request was
+    /// dropped) unless the used ring already holds the answer: a device
+    /// that completed the request and then went away (an orderly stop
+    /// resets the group, then closes) answered it.
+    fn last_look<R>(
+        &self,
+        q: &Queue,
+        ready: &mut dyn FnMut(&mut QueueState) -> Result<Option<R>>,
+        err: Error,
+    ) -> Result<R> {
+        let mut st = q.lock();
+        let found = st.harvest().and_then(|()| ready(&mut st));
+        q.release(st);
+        match found {
+            Ok(Some(r)) => Ok(r),
+            _ => Err(err),
         }
     }
 

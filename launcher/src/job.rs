@@ -562,9 +562,6 @@ fn tail(text: &str, n: usize) -> String {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Guard {
     Pid(i32),
-    /// Not among the launcher's running children: already exited (a
-    /// zombie's command line is empty), e.g. QEMU could not start.
-    Gone,
     /// /proc cannot be read: death is not detected (the timeout still is).
     Unknown,
 }
@@ -729,34 +726,6 @@ fn proc_state(pid: i32) -> Option<char> {
     after.trim_start().chars().next()
 }
 
-/// The launcher's child processes whose command line contains `needle`.
-fn children_mentioning(needle: &str) -> Vec<i32> {
-    let me = std::process::id().to_string();
-    let mut found = Vec::new();
-    for entry in fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let Ok(stat) = fs::read_to_string(entry.path().join("stat")) else {
-            continue;
-        };
-        let Some(close) = stat.rfind(')') else {
-            continue;
-        };
-        let ppid = stat[close + 1..].split_whitespace().nth(1);
-        if ppid != Some(me.as_str()) {
-            continue;
-        }
-        let Ok(cmd) = fs::read(entry.path().join("cmdline")) else {
-            continue;
-        };
-        if String::from_utf8_lossy(&cmd).contains(needle) {
-            found.push(pid);
-        }
-    }
-    found
-}
-
 /// Follows every VM until the job ends.
 struct Monitor {
     consoles: Vec<Console>,
@@ -775,11 +744,9 @@ impl Monitor {
                     .unwrap_or_default()
                     .to_owned();
                 let log = dir.join(format!("vm{i}.log"));
-                // The guard's command line names the console file (-serial).
-                let guard = match children_mentioning(&format!("file:{}", log.display())).first() {
-                    Some(&pid) => Guard::Pid(pid),
-                    None if Path::new("/proc/self/stat").exists() => Guard::Gone,
-                    None => Guard::Unknown,
+                let guard = match i32::try_from(cluster.pid(i)) {
+                    Ok(pid) if Path::new("/proc/self/stat").exists() => Guard::Pid(pid),
+                    _ => Guard::Unknown,
                 };
                 let out_file =
                     log_dir.and_then(|d| File::create(d.join(format!("rank{i}.out"))).ok());
@@ -934,7 +901,6 @@ impl Monitor {
             }
             let gone = match c.guard {
                 Guard::Pid(pid) => matches!(proc_state(pid), None | Some('Z' | 'X')),
-                Guard::Gone => true,
                 Guard::Unknown => false,
             };
             if gone {
@@ -1209,7 +1175,6 @@ mod tests {
         assert!(matches!(proc_state(me), Some('R' | 'S')));
         let mut child = Command::new("sleep").arg("5").spawn().unwrap();
         let pid = i32::try_from(child.id()).unwrap();
-        assert_eq!(children_mentioning("sleep\u{0}5"), vec![pid]);
         child.kill().unwrap();
         // Killed but not reaped: a zombie, which the monitor counts as gone.
         let deadline = Instant::now() + Duration::from_secs(10);

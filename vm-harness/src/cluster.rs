@@ -318,6 +318,12 @@ impl Cluster {
             .join(" ")
     }
 
+    /// The process id of VM `i` (the guard QEMU runs under): it stays a
+    /// zombie, not gone, until [`Self::wait`] reaps it.
+    pub fn pid(&self, i: usize) -> u32 {
+        self.vms[i].child.id()
+    }
+
     /// The vhost-user socket between VM `i`'s QEMU and its virtiofsd.
     fn fs_socket(&self, i: usize) -> PathBuf {
         self.dir().join(format!("vm{i}.fs.sock"))
