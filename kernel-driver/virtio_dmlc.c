@@ -45,7 +45,7 @@
 #define VIRTIO_DMLC_F_REQ_TIMEOUT	0
 #define DMLC_FLAG_IN_PLACE		BIT(0)
 #define DMLC_STATUS_OK			0
-#define DMLC_OPCODE_MAX			5	/* barrier */
+#define DMLC_OPCODE_MAX			6	/* nop */
 #define DMLC_DTYPE_MAX			9	/* u64 */
 #define DMLC_MAX_QUEUES			64
 #define DMLC_MAX_IOV			1024
@@ -53,7 +53,7 @@
 #define DMLC_MAX_SEG_BYTES		SZ_1G	/* one descriptor */
 
 enum { OP_ALLREDUCE, OP_BROADCAST, OP_REDUCE, OP_ALLGATHER,
-	OP_REDUCE_SCATTER, OP_BARRIER };
+	OP_REDUCE_SCATTER, OP_BARRIER, OP_NOP };
 
 /* Device layouts, spec 5.X.4 and 5.X.6.1 (little-endian). */
 struct virtio_dmlc_config {
@@ -445,7 +445,7 @@ static void dmlc_free_reqs(struct dmlc_op *op)
 static int dmlc_build_reqs(struct dmlc_dev *d, struct dmlc_op *op,
 			   const struct dmlc_submit *s)
 {
-	unsigned int esize = s->opcode == OP_BARRIER ? 1 : dmlc_dtype_size[s->dtype];
+	unsigned int esize = s->opcode >= OP_BARRIER ? 1 : dmlc_dtype_size[s->dtype];
 	bool in_place = s->flags & DMLC_SUBMIT_IN_PLACE;
 	u64 in_elems, out_elems, chunk, nreqs = 1, in_blocks = 0, out_blocks = 0;
 	u64 k;
@@ -920,7 +920,7 @@ static long dmlc_ioctl_submit(struct dmlc_file *f, void __user *arg)
 		return -EINVAL;
 	if (READ_ONCE(f->nops) >= DMLC_MAX_OPS)
 		return -EBUSY;
-	esize = s.opcode == OP_BARRIER ? 1 : dmlc_dtype_size[s.dtype];
+	esize = s.opcode >= OP_BARRIER ? 1 : dmlc_dtype_size[s.dtype];
 	op = kzalloc(sizeof(*op), GFP_KERNEL);
 	if (!op)
 		return -ENOMEM;

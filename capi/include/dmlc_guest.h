@@ -95,7 +95,8 @@ typedef enum dmlc_opcode {
     DMLC_OPCODE_REDUCE = 2,
     DMLC_OPCODE_ALLGATHER = 3,
     DMLC_OPCODE_REDUCE_SCATTER = 4,
-    DMLC_OPCODE_BARRIER = 5
+    DMLC_OPCODE_BARRIER = 5,
+    DMLC_OPCODE_NOP = 6 /* answered at once for this member alone */
 } dmlc_opcode;
 
 /* VirtioDmlcReq.flags: in place (no input segments; see each collective). */

@@ -272,7 +272,7 @@ unsafe fn collective(
         let send_buf = unsafe { buffer(d, send, "send") }?;
         // SAFETY: as above.
         let recv_buf = unsafe { buffer(d, recv, "recv") }?;
-        if req.opcode != Opcode::Barrier && !req.op.supports(req.dtype) {
+        if req.opcode.moves_data() && !req.op.supports(req.dtype) {
             return Err(Error::Unsupported {
                 detail: unsupported::OP_FOR_DTYPE,
             }

@@ -1003,8 +1003,8 @@ impl Device {
         if c.opcodes.get() & (1 << req.opcode.raw()) == 0 {
             return unsupported(unsupported::OPCODE);
         }
-        let barrier = req.opcode == Opcode::Barrier;
-        if !barrier && c.dtypes.get() & (1 << req.dtype.raw()) == 0 {
+        let no_data = !req.opcode.moves_data();
+        if !no_data && c.dtypes.get() & (1 << req.dtype.raw()) == 0 {
             return unsupported(unsupported::DTYPE);
         }
         if uses_op(req.opcode) {
@@ -1037,7 +1037,7 @@ impl Device {
             req.in_place,
         )
         .ok_or_else(overflow)?;
-        let size = if barrier { 1 } else { req.dtype.size() as u64 };
+        let size = if no_data { 1 } else { req.dtype.size() as u64 };
         let in_bytes = elems.input.checked_mul(size).ok_or_else(overflow)?;
         let out_bytes = elems.output.checked_mul(size).ok_or_else(overflow)?;
         // Step 7: limits, bytes from the header, then segments as the
@@ -1064,7 +1064,7 @@ impl Device {
             });
         }
         // Step 8: lengths.
-        if barrier && (req.count != 0 || segments != 0) {
+        if no_data && (req.count != 0 || segments != 0) {
             return Err(Error::bad_request(bad::BARRIER_DATA));
         }
         let total = |s: &[BufSlice]| s.iter().map(|s| s.len as u64).sum::<u64>();
@@ -1531,7 +1531,7 @@ impl Device {
         output: Option<&DmaBuf>,
     ) -> Result<Done> {
         let elems = self.buffer_elems(req)?;
-        let size = if req.opcode == Opcode::Barrier {
+        let size = if !req.opcode.moves_data() {
             1
         } else {
             req.dtype.size() as u64
@@ -1694,6 +1694,13 @@ impl Device {
     /// Returns once every member has arrived.
     pub fn barrier(&self) -> Result<()> {
         let req = Request::new(Opcode::Barrier, Dtype::U8, ReduceOp::Sum, 0);
+        self.run(&req, None, None).map(drop)
+    }
+
+    /// The device's own round trip: a request it answers at once for this
+    /// member alone, whatever the other members do.
+    pub fn nop(&self) -> Result<()> {
+        let req = Request::new(Opcode::Nop, Dtype::U8, ReduceOp::Sum, 0);
         self.run(&req, None, None).map(drop)
     }
 

@@ -1178,3 +1178,39 @@ fn waits_watch_the_generation_without_mistaking_a_peer_loss() {
     );
     assert!(after < Duration::from_secs(5), "noticed after {after:?}");
 }
+
+/// A nop is the device's own round trip: it comes back at once while the
+/// member's allreduce waits for a peer that has not arrived, on the same
+/// queue, and leaves that allreduce's matching alone (spec DEV-OP-18).
+#[test]
+fn a_nop_comes_back_while_the_group_waits_for_a_member() {
+    let _g = serial();
+    let backend = Backend::start(
+        "nop-backend",
+        2,
+        &["--log-level", "warn", "--timeout-ms", LONG_TIMEOUT_MS],
+    );
+    let d0 = open(&backend, 0, true, 1 << 20);
+    let a0 = Allreduce::new(&d0, 256, 0);
+    let pending = a0.submit(&d0);
+    let t = Instant::now();
+    for _ in 0..100 {
+        d0.nop().expect("a nop while rank 1 is missing");
+    }
+    assert!(t.elapsed() < PROMPT, "100 nops took {:?}", t.elapsed());
+    assert!(!d0.is_done(pending).unwrap(), "the allreduce needs rank 1");
+    // A nop with a count is refused as the spec's step 8 says.
+    let counted = Request::new(Opcode::Nop, Dtype::U8, ReduceOp::Sum, 1);
+    assert!(
+        matches!(d0.check(&counted, &[], &[]), Err(Error::BadRequest { .. })),
+        "a nop with a count passed the driver's checks"
+    );
+    // Rank 1 arrives: the allreduce completes with the right sum.
+    let d1 = open(&backend, 1, true, 1 << 20);
+    let a1 = Allreduce::new(&d1, 256, 0);
+    let h1 = a1.submit(&d1);
+    d0.wait(pending, Some(WAIT)).expect("rank 0's allreduce");
+    d1.wait(h1, Some(WAIT)).expect("rank 1's allreduce");
+    a0.check(2);
+    a1.check(2);
+}

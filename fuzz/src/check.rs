@@ -71,7 +71,7 @@ pub fn check(
             assert_eq!(req.header, header, "header read from guest memory");
             assert_eq!(req.opcode, opcode);
             check_fields(&req, limits);
-            if opcode != Opcode::Barrier {
+            if !matches!(opcode, Opcode::Barrier | Opcode::Nop) {
                 assert_eq!(req.elem_size() as u64, sizes.elem, "element size");
             }
             let total = |s: &[HostSeg]| s.iter().map(|s| s.len as u64).sum::<u64>();
@@ -120,7 +120,7 @@ fn check_fields(req: &Request, limits: &Limits) {
     assert_eq!(req.count, h.count.get());
     assert_eq!(req.root, h.root.get());
     match req.opcode {
-        Opcode::Barrier => {
+        Opcode::Barrier | Opcode::Nop => {
             assert_eq!((req.dtype, req.op, req.count), (None, None, 0));
         }
         _ => assert_eq!(req.dtype, Dtype::from_raw(h.dtype)),

@@ -162,7 +162,7 @@ fn elements(opcode: Opcode, n: u32, r: u32, root: u32, c: u64, in_place: bool) -
         (Opcode::Allgather, true) => (0, nc, Some((u64::from(r) * c, c))),
         (Opcode::ReduceScatter, false) => (nc, c, None),
         (Opcode::ReduceScatter, true) => (0, nc, Some((0, nc))),
-        (Opcode::Barrier, _) => (0, 0, None),
+        (Opcode::Barrier | Opcode::Nop, _) => (0, 0, None),
     })
 }
 
@@ -237,7 +237,7 @@ pub fn expect(walk: &Walk, mem: &GuestMem, limits: &Limits) -> Expected {
     };
     let op_known = Some(opcode);
     let dtype = match opcode {
-        Opcode::Barrier => None,
+        Opcode::Barrier | Opcode::Nop => None,
         _ => match Dtype::from_raw(header.dtype) {
             Some(d) => Some(d),
             None => return reject(resp, writable, op_known, unsupported(unsupported::DTYPE)),
@@ -325,7 +325,7 @@ pub fn expect(walk: &Walk, mem: &GuestMem, limits: &Limits) -> Expected {
     }
 
     // Step 8: lengths.
-    if opcode == Opcode::Barrier && (count != 0 || !data.is_empty()) {
+    if matches!(opcode, Opcode::Barrier | Opcode::Nop) && (count != 0 || !data.is_empty()) {
         return reject(resp, writable, op_known, bad_req(bad::BARRIER_DATA));
     }
     let input: u64 = data

@@ -310,7 +310,7 @@ pub fn parse(chain: DescriptorChain<&GuestMem>, limits: &Limits) -> Result<Reque
         return fail(reject, ChainError::Unsupported(unsupported::OPCODE));
     };
     reject.opcode = Some(opcode);
-    let uses_dtype = opcode != Opcode::Barrier;
+    let uses_dtype = opcode.moves_data();
     let uses_op = matches!(
         opcode,
         Opcode::Allreduce | Opcode::Reduce | Opcode::ReduceScatter
@@ -383,7 +383,7 @@ pub fn parse(chain: DescriptorChain<&GuestMem>, limits: &Limits) -> Result<Reque
     }
 
     // Lengths.
-    if opcode == Opcode::Barrier && (count != 0 || !data.is_empty()) {
+    if !opcode.moves_data() && (count != 0 || !data.is_empty()) {
         return fail(reject, ChainError::BadRequest(bad::BARRIER_DATA));
     }
     let have_in: u64 = data
@@ -795,7 +795,7 @@ mod tests {
     fn unsupported_opcode_dtype_op() {
         let mut w = world();
         let cases = [
-            (hdr(6, F32, SUM, 0, 4, 0, 0, 0), unsupported::OPCODE),
+            (hdr(7, F32, SUM, 0, 4, 0, 0, 0), unsupported::OPCODE),
             (hdr(0, 10, SUM, 0, 4, 0, 0, 0), unsupported::DTYPE),
             (hdr(0, F32, 8, 0, 4, 0, 0, 0), unsupported::OP),
             (

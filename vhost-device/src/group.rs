@@ -800,6 +800,22 @@ impl Group {
             return;
         };
         sh.metrics.request(req.opcode);
+        if req.opcode == Opcode::Nop {
+            // Answered at once for this member alone (spec 5.X.6.3): no
+            // sequence number, no timeout, no timing model.
+            let generation = sh.resp_generation.load(Ordering::Acquire);
+            let response = Some((&**mem, req.response, Outcome::OK, generation));
+            sh.finish(
+                rank,
+                gate.epoch,
+                queue,
+                req.head,
+                done,
+                response,
+                req.writable_len,
+            );
+            return;
+        }
 
         let now = Instant::now();
         let mut arrival = Arrival {
@@ -1855,7 +1871,8 @@ fn plan(arrivals: &[Arrival]) -> Vec<Piece> {
                 len: b,
             })
             .collect(),
-        Opcode::Barrier => Vec::new(),
+        // A nop never reaches a collective (`Group::submit` answers it).
+        Opcode::Barrier | Opcode::Nop => Vec::new(),
     }
 }
 

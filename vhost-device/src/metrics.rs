@@ -18,7 +18,7 @@ pub const SKEW_BUCKETS: [f64; 16] = [
     60.0,
 ];
 
-const OPCODES: usize = 6;
+const OPCODES: usize = Opcode::ALL.len();
 const STATUSES: usize = 8;
 
 /// Counters of one group.

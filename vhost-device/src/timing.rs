@@ -249,6 +249,8 @@ impl Model {
                     (Opcode::Barrier, Algo::Ring) => 2.0 * (p - 1.0) * a,
                     (Opcode::Barrier, Algo::HalvingDoubling) => l * a,
                     (Opcode::Barrier, Algo::Tree) => 2.0 * l * a,
+                    // Not a collective: the device answers it at once.
+                    (Opcode::Nop, _) => 0.0,
                 }
             }
             Model::Topology {
@@ -297,6 +299,7 @@ impl Model {
                     }
                     // A pipelined chain: every byte crosses each link once.
                     Opcode::Broadcast | Opcode::Reduce => (p - 1.0, k - 1.0, 1.0),
+                    Opcode::Nop => return 0.0,
                 };
                 let lat = base + (steps - inter_steps) * intra + inter_steps * inter;
                 lat + n / (bus_bw * ratio) + compute

@@ -1369,9 +1369,14 @@ fn unknown_and_invalid_header_fields() {
 
     let cases: Vec<(&str, VirtioDmlcReq, Want)> = vec![
         (
-            "opcode 6",
-            req(6, F32, SUM, 0, 4, 0),
+            "opcode 7",
+            req(7, F32, SUM, 0, 4, 0),
             uns(unsupported::OPCODE),
+        ),
+        (
+            "a nop with a count and data",
+            req(Opcode::Nop.raw(), F32, SUM, 0, 4, 0),
+            bad(bad::BARRIER_DATA),
         ),
         (
             "opcode 0xffff",

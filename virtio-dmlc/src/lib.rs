@@ -187,6 +187,10 @@ numbered! {
         ReduceScatter = 4, OPCODE_REDUCE_SCATTER, "reduce_scatter";
         /// Completes once every member has arrived. No data, `count` 0.
         Barrier = 5, OPCODE_BARRIER, "barrier";
+        /// Completes at once for the member that sent it, without waiting
+        /// for or counting as a collective: the device's own round trip.
+        /// No data, `count` 0.
+        Nop = 6, OPCODE_NOP, "nop";
     }
 }
 
@@ -205,6 +209,13 @@ numbered! {
         U32 = 7, DTYPE_U32, "u32";
         I64 = 8, DTYPE_I64, "i64";
         U64 = 9, DTYPE_U64, "u64";
+    }
+}
+
+impl Opcode {
+    /// False for the opcodes that take no data and no dtype (barrier, nop).
+    pub fn moves_data(self) -> bool {
+        !matches!(self, Opcode::Barrier | Opcode::Nop)
     }
 }
 
@@ -410,7 +421,7 @@ pub fn buffer_elems(
         Opcode::Allgather => (count, all, u64::from(rank).checked_mul(count)?),
         Opcode::ReduceScatter if in_place => (all, all, 0),
         Opcode::ReduceScatter => (all, count, 0),
-        Opcode::Barrier => (0, 0, 0),
+        Opcode::Barrier | Opcode::Nop => (0, 0, 0),
     };
     Some(if in_place && input > 0 {
         BufferElems {
@@ -467,9 +478,9 @@ mod tests {
             assert_eq!(Dtype::from_name(d.name()), Some(*d));
         }
         assert_eq!(Dtype::all_mask(), 0x3ff);
-        assert_eq!(Opcode::all_mask(), 0x3f);
+        assert_eq!(Opcode::all_mask(), 0x7f);
         assert_eq!(ReduceOp::all_mask(), 0xff);
-        assert!(Opcode::from_raw(6).is_none());
+        assert!(Opcode::from_raw(7).is_none());
         assert!(!ReduceOp::Bxor.supports(Dtype::F32));
         assert!(ReduceOp::Bxor.supports(Dtype::U8));
     }

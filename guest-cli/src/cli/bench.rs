@@ -93,8 +93,9 @@ pub struct BenchArgs {
     #[arg(short = 'o', long, default_value = "sum", value_parser = parse_op)]
     pub op: ReduceOp,
     /// Collective to measure: allreduce broadcast reduce allgather
-    /// reduce_scatter barrier (over tcp: allreduce broadcast allgather
-    /// barrier).
+    /// reduce_scatter barrier, or nop (the device's own round trip, which
+    /// every device run also prints as its floor). Over tcp: allreduce
+    /// broadcast allgather barrier.
     #[arg(long, default_value = "allreduce", value_parser = parse_opcode)]
     pub opcode: Opcode,
     /// Root rank of broadcast and reduce.
@@ -175,7 +176,7 @@ pub fn busbw_factor(opcode: Opcode, n: u32) -> f64 {
         Opcode::Allreduce => 2.0 * (n - 1.0) / n,
         Opcode::Allgather | Opcode::ReduceScatter => (n - 1.0) / n,
         Opcode::Broadcast | Opcode::Reduce => 1.0,
-        Opcode::Barrier => 0.0,
+        Opcode::Barrier | Opcode::Nop => 0.0,
     }
 }
 
@@ -186,7 +187,7 @@ fn shape(opcode: Opcode, dtype: Dtype, world: u32, size: u64) -> Option<(u64, u6
     let elem = dtype.size() as u64;
     let per = match opcode {
         Opcode::Allgather | Opcode::ReduceScatter => elem * u64::from(world),
-        Opcode::Barrier => return Some((0, 0)),
+        Opcode::Barrier | Opcode::Nop => return Some((0, 0)),
         _ => elem,
     };
     let count = size / per;
@@ -233,6 +234,13 @@ trait Engine {
     /// Makes every page of both pools resident where the collectives will
     /// touch them, so that first-touch faults stay out of the timings.
     fn touch(&mut self) -> Result<(), CliError>;
+    /// The round trip of the smallest request the path serves for this
+    /// member alone (`iters` timed after `warmup`): the floor every latency
+    /// is read against. `None` where the path has none, or the device does
+    /// not offer it.
+    fn floor(&mut self, _iters: u32, _warmup: u32) -> Result<Option<Stats>, CliError> {
+        Ok(None)
+    }
     fn barrier(&mut self) -> Result<(), CliError>;
     /// One collective of `sh` on slot `slot`.
     fn run(&mut self, sh: &Shape, slot: u64, in_place: bool) -> Result<(), CliError>;
@@ -252,7 +260,8 @@ struct Plan {
 
 fn plan(args: &BenchArgs, world: u32, max_bytes: u64) -> Result<Plan, CliError> {
     let dtype = args.dtype;
-    if args.opcode != Opcode::Barrier && !args.op.supports(dtype) {
+    let no_data = matches!(args.opcode, Opcode::Barrier | Opcode::Nop);
+    if !no_data && !args.op.supports(dtype) {
         return Err(CliError::Usage(format!(
             "op {} is not defined for {dtype}",
             args.op
@@ -270,7 +279,7 @@ fn plan(args: &BenchArgs, world: u32, max_bytes: u64) -> Result<Plan, CliError> 
         .max(SLOT_ALIGN);
     // Sizes, as nccl-tests steps them.
     let mut sizes = Vec::new();
-    if args.opcode == Opcode::Barrier {
+    if no_data {
         sizes.push((0, 0));
     } else {
         let mut s = args.minbytes.max(1);
@@ -389,6 +398,7 @@ fn sweep(
         out.fill(POISON);
     }
     e.touch()?;
+    let floor = e.floor(args.iters, args.warmup)?;
 
     if rank == 0 {
         println!(
@@ -409,6 +419,12 @@ fn sweep(
         println!(
             "# #wrong = wrong elements of rank 0's outputs over every iteration (outputs poisoned before each); every rank checks its own and prints its own count below"
         );
+        if let Some(f) = &floor {
+            println!(
+                "# floor: a nop, answered for this member alone: p50 {:.2} us, min {:.2} us, p99 {:.2} us ({} iters)",
+                f.median, f.min, f.p99, args.iters
+            );
+        }
         print_header();
     }
 
@@ -474,6 +490,16 @@ fn sweep(
     }
     outcome.sizes = rows.len();
     let total = outcome.wrong_oop + outcome.wrong_ip;
+    if let (0, Some(f), Some(first)) = (rank, &floor, rows.first()) {
+        if f.median > 0.0 {
+            println!(
+                "# smallest size ({} B) against the floor: out-of-place p50 {:.2}x, in-place {:.2}x",
+                first.size,
+                first.oop.stats.median / f.median,
+                first.ip.stats.median / f.median
+            );
+        }
+    }
     if rank == 0 {
         if let Some(path) = &args.json {
             let doc = json(args, e.json(), world, plan.rotate, setup, &rows);
@@ -663,6 +689,8 @@ struct DeviceEngine<'a> {
     queue: u16,
     inpool: DmaBuf,
     outpool: DmaBuf,
+    /// The nop round trip's median, once measured (for the JSON).
+    floor_us: Option<f64>,
 }
 
 impl<'a> DeviceEngine<'a> {
@@ -676,6 +704,7 @@ impl<'a> DeviceEngine<'a> {
             outpool: dev
                 .alloc(pool_bytes as usize)
                 .ctx("allocating the output pool")?,
+            floor_us: None,
         })
     }
 }
@@ -725,6 +754,25 @@ impl Engine for DeviceEngine<'_> {
             off += len;
         }
         Ok(())
+    }
+
+    fn floor(&mut self, iters: u32, warmup: u32) -> Result<Option<Stats>, CliError> {
+        if self.dev.config().opcodes.get() & (1 << Opcode::Nop.raw()) == 0 {
+            return Ok(None);
+        }
+        let nop = Request::new(Opcode::Nop, Dtype::U8, ReduceOp::Sum, 0);
+        let mut times = Vec::with_capacity(iters as usize);
+        for i in 0..warmup + iters {
+            let t0 = Instant::now();
+            let h = self.dev.submit(self.queue, &nop, &[], &[]).ctx("submit")?;
+            self.dev.wait(h, None).ctx("nop")?;
+            if i >= warmup {
+                times.push(t0.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+        let stats = Stats::of(&mut times);
+        self.floor_us = Some(stats.median);
+        Ok(Some(stats))
     }
 
     fn barrier(&mut self) -> Result<(), CliError> {
@@ -780,6 +828,7 @@ impl Engine for DeviceEngine<'_> {
             max_bytes: cfg.max_bytes.get(),
             generation: cfg.generation.get(),
             group_id: cfg.group_id.get(),
+            floor_us: self.floor_us,
         }
     }
 }
@@ -879,7 +928,7 @@ impl Engine for TcpEngine {
             }
             Opcode::Allgather => self.comm.allgather_raw(input, out),
             Opcode::Barrier => self.comm.barrier(),
-            Opcode::Reduce | Opcode::ReduceScatter => {
+            Opcode::Reduce | Opcode::ReduceScatter | Opcode::Nop => {
                 return Err(CliError::Usage(format!(
                     "{} has no TCP counterpart",
                     sh.req.opcode
@@ -1027,6 +1076,8 @@ enum PathJson {
         max_bytes: u64,
         generation: u32,
         group_id: u64,
+        /// The median nop round trip (`null`: the device has no nop).
+        floor_us: Option<f64>,
     },
     Tcp {
         peers: Vec<String>,

@@ -125,7 +125,7 @@ impl Case {
                 start..start + self.count
             }
             Opcode::ReduceScatter => 0..self.count,
-            Opcode::Barrier => 0..0,
+            Opcode::Barrier | Opcode::Nop => 0..0,
         }
     }
 
@@ -145,7 +145,7 @@ impl Case {
             Opcode::Allgather => input((j / self.count) as u32, j % self.count),
             Opcode::ReduceScatter if self.in_place => red(j),
             Opcode::ReduceScatter => red(u64::from(self.rank) * self.count + j),
-            Opcode::Barrier => unreachable!("barrier has no output"),
+            Opcode::Barrier | Opcode::Nop => unreachable!("{} has no output", self.opcode),
         }
     }
 }

@@ -68,7 +68,8 @@ impl SelftestArgs {
     }
 }
 
-/// (opcode, dtype, op) groups in report order; barrier has one group.
+/// (opcode, dtype, op) groups in report order; barrier and nop have one
+/// group each.
 fn groups(args: &SelftestArgs) -> Vec<(Opcode, Dtype, ReduceOp)> {
     let want_opcode = |c: &Opcode| args.opcode.is_empty() || args.opcode.contains(c);
     let want_dtype = |d: &Dtype| args.dtype.is_empty() || args.dtype.contains(d);
@@ -76,7 +77,7 @@ fn groups(args: &SelftestArgs) -> Vec<(Opcode, Dtype, ReduceOp)> {
     let mut out = Vec::new();
     for &opcode in Opcode::ALL.iter().filter(|c| want_opcode(c)) {
         match opcode {
-            Opcode::Barrier => out.push((opcode, Dtype::F32, ReduceOp::Sum)),
+            Opcode::Barrier | Opcode::Nop => out.push((opcode, Dtype::F32, ReduceOp::Sum)),
             Opcode::Broadcast | Opcode::Allgather => {
                 for &d in Dtype::ALL.iter().filter(|d| want_dtype(d)) {
                     out.push((opcode, d, ReduceOp::Sum));
@@ -145,14 +146,14 @@ pub fn run(dev: &Device, args: &SelftestArgs) -> Result<bool, CliError> {
             skipped: 0,
             failures: Vec::new(),
         };
-        let group_counts: Vec<u64> = if opcode == Opcode::Barrier {
+        let group_counts: Vec<u64> = if !opcode.moves_data() {
             vec![0; 8]
         } else {
             counts.clone()
         };
         for &count in &group_counts {
             for in_place in [false, true] {
-                if opcode == Opcode::Barrier && in_place {
+                if !opcode.moves_data() && in_place {
                     continue;
                 }
                 case_no += 1;
@@ -207,8 +208,8 @@ pub fn run(dev: &Device, args: &SelftestArgs) -> Result<bool, CliError> {
             groups_failed += 1;
             "FAIL"
         };
-        let what = if opcode == Opcode::Barrier {
-            format!("{} barriers", res.cases)
+        let what = if !opcode.moves_data() {
+            format!("{} {}s", res.cases, opcode)
         } else {
             format!(
                 "{} cases: counts {}..{} x out-of-place, in-place{}",
@@ -223,7 +224,7 @@ pub fn run(dev: &Device, args: &SelftestArgs) -> Result<bool, CliError> {
             )
         };
         let (d, o) = match opcode {
-            Opcode::Barrier => ("-", "-"),
+            Opcode::Barrier | Opcode::Nop => ("-", "-"),
             Opcode::Broadcast | Opcode::Allgather => (dtype.name(), "-"),
             _ => (dtype.name(), op.name()),
         };
@@ -352,7 +353,7 @@ fn run_case(
     {
         return Err(format!("wrote past the output, at byte {}", out_bytes + i));
     }
-    if case.opcode == Opcode::Barrier {
+    if !case.opcode.moves_data() {
         return Ok(());
     }
     let checked = case.checked_range();
@@ -407,8 +408,8 @@ mod tests {
         };
         let g = groups(&args);
         // 3 reducing opcodes x (4 floats x 5 ops + 6 ints x 8 ops),
-        // 2 data-movement opcodes x 10 dtypes, 1 barrier.
-        assert_eq!(g.len(), 3 * (4 * 5 + 6 * 8) + 2 * 10 + 1);
+        // 2 data-movement opcodes x 10 dtypes, 1 barrier, 1 nop.
+        assert_eq!(g.len(), 3 * (4 * 5 + 6 * 8) + 2 * 10 + 2);
         assert!(!g
             .iter()
             .any(|(c, d, o)| *c == Opcode::Allreduce && d.is_float() && *o == ReduceOp::Bxor));

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use virtio_dmlc::{
-    buffer_elems, mismatch, Dtype, Opcode, ReduceOp, Status, VirtioDmlcReq, VirtioDmlcResp,
+    bad, buffer_elems, mismatch, Dtype, Opcode, ReduceOp, Status, VirtioDmlcReq, VirtioDmlcResp,
     FLAG_IN_PLACE, NO_PEER, RESP_SIZE,
 };
 
@@ -233,7 +233,7 @@ impl Coll {
                 Opcode::ReduceScatter => red(r * b..(r + 1) * b),
                 Opcode::Broadcast => inputs[self.root as usize].clone(),
                 Opcode::Allgather => inputs.concat(),
-                Opcode::Barrier => Vec::new(),
+                Opcode::Barrier | Opcode::Nop => Vec::new(),
             })
             .collect()
     }
@@ -711,6 +711,55 @@ fn barrier_descs(w: &mut World, r: u32) -> Vec<Desc> {
     ]
 }
 
+/// A nop is answered at once for its member alone: while a peer is
+/// missing, between the halves of a pending collective, with the
+/// generation of the moment; it takes no sequence number, so the
+/// collective still matches. With data it is refused like a barrier.
+#[test]
+fn nop_is_answered_at_once_for_its_member_alone() {
+    let n = 2;
+    let mut w = World::new(config(n));
+    let nop = hdr(Opcode::Nop.raw(), 0xf7, 0xe3, 0, 0, 9, 0, 0);
+    let d = {
+        let m = &mut w.members[0];
+        vec![m.header(&nop), m.response()]
+    };
+    let p = w.submit(0, 0, &d);
+    assert_eq!(w.wait(&p), (RESP_SIZE as u32, ok_resp(1)));
+
+    // Member 0 waits in a barrier on queue 0; nops on the same queue
+    // still come back, and member 1's barrier then completes both.
+    let d = barrier_descs(&mut w, 0);
+    let barrier0 = w.submit(0, 0, &d);
+    for _ in 0..3 {
+        let d = {
+            let m = &mut w.members[0];
+            vec![m.header(&nop), m.response()]
+        };
+        let p = w.submit(0, 0, &d);
+        assert_eq!(w.wait(&p).1, ok_resp(1));
+    }
+    assert!(w.is_pending(&barrier0));
+    let d = barrier_descs(&mut w, 1);
+    let barrier1 = w.submit(1, 0, &d);
+    assert_eq!(w.wait(&barrier0).1, ok_resp(1));
+    assert_eq!(w.wait(&barrier1).1, ok_resp(1));
+
+    // With a count, or a data segment: BAD_REQUEST, as for a barrier.
+    let counted = hdr(Opcode::Nop.raw(), 0, 0, 0, 4, 0, 0, 0);
+    let d = {
+        let m = &mut w.members[1];
+        vec![m.header(&counted), m.response()]
+    };
+    let p = w.submit(1, 0, &d);
+    assert_eq!(
+        w.wait(&p).1,
+        resp(Status::BadRequest, bad::BARRIER_DATA, NO_PEER, 1)
+    );
+    assert_eq!(w.group.metrics().collectives_completed(Opcode::Nop), 0);
+    assert_eq!(w.group.metrics().collectives_completed(Opcode::Barrier), 1);
+}
+
 #[test]
 fn member_lost_fails_waiting_peers_promptly_and_restarts_sequences() {
     let n = 3;
@@ -997,7 +1046,7 @@ fn config_space_reports_group() {
     assert_eq!(c.max_bytes.get(), 64 << 20);
     assert_eq!(c.dtypes.get(), 0x3ff);
     assert_eq!(c.ops.get(), 0xff);
-    assert_eq!(c.opcodes.get(), 0x3f);
+    assert_eq!(c.opcodes.get(), 0x7f);
     assert_eq!(c.generation.get(), 1);
     assert_eq!(c.group_id.get(), 0x1234);
 }
