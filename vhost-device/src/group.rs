@@ -505,10 +505,13 @@ impl Group {
             );
         }
         log::info!(
-            "timing changed: model {:?}, {} delay rule(s), {} failure(s) planned",
+            "timing changed: model {:?}, {} delay rule(s), {} bandwidth rule(s), {} failure(s) \
+             and {} withheld completion(s) planned",
             t.model,
             t.delays.len(),
-            t.fails.len()
+            t.bandwidth.len(),
+            t.fails.len(),
+            t.withholds.len()
         );
         lock(&self.shared.state).timing = Some(Arc::new(t));
         Ok(())
@@ -1225,14 +1228,16 @@ fn schedule(t: &Timing, st: &mut State, key: (u16, u64), w: &Waiting) -> Schedul
         .as_ref()
         .map(|s| t.model.with_bandwidth_factor(s.factor));
     let model = slowed_model.as_ref().unwrap_or(&t.model);
-    let due = start + model.time(opcode, block);
+    // The host's own latency, as the file says, comes off every modelled
+    // time.
+    let due = start + model.time(opcode, block).saturating_sub(t.overhead);
     st.modelled[q].0 = due;
     let member_due = present
         .iter()
         .map(|a| {
             model
                 .rank_time(opcode, block, root, a.rank)
-                .map(|d| start + d)
+                .map(|d| start + d.saturating_sub(t.overhead))
         })
         .collect::<Option<Vec<Instant>>>()
         .unwrap_or_default();

@@ -62,6 +62,11 @@ pub struct TimingFile {
     /// (finer timing, one busy CPU meanwhile); 0 sleeps.
     #[serde(default)]
     pub spin_us: f64,
+    /// Taken off every modelled time (never below 0): the host's own
+    /// latency that comes on top of the model (a round trip of the
+    /// program), measured without a model.
+    #[serde(default)]
+    pub overhead_us: f64,
     #[serde(default)]
     pub model: ModelSpec,
     #[serde(default)]
@@ -524,6 +529,8 @@ pub struct FailRule {
 pub struct Timing {
     pub seed: u64,
     pub spin: Duration,
+    /// Taken off every modelled time (`overhead_us`).
+    pub overhead: Duration,
     pub model: Model,
     pub delays: Vec<DelayRule>,
     pub fails: Vec<FailRule>,
@@ -593,6 +600,13 @@ impl Timing {
     /// Checks a parsed file against `members` real members.
     pub fn check(file: &TimingFile, members: u32) -> Result<Timing, TimingError> {
         let spin = non_negative("spin_us", Some(file.spin_us))?.unwrap_or(0.0);
+        let overhead = non_negative("overhead_us", Some(file.overhead_us))?.unwrap_or(0.0);
+        if overhead > 0.0 && file.model.kind.as_deref().unwrap_or("ideal") == "ideal" {
+            return Err(field(
+                "overhead_us",
+                "needs a [model] (kind other than \"ideal\"): there is no modelled time to take it off",
+            ));
+        }
         let model = check_model(&file.model, members)?;
         let mut delays = Vec::new();
         for (i, d) in file.delay.iter().enumerate() {
@@ -647,6 +661,7 @@ impl Timing {
         Ok(Timing {
             seed: file.seed,
             spin: Duration::from_secs_f64(us(spin).min(1.0)),
+            overhead: secs(us(overhead)),
             model,
             delays,
             fails,
@@ -660,6 +675,7 @@ impl Timing {
         Timing {
             seed: 0,
             spin: Duration::ZERO,
+            overhead: Duration::ZERO,
             model: Model::Ideal,
             delays: Vec::new(),
             fails: Vec::new(),
@@ -1510,6 +1526,11 @@ mod tests {
                 "fail[0].rank is 9",
             ),
             ("spin_us = -3\n", "spin_us must be"),
+            ("overhead_us = 50\n", "overhead_us needs a [model]"),
+            (
+                "overhead_us = -1\n[model]\nkind = \"ring\"\nalpha_us = 1\nbandwidth_gbs = 1\n",
+                "overhead_us must be a number >= 0",
+            ),
             (
                 "[[bandwidth]]\nfactor = 0.5\n",
                 "bandwidth[0].factor needs a [model]",

@@ -634,3 +634,25 @@ fn a_withheld_completion_is_never_made_and_the_group_goes_on() {
         .count();
     assert_eq!(withheld, 1);
 }
+
+#[test]
+fn the_files_overhead_comes_off_the_modelled_time() {
+    // 400 ms modelled (a 2-rank ring barrier: 2a), 100 ms of it declared
+    // the host's own.
+    let mut cfg = timed(
+        2,
+        "overhead_us = 100000\n[model]\nkind = \"ring\"\nalpha_us = 200000\nbandwidth_gbs = 1\n",
+    );
+    cfg.trace_capacity = 2;
+    let mut w = World::new(cfg);
+    let d: Vec<Vec<Desc>> = (0..2).map(|r| barrier_descs(&mut w, r)).collect();
+    let t = Instant::now();
+    let p: Vec<Pending> = (0..2).map(|r| w.submit(r, 0, &d[r as usize])).collect();
+    for p in &p {
+        assert_eq!(w.wait(p).1, ok_resp(1));
+        assert!(t.elapsed() >= Duration::from_millis(300));
+    }
+    let recs = records_when(&w, |r| !r.is_empty());
+    let (from, to) = recs[0].modelled.unwrap();
+    assert_eq!(to - from, Duration::from_millis(300));
+}
