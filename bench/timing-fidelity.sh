@@ -9,16 +9,20 @@
 #   bench/timing-fidelity.sh [--ranks N] [--world P] [--alpha-us A]
 #                            [--bandwidth-gbs B] [--iters I] [--max BYTES]
 #                            [--repeat K] [--spin-us S] [--rank-arg ARG]
+#                            [--overhead-us auto|US]
 #
 # Defaults: 2 ranks, p = 8, alpha 100 us, 1 GB/s, 50 iterations, up to
 # 16M, 1 repetition. With --repeat K, the runs with and without the model
 # alternate K times and each figure is the median of the K medians.
 # --spin-us sets the file's spin_us (the backend busy-waits the last S us
 # before each modelled completion); --rank-arg passes an option to every
-# rank's bench (e.g. --rank-arg=--interrupt).
+# rank's bench (e.g. --rank-arg=--interrupt). --overhead-us sets the file's
+# overhead_us, the host's own latency taken off every modelled time: auto
+# (the default) measures it first as the median round trip of a 4 B
+# allreduce without a model (bench -b 4 -e 4 -n 300), 0 takes nothing off.
 set -euo pipefail
 
-ranks=2 world=8 alpha=100 bw=1 iters=50 max=16M repeat=1 spin=0 rank_args=()
+ranks=2 world=8 alpha=100 bw=1 iters=50 max=16M repeat=1 spin=0 rank_args=() overhead=auto
 while [ $# -gt 0 ]; do
     case $1 in
         --ranks) ranks=$2; shift 2 ;;
@@ -29,9 +33,10 @@ while [ $# -gt 0 ]; do
         --max) max=$2; shift 2 ;;
         --repeat) repeat=$2; shift 2 ;;
         --spin-us) spin=$2; shift 2 ;;
+        --overhead-us) overhead=$2; shift 2 ;;
         --rank-arg) rank_args+=("$2"); shift 2 ;;
         --rank-arg=*) rank_args+=("${1#--rank-arg=}"); shift ;;
-        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
         *) echo "timing-fidelity.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -42,8 +47,17 @@ cargo build --release -q -p dmlc-guest -p vhost-device-dmlc
 target=${CARGO_TARGET_DIR:-$root/target}/release
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+if [ "$overhead" = auto ]; then
+    # The device floor: rank 0's median round trip of a 4 B allreduce
+    # without a model.
+    overhead=$("$target/dmlc-guest" local --ranks "$ranks" --backend "$target/vhost-device-dmlc" \
+        -- bench -b 4 -e 4 -n 300 -w 50 "${rank_args[@]}" 2>/dev/null |
+        awk '$1 ~ /^[0-9]+$/ { print $6; exit }')
+    [ -n "$overhead" ] || { echo "timing-fidelity.sh: cannot measure the floor" >&2; exit 1; }
+fi
 cat >"$tmp/ring.toml" <<EOF
 spin_us = $spin
+overhead_us = $overhead
 [model]
 kind = "ring"
 world = $world
@@ -58,7 +72,7 @@ run() {
         awk '$1 ~ /^[0-9]+$/ { print $1, $6, $10 }'
 }
 
-echo "# timing-fidelity.sh: $ranks ranks (host transport), ring model p=$world alpha=${alpha}us bandwidth=${bw}GB/s spin_us=$spin, ranks' extra options: ${rank_args[*]:-none}, f32 sum allreduce, $iters iterations, $repeat repetition(s); $(nproc) CPUs, load average $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "# timing-fidelity.sh: $ranks ranks (host transport), ring model p=$world alpha=${alpha}us bandwidth=${bw}GB/s spin_us=$spin overhead_us=$overhead, ranks' extra options: ${rank_args[*]:-none}, f32 sum allreduce, $iters iterations, $repeat repetition(s); $(nproc) CPUs, load average $(cut -d' ' -f1-3 /proc/loadavg)"
 for rep in $(seq "$repeat"); do
     run --backend-arg=--timing="$tmp/ring.toml" | sed "s/^/model /" >>"$tmp/raw"
     run | sed "s/^/none /" >>"$tmp/raw"

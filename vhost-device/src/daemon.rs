@@ -171,11 +171,14 @@ pub fn start_backend(config: Config) -> Result<(), DaemonError> {
     }
     if let Some(t) = &group_config.timing {
         info!(
-            "timing model {:?} (modelled world size {}), {} delay rule(s), {} failure(s) planned",
+            "timing model {:?} (modelled world size {}), {} delay rule(s), {} bandwidth rule(s), \
+             {} failure(s) and {} withheld completion(s) planned",
             t.model,
             t.model.world(),
             t.delays.len(),
-            t.fails.len()
+            t.bandwidth.len(),
+            t.fails.len(),
+            t.withholds.len()
         );
     }
     let group = Group::new(group_config);

@@ -505,10 +505,13 @@ impl Group {
             );
         }
         log::info!(
-            "timing changed: model {:?}, {} delay rule(s), {} failure(s) planned",
+            "timing changed: model {:?}, {} delay rule(s), {} bandwidth rule(s), {} failure(s) \
+             and {} withheld completion(s) planned",
             t.model,
             t.delays.len(),
-            t.fails.len()
+            t.bandwidth.len(),
+            t.fails.len(),
+            t.withholds.len()
         );
         lock(&self.shared.state).timing = Some(Arc::new(t));
         Ok(())
@@ -553,7 +556,9 @@ impl Group {
                 "model": format!("{:?}", t.model),
                 "modelled_world_size": t.model.world(),
                 "delay_rules": t.delays.len(),
+                "bandwidth_rules": t.bandwidth.len(),
                 "failures_planned": t.fails.len(),
+                "withholds_planned": t.withholds.len(),
                 "seed": t.seed,
             })),
             "trace_records": sh.recorder.as_ref().map(Recorder::len),
@@ -937,6 +942,14 @@ impl Group {
         let last = arrivals.iter().map(counted).max().unwrap_or(w.first);
         let first = arrivals.iter().map(counted).min().unwrap_or(w.first);
         sh.metrics.skew(last.saturating_duration_since(first));
+        if let Some(what) = sched.as_ref().and_then(|s| s.slowed.as_ref()) {
+            sh.metrics.injected_bandwidth();
+            log::info!(
+                "injected: collective (queue {}, seq {}): {what}",
+                key.0,
+                key.1
+            );
+        }
         if let Some(Schedule {
             fail: Some(injected),
             ..
@@ -1008,6 +1021,7 @@ impl Group {
         let total: usize = pieces.iter().map(Piece::len).sum();
         let reduce = reference.dtype.zip(reference.op);
         let opcode = reference.opcode;
+        let n_arrivals = arrivals.len();
         let mut job = Job {
             shared: sh.clone(),
             key,
@@ -1023,6 +1037,11 @@ impl Group {
             skip_write,
             running,
             moved_from: (sched.is_some() || sh.recorder.is_some()).then(Instant::now),
+            done_at: Mutex::new(if sched.is_some() {
+                vec![None; n_arrivals]
+            } else {
+                Vec::new()
+            }),
             sched,
         };
         // Bounced elements are loaded before any data moves (a panic here
@@ -1140,15 +1159,30 @@ impl Group {
 
 /// When a collective completes under the timing model, and whether it
 /// fails on purpose.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Schedule {
     /// Modelled start: the last effective arrival, or the modelled end of
     /// the previous collective on the same queue if later.
     start: Instant,
-    /// Modelled completion.
+    /// Modelled completion (of the latest modelled rank).
     due: Instant,
+    /// By rank, each member's modelled completion, where the algorithm
+    /// makes them differ ([`crate::timing::Model::rank_time`]); empty:
+    /// every member completes at `due`.
+    member_due: Vec<Instant>,
+    /// The member whose completion is withheld on purpose.
+    withheld: Option<u32>,
+    /// What an injected bandwidth factor did, for the trace.
+    slowed: Option<String>,
     /// A failure to inject instead of running it.
     fail: Option<Injected>,
+}
+
+impl Schedule {
+    /// Member `i`'s modelled completion.
+    fn due_of(&self, i: usize) -> Instant {
+        self.member_due.get(i).copied().unwrap_or(self.due)
+    }
 }
 
 /// A failure the daemon injects.
@@ -1173,11 +1207,15 @@ fn schedule(t: &Timing, st: &mut State, key: (u16, u64), w: &Waiting) -> Schedul
         .map(|a| (a.rank, a.at + a.delay))
         .max_by_key(|x| x.1)
         .unwrap_or((0, w.first));
-    let failing = |fail| Schedule {
+    let at_once = |fail| Schedule {
         start: last,
         due: last,
-        fail: Some(fail),
+        member_due: Vec::new(),
+        withheld: None,
+        slowed: None,
+        fail,
     };
+    let failing = |fail| at_once(Some(fail));
     if let Some(rule) = t.failure(key.0, started) {
         return failing(Injected::Rule(rule));
     }
@@ -1193,20 +1231,52 @@ fn schedule(t: &Timing, st: &mut State, key: (u16, u64), w: &Waiting) -> Schedul
         .any(|a| mismatch_mask(reference, &a.req) != 0)
     {
         // Fails at once with MISMATCH: nothing to model.
-        return Schedule {
-            start: last,
-            due: last,
-            fail: None,
-        };
+        return at_once(None);
     }
     let start = last.max(busy);
-    let due = start
-        + t.model
-            .time(reference.opcode, reference.count_bytes() as u64);
+    let (opcode, block, root) = (
+        reference.opcode,
+        reference.count_bytes() as u64,
+        reference.root,
+    );
+    let slowdown = t.slowdown(key.0, started, present.iter().map(|a| a.rank));
+    let slowed_model = slowdown
+        .as_ref()
+        .map(|s| t.model.with_bandwidth_factor(s.factor));
+    let model = slowed_model.as_ref().unwrap_or(&t.model);
+    // The host's own latency, as the file says, comes off every modelled
+    // time.
+    let due = start + model.time(opcode, block).saturating_sub(t.overhead);
     st.modelled[q].0 = due;
+    let member_due = present
+        .iter()
+        .map(|a| {
+            model
+                .rank_time(opcode, block, root, a.rank)
+                .map(|d| start + d.saturating_sub(t.overhead))
+        })
+        .collect::<Option<Vec<Instant>>>()
+        .unwrap_or_default();
+    let slowed = slowdown.map(|s| {
+        let ranks: Vec<String> = s
+            .ranks
+            .iter()
+            .map(|(r, f)| format!("rank {r} at {f}x"))
+            .collect();
+        format!(
+            "bandwidth of {} ([[bandwidth]] rule): the collective ran at {}x",
+            ranks.join(", "),
+            s.factor
+        )
+    });
     Schedule {
         start,
         due,
+        member_due,
+        withheld: t
+            .withheld(key.0, started)
+            .filter(|r| present.iter().any(|a| a.rank == *r)),
+        slowed,
         fail: None,
     }
 }
@@ -1227,6 +1297,8 @@ fn record_of(
             arrived: None,
             delay: Duration::ZERO,
             completed: None,
+            modelled: None,
+            withheld: false,
             status: out.status,
         })
         .collect();
@@ -1314,13 +1386,15 @@ enum Due {
 }
 
 impl Due {
-    fn deliver(self) {
+    /// Delivers what is due now (everything if `all`: after shutdown, or
+    /// at a generation change).
+    fn deliver(self, all: bool) {
         match self {
             Due::Job {
                 job,
                 moved_to,
                 late,
-            } => job.deliver_all(moved_to, late),
+            } => job.deliver_due(moved_to, late, all),
             Due::Fail(f) => f.deliver(),
         }
     }
@@ -1376,7 +1450,7 @@ impl Later {
         let mut h = lock(&self.heap);
         if h.shutdown {
             drop(h);
-            what.deliver();
+            what.deliver(true);
             return;
         }
         let id = h.next;
@@ -1395,7 +1469,7 @@ impl Later {
         let entries = std::mem::take(&mut lock(&self.heap).entries);
         // Ascending in the reversed order: the latest first.
         for e in entries.into_sorted_vec().into_iter().rev() {
-            e.what.deliver();
+            e.what.deliver(true);
         }
     }
 }
@@ -1419,8 +1493,9 @@ fn delay_loop(sh: &Arc<Shared>) {
         match next {
             Some(due) if due <= now || h.shutdown => {
                 let Some(e) = h.entries.pop() else { continue };
+                let all = h.shutdown;
                 drop(h);
-                e.what.deliver();
+                e.what.deliver(all);
                 h = lock(&later.heap);
             }
             None if h.shutdown => return,
@@ -1946,6 +2021,9 @@ struct Job {
     moved_from: Option<Instant>,
     /// With a timing model: when it completes.
     sched: Option<Schedule>,
+    /// With a timing model, by member: once its completion is made (or
+    /// withheld), when (None: dropped or withheld).
+    done_at: Mutex<Vec<Option<Option<Instant>>>>,
 }
 
 /// A collective counted in `State::running` until [`Running::end`] (or
@@ -2197,9 +2275,20 @@ impl Job {
         let mut late = false;
         if let (Some(s), Some(me), Some(later), Some(now)) = (&self.sched, me, &sh.later, moved_to)
         {
-            if s.due > now {
+            if let Some(rank) = s.withheld {
+                // Counted before any completion of the collective is visible.
+                sh.metrics.injected_withheld();
+                log::info!(
+                    "injected: collective (queue {}, seq {}): rank {rank}'s completion is \
+                     withheld ([[fail]] rule)",
+                    self.key.0,
+                    self.key.1
+                );
+            }
+            let first = s.member_due.iter().copied().min().unwrap_or(s.due);
+            if first > now {
                 later.push(
-                    s.due,
+                    first,
                     Due::Job {
                         job: me.clone(),
                         moved_to,
@@ -2225,10 +2314,14 @@ impl Job {
                 }
             }
         }
-        self.deliver_all(moved_to, late);
+        match me {
+            Some(me) if self.sched.is_some() => me.deliver_due(moved_to, late, false),
+            _ => self.deliver_all(moved_to, late),
+        }
     }
 
-    /// Completes every member with OK (and records the collective).
+    /// Completes every member with OK (and records the collective), without
+    /// a timing model.
     fn deliver_all(&self, moved_to: Option<Instant>, late: bool) {
         let sh = &self.shared;
         let mut done_at = Vec::new();
@@ -2239,19 +2332,84 @@ impl Job {
             }
         }
         self.running.delivered();
+        self.record(&done_at, moved_to, late);
+    }
+
+    /// With a timing model: completes with OK the members whose modelled
+    /// completion has come (every one if `all`), except a withheld one, and
+    /// holds the job until the next member's; once every completion is
+    /// made, records the collective.
+    fn deliver_due(self: &Arc<Self>, moved_to: Option<Instant>, late: bool, all: bool) {
+        let sh = &self.shared;
+        let Some(s) = &self.sched else {
+            return self.deliver_all(moved_to, late);
+        };
+        let mut done = lock(&self.done_at);
+        let now = Instant::now();
+        let mut next: Option<Instant> = None;
+        for (i, a) in self.arrivals.iter().enumerate() {
+            if done[i].is_some() {
+                continue;
+            }
+            if s.withheld == Some(a.rank) {
+                // Never completed: the member's driver sees no answer.
+                done[i] = Some(None);
+                continue;
+            }
+            let due = s.due_of(i);
+            if !all && due > now {
+                next = Some(next.map_or(due, |n| n.min(due)));
+                continue;
+            }
+            let delivered = sh.deliver(a, Outcome::OK);
+            let at = Instant::now();
+            sh.metrics.model_error(at.saturating_duration_since(due));
+            done[i] = Some(delivered.then_some(at));
+        }
+        if let (Some(next), Some(later)) = (next, &sh.later) {
+            drop(done);
+            later.push(
+                next,
+                Due::Job {
+                    job: self.clone(),
+                    moved_to,
+                    late,
+                },
+            );
+            return;
+        }
+        let done_at: Vec<Option<Instant>> = done.iter().map(|d| d.flatten()).collect();
+        drop(done);
+        self.running.delivered();
+        self.record(&done_at, moved_to, late);
+    }
+
+    /// Records the collective, completed OK at `done_at` (by member; empty
+    /// without a recorder).
+    fn record(&self, done_at: &[Option<Instant>], moved_to: Option<Instant>, late: bool) {
+        let sh = &self.shared;
+        let Some(rec) = &sh.recorder else { return };
+        let generation = sh.resp_generation.load(Ordering::Acquire);
+        let mut r = record_of(self.key, generation, &self.arrivals, sh.world, Outcome::OK);
+        completed_at(&mut r, &self.arrivals, done_at);
+        r.moved = self.moved_from.zip(moved_to);
+        r.late = late;
         if let Some(s) = &self.sched {
-            sh.metrics
-                .model_error(Instant::now().saturating_duration_since(s.due));
+            r.modelled = Some((s.start, s.due));
+            for (i, a) in self.arrivals.iter().enumerate() {
+                if let Some(m) = r.members.get_mut(a.rank as usize) {
+                    m.modelled = Some(s.due_of(i));
+                    m.withheld = s.withheld == Some(a.rank);
+                }
+            }
+            r.injected.extend(s.slowed.clone());
+            if let Some(rank) = s.withheld {
+                r.injected.push(format!(
+                    "completion of rank {rank} withheld ([[fail]] rule)"
+                ));
+            }
         }
-        if let Some(rec) = &sh.recorder {
-            let generation = sh.resp_generation.load(Ordering::Acquire);
-            let mut r = record_of(self.key, generation, &self.arrivals, sh.world, Outcome::OK);
-            completed_at(&mut r, &self.arrivals, &done_at);
-            r.moved = self.moved_from.zip(moved_to);
-            r.modelled = self.sched.map(|s| (s.start, s.due));
-            r.late = late;
-            rec.push(r);
-        }
+        rec.push(r);
     }
 }
 

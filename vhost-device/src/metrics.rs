@@ -54,6 +54,10 @@ pub struct Metrics {
     injected_delay_ns: AtomicU64,
     /// Requests completed with an injected failure, per status.
     injected_errors: [AtomicU64; STATUSES],
+    /// Collectives slowed by an injected bandwidth factor.
+    injected_bandwidth: AtomicU64,
+    /// Completions withheld on purpose (never made).
+    injected_withheld: AtomicU64,
     generation: AtomicU64,
     members_connected: AtomicU64,
     /// Valid requests the engine holds (waiting for their collective, or in
@@ -186,6 +190,27 @@ impl Metrics {
     /// in `dmlc_errors_total` as well).
     pub fn injected_error(&self, status: Status) {
         self.injected_errors[status.raw() as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A collective's modelled time was computed with an injected
+    /// bandwidth factor.
+    pub fn injected_bandwidth(&self) {
+        self.injected_bandwidth.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A member's completion was withheld on purpose.
+    pub fn injected_withheld(&self) {
+        self.injected_withheld.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Collectives slowed by an injected bandwidth factor.
+    pub fn injected_bandwidth_count(&self) -> u64 {
+        self.injected_bandwidth.load(Ordering::Relaxed)
+    }
+
+    /// Completions withheld on purpose.
+    pub fn injected_withheld_count(&self) -> u64 {
+        self.injected_withheld.load(Ordering::Relaxed)
     }
 
     /// Modelled collectives whose data movement outlasted the model.
@@ -389,6 +414,22 @@ impl Metrics {
             let v = load(&self.injected_errors[st.raw() as usize]);
             let _ = writeln!(out, "dmlc_injected_errors_total{{status=\"{st}\"}} {v}");
         }
+        simple(
+            &mut out,
+            "dmlc_injected_bandwidth_total",
+            "Collectives whose modelled time used an injected bandwidth factor (--timing \
+             [[bandwidth]]), not a real slow link.",
+            "counter",
+            load(&self.injected_bandwidth),
+        );
+        simple(
+            &mut out,
+            "dmlc_injected_withheld_total",
+            "Completions withheld on purpose (--timing [[fail]] status = \"withheld\"): never \
+             made, so that member's driver waits until its own bound.",
+            "counter",
+            load(&self.injected_withheld),
+        );
 
         simple(
             &mut out,

@@ -62,12 +62,19 @@ pub struct TimingFile {
     /// (finer timing, one busy CPU meanwhile); 0 sleeps.
     #[serde(default)]
     pub spin_us: f64,
+    /// Taken off every modelled time (never below 0): the host's own
+    /// latency that comes on top of the model (a round trip of the
+    /// program), measured without a model.
+    #[serde(default)]
+    pub overhead_us: f64,
     #[serde(default)]
     pub model: ModelSpec,
     #[serde(default)]
     pub delay: Vec<DelaySpec>,
     #[serde(default)]
     pub fail: Vec<FailSpec>,
+    #[serde(default)]
+    pub bandwidth: Vec<BandwidthSpec>,
 }
 
 /// `[model]`.
@@ -119,13 +126,34 @@ pub struct DelaySpec {
     pub burst_enter: Option<f64>,
     /// ...and left with this one.
     pub burst_leave: Option<f64>,
+    /// Window: only on this queue (default: every queue)...
+    pub queue: Option<u16>,
+    /// ...from this collective (counted from 0 per queue)...
+    pub from_collective: Option<u64>,
+    /// ...up to, not including, this one.
+    pub until_collective: Option<u64>,
+}
+
+/// One `[[bandwidth]]` rule: the members' links run at `factor` times the
+/// model's bandwidth.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BandwidthSpec {
+    /// Ranks it applies to; absent: every rank.
+    pub ranks: Option<Vec<u32>>,
+    pub factor: f64,
+    /// Chance that a collective is slowed by this rule (default 1).
+    pub probability: Option<f64>,
+    pub queue: Option<u16>,
+    pub from_collective: Option<u64>,
+    pub until_collective: Option<u64>,
 }
 
 /// One `[[fail]]` rule.
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FailSpec {
-    /// timeout or peer-lost.
+    /// timeout, peer-lost, or withheld (`rank`'s completion is never made).
     pub status: String,
     /// The rank that seems to be missing (timeout) or lost (peer-lost).
     pub rank: u32,
@@ -309,8 +337,113 @@ impl Model {
 
     /// [`Model::seconds`] as a duration (saturating at an hour).
     pub fn time(&self, opcode: Opcode, block: u64) -> Duration {
-        Duration::from_secs_f64(self.seconds(opcode, block).clamp(0.0, 3600.0))
+        secs(self.seconds(opcode, block))
     }
+
+    /// This model with every link at `factor` times its bandwidth (the
+    /// bytes' share of the time divided by `factor`; latencies and the
+    /// reduction unchanged).
+    pub fn with_bandwidth_factor(&self, factor: f64) -> Model {
+        let mut m = self.clone();
+        match &mut m {
+            Model::Ideal => {}
+            Model::AlphaBeta { beta, .. } => *beta /= factor,
+            Model::Topology { bus_bw, .. } => *bus_bw *= factor,
+        }
+        m
+    }
+
+    /// Where the algorithm makes ranks finish at different times: the
+    /// modelled seconds until modelled rank `rank` has taken its last part
+    /// in `opcode` (received its result and sent what it forwards), with
+    /// `root` for broadcast and reduce. None where every rank finishes at
+    /// [`Model::seconds`]. The latest rank finishes at [`Model::seconds`].
+    /// The rules are in docs/latency-experiments.md, section 4.
+    pub fn rank_seconds(&self, opcode: Opcode, block: u64, root: u32, rank: u32) -> Option<f64> {
+        let Model::AlphaBeta {
+            algo,
+            world,
+            alpha: a,
+            beta: b,
+            gamma: g,
+        } = *self
+        else {
+            return None;
+        };
+        // Only broadcast and reduce have a root; others ignore the field.
+        let root = match opcode {
+            Opcode::Broadcast | Opcode::Reduce => root,
+            _ => 0,
+        };
+        if world <= 1 || rank >= world || root >= world {
+            return None;
+        }
+        let n = if opcode == Opcode::Barrier {
+            0.0
+        } else {
+            block as f64
+        };
+        let p = world;
+        let l = lg(p);
+        // Position from the root (broadcast: the chain's or tree's source).
+        let v = (rank + p - root) % p;
+        let hops = |d: u32| f64::from(d.min(p - 1));
+        match (opcode, algo) {
+            // A pipelined chain root, root + 1, ...: the member at distance
+            // d has the last byte at d * a + N b and has forwarded it one
+            // hop later; the chain's end forwards nothing.
+            (Opcode::Broadcast, Algo::Ring) => Some(hops(v + 1) * a + n * b),
+            // A chain root + 1, root + 2, ..., root: the member at
+            // position d has passed its partial sums on at (d + 1) a +
+            // N(b + g); the root has the result at (p - 1) a + N(b + g).
+            (Opcode::Reduce, Algo::Ring) => {
+                let d = (v + p - 1) % p;
+                Some(hops(d + 1) * a + n * (b + g))
+            }
+            // Binomial reduce: in step s (from 1) the ranks whose lowest
+            // set bit (relative to the root) is bit s - 1 send their
+            // partial sums and are done; the root has them after step L.
+            (Opcode::Reduce, Algo::Tree) => {
+                let step = if v == 0 {
+                    l
+                } else {
+                    f64::from(v.trailing_zeros() + 1)
+                };
+                Some(step * (a + n * b + n * g))
+            }
+            (Opcode::Broadcast, Algo::Tree) => Some(f64::from(tree_bcast_step(v, p)) * (a + n * b)),
+            // Reduce to rank 0 (every rank waits for the whole reduce:
+            // its result comes back in the broadcast), then broadcast.
+            (Opcode::Allreduce | Opcode::Barrier, Algo::Tree) => {
+                Some(l * (a + n * b + n * g) + f64::from(tree_bcast_step(rank, p)) * (a + n * b))
+            }
+            _ => None,
+        }
+    }
+
+    /// [`Model::rank_seconds`] as a duration.
+    pub fn rank_time(&self, opcode: Opcode, block: u64, root: u32, rank: u32) -> Option<Duration> {
+        self.rank_seconds(opcode, block, root, rank).map(secs)
+    }
+}
+
+/// Seconds as a duration, saturating at an hour.
+fn secs(s: f64) -> Duration {
+    Duration::from_secs_f64(s.clamp(0.0, 3600.0))
+}
+
+/// The last step (from 1) of a binomial broadcast over `p` ranks in which
+/// rank `v` (relative to the root) takes part: in step s every rank below
+/// 2^(s-1) that has the data sends it to the rank 2^(s-1) above it, if
+/// there is one. Rank v receives in step bitlen(v) and then sends in every
+/// later step that has a receiver for it.
+fn tree_bcast_step(v: u32, p: u32) -> u32 {
+    let l = lg(p) as u32;
+    let got = 32 - v.leading_zeros();
+    (got + 1..=l)
+        .filter(|&s| u64::from(v) + (1u64 << (s - 1)) < u64::from(p))
+        .max()
+        .unwrap_or(got)
 }
 
 /// A delay distribution, in seconds.
@@ -335,6 +468,54 @@ pub struct DelayRule {
     /// Gilbert-Elliott bursts: (chance to enter, chance to leave) the bad
     /// state per arrival; the rule applies only in the bad state.
     pub burst: Option<(f64, f64)>,
+    /// The arrivals it applies to.
+    pub window: Window,
+}
+
+/// Which collectives an impairment applies to: those numbered `from..until`
+/// (counted from 0 per queue since the daemon started) on `queue` (None:
+/// on every queue, each counted on its own).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Window {
+    pub queue: Option<u16>,
+    pub from: u64,
+    pub until: Option<u64>,
+}
+
+impl Window {
+    /// True if collective `n` of `queue` is in the window.
+    pub fn contains(&self, queue: u16, n: u64) -> bool {
+        self.queue.is_none_or(|q| q == queue) && n >= self.from && self.until.is_none_or(|u| n < u)
+    }
+}
+
+/// A checked `[[bandwidth]]` rule.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BandwidthRule {
+    /// None: every rank.
+    pub ranks: Option<Vec<u32>>,
+    pub factor: f64,
+    pub probability: f64,
+    pub window: Window,
+}
+
+/// A `[[fail]]` rule with `status = "withheld"`: member `rank`'s completion
+/// of that collective is never made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WithholdRule {
+    pub rank: u32,
+    pub queue: u16,
+    pub collective: u64,
+}
+
+/// The bandwidth factor applied to one collective, and the ranks whose
+/// rules gave it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Slowdown {
+    /// The smallest factor among the rules that apply.
+    pub factor: f64,
+    /// (rank, factor) of every rank slowed, in rank order.
+    pub ranks: Vec<(u32, f64)>,
 }
 
 /// A checked `[[fail]]` rule.
@@ -351,9 +532,13 @@ pub struct FailRule {
 pub struct Timing {
     pub seed: u64,
     pub spin: Duration,
+    /// Taken off every modelled time (`overhead_us`).
+    pub overhead: Duration,
     pub model: Model,
     pub delays: Vec<DelayRule>,
     pub fails: Vec<FailRule>,
+    pub withholds: Vec<WithholdRule>,
+    pub bandwidth: Vec<BandwidthRule>,
 }
 
 fn us(v: f64) -> f64 {
@@ -418,30 +603,48 @@ impl Timing {
     /// Checks a parsed file against `members` real members.
     pub fn check(file: &TimingFile, members: u32) -> Result<Timing, TimingError> {
         let spin = non_negative("spin_us", Some(file.spin_us))?.unwrap_or(0.0);
+        let overhead = non_negative("overhead_us", Some(file.overhead_us))?.unwrap_or(0.0);
+        if overhead > 0.0 && file.model.kind.as_deref().unwrap_or("ideal") == "ideal" {
+            return Err(field(
+                "overhead_us",
+                "needs a [model] (kind other than \"ideal\"): there is no modelled time to take it off",
+            ));
+        }
         let model = check_model(&file.model, members)?;
         let mut delays = Vec::new();
         for (i, d) in file.delay.iter().enumerate() {
             delays.push(check_delay(&format!("delay[{i}]"), d, members)?);
         }
         let mut fails = Vec::new();
+        let mut withholds = Vec::new();
         for (i, f) in file.fail.iter().enumerate() {
             let at = format!("fail[{i}]");
-            let status = match f.status.as_str() {
-                "timeout" => Status::Timeout,
-                "peer-lost" | "peer_lost" => Status::PeerLost,
-                other => {
-                    return Err(field(
-                        format!("{at}.status"),
-                        format!("must be \"timeout\" or \"peer-lost\", not {other:?}"),
-                    ))
-                }
-            };
             if f.rank >= members {
                 return Err(field(
                     format!("{at}.rank"),
                     format!("is {}, but the group has {members} members", f.rank),
                 ));
             }
+            let status = match f.status.as_str() {
+                "timeout" => Status::Timeout,
+                "peer-lost" | "peer_lost" => Status::PeerLost,
+                "withheld" => {
+                    withholds.push(WithholdRule {
+                        rank: f.rank,
+                        queue: f.queue,
+                        collective: f.collective,
+                    });
+                    continue;
+                }
+                other => {
+                    return Err(field(
+                        format!("{at}.status"),
+                        format!(
+                            "must be \"timeout\", \"peer-lost\" or \"withheld\", not {other:?}"
+                        ),
+                    ))
+                }
+            };
             fails.push(FailRule {
                 status,
                 rank: f.rank,
@@ -449,12 +652,24 @@ impl Timing {
                 collective: f.collective,
             });
         }
+        let mut bandwidth = Vec::new();
+        for (i, b) in file.bandwidth.iter().enumerate() {
+            bandwidth.push(check_bandwidth(
+                &format!("bandwidth[{i}]"),
+                b,
+                &model,
+                members,
+            )?);
+        }
         Ok(Timing {
             seed: file.seed,
             spin: Duration::from_secs_f64(us(spin).min(1.0)),
+            overhead: secs(us(overhead)),
             model,
             delays,
             fails,
+            withholds,
+            bandwidth,
         })
     }
 
@@ -463,9 +678,12 @@ impl Timing {
         Timing {
             seed: 0,
             spin: Duration::ZERO,
+            overhead: Duration::ZERO,
             model: Model::Ideal,
             delays: Vec::new(),
             fails: Vec::new(),
+            withholds: Vec::new(),
+            bandwidth: Vec::new(),
         }
     }
 
@@ -483,6 +701,7 @@ impl Timing {
                 probability: 1.0,
                 live: true,
                 burst: None,
+                window: Window::default(),
             });
         }
         t
@@ -490,7 +709,11 @@ impl Timing {
 
     /// True if nothing is modelled or injected (completions need no timer).
     pub fn is_ideal(&self) -> bool {
-        self.model == Model::Ideal && self.delays.is_empty() && self.fails.is_empty()
+        self.model == Model::Ideal
+            && self.delays.is_empty()
+            && self.fails.is_empty()
+            && self.withholds.is_empty()
+            && self.bandwidth.is_empty()
     }
 
     /// Length of the state [`Timing::delay`] keeps per rank and queue.
@@ -505,7 +728,9 @@ impl Timing {
     pub fn delay(&self, rank: u32, queue: u16, index: u64, last: &mut [f64]) -> Duration {
         let mut total = 0.0;
         for (i, rule) in self.delays.iter().enumerate() {
-            if rule.ranks.as_ref().is_some_and(|r| !r.contains(&rank)) {
+            if rule.ranks.as_ref().is_some_and(|r| !r.contains(&rank))
+                || !rule.window.contains(queue, index)
+            {
                 continue;
             }
             let mut draw = Draw::new(self.seed, rank, queue, index, i as u64);
@@ -554,6 +779,129 @@ impl Timing {
             .find(|f| f.queue == queue && f.collective == collective)
             .copied()
     }
+
+    /// The member whose completion of collective `collective` of `queue`
+    /// is withheld, if any (the first rule that names it).
+    pub fn withheld(&self, queue: u16, collective: u64) -> Option<u32> {
+        self.withholds
+            .iter()
+            .find(|w| w.queue == queue && w.collective == collective)
+            .map(|w| w.rank)
+    }
+
+    /// The bandwidth factor of collective `collective` of `queue` among
+    /// `ranks` (its members), if a `[[bandwidth]]` rule applies: per rank,
+    /// the product of the factors of its rules that apply (each drawn
+    /// with its `probability`, from the seed, the rank, the queue, the
+    /// collective and the rule); the collective runs at the smallest.
+    pub fn slowdown(
+        &self,
+        queue: u16,
+        collective: u64,
+        ranks: impl Iterator<Item = u32>,
+    ) -> Option<Slowdown> {
+        if self.bandwidth.is_empty() {
+            return None;
+        }
+        let mut slowed = Vec::new();
+        for rank in ranks {
+            let mut factor = 1.0;
+            let mut hit = false;
+            for (i, rule) in self.bandwidth.iter().enumerate() {
+                if rule.ranks.as_ref().is_some_and(|r| !r.contains(&rank))
+                    || !rule.window.contains(queue, collective)
+                {
+                    continue;
+                }
+                if rule.probability < 1.0 {
+                    let key = BANDWIDTH_RULES + i as u64;
+                    let mut draw = Draw::new(self.seed, rank, queue, collective, key);
+                    if draw.uniform() >= rule.probability {
+                        continue;
+                    }
+                }
+                factor *= rule.factor;
+                hit = true;
+            }
+            if hit {
+                slowed.push((rank, factor));
+            }
+        }
+        let factor = slowed.iter().map(|s| s.1).reduce(f64::min)?;
+        Some(Slowdown {
+            factor,
+            ranks: slowed,
+        })
+    }
+}
+
+/// Rule numbers of the `[[bandwidth]]` rules' draws start here, apart from
+/// those of the delay rules.
+const BANDWIDTH_RULES: u64 = 1 << 32;
+
+/// Checks a window's fields (`queue`, `from_collective`, `until_collective`
+/// of rule `at`).
+fn check_window(
+    at: &str,
+    queue: Option<u16>,
+    from: Option<u64>,
+    until: Option<u64>,
+) -> Result<Window, TimingError> {
+    let from = from.unwrap_or(0);
+    if let Some(u) = until {
+        if u <= from {
+            return Err(field(
+                format!("{at}.until_collective"),
+                format!("is {u}, not after from_collective ({from})"),
+            ));
+        }
+    }
+    Ok(Window { queue, from, until })
+}
+
+/// Checks that every rank named in rule `at` is a member.
+fn check_ranks(at: &str, ranks: Option<&Vec<u32>>, members: u32) -> Result<(), TimingError> {
+    match ranks.into_iter().flatten().find(|r| **r >= members) {
+        Some(bad) => Err(field(
+            format!("{at}.ranks"),
+            format!("names rank {bad}, but the group has {members} members"),
+        )),
+        None => Ok(()),
+    }
+}
+
+fn check_bandwidth(
+    at: &str,
+    b: &BandwidthSpec,
+    model: &Model,
+    members: u32,
+) -> Result<BandwidthRule, TimingError> {
+    if *model == Model::Ideal {
+        return Err(field(
+            format!("{at}.factor"),
+            "needs a [model] with a bandwidth (kind other than \"ideal\")",
+        ));
+    }
+    if !(b.factor.is_finite() && b.factor > 0.0 && b.factor <= 1e6) {
+        return Err(field(
+            format!("{at}.factor"),
+            format!("must be a number in (0, 1e6], not {}", b.factor),
+        ));
+    }
+    let probability = b.probability.unwrap_or(1.0);
+    if !(0.0..=1.0).contains(&probability) {
+        return Err(field(
+            format!("{at}.probability"),
+            format!("must be in [0, 1], not {probability}"),
+        ));
+    }
+    check_ranks(at, b.ranks.as_ref(), members)?;
+    Ok(BandwidthRule {
+        ranks: b.ranks.clone(),
+        factor: b.factor,
+        probability,
+        window: check_window(at, b.queue, b.from_collective, b.until_collective)?,
+    })
 }
 
 fn check_model(m: &ModelSpec, members: u32) -> Result<Model, TimingError> {
@@ -792,12 +1140,7 @@ fn check_delay(at: &str, d: &DelaySpec, members: u32) -> Result<DelayRule, Timin
             format!("must be in [0, 1], not {probability}"),
         ));
     }
-    if let Some(bad) = d.ranks.iter().flatten().find(|r| **r >= members) {
-        return Err(field(
-            name("ranks"),
-            format!("names rank {bad}, but the group has {members} members"),
-        ));
-    }
+    check_ranks(at, d.ranks.as_ref(), members)?;
     let burst = match (d.burst_enter, d.burst_leave) {
         (None, None) => None,
         (Some(enter), Some(leave)) => {
@@ -818,6 +1161,7 @@ fn check_delay(at: &str, d: &DelaySpec, members: u32) -> Result<DelayRule, Timin
         probability,
         live: false,
         burst,
+        window: check_window(at, d.queue, d.from_collective, d.until_collective)?,
     })
 }
 
@@ -964,6 +1308,169 @@ mod tests {
     }
 
     #[test]
+    fn per_rank_completions_end_with_the_model_and_follow_the_schedule() {
+        let mk = |kind: &str, p: u32| {
+            Timing::from_toml(
+                &format!(
+                    "[model]\nkind = \"{kind}\"\nworld = {p}\nalpha_us = 10\n\
+                     bandwidth_gbs = 2\nreduce_gbs = 4\n"
+                ),
+                1,
+            )
+            .unwrap()
+            .model
+        };
+        let ops = [
+            Opcode::Allreduce,
+            Opcode::Broadcast,
+            Opcode::Reduce,
+            Opcode::Allgather,
+            Opcode::ReduceScatter,
+            Opcode::Barrier,
+        ];
+        for kind in ["ring", "halving-doubling", "tree"] {
+            for p in 2..=17u32 {
+                let m = mk(kind, p);
+                for op in ops {
+                    for root in [0, p / 2, p - 1] {
+                        let total = m.seconds(op, 1000);
+                        let per: Option<Vec<f64>> =
+                            (0..p).map(|r| m.rank_seconds(op, 1000, root, r)).collect();
+                        let Some(per) = per else {
+                            continue;
+                        };
+                        // Nobody after the model; the latest rank at it.
+                        let latest = per.iter().copied().fold(0.0, f64::max);
+                        assert!(close(latest, total), "{kind} p={p} {op} root={root}");
+                        assert!(per.iter().all(|&t| t > 0.0 && t <= total + 1e-15));
+                    }
+                }
+            }
+        }
+        let (a, b, g, n) = (10e-6, 0.5e-9, 0.25e-9, 1000.0);
+        // Ring broadcast, a chain from root 2 over 8 ranks: rank 3 (one
+        // hop) has forwarded the data at 2a + Nb, rank 1 (the chain's
+        // end) has it at 7a + Nb, the root has sent it at a + Nb.
+        let ring = mk("ring", 8);
+        let at = |op, root, r| ring.rank_seconds(op, 1000, root, r).unwrap();
+        assert!(close(at(Opcode::Broadcast, 2, 2), a + n * b));
+        assert!(close(at(Opcode::Broadcast, 2, 3), 2.0 * a + n * b));
+        assert!(close(at(Opcode::Broadcast, 2, 1), 7.0 * a + n * b));
+        // Ring reduce to root 2: the chain starts at rank 3.
+        assert!(close(at(Opcode::Reduce, 2, 3), a + n * (b + g)));
+        assert!(close(at(Opcode::Reduce, 2, 2), 7.0 * a + n * (b + g)));
+        // A synchronous ring allreduce: every rank in every step.
+        assert_eq!(ring.rank_seconds(Opcode::Allreduce, 1000, 0, 3), None);
+        // Binomial reduce over 8 ranks: odd ranks send in step 1, ranks 2
+        // and 6 in step 2, rank 4 in step 3, the root has it after step 3.
+        let tree = mk("tree", 8);
+        let step = a + n * (b + g);
+        let at = |op, root, r| tree.rank_seconds(op, 1000, root, r).unwrap();
+        for (r, s) in [(1, 1.0), (3, 1.0), (2, 2.0), (6, 2.0), (4, 3.0), (0, 3.0)] {
+            assert!(close(at(Opcode::Reduce, 0, r), s * step), "rank {r}");
+        }
+        // Relative to the root: root 5 makes rank 6 the first sender.
+        assert!(close(at(Opcode::Reduce, 5, 6), step));
+        // Binomial broadcast over 6 ranks: ranks 2 and 3 have nobody to
+        // send to in step 3, so they are done after step 2.
+        let tree6 = mk("tree", 6);
+        let bstep = a + n * b;
+        for (r, s) in [(0, 3.0), (1, 3.0), (2, 2.0), (3, 2.0), (4, 3.0), (5, 3.0)] {
+            let got = tree6.rank_seconds(Opcode::Broadcast, 1000, 0, r).unwrap();
+            assert!(close(got, s * bstep), "rank {r}: {got}");
+        }
+        // A tree allreduce: the whole reduce, then the rank's broadcast step.
+        let got = tree6.rank_seconds(Opcode::Allreduce, 1000, 77, 2).unwrap();
+        assert!(close(got, 3.0 * step + 2.0 * bstep), "{got}");
+        // Models without a per-rank schedule.
+        assert_eq!(Model::Ideal.rank_seconds(Opcode::Broadcast, 8, 0, 1), None);
+        assert_eq!(
+            mk("halving-doubling", 8).rank_seconds(Opcode::Broadcast, 8, 0, 1),
+            None
+        );
+    }
+
+    #[test]
+    fn bandwidth_factors_slow_the_bytes_only_and_repeat_with_the_seed() {
+        let text = "seed = 5\n[model]\nkind = \"ring\"\nworld = 4\nalpha_us = 100\n\
+                    bandwidth_gbs = 1\n[[bandwidth]]\nranks = [1]\nfactor = 0.25\n\
+                    [[bandwidth]]\nranks = [0]\nfactor = 0.5\nprobability = 0.5\n\
+                    queue = 1\nfrom_collective = 10\nuntil_collective = 1010\n";
+        let t = Timing::from_toml(text, 2).unwrap();
+        let s = t.slowdown(0, 0, 0..2).unwrap();
+        assert_eq!(s.factor, 0.25);
+        assert_eq!(s.ranks, vec![(1, 0.25)]);
+        let slow = t.model.with_bandwidth_factor(s.factor);
+        let (a, b, m) = (100e-6, 1e-9, 4096.0);
+        let want = 6.0 * a + 2.0 * 0.75 * m * b / 0.25;
+        assert!(close(slow.seconds(Opcode::Allreduce, 4096), want));
+        // Rank 0's rule: only on queue 1, collectives 10 to 1009, half of
+        // them, the same ones for the same seed.
+        assert_eq!(t.slowdown(1, 9, 0..1), None);
+        assert_eq!(t.slowdown(0, 500, 0..1), None);
+        let hits: Vec<u64> = (0..1100)
+            .filter(|&c| t.slowdown(1, c, 0..1).is_some())
+            .collect();
+        assert!(hits.iter().all(|&c| (10..1010).contains(&c)));
+        assert!((400..600).contains(&hits.len()), "{}", hits.len());
+        let again = Timing::from_toml(text, 2).unwrap();
+        let hits2: Vec<u64> = (0..1100)
+            .filter(|&c| again.slowdown(1, c, 0..1).is_some())
+            .collect();
+        assert_eq!(hits, hits2);
+        // Both ranks slowed: the collective runs at the slower; one rank's
+        // rules multiply.
+        let s = t.slowdown(1, hits[0], 0..2).unwrap();
+        assert_eq!((s.factor, s.ranks), (0.25, vec![(0, 0.5), (1, 0.25)]));
+        let t = Timing::from_toml(
+            "[model]\nkind = \"topology\"\nnodes = 2\nranks_per_node = 1\n\
+             bus_bandwidth_gbs = 10\n[[bandwidth]]\nfactor = 0.5\n[[bandwidth]]\nfactor = 0.5\n",
+            2,
+        )
+        .unwrap();
+        let s = t.slowdown(0, 0, 0..2).unwrap();
+        assert_eq!(s.factor, 0.25);
+        let slow = t.model.with_bandwidth_factor(s.factor);
+        assert!(close(
+            slow.seconds(Opcode::Broadcast, 1000),
+            4.0 * t.model.seconds(Opcode::Broadcast, 1000)
+        ));
+        assert_eq!(Timing::from_toml("", 2).unwrap().slowdown(0, 0, 0..2), None);
+    }
+
+    #[test]
+    fn windows_limit_delays_to_a_range_of_collectives() {
+        let t = Timing::from_toml(
+            "[[delay]]\ndist = \"constant\"\nus = 1000\nfrom_collective = 3\n\
+             until_collective = 5\n[[delay]]\ndist = \"constant\"\nus = 10\nqueue = 1\n",
+            1,
+        )
+        .unwrap();
+        let d = draws(&t, 0, 8);
+        let want: Vec<Duration> = (0..8)
+            .map(|i| Duration::from_micros(if (3..5).contains(&i) { 1000 } else { 0 }))
+            .collect();
+        assert_eq!(d, want);
+        let mut last = vec![0.0; t.state_len()];
+        assert_eq!(t.delay(0, 1, 0, &mut last), Duration::from_micros(10));
+        assert_eq!(t.delay(0, 1, 4, &mut last), Duration::from_micros(1010));
+    }
+
+    #[test]
+    fn withheld_completions_are_planned_apart_from_failures() {
+        let t = Timing::from_toml(
+            "[[fail]]\nstatus = \"withheld\"\nrank = 1\nqueue = 2\ncollective = 7\n",
+            2,
+        )
+        .unwrap();
+        assert!(!t.is_ideal());
+        assert_eq!(t.withheld(2, 7), Some(1));
+        assert_eq!(t.withheld(2, 6), None);
+        assert_eq!(t.withheld(0, 7), None);
+        assert_eq!(t.failure(2, 7), None);
+    }
+
+    #[test]
     fn default_is_ideal_and_costs_nothing() {
         let t = Timing::from_toml("", 4).unwrap();
         assert_eq!(t.model, Model::Ideal);
@@ -1022,6 +1529,50 @@ mod tests {
                 "fail[0].rank is 9",
             ),
             ("spin_us = -3\n", "spin_us must be"),
+            ("overhead_us = 50\n", "overhead_us needs a [model]"),
+            (
+                "overhead_us = -1\n[model]\nkind = \"ring\"\nalpha_us = 1\nbandwidth_gbs = 1\n",
+                "overhead_us must be a number >= 0",
+            ),
+            (
+                "[[bandwidth]]\nfactor = 0.5\n",
+                "bandwidth[0].factor needs a [model]",
+            ),
+            (
+                "[model]\nkind = \"ring\"\nalpha_us = 1\nbandwidth_gbs = 1\n[[bandwidth]]\nfactor = 0\n",
+                "bandwidth[0].factor must be a number in (0, 1e6]",
+            ),
+            (
+                "[model]\nkind = \"ring\"\nalpha_us = 1\nbandwidth_gbs = 1\n[[bandwidth]]\n",
+                "missing field `factor`",
+            ),
+            (
+                "[model]\nkind = \"ring\"\nalpha_us = 1\nbandwidth_gbs = 1\n[[bandwidth]]\n\
+                 factor = 0.5\nranks = [4]\n",
+                "bandwidth[0].ranks names rank 4",
+            ),
+            (
+                "[model]\nkind = \"ring\"\nalpha_us = 1\nbandwidth_gbs = 1\n[[bandwidth]]\n\
+                 factor = 0.5\nprobability = 2\n",
+                "bandwidth[0].probability must be in [0, 1]",
+            ),
+            (
+                "[model]\nkind = \"ring\"\nalpha_us = 1\nbandwidth_gbs = 1\n[[bandwidth]]\n\
+                 factor = 0.5\nlink = [0, 1]\n",
+                "unknown field `link`",
+            ),
+            (
+                "[[delay]]\ndist = \"constant\"\nus = 1\nfrom_collective = 5\nuntil_collective = 5\n",
+                "delay[0].until_collective is 5, not after from_collective (5)",
+            ),
+            (
+                "[[delay]]\ndist = \"constant\"\nus = 1\nfrom_collective = -1\n",
+                "from_collective",
+            ),
+            (
+                "[[fail]]\nstatus = \"withheld\"\nrank = 2\ncollective = 0\n",
+                "fail[0].rank is 2",
+            ),
             ("sed = 3\n", "unknown field `sed`"),
         ];
         for (text, want) in cases {

@@ -41,8 +41,14 @@ pub struct MemberRecord {
     pub arrived: Option<Instant>,
     /// Delay injected before its arrival counted.
     pub delay: Duration,
-    /// When its completion was made (None: dropped, or never arrived).
+    /// When its completion was made (None: dropped, withheld, or never
+    /// arrived).
     pub completed: Option<Instant>,
+    /// With a timing model: its modelled completion (members may differ,
+    /// [`crate::timing::Model::rank_time`]).
+    pub modelled: Option<Instant>,
+    /// Its completion was withheld on purpose (never made).
+    pub withheld: bool,
     pub status: Status,
 }
 
@@ -153,7 +159,7 @@ impl Recorder {
             for m in &r.members {
                 let Some(arrived) = m.arrived else { continue };
                 let counted = arrived + m.delay;
-                let end = m.completed.unwrap_or(counted).max(counted);
+                let end = m.completed.or(m.modelled).unwrap_or(counted).max(counted);
                 let pid = m.rank + 1;
                 let mut margs = args.clone();
                 margs["rank"] = json!(m.rank);
@@ -161,6 +167,15 @@ impl Recorder {
                 margs["completed"] = json!(m.completed.is_some());
                 margs["arrived_us"] = json!(self.us(arrived));
                 margs["injected_delay_us"] = json!(m.delay.as_nanos() as f64 / 1000.0);
+                if let Some(done) = m.completed {
+                    margs["completed_us"] = json!(self.us(done));
+                }
+                if let Some(due) = m.modelled {
+                    margs["modelled_completion_us"] = json!(self.us(due));
+                }
+                if m.withheld {
+                    margs["withheld"] = json!(true);
+                }
                 let mut events = Vec::new();
                 if !m.delay.is_zero() {
                     events.push(self.slice(

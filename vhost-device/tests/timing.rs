@@ -92,7 +92,8 @@ fn a_modelled_straggler_through_the_sockets_and_its_trace() {
         metric(&addr, "dmlc_straggler_skew_seconds_bucket{le=\"0.01\"}"),
         0.0
     );
-    assert_eq!(metric(&addr, "dmlc_model_error_seconds_count"), 2.0);
+    // One observation per member and collective.
+    assert_eq!(metric(&addr, "dmlc_model_error_seconds_count"), 4.0);
 
     daemon.proc.signal(libc::SIGUSR1);
     daemon.wait_for_log("trace written to");

@@ -81,7 +81,7 @@ fn ring_model_completes_no_earlier_than_the_modelled_time() {
         assert!(done < modelled + SLACK, "rank {r} after {done:?}");
     }
     let text = w.group.metrics().render();
-    assert!(text.contains("dmlc_model_error_seconds_count 1"), "{text}");
+    assert!(text.contains("dmlc_model_error_seconds_count 2"), "{text}");
 }
 
 #[test]
@@ -476,4 +476,183 @@ fn a_generation_change_delivers_held_completions_at_once() {
     for p in &p {
         assert!(hub.wait_for(p, SLACK).is_some());
     }
+}
+
+#[test]
+fn members_of_a_chain_complete_at_their_own_modelled_times() {
+    // A ring broadcast from rank 0 over 8 modelled ranks is a chain: rank 0
+    // has sent the data after one hop (a + Nb), rank 1 has forwarded it
+    // after two (2a + Nb); the model's end is 7a + Nb. Alpha 300 ms keeps
+    // the order on a loaded machine.
+    let mut cfg = timed(
+        2,
+        "[model]\nkind = \"ring\"\nworld = 8\nalpha_us = 300000\nbandwidth_gbs = 1\n",
+    );
+    cfg.trace_capacity = 4;
+    let mut w = World::new(cfg);
+    let mut rng = Rng::new(7);
+    let c = Coll::new(Opcode::Broadcast, Dtype::F32, ReduceOp::Sum, 16);
+    let (pend, built, inputs, t) = submit_all(&mut w, 0, &c, &mut rng);
+    let nb = Duration::from_nanos(64);
+    let alpha = Duration::from_millis(300);
+    let d0 = w.wait_for(&pend[0], SLACK + alpha * 8).expect("rank 0");
+    let d1 = w.wait_for(&pend[1], SLACK + alpha * 8).expect("rank 1");
+    assert!(d0.at - t >= alpha + nb, "rank 0 after {:?}", d0.at - t);
+    assert!(d1.at - t >= alpha * 2 + nb, "rank 1 after {:?}", d1.at - t);
+    assert!(d0.at < d1.at, "{:?} {:?}", d0.at - t, d1.at - t);
+    let want = c.expected(&inputs, &[false, false]);
+    for r in 0..2 {
+        assert_eq!(w.members[r].gather(&built[r].outputs), want[r]);
+    }
+    // The recorder keeps each member's modelled and actual completion; the
+    // collective's modelled end is that of the whole chain.
+    let recs = records_when(&w, |r| !r.is_empty());
+    let r = &recs[0];
+    let (start, end) = r.modelled.unwrap();
+    assert_eq!(end - start, alpha * 7 + nb);
+    assert_eq!(r.members[0].modelled.unwrap() - start, alpha + nb);
+    assert_eq!(r.members[1].modelled.unwrap() - start, alpha * 2 + nb);
+    for m in &r.members {
+        assert!(m.completed.unwrap() >= m.modelled.unwrap());
+        assert!(!m.withheld);
+    }
+    let text = w.group.metrics().render();
+    assert!(text.contains("dmlc_model_error_seconds_count 2"), "{text}");
+    // Dumped: each member's slice ends at its own completion.
+    let trace = w.group.recorder().unwrap().chrome_json(2);
+    let slices = dmlc_test_support::chrome_trace::check(&trace);
+    let done_us: Vec<f64> = [1u64, 2]
+        .iter()
+        .map(|pid| {
+            let e = slices
+                .iter()
+                .filter(|((p, _), _)| p == pid)
+                .flat_map(|(_, v)| v)
+                .find(|e| e["cat"] == "collective")
+                .expect("a member slice");
+            let end = e["ts"].as_f64().unwrap() + e["dur"].as_f64().unwrap();
+            assert!(e["args"]["modelled_completion_us"].as_f64().unwrap() <= end + 1.0);
+            end
+        })
+        .collect();
+    assert!(done_us[1] - done_us[0] >= 250_000.0, "{done_us:?}");
+}
+
+#[test]
+fn a_bandwidth_factor_in_a_window_slows_only_its_collectives() {
+    // 2 ranks at 1 MB/s: a 4 KiB allreduce moves 2 * (1/2) * 4096 bytes,
+    // 4.1 ms; collective 1 of queue 0 has rank 1's link at 1/100 of that.
+    let mut cfg = timed(
+        2,
+        "[model]\nkind = \"ring\"\nalpha_us = 0\nbandwidth_gbs = 0.001\n\
+         [[bandwidth]]\nranks = [1]\nfactor = 0.01\nqueue = 0\n\
+         from_collective = 1\nuntil_collective = 2\n",
+    );
+    cfg.trace_capacity = 8;
+    let mut w = World::new(cfg);
+    let mut rng = Rng::new(8);
+    let c = Coll::new(Opcode::Allreduce, Dtype::F32, ReduceOp::Sum, 1024);
+    let fast = Duration::from_nanos(4_096_000);
+    for i in 0..3 {
+        let (pend, _, _, t) = submit_all(&mut w, 0, &c, &mut rng);
+        for p in &pend {
+            assert_eq!(w.wait(p).1, ok_resp(1));
+        }
+        if i == 1 {
+            assert!(t.elapsed() >= fast * 100, "{:?}", t.elapsed());
+        }
+    }
+    assert_eq!(w.group.metrics().injected_bandwidth_count(), 1);
+    assert!(w
+        .group
+        .metrics()
+        .render()
+        .contains("dmlc_injected_bandwidth_total 1"));
+    let recs = records_when(&w, |r| r.len() == 3);
+    let modelled: Vec<Duration> = recs
+        .iter()
+        .map(|r| {
+            let (a, b) = r.modelled.unwrap();
+            b - a
+        })
+        .collect();
+    assert_eq!(modelled, [fast, fast * 100, fast]);
+    assert!(recs[0].injected.is_empty() && recs[2].injected.is_empty());
+    assert_eq!(recs[1].injected.len(), 1);
+    assert!(
+        recs[1].injected[0].contains("rank 1 at 0.01x"),
+        "{:?}",
+        recs[1].injected
+    );
+}
+
+#[test]
+fn a_withheld_completion_is_never_made_and_the_group_goes_on() {
+    let mut cfg = timed(
+        2,
+        "[[fail]]\nstatus = \"withheld\"\nrank = 1\ncollective = 0\n",
+    );
+    cfg.trace_capacity = 8;
+    let mut w = World::new(cfg);
+    let mut rng = Rng::new(9);
+    let c = Coll::new(Opcode::Allreduce, Dtype::I32, ReduceOp::Sum, 8);
+    let (pend, built, inputs, _) = submit_all(&mut w, 0, &c, &mut rng);
+    assert_eq!(w.wait(&pend[0]).1, ok_resp(1));
+    assert_eq!(w.group.metrics().injected_withheld_count(), 1);
+    // The data moved; rank 1's completion never comes.
+    let want = c.expected(&inputs, &[false, false]);
+    assert_eq!(w.members[1].gather(&built[1].outputs), want[1]);
+    assert!(w.wait_for(&pend[1], Duration::from_millis(300)).is_none());
+    // The next collectives run, for rank 1 too.
+    for _ in 0..2 {
+        let (pend, _, _, _) = submit_all(&mut w, 0, &c, &mut rng);
+        for p in &pend {
+            assert_eq!(w.wait(p).1, ok_resp(1));
+        }
+    }
+    // A generation change (held completions are flushed) does not make it.
+    w.group.reset();
+    assert!(w.wait_for(&pend[1], Duration::from_millis(100)).is_none());
+    let recs = records_when(&w, |r| r.len() == 3);
+    let r = &recs[0];
+    assert!(r.members[0].completed.is_some());
+    assert!(r.members[1].completed.is_none() && r.members[1].withheld);
+    assert!(
+        r.injected.iter().any(|i| i.contains("rank 1 withheld")),
+        "{:?}",
+        r.injected
+    );
+    let text = w.group.metrics().render();
+    assert!(text.contains("dmlc_injected_withheld_total 1"), "{text}");
+    let trace = w.group.recorder().unwrap().chrome_json(2);
+    dmlc_test_support::chrome_trace::check(&trace);
+    let withheld = trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["args"]["withheld"] == true)
+        .count();
+    assert_eq!(withheld, 1);
+}
+
+#[test]
+fn the_files_overhead_comes_off_the_modelled_time() {
+    // 400 ms modelled (a 2-rank ring barrier: 2a), 100 ms of it declared
+    // the host's own.
+    let mut cfg = timed(
+        2,
+        "overhead_us = 100000\n[model]\nkind = \"ring\"\nalpha_us = 200000\nbandwidth_gbs = 1\n",
+    );
+    cfg.trace_capacity = 2;
+    let mut w = World::new(cfg);
+    let d: Vec<Vec<Desc>> = (0..2).map(|r| barrier_descs(&mut w, r)).collect();
+    let t = Instant::now();
+    let p: Vec<Pending> = (0..2).map(|r| w.submit(r, 0, &d[r as usize])).collect();
+    for p in &p {
+        assert_eq!(w.wait(p).1, ok_resp(1));
+        assert!(t.elapsed() >= Duration::from_millis(300));
+    }
+    let recs = records_when(&w, |r| !r.is_empty());
+    let (from, to) = recs[0].modelled.unwrap();
+    assert_eq!(to - from, Duration::from_millis(300));
 }
