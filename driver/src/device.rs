@@ -55,6 +55,10 @@ pub struct OpenOptions {
     /// wait), at most this long; how long within that bound the driver
     /// learns from its recent waits. Zero (the default): sleep at once.
     pub spin_cap: Duration,
+    /// How long past a request's own timeout a wait gives up on an
+    /// unanswered request ([`WAIT_MARGIN`] by default; tests of that bound
+    /// shorten it).
+    pub wait_margin: Duration,
 }
 
 /// The hybrid wait's bound that `--hybrid` (and `DMLC_POLL=hybrid`) use:
@@ -71,6 +75,7 @@ impl Default for OpenOptions {
             dma_bytes: 256 << 20,
             max_queues: 0,
             spin_cap: Duration::ZERO,
+            wait_margin: WAIT_MARGIN,
         }
     }
 }
@@ -847,7 +852,7 @@ impl Device {
             bounce: Mutex::new(None),
             known_generation: AtomicU32::new(config.generation.get()),
             known_group: AtomicU64::new(config.group_id.get()),
-            wait_margin: WAIT_MARGIN,
+            wait_margin: opts.wait_margin,
             kernel: None,
         })
     }
@@ -882,7 +887,7 @@ impl Device {
             bounce: Mutex::new(None),
             known_generation: AtomicU32::new(config.generation.get()),
             known_group: AtomicU64::new(config.group_id.get()),
-            wait_margin: WAIT_MARGIN,
+            wait_margin: opts.wait_margin,
             kernel: Some(kernel),
         })
     }
