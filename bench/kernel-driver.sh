@@ -1,7 +1,9 @@
 #!/bin/bash
 # The kernel driver against the userspace driver in the same VMs: 4 B
 # allreduce latency, 1 MiB and 64 MiB allreduce time (medians of rank 0).
-# The userspace driver works on its hugepage DMA buffers (zero copy); a
+# The first row is the device's floor: a nop, which the device answers
+# for the member alone, through each driver. The userspace driver works on
+# its hugepage DMA buffers (zero copy); a
 # program with malloc buffers must copy in and out, so its time is shown
 # with two 64 MiB memcpys (measured in the same VM) added. The kernel
 # driver works on malloc buffers directly (pinned pages), polling and on
@@ -44,7 +46,7 @@ for run in $(seq "$repeat"); do
         --files kernel-driver/tools/guest-bench.sh:/usr/bin/guest-bench.sh \
         --files target/release/dmlc-guest:/usr/bin/dmlc-guest \
         -- guest-bench.sh "$iters" >"$out"
-    grep -E '^\[rank 0\] (ktest|kernel driver)|^\[rank 0\] +(4|1048576|67108864) ' "$out" >&2 || true
+    grep -E '^\[rank 0\] (ktest|kernel driver|# floor)|^\[rank 0\] +(4|1048576|67108864) ' "$out" >&2 || true
 done
 python3 - "$n" "${outs[@]}" <<'PY'
 import re, statistics, sys
@@ -68,7 +70,9 @@ def run_values(path):
         return next(float(m.group(1)) for l in sec for m in [re.search(pat, l)] if m)
 
     cp = k(poll, r"memcpy 64 MiB .*median ([0-9.]+)")
+    floor = r"nop \(the device's floor\): p50 ([0-9.]+)"
     return [
+        (k(r0, r"^# floor: .* p50 ([0-9.]+)"), None, k(poll, floor), k(intr, floor)),
         (user[4], None, k(poll, r"4 B: p50 ([0-9.]+)"), k(intr, r"4 B: p50 ([0-9.]+)")),
         (user[1 << 20], None, k(poll, r"1 MiB: median ([0-9.]+)"), k(intr, r"1 MiB: median ([0-9.]+)")),
         (user[64 << 20], user[64 << 20] + 2 * cp, k(poll, r"64 MiB: median ([0-9.]+)"),
@@ -76,7 +80,8 @@ def run_values(path):
     ], cp
 
 
-names = ["4 B allreduce, p50 (us)", "1 MiB allreduce (us)", "64 MiB allreduce (us)"]
+names = ["floor: nop, p50 (us)", "4 B allreduce, p50 (us)", "1 MiB allreduce (us)",
+         "64 MiB allreduce (us)"]
 runs = [run_values(f) for f in files]
 print(f"\nkernel driver vs userspace driver, {n} VMs, rank 0's medians, {len(runs)} runs")
 head = "| | userspace (DMA buffers) | userspace + 2 copies | kernel, poll (malloc) | kernel, interrupt | kernel poll / userspace (+ copies) |"
