@@ -32,6 +32,7 @@ fn selftest_quick_two_ranks() {
         "allgather",
         "reduce_scatter",
         "barrier",
+        "nop",
     ] {
         assert!(
             out.lines()
@@ -345,4 +346,57 @@ fn no_socket_is_explained() {
         "{}",
         p.dump()
     );
+}
+
+/// A rank that waits 50 ms for a late peer on interrupts, or with the
+/// hybrid wait, leaves the CPU: its process is on a CPU for well under half
+/// of the wait (a sleeping wait is a few percent; the bound is generous for
+/// a loaded machine, where a spinning one shares the CPU too). Each rank's
+/// result is checked by that rank.
+#[test]
+fn waiting_for_a_late_peer_leaves_the_cpu_with_interrupts_and_hybrid() {
+    let _g = serial();
+    for mode in ["--interrupt", "--hybrid"] {
+        let mut p = run_guest(
+            "local",
+            &[
+                "local",
+                "--ranks",
+                "2",
+                "--all-output",
+                "--",
+                mode,
+                "debug",
+                "late-peer",
+                "--rounds",
+                "6",
+            ],
+            LIMIT,
+        );
+        let st = p.finish(LIMIT);
+        assert_ok(&p, st.success());
+        let out = p.stdout();
+        let line = out
+            .lines()
+            .find(|l| l.starts_with("late-peer: rank 0 of 2"))
+            .unwrap_or_else(|| panic!("no line of rank 0:\n{}", p.dump()));
+        assert!(out.contains("rank 1 of 2 is the late peer"), "{}", p.dump());
+        let busy: f64 = line
+            .split("CPU busy ")
+            .nth(1)
+            .and_then(|r| r.split('%').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no busy figure in {line}"));
+        let waited: f64 = line
+            .split("waited ")
+            .nth(1)
+            .and_then(|r| r.split(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no wait figure in {line}"));
+        assert!(
+            waited >= 25.0,
+            "{mode}: the wait ({waited} ms) did not wait for the peer"
+        );
+        assert!(busy < 50.0, "{mode}: busy {busy}% of the wait: {line}");
+    }
 }

@@ -9,7 +9,8 @@ use dmlc_driver::device::{Device, DmaBuf, Handle, Request};
 use dmlc_driver::error::Error;
 use virtio_dmlc::{buffer_elems, Dtype, Opcode, ReduceOp};
 
-use super::{CliError, Ctx};
+use super::util::Stats;
+use super::{CliError, Ctx, Setup};
 
 /// Debug subcommands.
 #[derive(clap::Subcommand, Debug)]
@@ -47,6 +48,19 @@ pub enum DebugCmd {
         #[arg(long, default_value_t = 4096)]
         count: u64,
     },
+    /// What waiting for a late peer costs the CPU: in each round rank
+    /// LATE_RANK sleeps DELAY_MS before a 4 B allreduce that the others
+    /// enter at once. Every other rank prints its median wait and the
+    /// share of that wait its process was on a CPU (its CPU time over the
+    /// wall time), so the poll, interrupt and hybrid waits can be compared.
+    LatePeer {
+        #[arg(long, default_value_t = 50)]
+        delay_ms: u64,
+        #[arg(long, default_value_t = 20)]
+        rounds: u32,
+        #[arg(long, default_value_t = 1)]
+        late_rank: u32,
+    },
 }
 
 /// A short classification of the error for tests to match.
@@ -60,7 +74,7 @@ pub fn kind(e: &Error) -> &'static str {
     }
 }
 
-pub fn run(dev: &Device, cmd: &DebugCmd) -> Result<(), CliError> {
+pub fn run(dev: &Device, setup: &Setup, cmd: &DebugCmd) -> Result<(), CliError> {
     match cmd {
         DebugCmd::Mismatch { field } => mismatch(dev, field),
         DebugCmd::Allreduce {
@@ -74,7 +88,94 @@ pub fn run(dev: &Device, cmd: &DebugCmd) -> Result<(), CliError> {
             iters,
             count,
         } => multiqueue(dev, *inflight, *iters, *count),
+        DebugCmd::LatePeer {
+            delay_ms,
+            rounds,
+            late_rank,
+        } => late_peer(
+            dev,
+            setup.mode,
+            Duration::from_millis(*delay_ms),
+            *rounds,
+            *late_rank,
+        ),
     }
+}
+
+/// CPU time this process has used, all threads.
+fn process_cpu_time() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid place for the result; the clock id is a
+    // constant every Linux has.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(
+        u64::try_from(ts.tv_sec).unwrap_or(0),
+        u32::try_from(ts.tv_nsec).unwrap_or(0),
+    )
+}
+
+fn late_peer(
+    dev: &Device,
+    mode: &str,
+    delay: Duration,
+    rounds: u32,
+    late_rank: u32,
+) -> Result<(), CliError> {
+    let (rank, world) = (dev.rank(), dev.world_size());
+    if late_rank >= world || world < 2 {
+        return Err(CliError::Usage(format!(
+            "--late-rank {late_rank} needs a group of at least 2 with that rank (world size {world})"
+        )));
+    }
+    if rounds == 0 {
+        return Err(CliError::Usage("--rounds must be at least 1".into()));
+    }
+    let mut input = dev.alloc(4).ctx("alloc")?;
+    let mut output = dev.alloc(4).ctx("alloc")?;
+    input
+        .as_mut_slice()
+        .copy_from_slice(&(rank as f32 + 1.0).to_le_bytes());
+    let want: f32 = (1..=world).map(|r| r as f32).sum();
+    let (mut waits, mut busy) = (Vec::new(), Vec::new());
+    for round in 0..rounds {
+        dev.barrier().ctx("barrier")?;
+        if rank == late_rank {
+            std::thread::sleep(delay);
+        }
+        let (t0, c0) = (Instant::now(), process_cpu_time());
+        dev.allreduce(Dtype::F32, ReduceOp::Sum, &input, &output, 1)
+            .ctx("allreduce")?;
+        let (wall, cpu) = (t0.elapsed(), process_cpu_time().saturating_sub(c0));
+        // &mut: takes the buffer back from the device before reading it.
+        let c = output.as_mut_slice();
+        let got = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        if got != want {
+            return Err(CliError::Wrong(format!(
+                "round {round}: expected {want}, got {got}"
+            )));
+        }
+        waits.push(wall.as_secs_f64() * 1e3);
+        busy.push(100.0 * cpu.as_secs_f64() / wall.as_secs_f64().max(1e-9));
+    }
+    if rank == late_rank {
+        println!(
+            "late-peer: rank {rank} of {world} is the late peer ({} ms before each of {rounds} rounds), results ok",
+            delay.as_millis()
+        );
+    } else {
+        println!(
+            "late-peer: rank {rank} of {world} (mode {mode}): waited {:.1} ms per round, CPU busy {:.1}% of the wait (medians of {rounds} rounds), results ok",
+            Stats::of(&mut waits).median,
+            Stats::of(&mut busy).median
+        );
+    }
+    Ok(())
 }
 
 fn mismatch(dev: &Device, field: &str) -> Result<(), CliError> {

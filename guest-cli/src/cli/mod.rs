@@ -361,8 +361,8 @@ fn run(cli: &Cli) -> Result<u8, CliError> {
             Ok(u8::try_from(code).unwrap_or(1))
         }
         Cmd::Debug(cmd) => {
-            let (dev, _) = g.open(0)?;
-            debug::run(&dev, cmd)?;
+            let (dev, setup) = g.open(0)?;
+            debug::run(&dev, &setup, cmd)?;
             Ok(0)
         }
     }
