@@ -1,9 +1,12 @@
 #!/bin/bash
 # Stock XGBoost over TCP between TCG VMs: examples/xgboost/train.py on N
 # VMs (dmlc-qemu submit --tracker rabit --host-root), per-round time of
-# rank 0 (median, min, max over the rounds) and whether every rank ended
-# with the same model (the sha256 each rank printed of its own model).
-# N = 1 has no peer: its round is the whole data set's compute alone.
+# rank 0 (median, min, max over the rounds), the share of the tree updates
+# that XGBoost's monitor puts in the histogram exchange (train.py
+# --monitor: an estimate; a few percent on 1 rank, where none runs), and
+# whether every rank ended with the same model (the sha256 each rank
+# printed of its own model). N = 1 has no peer: its round is the whole
+# data set's compute alone.
 #
 # Usage: bench/xgboost-tcp.sh [--ranks "1 2 4"] [--rounds R] [--data NAME]
 #                             [--log-dir DIR] [-- TRAIN_ARGS...]
@@ -44,7 +47,7 @@ import json, sys
 r = json.load(sys.stdin)
 t = r["round_ms"]
 print(f"{r['world']} | {len(t)} | {r['round_median_ms']:.1f} | {min(t):.1f} | {max(t):.1f} "
-      f"| {r['setup_s']:.1f} | {r['accuracy']:.4f}")
+      f"| {r['exchange_share_estimate']:.0%} | {r['setup_s']:.1f} | {r['accuracy']:.4f}")
 PY
 )
 rows=()
@@ -54,7 +57,7 @@ for n in $ranks; do
     [ -n "$logs" ] && log_args=(--log-dir "$logs/n$n")
     out=$(target/release/dmlc-qemu submit -n "$n" --tracker rabit --host-root --memory 1G \
         --timeout 1200 "${log_args[@]}" -- "$python" examples/xgboost/train.py \
-        --rounds "$rounds" --data "$data" --json - "${extra[@]}" 2> >(cat >&2))
+        --rounds "$rounds" --data "$data" --monitor --json - "${extra[@]}" 2> >(cat >&2))
     printf '%s\n' "$out" >&2
     hashes=$(printf '%s\n' "$out" | sed -n 's/^\[rank [0-9]*\] rank [0-9]*: model sha256 //p' | sort -u)
     count=$(printf '%s\n' "$out" | grep -c ': model sha256 ' || true)
@@ -69,6 +72,6 @@ for n in $ranks; do
     row=$(printf '%s' "$json" | "$python" -c "$summary")
     rows+=("| $row | $same |")
 done
-echo "| N | rounds | round median ms | min | max | setup s | accuracy | same model on every rank |"
-echo "|---|---|---|---|---|---|---|---|"
+echo "| N | rounds | round median ms | min | max | histogram exchange (estimate) | setup s | accuracy | same model on every rank |"
+echo "|---|---|---|---|---|---|---|---|---|"
 printf '%s\n' "${rows[@]}"
