@@ -19,9 +19,9 @@ no account of the time its collectives take. With --monitor the script
 trains under XGBoost's own monitor (verbosity 3) and prints an estimate
 from its timers: the tree updates' histogram time (BuildHistogram and
 InitRoot, which hold the histogram allreduces) less the local histogram
-builds (BuildHist), as a share of the tree updates (UpdateTree). On one
-rank, where no collective runs, that estimate came out at 5%: the rest of
-those timers' work.
+builds (BuildHist), as a share of the tree updates (UpdateTree): an upper
+bound, since on one rank, where no collective runs, it came out at 5% on
+the host and 21% in a TCG VM (the rest of those timers' work).
 """
 
 from __future__ import annotations
