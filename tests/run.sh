@@ -96,7 +96,8 @@ step "python: the dmlc package and its torch backend (ruff; pytest over the host
 # build of the C library and the backend.
 venv=$(python/venv.sh)
 "$venv/bin/pip" install --disable-pip-version-check -q --no-deps --force-reinstall ./python
-py_files=(python bench/torch-ddp.py bench/tcg-cpu.py examples/torch)
+py_files=(python bench/torch-ddp.py bench/tcg-cpu.py examples/torch examples/xgboost
+  launcher/src/rabit_tracker.py)
 "$venv/bin/ruff" check --config python/pyproject.toml "${py_files[@]}"
 "$venv/bin/ruff" format --check --config python/pyproject.toml "${py_files[@]}"
 (cd python && DMLC_LIBRARY="$PWD/../target/debug/libdmlc_guest.so" \
@@ -159,5 +160,5 @@ export DMLC_KMOD DMLC_KTEST
 step "system tests: VMs (${DMLC_ACCEL:-tcg}), one test at a time"
 cargo test --locked -p dmlc-system-tests --test system -- --test-threads=1
 
-step "system tests: dmlc-qemu submit with the digits example and with DDP on 2 VMs"
+step "system tests: dmlc-qemu submit with the digits example, DDP and XGBoost (TCP) on 2 VMs"
 cargo test --locked -p dmlc-qemu --test system -- --test-threads=1

@@ -559,6 +559,7 @@ pub fn run(a: DemoArgs) -> i32 {
             args: args.clone(),
             fetch: vec![GUEST_REPORT.to_owned()],
             host_root: None,
+            tracker: None,
         })
         .collect();
     // Both runs use the same image: build it (if the cache lacks it) before

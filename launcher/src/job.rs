@@ -31,6 +31,14 @@ use crate::signals;
 /// Port every rank listens on with `--transport tcp`.
 pub const TCP_PORT: u16 = 9091;
 
+/// Port of the tracker in VM 0 with `--tracker rabit` (the next one answers
+/// once it listens: see rabit_tracker.py).
+pub const TRACKER_PORT: u16 = 9092;
+
+/// The wrapper that starts XGBoost's RabitTracker in rank 0 and makes every
+/// rank wait for it (run with the tracker's Python, `-c`).
+pub const RABIT_TRACKER_PY: &str = include_str!("rabit_tracker.py");
+
 /// Where a host program is put in the guest (and first on its PATH).
 pub const GUEST_BIN: &str = "/usr/local/bin";
 
@@ -65,6 +73,21 @@ pub enum Program {
     Host(PathBuf),
     /// A command already in the guest (a busybox applet, or a `--files` one).
     Guest(String),
+}
+
+/// A tracker that the workers meet at (`--tracker`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TrackerKind {
+    /// XGBoost's RabitTracker (`xgboost.tracker`), in VM 0.
+    Rabit,
+}
+
+/// The tracker of a job: XGBoost's RabitTracker at [`vm::vm_ip`]`(0)`,
+/// started by rank 0's wrapper with this Python.
+#[derive(Debug, Clone)]
+pub struct Tracker {
+    /// A Python with xgboost (seen in the guest at the same path).
+    pub python: String,
 }
 
 /// A job on the host's userland (`--host-root`).
@@ -124,6 +147,8 @@ pub struct Job {
     /// Run with the host's root filesystem (virtio-fs, read-only) instead of
     /// the image's: in this directory, with this process's PATH.
     pub host_root: Option<HostRoot>,
+    /// XGBoost's RabitTracker in VM 0 (needs TCP and the host's userland).
+    pub tracker: Option<Tracker>,
 }
 
 /// Errors of a job (what ends it before its workers can run).
@@ -260,7 +285,15 @@ impl Job {
     /// on the console.
     pub fn command_line(&self, token: &str) -> String {
         let program = self.guest_program();
-        let mut words = vec![shell_quote(&program)];
+        let mut words = Vec::new();
+        if let Some(t) = &self.tracker {
+            words.extend([
+                shell_quote(&t.python),
+                Cow::Borrowed("-c"),
+                shell_quote(RABIT_TRACKER_PY),
+            ]);
+        }
+        words.push(shell_quote(&program));
         words.extend(self.args.iter().map(|a| shell_quote(a)));
         let run = words.join(" ");
         if self.fetch.is_empty() {
@@ -296,6 +329,10 @@ impl Job {
                 .map(|i| format!("{}:{TCP_PORT}", vm::vm_ip(i)))
                 .collect();
             env.push(("DMLC_TCP_PEERS".to_owned(), peers.join(",")));
+        }
+        if self.tracker.is_some() {
+            env.push(("DMLC_TRACKER_URI".to_owned(), vm::vm_ip(0).to_string()));
+            env.push(("DMLC_TRACKER_PORT".to_owned(), TRACKER_PORT.to_string()));
         }
         if let Some(root) = &self.host_root {
             for (k, v) in &root.env {
@@ -379,7 +416,7 @@ impl Job {
             tmp_dir: None,
         };
         crate::progress(&format!(
-            "booting {} VM{} ({}, {} vCPU, {} MiB each; transport {})",
+            "booting {} VM{} ({}, {} vCPU, {} MiB each; transport {}{})",
             self.num_workers,
             if self.num_workers == 1 { "" } else { "s" },
             match self.accel {
@@ -388,7 +425,14 @@ impl Job {
             },
             self.vcpus,
             self.memory_mib,
-            self.transport.as_str()
+            self.transport.as_str(),
+            match self.tracker {
+                Some(_) => format!(
+                    "; XGBoost's RabitTracker in VM 0 at {}:{TRACKER_PORT}",
+                    vm::vm_ip(0)
+                ),
+                None => String::new(),
+            }
         ));
         let cluster = vm::Cluster::start(qemu, &image, &specs, &opts).map_err(JobError::Cluster)?;
         let mut monitor = Monitor::new(&cluster, self.num_workers, &token, self.log_dir.as_deref());
@@ -958,6 +1002,7 @@ mod tests {
             args: vec!["--data".to_owned(), "it's here".to_owned()],
             fetch: Vec::new(),
             host_root: None,
+            tracker: None,
         }
     }
 
@@ -994,6 +1039,50 @@ mod tests {
         assert!(j.host_root.as_ref().unwrap().under_tmp());
         j.host_root.as_mut().unwrap().cwd = "/work/repo".to_owned();
         assert!(!j.host_root.as_ref().unwrap().under_tmp());
+    }
+
+    #[test]
+    fn a_tracker_job_wraps_every_rank_and_names_the_tracker() {
+        let mut j = job();
+        j.program = Program::Host(PathBuf::from("/venv/bin/python3"));
+        j.args = vec!["train.py".to_owned()];
+        j.host_root = Some(HostRoot {
+            cwd: "/w".to_owned(),
+            env: Vec::new(),
+        });
+        j.tracker = Some(Tracker {
+            python: "/venv/bin/python3".to_owned(),
+        });
+        let words = shlex::split(&j.command_line("t")).unwrap();
+        assert_eq!(
+            words,
+            [
+                "exec",
+                "/venv/bin/python3",
+                "-c",
+                RABIT_TRACKER_PY,
+                "/venv/bin/python3",
+                "train.py"
+            ]
+        );
+        for rank in [0, 2] {
+            let env = j.environment(rank);
+            let get = |k: &str| {
+                env.iter()
+                    .find(|(key, _)| key == k)
+                    .map(|(_, v)| v.as_str())
+            };
+            assert_eq!(get("DMLC_TRACKER_URI"), Some("10.0.0.1"));
+            assert_eq!(get("DMLC_TRACKER_PORT"), Some("9092"));
+            assert_eq!(get("DMLC_NUM_WORKER"), Some("3"));
+            assert_eq!(get("DMLC_TASK_ID"), Some(rank.to_string().as_str()));
+        }
+        j.tracker = None;
+        assert!(j
+            .environment(0)
+            .iter()
+            .all(|(k, _)| k != "DMLC_TRACKER_URI"));
+        assert!(!j.command_line("t").contains("RabitTracker"));
     }
 
     #[test]

@@ -37,6 +37,8 @@ Examples:
   dmlc-qemu submit --num-workers 2 -- sh -c 'echo rank $DMLC_TASK_ID of $DMLC_NUM_WORKER'
   dmlc-qemu submit -n 2 --files ~/.cache/virtio-dmlc/data/digits.csv.gz:/data/digits.csv.gz \\
       -- target/debug/dmlc-train-digits --steps 50
+  dmlc-qemu submit -n 2 --tracker rabit --host-root --memory 1G \\
+      -- python3 examples/xgboost/train.py --rounds 10
 
 See launcher/README.md for the environment inside the VMs and the logs.";
 
@@ -74,7 +76,8 @@ with '-' or follow --files/--env.
 
 Each worker's environment: DMLC_ROLE=worker DMLC_NUM_WORKER=N DMLC_TASK_ID=i
 DMLC_NUM_SERVER=0 DMLC_JOB_CLUSTER=qemu DMLC_TRANSPORT=device|tcp
-DMLC_DEVICE=pci, and with --transport tcp DMLC_TCP_PEERS=10.0.0.1:9091,...
+DMLC_DEVICE=pci, and with --transport tcp DMLC_TCP_PEERS=10.0.0.1:9091,...;
+with --tracker also DMLC_TRACKER_URI=10.0.0.1 DMLC_TRACKER_PORT=9092.
 
 Exit status: the first non-zero status of the workers (0 if all succeed);
 124 on timeout; 125 if a VM or the backend failed or the job could not
@@ -161,9 +164,24 @@ struct SubmitArgs {
     machine: MachineArgs,
 
     /// How the workers exchange data: the virtio-dmlc device, or TCP over
-    /// virtio-net (every VM gets the device either way).
-    #[arg(long, value_enum, default_value_t = Transport::Device)]
-    transport: Transport,
+    /// virtio-net (every VM gets the device either way) [default: device;
+    /// tcp with --tracker].
+    #[arg(long, value_enum)]
+    transport: Option<Transport>,
+
+    /// Start a tracker that the workers meet at, as dmlc-submit does:
+    /// `rabit` is XGBoost's RabitTracker (xgboost.tracker), started in VM 0
+    /// before its worker on 10.0.0.1:9092 (ranks sorted by task, so rank =
+    /// DMLC_TASK_ID); every worker waits until it listens and gets
+    /// DMLC_TRACKER_URI and DMLC_TRACKER_PORT. Needs --host-root and
+    /// --transport tcp (docs/xgboost.md).
+    #[arg(long, value_enum, value_name = "KIND")]
+    tracker: Option<job::TrackerKind>,
+
+    /// The Python that runs the tracker; it must import xgboost [default:
+    /// PROGRAM when its name starts with "python", else python3 on PATH].
+    #[arg(long, value_name = "PATH", requires = "tracker")]
+    tracker_python: Option<PathBuf>,
 
     /// Extra files or directories for every VM (GUEST absolute; ending in
     /// '/': copy into that directory).
@@ -388,15 +406,102 @@ fn accel(arg: AccelArg) -> vm::Accel {
     }
 }
 
+/// The Python of `--tracker rabit`, checked on the host (the guests see the
+/// same file) to import xgboost's tracker.
+fn tracker_python(arg: Option<&Path>, program: &str) -> String {
+    let python = match arg {
+        Some(p) => p.to_path_buf(),
+        None => {
+            let name = Path::new(program)
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            if name.starts_with("python") {
+                PathBuf::from(program)
+            } else {
+                PathBuf::from("python3")
+            }
+        }
+    };
+    let python = if python.components().count() > 1 {
+        std::path::absolute(&python).unwrap_or(python)
+    } else {
+        which(&python).unwrap_or_else(|| {
+            usage_error(format!(
+                "--tracker rabit: {} is not on PATH; give --tracker-python PATH \
+                 (a Python with xgboost)",
+                python.display()
+            ))
+        })
+    };
+    // Hidden as in the tracker's wrapper: xgboost imports scikit-learn when
+    // it is installed, which is slow and not needed here.
+    let check = "import sys; sys.modules['sklearn'] = None; \
+                 import xgboost.tracker; print(xgboost.__version__)";
+    match std::process::Command::new(&python)
+        .args(["-c", check])
+        .stdin(std::process::Stdio::null())
+        .output()
+    {
+        Ok(out) if out.status.success() => {}
+        Ok(out) => {
+            let err = String::from_utf8_lossy(&out.stderr);
+            let last = err
+                .lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("");
+            usage_error(format!(
+                "--tracker rabit: {} cannot import xgboost.tracker ({}); install \
+                 xgboost into it (pip install xgboost-cpu) or give --tracker-python PATH",
+                python.display(),
+                last.trim()
+            ))
+        }
+        Err(e) => usage_error(format!(
+            "--tracker rabit: cannot run {}: {e}",
+            python.display()
+        )),
+    }
+    python.to_string_lossy().into_owned()
+}
+
+/// `name` on this process's PATH.
+fn which(name: &Path) -> Option<PathBuf> {
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|dir| dir.join(name))
+        .find(|p| {
+            p.metadata()
+                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
+}
+
 /// The job of `submit`, after checking what clap cannot.
 fn submit_job(a: SubmitArgs) -> Job {
     check_dma(&a.machine);
+    let transport = match (a.tracker, a.transport) {
+        (Some(_), None) => Transport::Tcp,
+        (Some(_), Some(Transport::Device)) => usage_error(
+            "--tracker rabit needs --transport tcp: the workers meet the tracker \
+             over virtio-net, which only --transport tcp gives the VMs",
+        ),
+        (_, t) => t.unwrap_or(Transport::Device),
+    };
+    if a.tracker.is_some() && !a.host_root {
+        usage_error(
+            "--tracker rabit needs --host-root: the tracker runs this machine's \
+             Python with xgboost in VM 0",
+        );
+    }
     let mut words = a.command.into_iter();
     let program = words.next().expect("clap requires PROGRAM");
     let program_str = program
         .to_str()
         .unwrap_or_else(|| usage_error("PROGRAM must be valid UTF-8"))
         .to_owned();
+    let tracker = a.tracker.map(|job::TrackerKind::Rabit| job::Tracker {
+        python: tracker_python(a.tracker_python.as_deref(), &program_str),
+    });
     let program = if program_str.contains('/') {
         let path = Path::new(&program_str);
         check_executable(path, "PROGRAM");
@@ -420,7 +525,7 @@ fn submit_job(a: SubmitArgs) -> Job {
         dma_mib: m.dma,
         accel: accel(m.accel),
         cpu: m.cpu,
-        transport: a.transport,
+        transport,
         files: a.files,
         timeout: (m.timeout > 0).then(|| Duration::from_secs(m.timeout)),
         log_dir: m.log_dir,
@@ -434,6 +539,7 @@ fn submit_job(a: SubmitArgs) -> Job {
             job::HostRoot::here()
                 .unwrap_or_else(|e| usage_error(format!("cannot read the current directory: {e}")))
         }),
+        tracker,
     }
 }
 

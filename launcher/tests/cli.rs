@@ -44,6 +44,11 @@ fn help_explains_every_flag() {
         "<PROGRAM>...",
         "DMLC_TASK_ID=i",
         "DMLC_TCP_PEERS",
+        "--tracker <KIND>",
+        "RabitTracker",
+        "DMLC_TRACKER_URI=10.0.0.1 DMLC_TRACKER_PORT=9092",
+        "--tracker-python <PATH>",
+        "tcp with --tracker",
         "/usr/local/bin/NAME",
         "Exit status",
         "124 on timeout",
@@ -132,6 +137,56 @@ fn wrong_flags_get_clear_errors() {
             &["submit", "-n", "2", "--backend", "/no/such", "--", "sh"],
             "backend /no/such",
         ),
+        (
+            &["submit", "-n", "2", "--tracker", "mpi", "--", "sh"],
+            "invalid value 'mpi' for '--tracker <KIND>'",
+        ),
+        (
+            &["submit", "-n", "2", "--tracker", "rabit", "--", "sh"],
+            "--tracker rabit needs --host-root",
+        ),
+        (
+            &[
+                "submit",
+                "-n",
+                "2",
+                "--tracker",
+                "rabit",
+                "--host-root",
+                "--transport",
+                "device",
+                "--",
+                "sh",
+            ],
+            "--tracker rabit needs --transport tcp",
+        ),
+        (
+            &[
+                "submit",
+                "-n",
+                "2",
+                "--tracker-python",
+                "/bin/sh",
+                "--",
+                "sh",
+            ],
+            "--tracker <KIND>",
+        ),
+        (
+            &[
+                "submit",
+                "-n",
+                "2",
+                "--tracker",
+                "rabit",
+                "--host-root",
+                "--tracker-python",
+                "/no/such/python",
+                "--",
+                "sh",
+            ],
+            "cannot run /no/such/python",
+        ),
         (&["submit", "--bogus"], "unexpected argument '--bogus'"),
         (&["frobnicate"], "unrecognized subcommand 'frobnicate'"),
         (&["demo", "--steps", "0"], "0 is not in 1.."),
@@ -149,6 +204,55 @@ fn wrong_flags_get_clear_errors() {
         assert!(err.starts_with("error: "), "{args:?}: {err}");
         assert!(out.stdout.is_empty(), "{args:?} printed on stdout");
     }
+}
+
+#[test]
+fn a_tracker_python_without_xgboost_is_refused_before_any_vm() {
+    // A "Python" that fails the import check the way one without xgboost
+    // does.
+    let fake = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("python-without-xgboost");
+    std::fs::write(
+        &fake,
+        "#!/bin/sh\necho \"ModuleNotFoundError: No module named 'xgboost'\" >&2\nexit 1\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let out = dmlc_qemu(&[
+        "submit",
+        "-n",
+        "2",
+        "--tracker",
+        "rabit",
+        "--host-root",
+        "--",
+        fake.to_str().unwrap(),
+        "train.py",
+    ]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    let want = format!(
+        "{} cannot import xgboost.tracker (ModuleNotFoundError: No module named 'xgboost')",
+        fake.display()
+    );
+    // PROGRAM named python* is the tracker's Python too.
+    assert!(err.contains(&want), "{err}");
+    // Or --tracker-python names it.
+    let out = dmlc_qemu(&[
+        "submit",
+        "-n",
+        "2",
+        "--tracker",
+        "rabit",
+        "--host-root",
+        "--tracker-python",
+        fake.to_str().unwrap(),
+        "--",
+        "sh",
+    ]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains(&want), "{err}");
+    assert!(err.contains("--tracker-python PATH"), "{err}");
 }
 
 #[test]
