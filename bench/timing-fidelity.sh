@@ -9,7 +9,7 @@
 #   bench/timing-fidelity.sh [--ranks N] [--world P] [--alpha-us A]
 #                            [--bandwidth-gbs B] [--iters I] [--max BYTES]
 #                            [--repeat K] [--spin-us S] [--rank-arg ARG]
-#                            [--overhead-us auto|US]
+#                            [--overhead-us auto|US] [--vms]
 #
 # Defaults: 2 ranks, p = 8, alpha 100 us, 1 GB/s, 50 iterations, up to
 # 16M, 1 repetition. With --repeat K, the runs with and without the model
@@ -20,9 +20,13 @@
 # overhead_us, the host's own latency taken off every modelled time: auto
 # (the default) measures it first as the median round trip of a 4 B
 # allreduce without a model (bench -b 4 -e 4 -n 300), 0 takes nothing off.
+# --vms runs the ranks in TCG VMs instead (`dmlc-qemu submit -n N`, each
+# VM's `dmlc-guest --pci bench`, the daemon on the host with the same
+# file); it needs the release dmlc-qemu and the patched QEMU (as
+# `dmlc-qemu submit` does), and every run boots the VMs.
 set -euo pipefail
 
-ranks=2 world=8 alpha=100 bw=1 iters=50 max=16M repeat=1 spin=0 rank_args=() overhead=auto
+ranks=2 world=8 alpha=100 bw=1 iters=50 max=16M repeat=1 spin=0 rank_args=() overhead=auto vms=0
 while [ $# -gt 0 ]; do
     case $1 in
         --ranks) ranks=$2; shift 2 ;;
@@ -36,7 +40,8 @@ while [ $# -gt 0 ]; do
         --overhead-us) overhead=$2; shift 2 ;;
         --rank-arg) rank_args+=("$2"); shift 2 ;;
         --rank-arg=*) rank_args+=("${1#--rank-arg=}"); shift ;;
-        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+        --vms) vms=1; shift ;;
+        -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
         *) echo "timing-fidelity.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -44,14 +49,32 @@ done
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 cargo build --release -q -p dmlc-guest -p vhost-device-dmlc
+[ "$vms" = 0 ] || cargo build --release -q -p dmlc-qemu
 target=${CARGO_TARGET_DIR:-$root/target}/release
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+
+# Runs rank 0's bench with the given launcher options (first) and bench
+# options (after --); prints rank 0's output.
+ranks_bench() {
+    local opts=()
+    while [ "$1" != -- ]; do opts+=("$1"); shift; done
+    shift
+    if [ "$vms" = 1 ]; then
+        "$target/dmlc-qemu" submit -n "$ranks" --timeout 1800 "${opts[@]}" \
+            --files "$target/dmlc-guest:/usr/bin/dmlc-guest" \
+            -- dmlc-guest --pci bench "$@" "${rank_args[@]}" 2>/dev/null |
+            sed -n 's/^\[rank 0\] //p'
+    else
+        "$target/dmlc-guest" local --ranks "$ranks" --backend "$target/vhost-device-dmlc" "${opts[@]}" \
+            -- bench "$@" "${rank_args[@]}" 2>/dev/null
+    fi
+}
+
 if [ "$overhead" = auto ]; then
     # The device floor: rank 0's median round trip of a 4 B allreduce
     # without a model.
-    overhead=$("$target/dmlc-guest" local --ranks "$ranks" --backend "$target/vhost-device-dmlc" \
-        -- bench -b 4 -e 4 -n 300 -w 50 "${rank_args[@]}" 2>/dev/null |
+    overhead=$(ranks_bench -- -b 4 -e 4 -n 300 -w 50 |
         awk '$1 ~ /^[0-9]+$/ { print $6; exit }')
     [ -n "$overhead" ] || { echo "timing-fidelity.sh: cannot measure the floor" >&2; exit 1; }
 fi
@@ -67,12 +90,12 @@ EOF
 
 # Prints "size oop_median ip_median" per size.
 run() {
-    "$target/dmlc-guest" local --ranks "$ranks" --backend "$target/vhost-device-dmlc" "$@" \
-        -- bench -b 4 -e "$max" -n "$iters" -w $((iters / 5 + 1)) "${rank_args[@]}" 2>/dev/null |
+    ranks_bench "$@" -- -b 4 -e "$max" -n "$iters" -w $((iters / 5 + 1)) |
         awk '$1 ~ /^[0-9]+$/ { print $1, $6, $10 }'
 }
 
-echo "# timing-fidelity.sh: $ranks ranks (host transport), ring model p=$world alpha=${alpha}us bandwidth=${bw}GB/s spin_us=$spin overhead_us=$overhead, ranks' extra options: ${rank_args[*]:-none}, f32 sum allreduce, $iters iterations, $repeat repetition(s); $(nproc) CPUs, load average $(cut -d' ' -f1-3 /proc/loadavg)"
+where=$([ "$vms" = 1 ] && echo "TCG VMs, virtio-pci" || echo "host transport")
+echo "# timing-fidelity.sh: $ranks ranks ($where), ring model p=$world alpha=${alpha}us bandwidth=${bw}GB/s spin_us=$spin overhead_us=$overhead, ranks' extra options: ${rank_args[*]:-none}, f32 sum allreduce, $iters iterations, $repeat repetition(s); $(nproc) CPUs, load average $(cut -d' ' -f1-3 /proc/loadavg)"
 for rep in $(seq "$repeat"); do
     run --backend-arg=--timing="$tmp/ring.toml" | sed "s/^/model /" >>"$tmp/raw"
     run | sed "s/^/none /" >>"$tmp/raw"
