@@ -198,6 +198,8 @@ pub fn start_backend(config: Config) -> Result<(), DaemonError> {
             joined.hosts * group_config.world_size
         );
     }
+    // Host 0's, with --mpi.
+    let group_id = group_config.group_id;
     let group = Group::new(group_config);
     let world = config.group.world_size;
 
@@ -254,7 +256,7 @@ pub fn start_backend(config: Config) -> Result<(), DaemonError> {
         }
         info!(
             "group {:#x}: {} members, {} queue(s) each, listening on {}",
-            config.group.group_id,
+            group_id,
             config.group.world_size,
             config.group.num_queues,
             describe_paths(&config.socket_paths)

@@ -53,8 +53,8 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use virtio_dmlc::{
-    mismatch, Dtype, Opcode, ReduceOp, Status, VirtioDmlcConfig, VirtioDmlcReq, VirtioDmlcResp, NO_PEER,
-    VIRTIO_DMLC_F_REQ_TIMEOUT,
+    mismatch, Dtype, Opcode, ReduceOp, Status, VirtioDmlcConfig, VirtioDmlcReq, VirtioDmlcResp,
+    NO_PEER, VIRTIO_DMLC_F_REQ_TIMEOUT,
 };
 use virtio_queue::DescriptorChain;
 use vm_memory::{Bytes, GuestAddress};
@@ -943,7 +943,10 @@ impl Group {
             };
             if let Err(mpsc::SendError(remote::Work(step))) = link.tx.send(remote::Work(step)) {
                 drop(st);
-                if let remote::Step::Collective { waiting, running, .. } = step {
+                if let remote::Step::Collective {
+                    waiting, running, ..
+                } = step
+                {
                     log::error!("the inter-host stage is gone: the collective fails with RESET");
                     for a in waiting.arrivals.iter().flatten() {
                         sh.deliver(a, Outcome::fail(Status::Reset, 0, NO_PEER));
@@ -1744,7 +1747,14 @@ impl Shared {
         }
         write();
         let response = Some((&*a.mem, a.req.response, out, generation));
-        self.respond(a.rank, a.queue, a.req.head, &a.done, response, a.req.writable_len);
+        self.respond(
+            a.rank,
+            a.queue,
+            a.req.head,
+            &a.done,
+            response,
+            a.req.writable_len,
+        );
         drop(gate);
         true
     }

@@ -217,11 +217,14 @@ impl Exchange for MpiExchange {
                 )
             };
             if rc != 0 {
-                return Err(ExchangeError::Failed(format!("MPI_Iallgather failed ({rc})")));
+                return Err(ExchangeError::Failed(format!(
+                    "MPI_Iallgather failed ({rc})"
+                )));
             }
             self.wait(req, deadline)?;
             for h in 0..hosts {
-                all[h * len + off..h * len + off + n].copy_from_slice(&self.recv[h * n..(h + 1) * n]);
+                all[h * len + off..h * len + off + n]
+                    .copy_from_slice(&self.recv[h * n..(h + 1) * n]);
             }
             off += n;
             if len == 0 {

@@ -72,11 +72,19 @@ pub trait Exchange {
     fn hosts(&self) -> u32;
     /// Every host's `mine` into `all` (`hosts() * mine.len()` bytes), in
     /// host order, by `deadline`.
-    fn allgather(&mut self, mine: &[u8], all: &mut [u8], deadline: Instant)
-        -> Result<(), ExchangeError>;
+    fn allgather(
+        &mut self,
+        mine: &[u8],
+        all: &mut [u8],
+        deadline: Instant,
+    ) -> Result<(), ExchangeError>;
     /// Host `root`'s `buf` into every host's `buf`, by `deadline`.
-    fn broadcast(&mut self, buf: &mut [u8], root: u32, deadline: Instant)
-        -> Result<(), ExchangeError>;
+    fn broadcast(
+        &mut self,
+        buf: &mut [u8],
+        root: u32,
+        deadline: Instant,
+    ) -> Result<(), ExchangeError>;
     /// Ends the whole job after an exchange failed (MPI_Abort). A fake may
     /// return.
     fn abort(&mut self, why: &str);
@@ -158,7 +166,11 @@ pub fn serve(rx: &mpsc::Receiver<Work>, ex: &mut dyn Exchange) {
             } => {
                 if era < sync.era {
                     let arrivals: Vec<Arrival> = waiting.arrivals.into_iter().flatten().collect();
-                    fail_all(&shared, &arrivals, Outcome::fail(Status::PeerLost, 0, sync.peer));
+                    fail_all(
+                        &shared,
+                        &arrivals,
+                        Outcome::fail(Status::PeerLost, 0, sync.peer),
+                    );
                     drop(running);
                     continue;
                 }
@@ -252,13 +264,7 @@ fn first_failure(all: &[u8]) -> Option<(u32, u32)> {
 /// After a step that failed because of host entries `bad`: a lost member
 /// anywhere resets the hosts that did not lose it, so every host starts a
 /// new era (sequence numbers from 0) at the same step.
-fn settle(
-    ex: &mut dyn Exchange,
-    sh: &Arc<Shared>,
-    all: &[u8],
-    bad: (u32, u32),
-    sync: &mut Sync,
-) {
+fn settle(ex: &mut dyn Exchange, sh: &Arc<Shared>, all: &[u8], bad: (u32, u32), sync: &mut Sync) {
     let me = ex.host() as usize;
     let lost_here = get(&all[me * ENTRY_BYTES..], 0) == KIND_LOST;
     if bad.0 == KIND_LOST {
@@ -284,12 +290,7 @@ fn fail_all(sh: &Shared, arrivals: &[Arrival], out: Outcome) {
 /// An exchange call failed: nothing more can be agreed with the other
 /// daemons. Every pending request of this host fails (RESET), then the
 /// job ends.
-fn give_up(
-    rx: &mpsc::Receiver<Work>,
-    ex: &mut dyn Exchange,
-    sh: &Arc<Shared>,
-    e: &ExchangeError,
-) {
+fn give_up(rx: &mpsc::Receiver<Work>, ex: &mut dyn Exchange, sh: &Arc<Shared>, e: &ExchangeError) {
     log::error!(
         "inter-host exchange failed ({e}); this host's pending collectives fail with RESET and \
          the job ends"
@@ -510,7 +511,11 @@ fn data_stage(
                 b
             };
             let mut partial = vec![0u8; len];
-            let local_op = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
+            let local_op = if op == ReduceOp::Avg {
+                ReduceOp::Sum
+            } else {
+                op
+            };
             {
                 let segs = host_seg(&mut partial);
                 let out = SegRef {
