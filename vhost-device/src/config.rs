@@ -64,6 +64,15 @@ pub enum ConfigError {
     NoTraceCapacity,
     #[error("--trace-capacity needs --trace-out")]
     TraceCapacityAlone,
+    #[error(
+        "--mpi: this vhost-device-dmlc was built without MPI; build it with \
+         `cargo build --features mpi` (needs libopenmpi-dev and libclang-dev)"
+    )]
+    MpiNotBuilt,
+    #[error("--mpi serves one request queue per member for now, not --queues {0}")]
+    MpiQueues(u32),
+    #[error("--mpi does not take {0} yet")]
+    MpiUnsupported(&'static str),
 }
 
 impl PartialEq for ConfigError {
@@ -199,6 +208,15 @@ pub struct Args {
     #[arg(long, value_name = "PATH")]
     pub control_socket: Option<PathBuf>,
 
+    /// Be one daemon of a group across several hosts, started on every
+    /// host by one `mpirun -n H`: this daemon serves the --socket-count L
+    /// members of its host, and its local member l is global rank h*L + l
+    /// (h: the daemon's MPI rank); world size H*L; the group id is MPI rank
+    /// 0's. Every daemon must be given the same --socket-count.
+    /// Needs a build with the `mpi` feature; see docs/multi-host.md.
+    #[arg(long)]
+    pub mpi: bool,
+
     /// How much to log.
     #[arg(long, value_name = "LEVEL", value_enum, default_value_t = LogLevel::Info)]
     pub log_level: LogLevel,
@@ -239,6 +257,8 @@ pub struct Config {
     pub control_socket: Option<PathBuf>,
     /// Log level.
     pub log_level: LogLevel,
+    /// One daemon of an MPI job across hosts (`--mpi`).
+    pub mpi: bool,
 }
 
 impl TryFrom<Args> for Config {
@@ -296,6 +316,20 @@ impl TryFrom<Args> for Config {
                 return Err(ConfigError::SocketPathTooLong(p.clone()));
             }
         }
+        if args.mpi {
+            if !cfg!(feature = "mpi") {
+                return Err(ConfigError::MpiNotBuilt);
+            }
+            if args.queues != 1 {
+                return Err(ConfigError::MpiQueues(args.queues));
+            }
+            if args.timing.is_some() {
+                return Err(ConfigError::MpiUnsupported("--timing"));
+            }
+            if args.control_socket.is_some() {
+                return Err(ConfigError::MpiUnsupported("--control-socket"));
+            }
+        }
         let timing = match &args.timing {
             Some(path) => Some(std::sync::Arc::new(
                 Timing::load(path, args.socket_count).map_err(ConfigError::Timing)?,
@@ -323,6 +357,7 @@ impl TryFrom<Args> for Config {
                 timing,
                 trace_capacity,
                 live_control: args.control_socket.is_some(),
+                remote: None,
             },
             queue_size: args.queue_size as u16,
             poll: Duration::from_micros(args.poll_us),
@@ -331,6 +366,7 @@ impl TryFrom<Args> for Config {
             trace_out: args.trace_out,
             control_socket: args.control_socket,
             log_level: args.log_level,
+            mpi: args.mpi,
         })
     }
 }

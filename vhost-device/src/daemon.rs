@@ -51,6 +51,8 @@ impl From<vhost_user_backend::Error> for LibError {
 /// Why the daemon could not start or had to stop.
 #[derive(Debug, Error)]
 pub enum DaemonError {
+    #[error("MPI: {0}")]
+    Mpi(String),
     #[error("{0} exists and is not a socket")]
     NotASocket(PathBuf),
     #[error("{0} is in use by another process")]
@@ -181,6 +183,23 @@ pub fn start_backend(config: Config) -> Result<(), DaemonError> {
             t.withholds.len()
         );
     }
+    #[cfg(feature = "mpi")]
+    if config.mpi {
+        let (joined, link) =
+            crate::multihost::start(group_config.group_id).map_err(DaemonError::Mpi)?;
+        group_config.group_id = joined.group_id;
+        group_config.remote = Some(link);
+        info!(
+            "host {} of {}: local members are global ranks {} to {} of {}",
+            joined.host,
+            joined.hosts,
+            joined.host * group_config.world_size,
+            (joined.host + 1) * group_config.world_size - 1,
+            joined.hosts * group_config.world_size
+        );
+    }
+    // Host 0's, with --mpi.
+    let group_id = group_config.group_id;
     let group = Group::new(group_config);
     let world = config.group.world_size;
 
@@ -237,7 +256,7 @@ pub fn start_backend(config: Config) -> Result<(), DaemonError> {
         }
         info!(
             "group {:#x}: {} members, {} queue(s) each, listening on {}",
-            config.group.group_id,
+            group_id,
             config.group.world_size,
             config.group.num_queues,
             describe_paths(&config.socket_paths)

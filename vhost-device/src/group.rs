@@ -53,8 +53,8 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use virtio_dmlc::{
-    mismatch, Dtype, Opcode, ReduceOp, Status, VirtioDmlcConfig, VirtioDmlcResp, NO_PEER,
-    VIRTIO_DMLC_F_REQ_TIMEOUT,
+    mismatch, Dtype, Opcode, ReduceOp, Status, VirtioDmlcConfig, VirtioDmlcReq, VirtioDmlcResp,
+    NO_PEER, VIRTIO_DMLC_F_REQ_TIMEOUT,
 };
 use virtio_queue::DescriptorChain;
 use vm_memory::{Bytes, GuestAddress};
@@ -111,6 +111,10 @@ pub struct GroupConfig {
     /// ([`Group::set_timing`], the control socket): the timing machinery
     /// runs even without a model.
     pub live_control: bool,
+    /// One group across several hosts ([`remote`]): `world_size` members
+    /// here, host-major global ranks, filled slots run by the inter-host
+    /// stage. `None`: the group is this host's members alone.
+    pub remote: Option<remote::RemoteLink>,
 }
 
 /// How the engine hands a finished request back to its member's virtqueue.
@@ -185,6 +189,8 @@ enum Cause {
     /// requests fail with PEER_LOST, its own with RESET (it is still
     /// there).
     Injected(u32),
+    /// A member on another host (global rank) was lost ([`remote`]).
+    Remote(u32),
 }
 
 struct Member {
@@ -448,8 +454,8 @@ impl Group {
     pub fn config_space(&self, rank: u32) -> VirtioDmlcConfig {
         let sh = &self.shared;
         VirtioDmlcConfig {
-            rank: rank.into(),
-            world_size: sh.world.into(),
+            rank: sh.global(rank).into(),
+            world_size: sh.global_world().into(),
             num_queues: u32::from(sh.num_queues).into(),
             max_segments: sh.cfg.max_segments.into(),
             max_bytes: sh.cfg.max_bytes.into(),
@@ -748,8 +754,8 @@ impl Group {
             return None;
         }
         let limits = Limits {
-            world_size: sh.world,
-            rank,
+            world_size: sh.global_world(),
+            rank: sh.global(rank),
             max_segments: sh.cfg.max_segments,
             max_bytes: sh.cfg.max_bytes,
         };
@@ -925,6 +931,31 @@ impl Group {
         // Counted as running under the state lock, so that a loss after
         // this point waits for it.
         let running = Running::start(&self.shared, &mut st);
+        if let Some(link) = &sh.cfg.remote {
+            // Handed over under the state lock: the inter-host stage takes
+            // this host's collectives in the order their slots filled.
+            let era = st.era;
+            let step = remote::Step::Collective {
+                shared: self.shared.clone(),
+                era,
+                waiting,
+                running,
+            };
+            if let Err(mpsc::SendError(remote::Work(step))) = link.tx.send(remote::Work(step)) {
+                drop(st);
+                if let remote::Step::Collective {
+                    waiting, running, ..
+                } = step
+                {
+                    log::error!("the inter-host stage is gone: the collective fails with RESET");
+                    for a in waiting.arrivals.iter().flatten() {
+                        sh.deliver(a, Outcome::fail(Status::Reset, 0, NO_PEER));
+                    }
+                    drop(running);
+                }
+            }
+            return;
+        }
         let sched = st
             .timing
             .clone()
@@ -1579,10 +1610,11 @@ impl Shared {
         let sh = self;
         let lost = match cause {
             Cause::Lost(rank, gate) => Some((rank, gate)),
-            Cause::Reset | Cause::Injected(_) => None,
+            Cause::Reset | Cause::Injected(_) | Cause::Remote(_) => None,
         };
         let outcome = |a: &Arrival| match cause {
-            Cause::Lost(rank, _) => Outcome::fail(Status::PeerLost, 0, rank),
+            Cause::Lost(rank, _) => Outcome::fail(Status::PeerLost, 0, sh.global(rank)),
+            Cause::Remote(peer) => Outcome::fail(Status::PeerLost, 0, peer),
             Cause::Reset => Outcome::fail(Status::Reset, 0, NO_PEER),
             // The member said lost is alive: its requests fail as in a reset.
             Cause::Injected(rank) if a.rank == rank => Outcome::fail(Status::Reset, 0, NO_PEER),
@@ -1627,6 +1659,15 @@ impl Shared {
                         }
                     }
                 }
+            }
+            if let (Some(link), Some((rank, _))) = (&sh.cfg.remote, lost) {
+                // Under the state lock, after every collective of the old
+                // era that was handed over: the other hosts learn of the
+                // loss at the step this host's next collective would take.
+                let _ = link.tx.send(remote::Work(remote::Step::Lost {
+                    shared: sh.clone(),
+                    peer: sh.global(rank),
+                }));
             }
             // These requests belong to the era before the change.
             let era = st.era - 1;
@@ -1684,6 +1725,67 @@ impl Shared {
             self.metrics.dropped();
             return false;
         }
+        self.respond(rank, queue, head, done, response, writable_len);
+        drop(gate);
+        true
+    }
+
+    /// As [`Shared::deliver`], after `write` (which moves the member's
+    /// output data), both under the member's gate: nothing is written for
+    /// a member lost since its request.
+    fn finish_after(
+        &self,
+        a: &Arrival,
+        out: Outcome,
+        generation: u32,
+        write: impl FnOnce(),
+    ) -> bool {
+        let gate = read(&self.gates[a.rank as usize]);
+        if gate.epoch != a.epoch || !gate.accepting {
+            self.metrics.dropped();
+            return false;
+        }
+        write();
+        let response = Some((&*a.mem, a.req.response, out, generation));
+        self.respond(
+            a.rank,
+            a.queue,
+            a.req.head,
+            &a.done,
+            response,
+            a.req.writable_len,
+        );
+        drop(gate);
+        true
+    }
+
+    /// The member's global rank: `host * world + rank` across hosts.
+    fn global(&self, rank: u32) -> u32 {
+        match &self.cfg.remote {
+            Some(link) => link.host * self.world + rank,
+            None => rank,
+        }
+    }
+
+    /// The world size members see: every host's members.
+    fn global_world(&self) -> u32 {
+        match &self.cfg.remote {
+            Some(link) => link.hosts * self.world,
+            None => self.world,
+        }
+    }
+
+    /// Writes the response (if any) and completes the chain; the caller
+    /// holds the member's gate, open in the request's epoch.
+    fn respond(
+        &self,
+        rank: u32,
+        queue: u16,
+        head: u16,
+        done: &Arc<dyn Completion>,
+        response: Option<(&GuestMem, GuestAddress, Outcome, u32)>,
+        writable_len: u32,
+    ) {
         let written = match response {
             Some((mem, addr, out, generation)) => {
                 let resp = VirtioDmlcResp {
@@ -1714,7 +1816,6 @@ impl Shared {
             }
         };
         done.complete(queue, head, written);
-        true
     }
 }
 
@@ -1743,8 +1844,17 @@ fn timer_loop(sh: &Arc<Shared>) {
                 continue;
             };
             let missing: Vec<bool> = w.arrivals.iter().map(Option::is_none).collect();
-            let peer = missing.iter().position(|m| *m).unwrap_or(0) as u32;
+            let peer = sh.global(missing.iter().position(|m| *m).unwrap_or(0) as u32);
             let left = sh.world - w.present;
+            if let Some(link) = &sh.cfg.remote {
+                // This host's step for the slot: TIMEOUT on every host.
+                let _ = link.tx.send(remote::Work(remote::Step::TimedOut {
+                    shared: sh.clone(),
+                    era: st.era,
+                    peer,
+                    deadline: w.deadline,
+                }));
+            }
             st.slots.insert(
                 key,
                 Slot::TimedOut(TimedOut {
@@ -1816,11 +1926,17 @@ fn worker_loop(rx: &Mutex<mpsc::Receiver<Arc<Job>>>) {
 /// Fields in which `b`'s header differs from the reference `a`'s, as a
 /// `mismatch::*` mask: the fields that the reference's opcode uses.
 fn mismatch_mask(a: &Request, b: &Request) -> u32 {
-    let (ha, hb) = (&a.header, &b.header);
-    let uses_dtype = a.opcode != Opcode::Barrier;
+    header_mismatch(&a.header, &b.header)
+}
+
+/// The fields of `hb` that differ from reference `ha` (`mismatch::*`),
+/// among those the reference's opcode uses.
+fn header_mismatch(ha: &VirtioDmlcReq, hb: &VirtioDmlcReq) -> u32 {
+    let opcode = Opcode::from_raw(ha.opcode.get());
+    let uses_dtype = opcode != Some(Opcode::Barrier);
     let uses_op = matches!(
-        a.opcode,
-        Opcode::Allreduce | Opcode::Reduce | Opcode::ReduceScatter
+        opcode,
+        Some(Opcode::Allreduce | Opcode::Reduce | Opcode::ReduceScatter)
     );
     let mut m = 0;
     let mut differs = |field: u32, d: bool| {
@@ -2417,3 +2533,5 @@ impl Job {
 pub(crate) mod harness;
 #[cfg(test)]
 mod tests;
+
+pub mod remote;

@@ -29,6 +29,8 @@ pub mod datapath;
 pub mod fault;
 pub mod group;
 pub mod metrics;
+#[cfg(feature = "mpi")]
+pub mod multihost;
 pub mod spare_cpu;
 pub mod timing;
 pub mod trace;

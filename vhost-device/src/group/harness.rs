@@ -385,6 +385,7 @@ pub(crate) fn config(world: u32) -> GroupConfig {
         timing: None,
         trace_capacity: 0,
         live_control: false,
+        remote: None,
     }
 }
 

@@ -1,0 +1,277 @@
+//! The daemons of several hosts as one MPI job (`--mpi`, feature `mpi`).
+//!
+//! One thread, `dmlc-mpi`, initialises MPI, agrees on the group id (host
+//! 0's, broadcast) and then makes every MPI call of the daemon: it runs the
+//! engine's inter-host stage ([`crate::group::remote::serve`]) over
+//! [`MpiExchange`]. Asking for `MPI_THREAD_FUNNELED` is enough for that (the
+//! thread that initialised MPI is the only one that calls it).
+//!
+//! Every wait is bounded: collectives are started non-blocking
+//! (`MPI_Iallgather`, `MPI_Ibcast`) and tested until done or until their
+//! deadline; the communicator returns errors (`MPI_ERRORS_RETURN`) instead
+//! of ending the process. MPI cannot cancel a collective, so after a missed
+//! deadline or an error the exchange is unusable: the engine fails what is
+//! pending and the job ends with `MPI_Abort`. The data of a collective is
+//! staged in buffers of the exchange, so that one left to MPI after a
+//! missed deadline stays valid (it is leaked) until the process ends.
+
+use std::os::raw::c_int;
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use mpi::ffi;
+use mpi::topology::{Communicator, SimpleCommunicator};
+use mpi::traits::AsRaw;
+use mpi::Threading;
+
+use crate::group::remote::{self, Exchange, ExchangeError, RemoteLink};
+
+/// Largest message per host of one MPI call (the count is a C int).
+const CHUNK: usize = 256 << 20;
+
+/// How long the daemons wait for each other at start.
+const START_WAIT: Duration = Duration::from_secs(120);
+
+/// Who this daemon is in the job.
+#[derive(Clone, Copy, Debug)]
+pub struct Joined {
+    pub host: u32,
+    pub hosts: u32,
+    /// Host 0's group id.
+    pub group_id: u64,
+}
+
+/// Starts the `dmlc-mpi` thread: MPI is initialised there, the group id
+/// `group_id` of host 0 is agreed, and the thread then serves the steps
+/// sent on the returned link.
+pub fn start(group_id: u64) -> Result<(Joined, RemoteLink), String> {
+    let (tx, rx) = mpsc::channel::<remote::Work>();
+    let (joined_tx, joined_rx) = mpsc::channel::<Result<Joined, String>>();
+    thread::Builder::new()
+        .name("dmlc-mpi".into())
+        .spawn(move || {
+            let mut ex = match MpiExchange::init(group_id) {
+                Ok((ex, joined)) => {
+                    let _ = joined_tx.send(Ok(joined));
+                    ex
+                }
+                Err(e) => {
+                    let _ = joined_tx.send(Err(e));
+                    return;
+                }
+            };
+            remote::serve(&rx, &mut ex);
+            log::info!("inter-host stage stopped");
+        })
+        .map_err(|e| format!("cannot start the MPI thread: {e}"))?;
+    let joined = joined_rx
+        .recv()
+        .map_err(|_| "the MPI thread ended before MPI was initialised".to_owned())??;
+    Ok((
+        joined,
+        RemoteLink {
+            host: joined.host,
+            hosts: joined.hosts,
+            tx,
+        },
+    ))
+}
+
+/// MPI between the daemons: one per host, `MPI_COMM_WORLD`'s rank is the
+/// host index.
+pub struct MpiExchange {
+    world: SimpleCommunicator,
+    host: u32,
+    hosts: u32,
+    send: Vec<u8>,
+    recv: Vec<u8>,
+    /// Finalises MPI when dropped (the serve loop ended in order).
+    _universe: mpi::environment::Universe,
+}
+
+impl MpiExchange {
+    fn init(group_id: u64) -> Result<(MpiExchange, Joined), String> {
+        let (universe, granted) = mpi::initialize_with_threading(Threading::Funneled)
+            .ok_or("MPI was initialised already")?;
+        if granted < Threading::Funneled {
+            log::warn!(
+                "MPI granted thread level {granted:?} only; every MPI call is made from one \
+                 thread (dmlc-mpi), which the library must tolerate"
+            );
+        }
+        let world = universe.world();
+        // SAFETY: `world` is a valid communicator of an initialised MPI, and
+        // MPI_ERRORS_RETURN a predefined error handler.
+        let rc = unsafe { ffi::MPI_Comm_set_errhandler(world.as_raw(), ffi::RSMPI_ERRORS_RETURN) };
+        if rc != 0 {
+            return Err(format!("MPI_Comm_set_errhandler failed ({rc})"));
+        }
+        let host = world.rank() as u32;
+        let hosts = world.size() as u32;
+        let mut ex = MpiExchange {
+            world,
+            host,
+            hosts,
+            send: Vec::new(),
+            recv: Vec::new(),
+            _universe: universe,
+        };
+        let mut id = group_id.to_le_bytes();
+        ex.broadcast(&mut id, 0, Instant::now() + START_WAIT)
+            .map_err(|e| format!("cannot agree on the group id: {e}"))?;
+        let group_id = u64::from_le_bytes(id);
+        log::info!(
+            "MPI: host {host} of {hosts} (thread level {granted:?}), group id {group_id:#x}"
+        );
+        Ok((
+            ex,
+            Joined {
+                host,
+                hosts,
+                group_id,
+            },
+        ))
+    }
+
+    /// Tests `req` until it completes or `deadline` passes. After a miss or
+    /// an error the staging buffers are leaked: MPI may still write them.
+    fn wait(&mut self, mut req: ffi::MPI_Request, deadline: Instant) -> Result<(), ExchangeError> {
+        let started = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            let mut flag: c_int = 0;
+            // SAFETY: `req` is an active request of this thread's MPI; the
+            // flag is ours; MPI_STATUS_IGNORE is a predefined sentinel.
+            let rc = unsafe { ffi::MPI_Test(&mut req, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
+            if rc != 0 {
+                self.leak();
+                return Err(ExchangeError::Failed(format!("MPI_Test failed ({rc})")));
+            }
+            if flag != 0 {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                self.leak();
+                return Err(ExchangeError::Deadline(started.elapsed()));
+            }
+            // Spin briefly for small messages, then yield the CPU.
+            spins += 1;
+            if spins > 1000 {
+                thread::sleep(Duration::from_micros(50));
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    fn leak(&mut self) {
+        std::mem::forget(std::mem::take(&mut self.send));
+        std::mem::forget(std::mem::take(&mut self.recv));
+    }
+}
+
+fn count(n: usize) -> c_int {
+    c_int::try_from(n).expect("chunks fit a C int")
+}
+
+impl Exchange for MpiExchange {
+    fn host(&self) -> u32 {
+        self.host
+    }
+
+    fn hosts(&self) -> u32 {
+        self.hosts
+    }
+
+    fn allgather(
+        &mut self,
+        mine: &[u8],
+        all: &mut [u8],
+        deadline: Instant,
+    ) -> Result<(), ExchangeError> {
+        let len = mine.len();
+        let hosts = self.hosts as usize;
+        assert_eq!(all.len(), hosts * len, "allgather output size");
+        let mut off = 0;
+        while off < len || (len == 0 && off == 0) {
+            let n = CHUNK.min(len - off);
+            self.send.clear();
+            self.send.extend_from_slice(&mine[off..off + n]);
+            self.recv.resize(hosts * n, 0);
+            // SAFETY: a predefined handle, read only.
+            let mut req = unsafe { ffi::RSMPI_REQUEST_NULL };
+            // SAFETY: the staging buffers hold `n` and `hosts * n` bytes and
+            // stay allocated until the request completes (or are leaked);
+            // the datatype and communicator are valid; `req` is ours.
+            let rc = unsafe {
+                ffi::MPI_Iallgather(
+                    self.send.as_ptr().cast(),
+                    count(n),
+                    ffi::RSMPI_UINT8_T,
+                    self.recv.as_mut_ptr().cast(),
+                    count(n),
+                    ffi::RSMPI_UINT8_T,
+                    self.world.as_raw(),
+                    &mut req,
+                )
+            };
+            if rc != 0 {
+                return Err(ExchangeError::Failed(format!(
+                    "MPI_Iallgather failed ({rc})"
+                )));
+            }
+            self.wait(req, deadline)?;
+            for h in 0..hosts {
+                all[h * len + off..h * len + off + n]
+                    .copy_from_slice(&self.recv[h * n..(h + 1) * n]);
+            }
+            off += n;
+            if len == 0 {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    fn broadcast(
+        &mut self,
+        buf: &mut [u8],
+        root: u32,
+        deadline: Instant,
+    ) -> Result<(), ExchangeError> {
+        let len = buf.len();
+        let mut off = 0;
+        while off < len {
+            let n = CHUNK.min(len - off);
+            self.recv.clear();
+            self.recv.extend_from_slice(&buf[off..off + n]);
+            // SAFETY: a predefined handle, read only.
+            let mut req = unsafe { ffi::RSMPI_REQUEST_NULL };
+            // SAFETY: as in allgather: the staging buffer holds `n` bytes
+            // and outlives the request.
+            let rc = unsafe {
+                ffi::MPI_Ibcast(
+                    self.recv.as_mut_ptr().cast(),
+                    count(n),
+                    ffi::RSMPI_UINT8_T,
+                    root as c_int,
+                    self.world.as_raw(),
+                    &mut req,
+                )
+            };
+            if rc != 0 {
+                return Err(ExchangeError::Failed(format!("MPI_Ibcast failed ({rc})")));
+            }
+            self.wait(req, deadline)?;
+            buf[off..off + n].copy_from_slice(&self.recv[..n]);
+            off += n;
+        }
+        Ok(())
+    }
+
+    fn abort(&mut self, why: &str) {
+        log::error!("ending the MPI job: {why}");
+        self.world.abort(1);
+    }
+}

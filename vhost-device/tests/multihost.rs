@@ -1,0 +1,109 @@
+//! One group across two "hosts" (network namespaces) with MPI between the
+//! daemons: vhost-device/tests/multihost.sh, one case per test. Built only
+//! with the `mpi` feature (`cargo test -p vhost-device-dmlc --features mpi
+//! --test multihost -- --test-threads=1`). Needs root, iproute2 and Open
+//! MPI's mpirun: without them the tests skip with a message, except under
+//! CI (`CI` set and not "", "false" or "0"), where they fail.
+#![cfg(feature = "mpi")]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn under_ci() -> bool {
+    !matches!(
+        std::env::var("CI").as_deref(),
+        Err(_) | Ok("" | "false" | "0")
+    )
+}
+
+/// What is missing to run the cases here, if anything.
+fn missing() -> Option<String> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some("root (network namespaces)".into());
+    }
+    for tool in ["ip", "mpirun"] {
+        let found = Command::new("sh")
+            .args(["-c", &format!("command -v {tool}")])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !found {
+            return Some(format!("{tool} on PATH"));
+        }
+    }
+    None
+}
+
+/// A folder with links to both binaries: vhost-device-dmlc of this build
+/// (with the feature) and dmlc-guest.
+fn bin_dir() -> dmlc_test_support::TempDir {
+    let dir = dmlc_test_support::temp_dir("multihost-bin");
+    let daemon = PathBuf::from(env!("CARGO_BIN_EXE_vhost-device-dmlc"));
+    std::os::unix::fs::symlink(daemon, dir.path().join("vhost-device-dmlc")).expect("link");
+    std::os::unix::fs::symlink(
+        dmlc_test_support::guest_bin(),
+        dir.path().join("dmlc-guest"),
+    )
+    .expect("link");
+    dir
+}
+
+fn run(case: &str) {
+    if let Some(what) = missing() {
+        assert!(
+            !under_ci(),
+            "multi-host test {case} needs {what} (under CI it must run)"
+        );
+        eprintln!("SKIP multi-host test {case}: needs {what}");
+        return;
+    }
+    let bins = bin_dir();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/multihost.sh");
+    let out = Command::new("timeout")
+        .args(["-s", "KILL", "240"])
+        .arg(&script)
+        .arg(bins.path())
+        .arg(case)
+        .output()
+        .expect("run multihost.sh");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "case {case} failed ({}):\n{text}",
+        out.status
+    );
+    assert!(text.contains(&format!("case {case} passed")), "{text}");
+}
+
+#[test]
+fn every_opcode_one_member_per_host() {
+    run("selftest-l1");
+}
+
+#[test]
+fn order_free_dtypes_two_members_per_host() {
+    run("selftest-l2");
+}
+
+#[test]
+fn mismatch_on_one_host_fails_both() {
+    run("mismatch");
+}
+
+// Known to hang in this slice (docs/multi-host.md, "Not done"): the
+// survivors were still waiting when the script's limit ended the run.
+#[test]
+#[ignore = "hangs: a lost member is not yet reported on the other host"]
+fn killed_member() {
+    run("kill-member");
+}
+
+#[test]
+#[ignore = "not yet checked: depends on how mpirun ends the other daemon"]
+fn killed_daemon() {
+    run("kill-daemon");
+}
