@@ -711,22 +711,8 @@ impl Group {
             return;
         };
         sh.metrics.request(req.opcode);
-        let generation = sh.resp_generation.load(Ordering::Acquire);
-        let response = Some((
-            &**mem,
-            req.response,
-            Outcome::fail(Status::Reset, 0, NO_PEER),
-            generation,
-        ));
-        sh.finish(
-            rank,
-            gate.epoch,
-            queue,
-            req.head,
-            done,
-            response,
-            req.writable_len,
-        );
+        let reset = Outcome::fail(Status::Reset, 0, NO_PEER);
+        sh.answer_now(rank, gate.epoch, queue, mem, &req, done, reset);
     }
 
     /// What `submit` and `refuse_earlier` share: the member must be known
@@ -814,17 +800,7 @@ impl Group {
         if req.opcode == Opcode::Nop {
             // Answered at once for this member alone (spec 5.X.6.3): no
             // sequence number, no timeout, no timing model.
-            let generation = sh.resp_generation.load(Ordering::Acquire);
-            let response = Some((&**mem, req.response, Outcome::OK, generation));
-            sh.finish(
-                rank,
-                gate.epoch,
-                queue,
-                req.head,
-                done,
-                response,
-                req.writable_len,
-            );
+            sh.answer_now(rank, gate.epoch, queue, mem, &req, done, Outcome::OK);
             return;
         }
 
@@ -1703,6 +1679,32 @@ impl Shared {
             self.generation.store(generation, Ordering::Release);
             self.metrics.set_generation(generation);
         }
+    }
+
+    /// Answers a parsed request with `out` at once, without running it,
+    /// with the generation of the moment.
+    #[allow(clippy::too_many_arguments)]
+    fn answer_now(
+        &self,
+        rank: u32,
+        epoch: u64,
+        queue: u16,
+        mem: &GuestMem,
+        req: &Request,
+        done: &Arc<dyn Completion>,
+        out: Outcome,
+    ) -> bool {
+        let generation = self.resp_generation.load(Ordering::Acquire);
+        let response = Some((mem, req.response, out, generation));
+        self.finish(
+            rank,
+            epoch,
+            queue,
+            req.head,
+            done,
+            response,
+            req.writable_len,
+        )
     }
 
     /// Writes the response (if any) and completes the chain, with used
