@@ -650,13 +650,15 @@ impl MemberBackend {
     /// submitted.
     fn poll(&self, queue: u16, vring: &Vring) -> usize {
         // With every CPU busy, the next kick comes sooner if this thread
-        // sleeps than if it spins.
-        if !self.cfg.poll_anyway && !crate::spare_cpu::spare_cpu() {
-            return 0;
-        }
+        // sleeps than if it spins. Asked on every turn, not only on entry:
+        // each request served extends the deadline, so a poll begun while a
+        // CPU was free could otherwise spin on for as long as requests keep
+        // coming, after the CPU stopped being free (the answer is cached
+        // for 10 ms, so asking costs a clock read).
+        let spare = || self.cfg.poll_anyway || crate::spare_cpu::spare_cpu();
         let mut submitted = 0;
         let mut deadline = Instant::now() + self.cfg.poll;
-        while self.is_active() && Instant::now() < deadline {
+        while self.is_active() && Instant::now() < deadline && spare() {
             if avail_pending(vring, &self.memory()) {
                 let n = self.drain(queue, vring);
                 // A ring that has chains but serves none (broken, or
