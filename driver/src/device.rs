@@ -584,9 +584,11 @@ const WATCH_AFTER: Duration = Duration::from_millis(1);
 /// ... and looks again after this long, then after twice as long each time
 /// up to [`WATCH_EVERY_MAX`]. A look is a config read: a GET_CONFIG round
 /// trip to the backend on both transports (on PCI, through QEMU), which in
-/// a TCG guest costs the vCPU a few hundred microseconds; at a fixed 5 ms
-/// the looks alone kept a vCPU busy about 10% of a long wait. A restarted
-/// backend (the one thing the look finds) is rare, and found in this bound.
+/// a TCG guest costs the vCPU a few hundred microseconds. With a look
+/// every 5 ms, a TCG rank sleeping on interrupts for a peer 50 ms late was
+/// on its vCPU 10.4% of the wait, with the back-off 7.8% (medians,
+/// docs/benchmarks.md). A restarted backend (the one thing the look finds)
+/// is rare, and is still found within this bound.
 const WATCH_EVERY: Duration = Duration::from_millis(5);
 /// The longest time between two looks at the config space in one wait.
 const WATCH_EVERY_MAX: Duration = Duration::from_millis(80);
