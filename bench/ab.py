@@ -7,7 +7,7 @@ same minutes of a shared machine.
 
 BEFORE_DIR and AFTER_DIR hold a release dmlc-guest and vhost-device-dmlc
 each (`dmlc-guest local` starts the backend beside itself). Every round runs
-`dmlc-guest [--interrupt] local --ranks N -- bench -b SIZE -e SIZE` for every
+`dmlc-guest --poll|--interrupt|--hybrid local --ranks N -- bench -b SIZE -e SIZE` for every
 mode, N and build in turn, and takes rank 0's out-of-place p50 and 2·N·S/t
 (membw) from the table it prints. The summary gives per configuration the
 median over the rounds and the ratio after / before, with the load average
@@ -38,7 +38,7 @@ def median(xs):
 
 
 def run(guest, mode, n, size, args):
-    cmd = [guest] + (["--interrupt"] if mode == "interrupt" else []) + [
+    cmd = [guest, {"poll": "--poll", "interrupt": "--interrupt", "hybrid": "--hybrid"}[mode]] + [
         "local", "--ranks", str(n), "--", "bench", "-b", str(size), "-e", str(size),
         "-n", str(args.iters), "-w", str(args.warmup)]
     print("+ " + " ".join(cmd), file=sys.stderr, flush=True)

@@ -6,8 +6,10 @@ written directly, no plotting library needed).
 Normally started by bench/compare.sh, which builds the binaries first.
 
 Configurations, for every N in --ranks:
-  device poll       dmlc-guest local --ranks N -- bench ...
+  device poll       dmlc-guest --poll local --ranks N -- bench ...
   device interrupt  dmlc-guest --interrupt local --ranks N -- bench ...
+  device hybrid     dmlc-guest --hybrid local --ranks N -- bench ... (the
+                    driver's default wait)
   Open MPI          mpirun -np N --oversubscribe ... mpi_allreduce ...
 plus a memcpy bandwidth probe (1 thread and one per CPU; glibc's memcpy
 and a copy with non-temporal stores, bench/memcpy_bw.c -m libc / -m nt).
@@ -27,8 +29,12 @@ CONFIGS = [
     # key, label, colour
     ("poll", "device, poll", "#1f77b4"),
     ("interrupt", "device, interrupt", "#2ca02c"),
+    ("hybrid", "device, hybrid", "#9467bd"),
     ("mpi", "Open MPI (sm)", "#d62728"),
 ]
+
+# The dmlc-guest flag of each device mode.
+WAIT_FLAGS = {"poll": "--poll", "interrupt": "--interrupt", "hybrid": "--hybrid"}
 
 
 def parse_size(s):
@@ -125,7 +131,8 @@ def main():
     ap.add_argument("--maxbytes", default="64M")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--modes", default="poll,interrupt", help="device modes to run")
+    ap.add_argument("--modes", default="poll,interrupt,hybrid",
+                    help="device modes to run (of poll, interrupt, hybrid)")
     ap.add_argument("--out", default="docs/bench", help="output folder")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per run")
     ap.add_argument("--repeat", type=int, default=1,
@@ -146,6 +153,9 @@ def main():
         ap.error("--guest, --mpi and --memcpy are required (bench/compare.sh passes them)")
     ranks = [int(n) for n in args.ranks.split(",")]
     modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in WAIT_FLAGS]
+    if unknown:
+        ap.error(f"--modes: unknown mode(s) {', '.join(unknown)} (of {', '.join(WAIT_FLAGS)})")
     minb, maxb = parse_size(args.minbytes), parse_size(args.maxbytes)
     os.makedirs(args.out, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="dmlc-compare-")
@@ -166,7 +176,7 @@ def main():
             for mode in modes:
                 path = os.path.join(tmp, f"dev-{mode}-{n}-{rep}.json")
                 backend = ["--poll-us", str(args.poll_us)] if args.poll_us is not None else []
-                cmd = [args.guest] + (["--interrupt"] if mode == "interrupt" else []) + [
+                cmd = [args.guest, WAIT_FLAGS[mode]] + [
                     "local", "--ranks", str(n)] + backend + ["--", "bench"] + common + ["--json", path]
                 if rep == 0:
                     commands.append(show_cmd(cmd, args))
@@ -304,7 +314,7 @@ def markdown(runs, ranks, modes, meta, tables):
     for n in ranks:
         w(f"N = {n}:")
         w("")
-        cols = [c for c in ["poll", "interrupt", "mpi"] if (c, n) in runs]
+        cols = [c for c in ["poll", "interrupt", "hybrid", "mpi"] if (c, n) in runs]
         by = {c: rows_by_size(runs[(c, n)]) for c in cols}
         sizes = sorted(set().union(*[set(v) for v in by.values()]))
         head = ["size"] + [f"{c} p50 (us)" for c in cols] + [f"{c} algbw (GB/s)" for c in cols] + \

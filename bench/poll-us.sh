@@ -6,8 +6,8 @@
 #                    [--backend PATH]
 #
 # For each repetition and each poll time (interleaved, so that the
-# machine's noise spreads over all of them), runs `dmlc-guest local` with N
-# ranks and a 4 B allreduce `bench`, and keeps rank 0's p50 (out of place
+# machine's noise spreads over all of them), runs `dmlc-guest --poll local`
+# with N ranks (busy-polling for completions) and a 4 B allreduce `bench`, and keeps rank 0's p50 (out of place
 # and in place) and the device's floor that the same run measured (the p50
 # of a nop, which the device answers for rank 0 alone). Prints the median
 # over the repetitions for each poll time, its ratio to --poll-us 0 from
@@ -41,7 +41,7 @@ trap 'rm -f "$raw"' EXIT
 echo "# poll-us.sh: backend $backend; $ranks ranks, 4 B f32 sum allreduce, $iters iterations, $repeat repetitions; $(nproc) CPUs, load average $(cut -d' ' -f1-3 /proc/loadavg)"
 for rep in $(seq "$repeat"); do
     for p in $polls; do
-        line=$("$target/dmlc-guest" local --ranks "$ranks" --backend "$backend" \
+        line=$("$target/dmlc-guest" --poll local --ranks "$ranks" --backend "$backend" \
             --poll-us "$p" -- bench -b 4 -e 4 -n "$iters" -w $((iters / 10)) 2>&1 |
             awk '$2 == "floor:" { f = $11 } $1 == "4" { r = $6 " " $10 } END { if (f != "" && r != "") print r, f }')
         [ -n "$line" ] || { echo "poll-us.sh: no result (or no floor line) for --poll-us $p (rep $rep)" >&2; exit 1; }

@@ -16,7 +16,8 @@
 # alternate K times and each figure is the median of the K medians.
 # --spin-us sets the file's spin_us (the backend busy-waits the last S us
 # before each modelled completion); --rank-arg passes an option to every
-# rank's bench (e.g. --rank-arg=--interrupt). --overhead-us sets the file's
+# rank's bench (e.g. --rank-arg=--interrupt; without any, the ranks
+# busy-poll: --rank-arg=--poll, as the published tables were made). --overhead-us sets the file's
 # overhead_us, the host's own latency taken off every modelled time: auto
 # (the default) measures it first as the median round trip of a 4 B
 # allreduce without a model (bench -b 4 -e 4 -n 300), 0 takes nothing off.
@@ -45,6 +46,7 @@ while [ $# -gt 0 ]; do
         *) echo "timing-fidelity.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
+[ ${#rank_args[@]} -gt 0 ] || rank_args=(--poll)
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"

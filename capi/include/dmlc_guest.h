@@ -131,10 +131,10 @@ typedef struct dmlc_config {
 /* Values of dmlc_open_options.poll (and of dmlc_open_host's poll). */
 #define DMLC_WAIT_INTERRUPT 0 /* sleep on the device's interrupt */
 #define DMLC_WAIT_POLL 1      /* busy-poll (so does any value but 0 and 2) */
-#define DMLC_WAIT_HYBRID 2    /* spin up to 200 us, as recent waits suggest, then sleep */
+#define DMLC_WAIT_HYBRID 2    /* spin up to 200 us while recent waits ended within it, then sleep */
 
 typedef struct dmlc_open_options {
-    int poll;            /* DMLC_WAIT_POLL (default), DMLC_WAIT_INTERRUPT or DMLC_WAIT_HYBRID */
+    int poll;            /* DMLC_WAIT_HYBRID (default), DMLC_WAIT_POLL or DMLC_WAIT_INTERRUPT */
     uint16_t queue_size; /* descriptors per queue (power of two) */
     int event_idx;       /* nonzero: negotiate VIRTIO_RING_F_EVENT_IDX */
     uint64_t dma_bytes;  /* device-visible memory to reserve for buffers */
@@ -169,7 +169,7 @@ typedef struct dmlc_completion {
 
 /* ---- Opening and closing ---- */
 
-/* Fills *opts with the defaults (poll, queue size 256, event idx, 256 MiB). */
+/* Fills *opts with the defaults (hybrid wait, queue size 256, event idx, 256 MiB). */
 void dmlc_open_options_init(dmlc_open_options *opts);
 
 /* Opens the device served by the vhost-user backend at `socket` (the host

@@ -74,10 +74,21 @@ pub struct DmlcConfig {
     pub group_id: u64,
 }
 
-/// `dmlc_open_options.poll` for the hybrid wait: spin while recent waits
-/// say a completion is near (at most `HYBRID_SPIN_CAP`), then sleep on the
-/// interrupt. 0 sleeps at once; any other value busy-polls.
+/// `dmlc_open_options.poll` for the hybrid wait (the default): spin up to
+/// `HYBRID_SPIN_CAP` while recent waits mostly ended within it, then sleep
+/// on the interrupt. 0 sleeps at once; any other value busy-polls.
 pub const DMLC_WAIT_HYBRID: c_int = 2;
+
+/// The `dmlc_open_options.poll` value that stands for `o`'s wait.
+fn wait_field(o: &OpenOptions) -> c_int {
+    if o.poll {
+        1
+    } else if o.spin_cap.is_zero() {
+        0
+    } else {
+        DMLC_WAIT_HYBRID
+    }
+}
 
 /// `dmlc_open_options`.
 #[repr(C)]
@@ -311,7 +322,7 @@ pub unsafe extern "C" fn dmlc_open_options_init(opts: *mut DmlcOpenOptions) {
         // SAFETY: per the contract, a non-NULL `opts` is writable.
         if let Some(o) = unsafe { opts.as_mut() } {
             *o = DmlcOpenOptions {
-                poll: c_int::from(d.poll),
+                poll: wait_field(&d),
                 queue_size: d.queue_size,
                 event_idx: c_int::from(d.event_idx),
                 dma_bytes: d.dma_bytes as u64,
@@ -342,7 +353,7 @@ pub unsafe extern "C" fn dmlc_open_host(
 fn default_open_options() -> DmlcOpenOptions {
     let d = OpenOptions::default();
     DmlcOpenOptions {
-        poll: c_int::from(d.poll),
+        poll: wait_field(&d),
         queue_size: d.queue_size,
         event_idx: c_int::from(d.event_idx),
         dma_bytes: d.dma_bytes as u64,
@@ -1101,6 +1112,8 @@ mod tests {
         assert_eq!(with(-1), (true, Duration::ZERO));
         let cap = dmlc_driver::device::HYBRID_SPIN_CAP;
         assert_eq!(with(DMLC_WAIT_HYBRID), (false, cap));
+        // The defaults name the hybrid wait, and open as it.
+        assert_eq!(default_options().poll, DMLC_WAIT_HYBRID);
     }
 
     /// The options `dmlc_open_options_init` gives.

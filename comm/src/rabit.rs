@@ -54,7 +54,7 @@
 //! | `DMLC_DEVICE` | `pci` (the first virtio-dmlc PCI device, inside a VM) or `pci:0000:00:04.0`; `kernel` (the `virtio_dmlc` module's /dev/dmlc0, no root needed) or `kernel:/dev/dmlcN` |
 //! | `DMLC_SOCKET` | path of a backend socket: this process plays the VM (host transport) |
 //! | `DMLC_DMA_BYTES` | device-visible memory to set aside, e.g. `16M` (default 256M; in a VM it comes from hugepages) |
-//! | `DMLC_POLL` | `1` (default) busy-polls for completions, `0` sleeps on interrupts, `hybrid` spins up to 200 us (as long as recent waits suggest) and then sleeps |
+//! | `DMLC_POLL` | `hybrid` (default) spins up to 200 us (while recent waits mostly ended within that) and then sleeps on interrupts, `1` busy-polls for completions, `0` sleeps at once |
 //! | `DMLC_TCP_PEERS` | TCP only: `ip:port,...` of every worker in rank order |
 //! | `DMLC_TCP_CONNECT_TIMEOUT_S` | TCP only: how long to wait for slow peers (default 60) |
 //! | `DMLC_TCP_IO_TIMEOUT_S` | TCP only: how long a collective waits for a silent peer (default 120, 0 = forever) |
@@ -350,13 +350,11 @@ impl Config {
             open.dma_bytes = parse_bytes("DMLC_DMA_BYTES", &v)?;
         }
         if let Some(v) = var("DMLC_POLL") {
-            open.poll = match v.as_str() {
-                "1" | "true" | "yes" => true,
-                "0" | "false" | "no" => false,
-                "hybrid" => {
-                    open.spin_cap = dmlc_driver::device::HYBRID_SPIN_CAP;
-                    false
-                }
+            let hybrid = dmlc_driver::device::HYBRID_SPIN_CAP;
+            (open.poll, open.spin_cap) = match v.as_str() {
+                "1" | "true" | "yes" => (true, Duration::ZERO),
+                "0" | "false" | "no" => (false, Duration::ZERO),
+                "hybrid" => (false, hybrid),
                 _ => return Err(bad("DMLC_POLL", &v, "expected 1, 0 or hybrid")),
             };
         }
@@ -741,7 +739,10 @@ mod tests {
         .unwrap();
         assert_eq!((c.rank, c.world_size), (Some(1), Some(4)));
         assert_eq!(c.device, Some(DeviceSpec::Pci(Some("0000:00:04.0".into()))));
-        assert_eq!((c.open.dma_bytes, c.open.poll), (16 << 20, false));
+        assert_eq!(
+            (c.open.dma_bytes, c.open.poll, c.open.spin_cap),
+            (16 << 20, false, Duration::ZERO)
+        );
         assert_eq!(c.io_timeout, None);
         assert_eq!(c.connect_timeout, Duration::from_millis(2500));
         let c = cfg(&[

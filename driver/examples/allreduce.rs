@@ -23,6 +23,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let poll = args.get(3).is_none_or(|m| m != "irq");
     let opts = OpenOptions {
         poll,
+        spin_cap: std::time::Duration::ZERO,
         ..Default::default()
     };
     let dev = dmlc_driver::host::open(socket.as_ref(), &opts)?;

@@ -109,6 +109,7 @@ fn options(a: &Args) -> Res<OpenOptions> {
     );
     Ok(OpenOptions {
         poll: !a.irq,
+        spin_cap: std::time::Duration::ZERO,
         dma_bytes: dma_bytes.max(1),
         ..Default::default()
     })

@@ -48,6 +48,7 @@ impl Daemon {
     fn open(&self, rank: u32, poll: bool) -> R<Device> {
         let opts = OpenOptions {
             poll,
+            spin_cap: std::time::Duration::ZERO,
             dma_bytes: 64 << 20,
             ..Default::default()
         };

@@ -40,8 +40,8 @@ use crate::virtqueue::{QueueError, Segment, SplitQueue, DESC_SIZE, MAX_QUEUE_SIZ
 /// How to open a device.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OpenOptions {
-    /// Busy-poll the used ring (true, the default) or sleep until the device
-    /// signals a completion.
+    /// Busy-poll the used ring (true), or sleep until the device signals a
+    /// completion (false, the default, after the spin of `spin_cap`).
     pub poll: bool,
     /// Descriptors per queue (a power of two; default 256).
     pub queue_size: u16,
@@ -53,8 +53,10 @@ pub struct OpenOptions {
     pub max_queues: u16,
     /// With `poll` false: busy-poll for a while before sleeping (the hybrid
     /// wait), at most this long: the whole bound while most recent waits
-    /// ended within it, a twentieth of it while most did not. Zero (the
-    /// default): sleep at once.
+    /// ended within it, a twentieth of it while most did not. Zero: sleep
+    /// at once. The default, [`HYBRID_SPIN_CAP`], makes the hybrid wait the
+    /// default wait; on a transport that cannot sleep on an interrupt
+    /// ([`Transport::can_sleep`]) the hybrid wait polls.
     pub spin_cap: Duration,
     /// How long past a request's own timeout a wait gives up on an
     /// unanswered request ([`WAIT_MARGIN`] by default; tests of that bound
@@ -74,12 +76,12 @@ const HIT_ONE: u64 = 1 << 10;
 impl Default for OpenOptions {
     fn default() -> Self {
         OpenOptions {
-            poll: true,
+            poll: false,
             queue_size: 256,
             event_idx: true,
             dma_bytes: 256 << 20,
             max_queues: 0,
-            spin_cap: Duration::ZERO,
+            spin_cap: HYBRID_SPIN_CAP,
             wait_margin: WAIT_MARGIN,
         }
     }
@@ -820,13 +822,21 @@ impl Device {
             return Err(Error::BadConfig("no request queues".into()));
         }
         let event_idx = features & bit(VIRTIO_RING_F_EVENT_IDX) != 0;
+        let (poll, spin_cap) = if opts.poll {
+            (true, Duration::ZERO)
+        } else if !opts.spin_cap.is_zero() && !transport.can_sleep() {
+            log::info!("the transport has no interrupt to sleep on: the hybrid wait polls instead");
+            (true, Duration::ZERO)
+        } else {
+            (false, opts.spin_cap)
+        };
         let mut queues = Vec::new();
         for index in 0..nq as u16 {
             let size = size.min(transport.max_queue_size(index));
             let mut vq = SplitQueue::new(&mem, size, event_idx)?;
             // Off while polling, and while the hybrid wait spins (it arms
             // them only to sleep).
-            vq.set_interrupts(!opts.poll && opts.spin_cap.is_zero());
+            vq.set_interrupts(!poll && spin_cap.is_zero());
             let slots = DmaAlloc::new(&mem, usize::from(size) * SLOT_SIZE, DMA_ALIGN)?;
             transport.setup_queue(index, &vq.addrs())?;
             queues.push(Queue {
@@ -851,12 +861,8 @@ impl Device {
             mem,
             config,
             features,
-            poll: opts.poll,
-            spin_cap: if opts.poll {
-                Duration::ZERO
-            } else {
-                opts.spin_cap
-            },
+            poll,
+            spin_cap,
             spin_hits: AtomicU64::new(HIT_ONE),
             bounce: Mutex::new(None),
             known_generation: AtomicU32::new(config.generation.get()),
@@ -2308,9 +2314,11 @@ mod tests {
         }
     }
 
+    /// Polling, or sleeping on interrupts at once.
     fn opts(poll: bool) -> OpenOptions {
         OpenOptions {
             poll,
+            spin_cap: Duration::ZERO,
             queue_size: 16,
             dma_bytes: 8 << 20,
             ..Default::default()

@@ -37,7 +37,7 @@
 //! nothing ties bus mastering to the process: the transport says so in a
 //! warning (once) and carries on.
 //!
-//! Completions are polled by default. In interrupt mode with the device
+//! In interrupt mode and in the hybrid wait (the default), with the device
 //! bound to uio_pci_generic, a waiter sleeps on `/dev/uioN` (INTx; one file
 //! per queue so that every queue's waiter sees every interrupt), reads the
 //! ISR to clear it, and unmasks INTx in the command register again
@@ -855,6 +855,10 @@ impl Transport for PciTransport {
         let bell = self.doorbell(queue)?;
         self.regs.notify(bell, queue);
         Ok(())
+    }
+
+    fn can_sleep(&self) -> bool {
+        self.uio.as_ref().is_some_and(|u| u.listen)
     }
 
     fn wait_interrupt(

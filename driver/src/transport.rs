@@ -108,6 +108,13 @@ pub trait Transport: Send + Sync {
     fn wait_interrupt(&self, queue: u16, timeout: Option<Duration>)
         -> Result<bool, TransportError>;
 
+    /// Whether [`Self::wait_interrupt`] sleeps until the device signals.
+    /// False where it can only nap and look again (PCI without
+    /// uio_pci_generic): the hybrid wait then polls instead.
+    fn can_sleep(&self) -> bool {
+        true
+    }
+
     /// Fails with [`TransportError::Disconnected`] if the device is gone.
     /// Cheap enough to call every few milliseconds from a polling loop.
     fn check_alive(&self) -> Result<(), TransportError>;

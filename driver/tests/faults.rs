@@ -45,6 +45,8 @@ fn mq_value(q: u16, k: u64, r: u32, i: usize) -> u32 {
 fn open(backend: &Backend, rank: u32, poll: bool, dma_bytes: usize) -> Device {
     let opts = OpenOptions {
         poll,
+        // Not polling: sleeping on interrupts at once.
+        spin_cap: Duration::ZERO,
         dma_bytes,
         ..OpenOptions::default()
     };

@@ -12,7 +12,7 @@ echo uio_pci_generic >"$dev/driver_override"
 echo "${dev##*/}" >/sys/bus/pci/drivers_probe
 for size in "4 $iters 50" "1M 20 3" "64M 5 2"; do
     set -- $size
-    dmlc-guest bench --pci -b "$1" -e "$1" -n "$2" -w "$3" || exit 1
+    dmlc-guest --poll bench --pci -b "$1" -e "$1" -n "$2" -w "$3" || exit 1
 done
 # The userspace driver's process is gone (a lost member, then back as the
 # kernel driver): dmlc-ktest's first barrier waits for the whole group.

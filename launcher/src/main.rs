@@ -229,7 +229,7 @@ struct DemoArgs {
     machine: MachineArgs,
 
     /// Extra environment variables for every worker of both runs (e.g.
-    /// DMLC_POLL=0: the driver sleeps on interrupts instead of polling).
+    /// DMLC_POLL=1: the driver busy-polls instead of the hybrid wait).
     #[arg(long, value_name = "K=V", num_args = 1.., value_parser = parse_env)]
     env: Vec<(String, String)>,
 

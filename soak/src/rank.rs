@@ -266,6 +266,8 @@ pub fn run(plan: &Plan, g: &GroupShared, global: &Global, rank: u32, socket: &Pa
     };
     let opts = OpenOptions {
         poll: plan.poll,
+        // Not polling means sleeping on interrupts, not the hybrid wait.
+        spin_cap: std::time::Duration::ZERO,
         queue_size: plan.queue_size,
         event_idx: true,
         dma_bytes: plan.dma_bytes,

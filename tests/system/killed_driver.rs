@@ -29,7 +29,7 @@ fn killed_driver_leaves_no_dma_into_its_freed_hugepages() {
     // Rank 1 posts a 256 KiB allreduce (polling: no interrupt file of its
     // own) and is killed while it waits for rank 0; then another process
     // takes every free hugepage and watches it for 60 s.
-    let driver = guest("debug allreduce --count 65536 --iters 1");
+    let driver = guest("--poll debug allreduce --count 65536 --iters 1");
     let victim = format!(
         "{driver} & pid=$!; sleep 8; kill -9 $pid; wait $pid; \
          echo driver killed; pci_probe --hugefill 60"

@@ -169,7 +169,7 @@ fn comparison(devs: &[(&str, &Table)], tcp: &Table) -> String {
 /// The runs of each VM's job, in order: what rank 0's header says, and the
 /// command (the TCP run's peers and rank are added per VM).
 const RUNS: [(&str, &str); 4] = [
-    ("device poll", ""),
+    ("device poll", "--poll "),
     ("device interrupt", "--interrupt "),
     ("device hybrid", "--hybrid "),
     ("tcp", "tcp"),

@@ -49,16 +49,18 @@ struct Globals {
     /// or /dev/dmlc0 when no path is given [default when DMLC_DEVICE=kernel].
     #[arg(long, global = true, value_name = "NODE", num_args = 0..=1, require_equals = true, default_missing_value = "/dev/dmlc0", conflicts_with_all = ["socket", "pci"])]
     kernel: Option<PathBuf>,
-    /// Busy-poll the used ring for completions (the default): lowest
-    /// latency, one core busy while waiting.
+    /// Busy-poll the used ring for completions: lowest latency, one core
+    /// busy for the whole wait.
     #[arg(long, global = true)]
     poll: bool,
-    /// Sleep until the device signals a completion (call eventfd) instead of
-    /// polling.
+    /// Sleep until the device signals a completion (call eventfd; on PCI
+    /// /dev/uioN) instead of polling.
     #[arg(long, global = true)]
     interrupt: bool,
-    /// Busy-poll for a while, then sleep until the device signals: spins
-    /// up to 200 us, as long as recent waits suggest a completion is near.
+    /// Busy-poll for a while, then sleep until the device signals (the
+    /// default): spins up to 200 us while recent waits mostly ended within
+    /// that, 10 us while they did not; polls where there is no interrupt
+    /// to sleep on (PCI without uio_pci_generic).
     #[arg(long, global = true)]
     hybrid: bool,
     /// Descriptors per virtqueue, a power of two [default: 256].
@@ -73,14 +75,15 @@ struct Globals {
 impl Globals {
     /// The default options with the wait the flags chose.
     fn wait_options(&self) -> OpenOptions {
+        let default = OpenOptions::default();
         OpenOptions {
-            poll: !self.interrupt && !self.hybrid,
-            spin_cap: if self.hybrid {
-                dmlc_driver::device::HYBRID_SPIN_CAP
-            } else {
+            poll: self.poll,
+            spin_cap: if self.poll || self.interrupt {
                 std::time::Duration::ZERO
+            } else {
+                default.spin_cap
             },
-            ..OpenOptions::default()
+            ..default
         }
     }
 
@@ -88,10 +91,10 @@ impl Globals {
     fn mode(&self) -> &'static str {
         if self.interrupt {
             "interrupt"
-        } else if self.hybrid {
-            "hybrid"
-        } else {
+        } else if self.poll {
             "poll"
+        } else {
+            "hybrid"
         }
     }
 
@@ -122,8 +125,14 @@ impl Globals {
             a.push(node);
             v.push(a);
         }
-        if self.interrupt {
-            v.push("--interrupt".into());
+        for (set, flag) in [
+            (self.poll, "--poll"),
+            (self.interrupt, "--interrupt"),
+            (self.hybrid, "--hybrid"),
+        ] {
+            if set {
+                v.push(flag.into());
+            }
         }
         if let Some(q) = self.queue_size {
             v.push("--queue-size".into());
