@@ -553,7 +553,12 @@ pub fn run(a: DemoArgs) -> i32 {
             timeout: (m.timeout > 0).then(|| Duration::from_secs(m.timeout)),
             log_dir: m.log_dir.as_ref().map(|d| d.join(transport.as_str())),
             backend: backend.clone(),
-            backend_args: m.backend_arg.clone(),
+            // The TCP run does not use the device: its backend gets none
+            // (a --trace-out of the device run would be overwritten).
+            backend_args: match transport {
+                Transport::Device => m.backend_arg.clone(),
+                Transport::Tcp => Vec::new(),
+            },
             env: a.env.clone(),
             program: Program::Host(trainer.clone()),
             args: args.clone(),

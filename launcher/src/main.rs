@@ -142,7 +142,7 @@ struct MachineArgs {
 
     /// One more option for vhost-device-dmlc (repeatable), e.g.
     /// --backend-arg=--timing=ring.toml or --backend-arg=--trace-out=t.json
-    /// (docs/latency-experiments.md).
+    /// (docs/latency-experiments.md); with `demo`, for the device run only.
     #[arg(long, value_name = "ARG", allow_hyphen_values = true)]
     backend_arg: Vec<OsString>,
 }
