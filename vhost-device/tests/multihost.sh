@@ -194,7 +194,7 @@ case $case_ in
     # generation with its next request, and time out waiting for rank 1).
     victim=$(guest_of "${mpids[1]}")
     kill -STOP "$victim"
-    sleep 1.5
+    sleep 2.5
     kill -9 "$victim"
     start=$SECONDS
     for i in 0 2 3; do
