@@ -4,7 +4,8 @@
 # Installs what it needs, then runs, in order: rustfmt and clippy checks, the
 # unit and integration tests of every crate (backend, driver, C ABI, hostile
 # frontends, faults) over real vhost-user sockets, the Python package and
-# its torch backend (pytest, with torch in a cached venv), a short soak, a short
+# its torch backend (pytest, with torch in a cached venv), the multi-host
+# tests (two network namespaces, MPI between the daemons), a short soak, a short
 # fuzzing run, the kernel driver's build (kernel-driver/build.sh --check), and
 # last the system tests, which boot QEMU VMs with the virtio-dmlc device
 # (tests/system/), the kernel driver's among them.
@@ -103,6 +104,32 @@ py_files=(python bench/torch-ddp.py bench/tcg-cpu.py examples/torch examples/xgb
 (cd python && DMLC_LIBRARY="$PWD/../target/debug/libdmlc_guest.so" \
   DMLC_BACKEND_BIN="$PWD/../target/debug/vhost-device-dmlc" \
   "$venv/bin/python" -m pytest -q -p no:cacheprovider tests)
+
+step "multi-host: 2 hosts as network namespaces, MPI between the daemons (--features mpi)"
+# vhost-device/tests/multihost.rs: every opcode against the guest's scalar
+# reference (L = 1 and 2), a mismatch, a killed member, a killed daemon
+# (docs/multi-host.md). Needs root (namespaces), Open MPI, libclang (the mpi
+# crate's bindgen) and iproute2, installed with apt-get when missing. Run
+# after the stages that use target/debug/vhost-device-dmlc: this build
+# replaces it with the mpi one (a superset).
+mh_missing=()
+for p in openmpi-bin libopenmpi-dev libclang-dev iproute2; do
+  [[ $(dpkg-query -W -f='${Status}' "$p" 2>/dev/null) == *"ok installed"* ]] || mh_missing+=("$p")
+done
+if [ ${#mh_missing[@]} -gt 0 ] && [ "$(id -u)" -eq 0 ] && need_cmd apt-get; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${mh_missing[@]}" ||
+    { apt-get -qq update &&
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${mh_missing[@]}"; }
+  mh_missing=()
+fi
+if [ ${#mh_missing[@]} -eq 0 ]; then
+  cargo test --locked -p vhost-device-dmlc --features mpi --test multihost -- --test-threads=1
+elif under_ci; then
+  echo "error: the multi-host tests need ${mh_missing[*]} (install them as root)" >&2
+  exit 1
+else
+  echo "SKIP multi-host tests: missing ${mh_missing[*]} (install them as root)" >&2
+fi
 
 step "soak: 2 daemons x 4 host ranks, every completion checked (short run)"
 # The full run is dmlc-soak with its defaults: 1,000,000 small and 1,000

@@ -124,6 +124,10 @@ pub trait Completion: Send + Sync {
     fn complete(&self, queue: u16, head: u16, written: u32);
 }
 
+/// How long [`Group::reset`] waits for the inter-host stage to complete
+/// the collective it was running (with RESET).
+const REMOTE_RESET_WAIT: Duration = Duration::from_millis(500);
+
 /// The collective state shared by every member of the group.
 pub struct Group {
     shared: Arc<Shared>,
@@ -395,6 +399,13 @@ impl Group {
             }
         }
         shared.metrics.set_generation(1);
+        if let Some(link) = &shared.cfg.remote {
+            // The inter-host stage acts on news of a loss on another host
+            // before this host's first collective too.
+            let _ = link.tx.send(remote::Work(remote::Step::Attach {
+                shared: shared.clone(),
+            }));
+        }
 
         let timer = {
             let shared = shared.clone();
@@ -690,8 +701,31 @@ impl Group {
     /// shutdown, an operator's request): the generation changes, every
     /// pending collective fails with RESET on every member, and sequence
     /// numbers restart. Members stay active.
+    ///
+    /// Across hosts ([`remote`]) the inter-host stage gives up the step it
+    /// waits in (an MPI collective cannot be cancelled, so the job then
+    /// ends): its collective completes with RESET too, which this waits
+    /// for, at most [`REMOTE_RESET_WAIT`].
     pub fn reset(&self) {
-        self.shared.bump(Cause::Reset, &[]);
+        let sh = &self.shared;
+        if let Some(link) = &sh.cfg.remote {
+            link.abandon.store(true, Ordering::Release);
+        }
+        sh.bump(Cause::Reset, &[]);
+        if sh.cfg.remote.is_some() {
+            // Until every completion decided before the reset is delivered
+            // (the inter-host stage's collective holds one until it is).
+            let until = Instant::now() + REMOTE_RESET_WAIT;
+            loop {
+                let st = lock(&sh.state);
+                let era = st.era;
+                if st.outgoing.keys().next().is_none_or(|&e| e >= era) || Instant::now() >= until {
+                    break;
+                }
+                drop(st);
+                thread::sleep(Duration::from_millis(1));
+            }
+        }
     }
 
     /// Completes a chain without running it, with `RESET`: a request that

@@ -16,7 +16,8 @@
 //! missed deadline stays valid (it is leaked) until the process ends.
 
 use std::os::raw::c_int;
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -25,7 +26,11 @@ use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::traits::AsRaw;
 use mpi::Threading;
 
-use crate::group::remote::{self, Exchange, ExchangeError, RemoteLink};
+use crate::group::remote::{self, Exchange, ExchangeError, RemoteLink, NEWS_BYTES};
+
+/// The tag of news between the daemons (point to point on
+/// `MPI_COMM_WORLD`, which never matches a collective).
+const NEWS_TAG: c_int = 16;
 
 /// Largest message per host of one MPI call (the count is a C int).
 const CHUNK: usize = 256 << 20;
@@ -47,11 +52,13 @@ pub struct Joined {
 /// sent on the returned link.
 pub fn start(group_id: u64) -> Result<(Joined, RemoteLink), String> {
     let (tx, rx) = mpsc::channel::<remote::Work>();
+    let abandon = Arc::new(AtomicBool::new(false));
+    let abandon_mpi = abandon.clone();
     let (joined_tx, joined_rx) = mpsc::channel::<Result<Joined, String>>();
     thread::Builder::new()
         .name("dmlc-mpi".into())
         .spawn(move || {
-            let mut ex = match MpiExchange::init(group_id) {
+            let mut ex = match MpiExchange::init(group_id, abandon_mpi) {
                 Ok((ex, joined)) => {
                     let _ = joined_tx.send(Ok(joined));
                     ex
@@ -74,6 +81,7 @@ pub fn start(group_id: u64) -> Result<(Joined, RemoteLink), String> {
             host: joined.host,
             hosts: joined.hosts,
             tx,
+            abandon,
         },
     ))
 }
@@ -86,12 +94,20 @@ pub struct MpiExchange {
     hosts: u32,
     send: Vec<u8>,
     recv: Vec<u8>,
+    /// The posted receive of news from any host, and its buffer (boxed:
+    /// MPI writes it until the request completes).
+    news_req: ffi::MPI_Request,
+    news_buf: Box<[u8; NEWS_BYTES]>,
+    /// News sends not known complete yet, with their buffers.
+    news_sent: Vec<(ffi::MPI_Request, Box<[u8; NEWS_BYTES]>)>,
+    /// Set when the group is reset: a wait gives up.
+    abandon: Arc<AtomicBool>,
     /// Finalises MPI when dropped (the serve loop ended in order).
     _universe: mpi::environment::Universe,
 }
 
 impl MpiExchange {
-    fn init(group_id: u64) -> Result<(MpiExchange, Joined), String> {
+    fn init(group_id: u64, abandon: Arc<AtomicBool>) -> Result<(MpiExchange, Joined), String> {
         let (universe, granted) = mpi::initialize_with_threading(Threading::Funneled)
             .ok_or("MPI was initialised already")?;
         if granted < Threading::Funneled {
@@ -115,8 +131,15 @@ impl MpiExchange {
             hosts,
             send: Vec::new(),
             recv: Vec::new(),
+            // SAFETY: a predefined handle, read only.
+            news_req: unsafe { ffi::RSMPI_REQUEST_NULL },
+            news_buf: Box::new([0; NEWS_BYTES]),
+            news_sent: Vec::new(),
+            abandon,
             _universe: universe,
         };
+        ex.post_news()
+            .map_err(|e| format!("cannot post the news receive: {e}"))?;
         let mut id = group_id.to_le_bytes();
         ex.broadcast(&mut id, 0, Instant::now() + START_WAIT)
             .map_err(|e| format!("cannot agree on the group id: {e}"))?;
@@ -155,6 +178,10 @@ impl MpiExchange {
                 self.leak();
                 return Err(ExchangeError::Deadline(started.elapsed()));
             }
+            if self.abandon.load(Ordering::Acquire) {
+                self.leak();
+                return Err(ExchangeError::Abandoned);
+            }
             // Spin briefly for small messages, then yield the CPU.
             spins += 1;
             if spins > 1000 {
@@ -165,9 +192,49 @@ impl MpiExchange {
         }
     }
 
+    /// Posts the receive of the next news from any host.
+    fn post_news(&mut self) -> Result<(), ExchangeError> {
+        // SAFETY: the boxed buffer holds NEWS_BYTES and lives in `self`
+        // until the request completes (or is leaked with the exchange);
+        // the datatype, source wildcard and communicator are valid.
+        let rc = unsafe {
+            ffi::MPI_Irecv(
+                self.news_buf.as_mut_ptr().cast(),
+                NEWS_BYTES as c_int,
+                ffi::RSMPI_UINT8_T,
+                ffi::RSMPI_ANY_SOURCE,
+                NEWS_TAG,
+                self.world.as_raw(),
+                &mut self.news_req,
+            )
+        };
+        if rc != 0 {
+            return Err(ExchangeError::Failed(format!("MPI_Irecv failed ({rc})")));
+        }
+        Ok(())
+    }
+
     fn leak(&mut self) {
         std::mem::forget(std::mem::take(&mut self.send));
         std::mem::forget(std::mem::take(&mut self.recv));
+    }
+}
+
+impl Drop for MpiExchange {
+    /// Cancels the posted news receive before MPI is finalised (after the
+    /// struct's fields, `_universe` last).
+    fn drop(&mut self) {
+        // SAFETY: a predefined handle, read only.
+        let null = unsafe { ffi::RSMPI_REQUEST_NULL };
+        if self.news_req == null {
+            return;
+        }
+        // SAFETY: the posted receive is an active request of this thread's
+        // MPI; cancelling a receive completes locally, so the wait returns.
+        unsafe {
+            ffi::MPI_Cancel(&mut self.news_req);
+            ffi::MPI_Wait(&mut self.news_req, ffi::RSMPI_STATUS_IGNORE);
+        }
     }
 }
 
@@ -268,6 +335,77 @@ impl Exchange for MpiExchange {
             off += n;
         }
         Ok(())
+    }
+
+    fn announce(&mut self, news: &[u8; NEWS_BYTES]) -> Result<(), ExchangeError> {
+        for h in (0..self.hosts).filter(|&h| h != self.host) {
+            let buf = Box::new(*news);
+            // SAFETY: a predefined handle, read only.
+            let mut req = unsafe { ffi::RSMPI_REQUEST_NULL };
+            // SAFETY: the boxed buffer holds NEWS_BYTES and is kept in
+            // `news_sent` until the send completes (or leaked); the
+            // destination is a rank of the communicator.
+            let rc = unsafe {
+                ffi::MPI_Isend(
+                    buf.as_ptr().cast(),
+                    NEWS_BYTES as c_int,
+                    ffi::RSMPI_UINT8_T,
+                    h as c_int,
+                    NEWS_TAG,
+                    self.world.as_raw(),
+                    &mut req,
+                )
+            };
+            if rc != 0 {
+                return Err(ExchangeError::Failed(format!("MPI_Isend failed ({rc})")));
+            }
+            self.news_sent.push((req, buf));
+        }
+        Ok(())
+    }
+
+    fn poll_news(&mut self) -> Result<Option<[u8; NEWS_BYTES]>, ExchangeError> {
+        // Finished sends give their buffers back; one that failed is
+        // dropped from the list and its buffer leaked (MPI may still hold it).
+        let mut i = 0;
+        while i < self.news_sent.len() {
+            let mut flag: c_int = 0;
+            // SAFETY: an active request of this thread's MPI.
+            let rc = unsafe {
+                ffi::MPI_Test(
+                    &mut self.news_sent[i].0,
+                    &mut flag,
+                    ffi::RSMPI_STATUS_IGNORE,
+                )
+            };
+            if rc != 0 {
+                std::mem::forget(self.news_sent.swap_remove(i));
+            } else if flag != 0 {
+                self.news_sent.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        let mut flag: c_int = 0;
+        // SAFETY: the posted news receive, an active request of this
+        // thread's MPI.
+        let rc = unsafe { ffi::MPI_Test(&mut self.news_req, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
+        if rc != 0 {
+            // The buffer may still be written: leave it to MPI.
+            std::mem::forget(std::mem::replace(
+                &mut self.news_buf,
+                Box::new([0; NEWS_BYTES]),
+            ));
+            return Err(ExchangeError::Failed(format!(
+                "MPI_Test of the news receive failed ({rc})"
+            )));
+        }
+        if flag == 0 {
+            return Ok(None);
+        }
+        let news = *self.news_buf;
+        self.post_news()?;
+        Ok(Some(news))
     }
 
     fn abort(&mut self, why: &str) {

@@ -552,6 +552,7 @@ impl Shape {
             root: self.req.root,
             count: self.req.count,
             in_place,
+            per_host: 0,
         }
     }
 

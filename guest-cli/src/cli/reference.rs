@@ -4,6 +4,9 @@
 //! backend: reduce in rank order 0..N-1 in the accumulator type (f16 and
 //! bf16 accumulate in f32 and round once), integers wrap, avg is the sum
 //! divided by N (integers truncate toward zero), float min/max propagate NaN.
+//! With members on several hosts ([`Case::per_host`]) the fold is the
+//! two-level one of spec 5.X.6.5.4: per host in local rank order (each
+//! partial rounded to the dtype), then the partials in host order.
 
 use super::data::mask;
 use half::{bf16, f16};
@@ -97,6 +100,56 @@ macro_rules! fold_float {
 fold_float!(fold_f32, f32);
 fold_float!(fold_f64, f64);
 
+/// Reduces the values (raw bits, rank order) of one element position as a
+/// group of hosts with `per_host` members each does (spec 5.X.6.5.4):
+/// `p_h` = the flat fold of host `h`'s members (sum for avg), rounded to
+/// the dtype; then a fold of `p_0 .. p_{H-1}` in the accumulator type, the
+/// division by N for avg made once at its end, rounded once. Integer
+/// results do not depend on the order, so they are the flat fold's.
+pub fn reduce_hosts(dtype: Dtype, op: ReduceOp, per_host: usize, vals: &[u64]) -> u64 {
+    let n = vals.len();
+    if per_host == 0 || per_host >= n || !dtype.is_float() {
+        return reduce(dtype, op, vals.iter().copied());
+    }
+    let inner = if op == ReduceOp::Avg {
+        ReduceOp::Sum
+    } else {
+        op
+    };
+    let parts: Vec<u64> = vals
+        .chunks(per_host)
+        .map(|host| reduce(dtype, inner, host.iter().copied()))
+        .collect();
+    let avg = op == ReduceOp::Avg;
+    let f32_of = |acc: f32| if avg { acc / n as f32 } else { acc };
+    match dtype {
+        Dtype::F32 => {
+            let acc = fold_f32(inner, parts.iter().map(|&p| f32::from_bits(p as u32)));
+            u64::from(f32_of(acc).to_bits())
+        }
+        Dtype::F64 => {
+            let acc = fold_f64(inner, parts.iter().map(|&p| f64::from_bits(p)));
+            let acc = if avg { acc / n as f64 } else { acc };
+            acc.to_bits()
+        }
+        Dtype::F16 => {
+            let acc = fold_f32(
+                inner,
+                parts.iter().map(|&p| f16::from_bits(p as u16).to_f32()),
+            );
+            u64::from(f16::from_f32(f32_of(acc)).to_bits())
+        }
+        Dtype::Bf16 => {
+            let acc = fold_f32(
+                inner,
+                parts.iter().map(|&p| bf16::from_bits(p as u16).to_f32()),
+            );
+            u64::from(bf16::from_f32(f32_of(acc)).to_bits())
+        }
+        _ => unreachable!("integer dtypes fold flat"),
+    }
+}
+
 /// One member's view of a collective, enough to say what its output holds.
 #[derive(Clone, Copy, Debug)]
 pub struct Case {
@@ -108,6 +161,9 @@ pub struct Case {
     pub root: u32,
     pub count: u64,
     pub in_place: bool,
+    /// Members per host when the group spans hosts (ranks host-major): the
+    /// reduction order is spec 5.X.6.5.4's. 0: one host, flat rank order.
+    pub per_host: u32,
 }
 
 impl Case {
@@ -135,7 +191,10 @@ impl Case {
     /// was supplied in place).
     pub fn expected(&self, j: u64, input: impl Fn(u32, u64) -> u64) -> u64 {
         let all = 0..self.world;
-        let red = |i: u64| reduce(self.dtype, self.op, all.clone().map(|r| input(r, i)));
+        let red = |i: u64| {
+            let vals: Vec<u64> = all.clone().map(|r| input(r, i)).collect();
+            reduce_hosts(self.dtype, self.op, self.per_host as usize, &vals)
+        };
         match self.opcode {
             Opcode::Allreduce => red(j),
             Opcode::Broadcast => input(self.root, j),
@@ -198,6 +257,36 @@ mod tests {
     }
 
     #[test]
+    fn several_hosts_fold_partials_in_host_order() {
+        let f = |x: f32| u64::from(x.to_bits());
+        // (1e8 + 1) + (-1e8 + 1) = 0 per hosts of 2 (1e8 + 1 rounds to
+        // 1e8), whereas the flat fold ((1e8 + 1) - 1e8) + 1 = 1.
+        let v = [f(1e8), f(1.0), f(-1e8), f(1.0)];
+        assert_eq!(reduce_hosts(Dtype::F32, ReduceOp::Sum, 2, &v), f(0.0));
+        assert_eq!(reduce_hosts(Dtype::F32, ReduceOp::Sum, 0, &v), f(1.0));
+        assert_eq!(reduce_hosts(Dtype::F32, ReduceOp::Sum, 4, &v), f(1.0));
+        // f16: host 0's partial 2048 + 1 is rounded to f16 (2048), then
+        // the partials are summed in f32 and rounded once: 2048 + 1 -> 2048;
+        // flat: 2048 + 1 + 1 = 2050. avg: 2049 / 4 = 512.25 -> 512 (ties
+        // to even) against 2050 / 4 = 512.5.
+        let h = |x: f32| u64::from(f16::from_f32(x).to_bits());
+        let v = [h(2048.0), h(1.0), h(1.0), h(0.0)];
+        let val = |op, per_host| {
+            f16::from_bits(reduce_hosts(Dtype::F16, op, per_host, &v) as u16).to_f32()
+        };
+        assert_eq!(val(ReduceOp::Sum, 2), 2048.0);
+        assert_eq!(val(ReduceOp::Sum, 0), 2050.0);
+        assert_eq!(val(ReduceOp::Avg, 2), 512.0);
+        assert_eq!(val(ReduceOp::Avg, 0), 512.5);
+        // Integers: the same bits in any order.
+        let i = [200, 100, 7, 9];
+        assert_eq!(
+            reduce_hosts(Dtype::U8, ReduceOp::Avg, 2, &i),
+            reduce(Dtype::U8, ReduceOp::Avg, i.iter().copied())
+        );
+    }
+
+    #[test]
     fn expected_layouts() {
         let c = Case {
             opcode: Opcode::ReduceScatter,
@@ -208,6 +297,7 @@ mod tests {
             root: 0,
             count: 2,
             in_place: false,
+            per_host: 0,
         };
         let input = |r: u32, i: u64| u64::from(r) * 100 + i;
         // Block 1 = elements 2 and 3: sum over ranks of (100 r + i).

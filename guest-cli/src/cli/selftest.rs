@@ -49,6 +49,11 @@ pub struct SelftestArgs {
     /// Test only these reduce ops (repeatable) [default: all].
     #[arg(long, value_parser = parse_op, value_name = "OP")]
     pub op: Vec<ReduceOp>,
+    /// The group spans hosts of L members each (ranks host-major): expect
+    /// float reductions in spec 5.X.6.5.4's order (per host, then across
+    /// hosts) instead of flat rank order. L must divide the world size.
+    #[arg(long, value_name = "L", value_parser = clap::value_parser!(u32).range(1..))]
+    pub members_per_host: Option<u32>,
 }
 
 impl SelftestArgs {
@@ -126,6 +131,12 @@ pub fn run(dev: &Device, args: &SelftestArgs) -> Result<bool, CliError> {
     let queues = dev.num_queues().max(1);
     let max_bytes = cfg.max_bytes.get();
     let max_segments = cfg.max_segments.get() as usize;
+    let per_host = args.members_per_host.unwrap_or(0);
+    if per_host != 0 && !world.is_multiple_of(per_host) {
+        return Err(CliError::Usage(format!(
+            "--members-per-host {per_host} does not divide the world size {world}"
+        )));
+    }
     let counts = self::SelftestArgs::counts(args);
     let max_count = counts.last().copied().unwrap_or(1);
     let cap = (u64::from(world) * max_count * 8) as usize + GUARD;
@@ -170,6 +181,7 @@ pub fn run(dev: &Device, args: &SelftestArgs) -> Result<bool, CliError> {
                     root,
                     count,
                     in_place,
+                    per_host,
                 };
                 // Skip on every rank alike: judge by the largest member buffer.
                 let too_big = (0..world).any(|r| {
@@ -405,6 +417,7 @@ mod tests {
             opcode: vec![],
             dtype: vec![],
             op: vec![],
+            members_per_host: None,
         };
         let g = groups(&args);
         // 3 reducing opcodes x (4 floats x 5 ops + 6 ints x 8 ops),

@@ -28,6 +28,14 @@
 //!    every host (so every host computes the same bits), and the result is
 //!    written into the local members' outputs, each under its gate.
 //!
+//! A lost member: its host fails its own collectives at once and takes a
+//! "lost" step, announcing it to every other host first
+//! ([`Exchange::announce`]). A host whose stage has no step to run polls for
+//! such news ([`Exchange::poll_news`], every [`NEWS_POLL`]) and, for a loss
+//! that no step has settled yet, fails its pending collectives with
+//! PEER_LOST and joins that step: no host waits for its members to submit
+//! before it learns of a loss.
+//!
 //! Bounds: every exchange call has a deadline (the collective's deadline
 //! plus one default timeout, so that a host whose members are late fails
 //! its own slot first and contributes that failure). A call that misses it
@@ -35,8 +43,8 @@
 //! daemon then fails everything pending on its members and ends the job
 //! ([`Exchange::abort`]).
 
-use std::sync::atomic::Ordering;
-use std::sync::{mpsc, Arc};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Weak};
 use std::time::{Duration, Instant};
 
 use virtio_dmlc::{unsupported, Opcode, ReduceOp, Status, VirtioDmlcReq, NO_PEER};
@@ -52,6 +60,15 @@ pub const ENTRY_BYTES: usize = 16 + virtio_dmlc::REQ_HEADER_SIZE;
 const KIND_COLLECTIVE: u32 = 1;
 const KIND_LOST: u32 = 2;
 const KIND_TIMEOUT: u32 = 3;
+/// A host that learnt of another host's loss from its news, while it had
+/// no step of its own to take: it joins the losing host's step with this
+/// entry (the peer it was told), so that the loss never waits for this
+/// host's members to submit.
+const KIND_LOST_ELSEWHERE: u32 = 4;
+
+fn is_lost(kind: u32) -> bool {
+    kind == KIND_LOST || kind == KIND_LOST_ELSEWHERE
+}
 
 /// Why an exchange call failed. The exchange cannot be used after it.
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +77,10 @@ pub enum ExchangeError {
     Deadline(Duration),
     #[error("{0}")]
     Failed(String),
+    /// The group was reset (the daemon is shutting down) while the call
+    /// waited ([`RemoteLink::abandon`]).
+    #[error("the group was reset while the other daemons were awaited")]
+    Abandoned,
 }
 
 /// Collective calls between the daemons of one job, made from one thread.
@@ -85,10 +106,23 @@ pub trait Exchange {
         root: u32,
         deadline: Instant,
     ) -> Result<(), ExchangeError>;
+    /// Sends `news` to every other host, outside the steps: it must not
+    /// wait for them (best effort; a send that cannot complete is left).
+    fn announce(&mut self, news: &[u8; NEWS_BYTES]) -> Result<(), ExchangeError>;
+    /// News another host announced, if some arrived (without waiting).
+    fn poll_news(&mut self) -> Result<Option<[u8; NEWS_BYTES]>, ExchangeError>;
     /// Ends the whole job after an exchange failed (MPI_Abort). A fake may
     /// return.
     fn abort(&mut self, why: &str);
 }
+
+/// Bytes of one piece of news ([`Exchange::announce`]): the announcing
+/// host, its loss number (1, 2, .. since start), the lost global rank and
+/// a spare word (4 x u32).
+pub const NEWS_BYTES: usize = 16;
+
+/// How often an idle inter-host stage looks for news of a loss elsewhere.
+const NEWS_POLL: Duration = Duration::from_millis(1);
 
 /// Where a group's filled slots go, and who this host is.
 #[derive(Clone)]
@@ -99,6 +133,10 @@ pub struct RemoteLink {
     pub hosts: u32,
     /// To the thread that runs [`serve`].
     pub tx: mpsc::Sender<Work>,
+    /// Set by a reset of the group (the daemon shutting down): the
+    /// exchange gives up the call it waits in ([`ExchangeError::Abandoned`]),
+    /// so that its collective completes with RESET before the daemon exits.
+    pub abandon: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for RemoteLink {
@@ -124,6 +162,9 @@ pub(super) enum Step {
     /// A local member was lost (global rank): the next step fails
     /// everywhere with PEER_LOST, and the other hosts reset.
     Lost { shared: Arc<Shared>, peer: u32 },
+    /// The group started: news of a loss elsewhere can be acted on before
+    /// this host's first step.
+    Attach { shared: Arc<Shared> },
     /// A local slot of era `era` timed out, `peer` (global) missing: its
     /// step fails everywhere with TIMEOUT.
     TimedOut {
@@ -150,14 +191,33 @@ pub fn supported(op: Opcode) -> bool {
 
 /// Runs the steps that arrive on `rx` over `ex` until every sender is gone.
 /// Call it on the thread that owns the exchange (the thread that
-/// initialised MPI).
+/// initialised MPI). While no step is waiting it looks for news of a loss
+/// on another host every [`NEWS_POLL`] (see [`Step::Lost`]).
 pub fn serve(rx: &mpsc::Receiver<Work>, ex: &mut dyn Exchange) {
     let mut sync = Sync {
         era: 0,
         peer: NO_PEER,
+        settled: vec![0; ex.hosts() as usize],
+        losses: 0,
+        shared: Weak::new(),
     };
-    while let Ok(Work(step)) = rx.recv() {
+    loop {
+        let step = match rx.recv_timeout(NEWS_POLL) {
+            Ok(Work(step)) => step,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if let Err((shared, e)) = news(ex, &mut sync) {
+                    give_up(rx, ex, &shared, &e);
+                    return;
+                }
+                continue;
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => return,
+        };
         let result = match step {
+            Step::Attach { shared } => {
+                sync.shared = Arc::downgrade(&shared);
+                Ok(())
+            }
             Step::Collective {
                 shared,
                 era,
@@ -178,10 +238,22 @@ pub fn serve(rx: &mpsc::Receiver<Work>, ex: &mut dyn Exchange) {
             }
             Step::Lost { shared, peer } => {
                 let deadline = Instant::now() + 2 * shared.cfg.timeout;
+                sync.losses += 1;
+                let mut news = [0u8; NEWS_BYTES];
+                put(&mut news, 0, ex.host());
+                put(&mut news, 1, sync.losses);
+                put(&mut news, 2, peer);
+                // The other hosts learn of it even if none of their members
+                // submits again: they join this step on the news.
+                if let Err(e) = ex.announce(&news) {
+                    give_up(rx, ex, &shared, &e);
+                    return;
+                }
                 let mut entry = [0u8; ENTRY_BYTES];
                 put(&mut entry, 0, KIND_LOST);
                 put(&mut entry, 1, peer);
-                match gather(ex, &entry, deadline) {
+                put(&mut entry, 2, sync.losses);
+                match gather(ex, &entry, deadline, &mut sync) {
                     Ok(all) => {
                         if let Some(bad) = first_failure(&all) {
                             settle(ex, &shared, &all, bad, &mut sync);
@@ -203,7 +275,7 @@ pub fn serve(rx: &mpsc::Receiver<Work>, ex: &mut dyn Exchange) {
                 let mut entry = [0u8; ENTRY_BYTES];
                 put(&mut entry, 0, KIND_TIMEOUT);
                 put(&mut entry, 1, peer);
-                match gather(ex, &entry, deadline + shared.cfg.timeout) {
+                match gather(ex, &entry, deadline + shared.cfg.timeout, &mut sync) {
                     Ok(all) => {
                         if let Some(bad) = first_failure(&all) {
                             settle(ex, &shared, &all, bad, &mut sync);
@@ -221,12 +293,61 @@ pub fn serve(rx: &mpsc::Receiver<Work>, ex: &mut dyn Exchange) {
     }
 }
 
-/// The last reset that every host took part in (a lost member).
+/// With no step of its own waiting: news of a loss on another host that
+/// no step has settled yet. That host is waiting in its step for the loss
+/// (it announced it when it took the step, after every earlier one), and
+/// so is this host at the same step: its pending collectives fail with
+/// PEER_LOST at once, and it joins that step.
+fn news(ex: &mut dyn Exchange, sync: &mut Sync) -> StepResult {
+    let Some(shared) = sync.shared.upgrade() else {
+        // Not attached yet: nothing here to fail; the news is kept.
+        return Ok(());
+    };
+    let msg = match ex.poll_news() {
+        Ok(Some(msg)) => msg,
+        Ok(None) => return Ok(()),
+        Err(e) => return Err((shared, e)),
+    };
+    let (from, n, peer) = (get(&msg, 0), get(&msg, 1), get(&msg, 2));
+    if from == ex.host() || from >= ex.hosts() || sync.settled[from as usize] >= n {
+        return Ok(());
+    }
+    log::warn!(
+        "member {peer} on host {from} was lost: this host's pending collectives fail with \
+         PEER_LOST"
+    );
+    shared.bump(Cause::Remote(peer), &[]);
+    sync.era = lock(&shared.state).era;
+    sync.peer = peer;
+    let mut entry = [0u8; ENTRY_BYTES];
+    put(&mut entry, 0, KIND_LOST_ELSEWHERE);
+    put(&mut entry, 1, peer);
+    let deadline = Instant::now() + 2 * shared.cfg.timeout;
+    match gather(ex, &entry, deadline, sync) {
+        Ok(all) => {
+            if let Some(bad) = first_failure(&all) {
+                settle(ex, &shared, &all, bad, sync);
+            }
+            Ok(())
+        }
+        Err(e) => Err((shared, e)),
+    }
+}
+
+/// What the steps so far decided.
 struct Sync {
-    /// Steps of an era older than this were decided away by it: they fail
-    /// here, without a step, with PEER_LOST naming `peer`.
+    /// The last reset that every host took part in (a lost member): steps
+    /// of an era older than this were decided away by it; they fail here,
+    /// without a step, with PEER_LOST naming `peer`.
     era: u64,
     peer: u32,
+    /// Per host: the number of its losses that a step has settled.
+    settled: Vec<u32>,
+    /// This host's losses so far.
+    losses: u32,
+    /// The group, once attached (weak: the group holds the sender whose
+    /// end stops [`serve`]).
+    shared: Weak<Shared>,
 }
 
 fn put(entry: &mut [u8], i: usize, v: u32) {
@@ -247,9 +368,15 @@ fn gather(
     ex: &mut dyn Exchange,
     entry: &[u8; ENTRY_BYTES],
     deadline: Instant,
+    sync: &mut Sync,
 ) -> Result<Vec<u8>, ExchangeError> {
     let mut all = vec![0u8; ENTRY_BYTES * ex.hosts() as usize];
     ex.allgather(entry, &mut all, deadline)?;
+    for (h, e) in all.chunks(ENTRY_BYTES).enumerate() {
+        if get(e, 0) == KIND_LOST {
+            sync.settled[h] = sync.settled[h].max(get(e, 2));
+        }
+    }
     Ok(all)
 }
 
@@ -266,8 +393,9 @@ fn first_failure(all: &[u8]) -> Option<(u32, u32)> {
 /// new era (sequence numbers from 0) at the same step.
 fn settle(ex: &mut dyn Exchange, sh: &Arc<Shared>, all: &[u8], bad: (u32, u32), sync: &mut Sync) {
     let me = ex.host() as usize;
-    let lost_here = get(&all[me * ENTRY_BYTES..], 0) == KIND_LOST;
-    if bad.0 == KIND_LOST {
+    // This host lost a member itself, or reset on the news already.
+    let lost_here = is_lost(get(&all[me * ENTRY_BYTES..], 0));
+    if is_lost(bad.0) {
         if !lost_here {
             log::warn!(
                 "member {} on another host was lost: this host's pending collectives fail with \
@@ -344,15 +472,15 @@ fn collective(
     put(&mut entry, 2, mask);
     put(&mut entry, 3, mpeer);
     entry[16..].copy_from_slice(reference.as_bytes());
-    let all = match gather(ex, &entry, deadline) {
+    let all = match gather(ex, &entry, deadline, sync) {
         Ok(all) => all,
         Err(e) => {
-            fail_all(sh, &arrivals, Outcome::fail(Status::Timeout, 0, NO_PEER));
+            fail_all(sh, &arrivals, Outcome::fail(failed_status(&e), 0, NO_PEER));
             return Err((sh.clone(), e));
         }
     };
     if let Some((kind, peer)) = first_failure(&all) {
-        let status = if kind == KIND_LOST {
+        let status = if is_lost(kind) {
             Status::PeerLost
         } else {
             Status::Timeout
@@ -408,9 +536,19 @@ fn collective(
         }
         Err(e) => {
             running.end();
-            fail_all(sh, &arrivals, Outcome::fail(Status::Timeout, 0, NO_PEER));
+            fail_all(sh, &arrivals, Outcome::fail(failed_status(&e), 0, NO_PEER));
             Err((sh.clone(), e))
         }
+    }
+}
+
+/// The status of a collective whose exchange call failed: RESET if the
+/// group was reset meanwhile, TIMEOUT otherwise (the other daemons missed
+/// the bound, or MPI failed).
+fn failed_status(e: &ExchangeError) -> Status {
+    match e {
+        ExchangeError::Abandoned => Status::Reset,
+        _ => Status::Timeout,
     }
 }
 
