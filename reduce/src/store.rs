@@ -32,13 +32,16 @@ pub enum Stores {
 }
 
 /// Output bytes of one collective (all of its outputs together) from which
-/// results are written with [`Stores::Streaming`]. From memory streaming
-/// stores were faster at every size; on buffers that stay cached (an
-/// 8 MiB pool) ordinary ones were 4 to 6% faster, in a 16 MiB pool
-/// streaming ones 9 to 21% faster: the threshold puts a collective whose
-/// working set (inputs and outputs) is 4 MiB or more on the streaming
-/// side (docs/benchmarks.md, "Streaming stores").
-pub const STREAM_FROM: usize = 2 << 20;
+/// results are written with [`Stores::Streaming`]. In the reduction
+/// micro-benchmark, from memory streaming stores were faster at every
+/// size; on buffers that stay cached (an 8 MiB pool) ordinary ones were 4
+/// to 6% faster, in a 16 MiB pool streaming ones 9 to 21% faster, which
+/// first put the threshold at 2 MiB. End to end (`bench/backend-ab.sh`,
+/// docs/benchmarks.md "Streaming stores from 8 MiB"), where each member
+/// has just written its output (as a program has a gradient bucket), 2
+/// ranks at 1 and 2 MiB were 1.4x to 1.6x faster with ordinary stores
+/// and 4 MiB and up the same: streaming now starts at 8 MiB of output.
+pub const STREAM_FROM: usize = 8 << 20;
 
 /// Accumulator bytes of one chunk with [`Stores::Streaming`]. Larger than
 /// [`CHUNK_BYTES`]: a chunk's reads and its output writes alternate, and
