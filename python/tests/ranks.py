@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -212,6 +213,11 @@ def mismatch(dev: Device) -> None:
 def lost(dev: Device) -> None:
     dev.barrier()
     if dev.rank == 1:
+        # Late enough that rank 0's allreduce is pending when the loss comes
+        # (DEV-GEN-3 fails pending requests with PEER_LOST; one posted after
+        # the loss waits for the member and ends with TIMEOUT), and well
+        # before the backend's 5 s timeout.
+        time.sleep(0.5)
         os._exit(0)  # leaves without closing: the backend sees the loss
     try:
         dev.allreduce(np.ones(16, dtype=np.float32))
