@@ -21,6 +21,7 @@ use virtio_dmlc::{
 
 use crate::ffi_util::{self, guard_value, Codes, Fail};
 use dmlc_driver::bounce::Bounce;
+use dmlc_driver::device::Wait;
 use dmlc_driver::Error;
 use dmlc_driver::{BufSlice, Device, DmaBuf, Handle, OpenOptions, Request};
 
@@ -81,12 +82,10 @@ pub const DMLC_WAIT_HYBRID: c_int = 2;
 
 /// The `dmlc_open_options.poll` value that stands for `o`'s wait.
 fn wait_field(o: &OpenOptions) -> c_int {
-    if o.poll {
-        1
-    } else if o.spin_cap.is_zero() {
-        0
-    } else {
-        DMLC_WAIT_HYBRID
+    match o.wait_kind() {
+        Wait::Poll => 1,
+        Wait::Interrupt => 0,
+        Wait::Hybrid => DMLC_WAIT_HYBRID,
     }
 }
 
@@ -406,19 +405,19 @@ pub unsafe extern "C" fn dmlc_open_host_ex(
 unsafe fn open_options(opts: *const DmlcOpenOptions) -> Result<OpenOptions, Fail> {
     // SAFETY: forwarded contract.
     let o = unsafe { opts.as_ref() }.ok_or_else(|| Fail::invalid("options are NULL"))?;
+    let wait = match o.poll {
+        0 => Wait::Interrupt,
+        DMLC_WAIT_HYBRID => Wait::Hybrid,
+        _ => Wait::Poll,
+    };
     Ok(OpenOptions {
-        poll: o.poll != 0 && o.poll != DMLC_WAIT_HYBRID,
-        spin_cap: if o.poll == DMLC_WAIT_HYBRID {
-            dmlc_driver::device::HYBRID_SPIN_CAP
-        } else {
-            Duration::ZERO
-        },
         queue_size: o.queue_size,
         event_idx: o.event_idx != 0,
         dma_bytes: usize::try_from(o.dma_bytes)
             .map_err(|_| Fail::invalid("dma_bytes is too large"))?,
         ..OpenOptions::default()
-    })
+    }
+    .wait(wait))
 }
 
 fn boxed_device(dev: Device) -> *mut DmlcDevice {

@@ -86,6 +86,7 @@ use std::time::Duration;
 
 use crate::tcp::{self, TcpComm};
 use crate::{CommError, Communicator, CommunicatorExt, DeviceComm, SelfComm};
+use dmlc_driver::device::Wait;
 use dmlc_driver::{Dtype, ReduceOp};
 use dmlc_driver::{Element, OpenOptions};
 
@@ -350,13 +351,13 @@ impl Config {
             open.dma_bytes = parse_bytes("DMLC_DMA_BYTES", &v)?;
         }
         if let Some(v) = var("DMLC_POLL") {
-            let hybrid = dmlc_driver::device::HYBRID_SPIN_CAP;
-            (open.poll, open.spin_cap) = match v.as_str() {
-                "1" | "true" | "yes" => (true, Duration::ZERO),
-                "0" | "false" | "no" => (false, Duration::ZERO),
-                "hybrid" => (false, hybrid),
+            let wait = match v.as_str() {
+                "1" | "true" | "yes" => Wait::Poll,
+                "0" | "false" | "no" => Wait::Interrupt,
+                "hybrid" => Wait::Hybrid,
                 _ => return Err(bad("DMLC_POLL", &v, "expected 1, 0 or hybrid")),
             };
+            open = open.wait(wait);
         }
         let tcp_peers = match var(tcp::PEERS_ENV) {
             Some(list) => {

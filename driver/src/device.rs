@@ -87,6 +87,44 @@ impl Default for OpenOptions {
     }
 }
 
+/// How a wait for a completion spends its time, as the CLI, the C ABI and
+/// `DMLC_POLL` name it; [`OpenOptions::wait`] sets `poll` and `spin_cap`
+/// for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wait {
+    /// Busy-poll the used ring.
+    Poll,
+    /// Sleep on the interrupt at once.
+    Interrupt,
+    /// Spin up to [`HYBRID_SPIN_CAP`], then sleep (the default).
+    Hybrid,
+}
+
+impl OpenOptions {
+    /// These options with `wait`'s way of waiting.
+    pub fn wait(self, wait: Wait) -> OpenOptions {
+        let (poll, spin_cap) = match wait {
+            Wait::Poll => (true, Duration::ZERO),
+            Wait::Interrupt => (false, Duration::ZERO),
+            Wait::Hybrid => (false, HYBRID_SPIN_CAP),
+        };
+        OpenOptions {
+            poll,
+            spin_cap,
+            ..self
+        }
+    }
+
+    /// The way of waiting these options ask for.
+    pub fn wait_kind(&self) -> Wait {
+        match (self.poll, self.spin_cap.is_zero()) {
+            (true, _) => Wait::Poll,
+            (false, true) => Wait::Interrupt,
+            (false, false) => Wait::Hybrid,
+        }
+    }
+}
+
 /// One collective request (the header fields, in Rust types).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Request {

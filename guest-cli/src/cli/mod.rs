@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use dmlc_driver::device::{Device, OpenOptions};
+use dmlc_driver::device::{Device, OpenOptions, Wait};
 use dmlc_driver::error::Error;
 
 use util::parse_size;
@@ -75,16 +75,14 @@ struct Globals {
 impl Globals {
     /// The default options with the wait the flags chose.
     fn wait_options(&self) -> OpenOptions {
-        let default = OpenOptions::default();
-        OpenOptions {
-            poll: self.poll,
-            spin_cap: if self.poll || self.interrupt {
-                std::time::Duration::ZERO
-            } else {
-                default.spin_cap
-            },
-            ..default
-        }
+        let wait = if self.poll {
+            Wait::Poll
+        } else if self.interrupt {
+            Wait::Interrupt
+        } else {
+            Wait::Hybrid
+        };
+        OpenOptions::default().wait(wait)
     }
 
     /// How completions are waited for, as the output names it.
