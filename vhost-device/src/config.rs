@@ -73,6 +73,8 @@ pub enum ConfigError {
     MpiQueues(u32),
     #[error("--mpi does not take {0} yet")]
     MpiUnsupported(&'static str),
+    #[error("--mpi-piece must be a multiple of 4096 from 4096 to 256M, not {0}")]
+    MpiPiece(u64),
 }
 
 impl PartialEq for ConfigError {
@@ -217,6 +219,13 @@ pub struct Args {
     #[arg(long)]
     pub mpi: bool,
 
+    /// With --mpi: the inter-host stage of a reduction moves its data in
+    /// pieces of this many bytes per host, so that a host reduces the next
+    /// piece while the last one is on the network. A multiple of 4096
+    /// (suffixes K, M); host 0's value is used by every daemon.
+    #[arg(long, value_name = "BYTES", default_value = "4M", value_parser = parse_size)]
+    pub mpi_piece: u64,
+
     /// How much to log.
     #[arg(long, value_name = "LEVEL", value_enum, default_value_t = LogLevel::Info)]
     pub log_level: LogLevel,
@@ -259,6 +268,8 @@ pub struct Config {
     pub log_level: LogLevel,
     /// One daemon of an MPI job across hosts (`--mpi`).
     pub mpi: bool,
+    /// Bytes per host of one piece of the inter-host stage (`--mpi-piece`).
+    pub mpi_piece: usize,
 }
 
 impl TryFrom<Args> for Config {
@@ -330,6 +341,10 @@ impl TryFrom<Args> for Config {
                 return Err(ConfigError::MpiUnsupported("--control-socket"));
             }
         }
+        if args.mpi_piece == 0 || !args.mpi_piece.is_multiple_of(4096) || args.mpi_piece > 256 << 20
+        {
+            return Err(ConfigError::MpiPiece(args.mpi_piece));
+        }
         let timing = match &args.timing {
             Some(path) => Some(std::sync::Arc::new(
                 Timing::load(path, args.socket_count).map_err(ConfigError::Timing)?,
@@ -367,6 +382,7 @@ impl TryFrom<Args> for Config {
             control_socket: args.control_socket,
             log_level: args.log_level,
             mpi: args.mpi,
+            mpi_piece: args.mpi_piece as usize,
         })
     }
 }

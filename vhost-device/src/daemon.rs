@@ -185,17 +185,18 @@ pub fn start_backend(config: Config) -> Result<(), DaemonError> {
     }
     #[cfg(feature = "mpi")]
     if config.mpi {
-        let (joined, link) =
-            crate::multihost::start(group_config.group_id).map_err(DaemonError::Mpi)?;
+        let (joined, link) = crate::multihost::start(group_config.group_id, config.mpi_piece)
+            .map_err(DaemonError::Mpi)?;
         group_config.group_id = joined.group_id;
         group_config.remote = Some(link);
         info!(
-            "host {} of {}: local members are global ranks {} to {} of {}",
+            "host {} of {}: local members are global ranks {} to {} of {}; pieces of {} bytes",
             joined.host,
             joined.hosts,
             joined.host * group_config.world_size,
             (joined.host + 1) * group_config.world_size - 1,
-            joined.hosts * group_config.world_size
+            joined.hosts * group_config.world_size,
+            joined.piece
         );
     }
     // Host 0's, with --mpi.

@@ -26,7 +26,7 @@ use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::traits::AsRaw;
 use mpi::Threading;
 
-use crate::group::remote::{self, Exchange, ExchangeError, RemoteLink, NEWS_BYTES};
+use crate::group::remote::{self, Exchange, ExchangeError, Pieces, RemoteLink, NEWS_BYTES};
 
 /// The tag of news between the daemons (point to point on
 /// `MPI_COMM_WORLD`, which never matches a collective).
@@ -45,12 +45,15 @@ pub struct Joined {
     pub hosts: u32,
     /// Host 0's group id.
     pub group_id: u64,
+    /// Host 0's `--mpi-piece`: bytes per host of one piece of a pipelined
+    /// exchange.
+    pub piece: usize,
 }
 
-/// Starts the `dmlc-mpi` thread: MPI is initialised there, the group id
-/// `group_id` of host 0 is agreed, and the thread then serves the steps
-/// sent on the returned link.
-pub fn start(group_id: u64) -> Result<(Joined, RemoteLink), String> {
+/// Starts the `dmlc-mpi` thread: MPI is initialised there, host 0's group
+/// id and piece size are agreed, and the thread then serves the steps sent
+/// on the returned link.
+pub fn start(group_id: u64, piece: usize) -> Result<(Joined, RemoteLink), String> {
     let (tx, rx) = mpsc::channel::<remote::Work>();
     let abandon = Arc::new(AtomicBool::new(false));
     let abandon_mpi = abandon.clone();
@@ -58,7 +61,7 @@ pub fn start(group_id: u64) -> Result<(Joined, RemoteLink), String> {
     thread::Builder::new()
         .name("dmlc-mpi".into())
         .spawn(move || {
-            let mut ex = match MpiExchange::init(group_id, abandon_mpi) {
+            let mut ex = match MpiExchange::init(group_id, piece, abandon_mpi) {
                 Ok((ex, joined)) => {
                     let _ = joined_tx.send(Ok(joined));
                     ex
@@ -94,6 +97,11 @@ pub struct MpiExchange {
     hosts: u32,
     send: Vec<u8>,
     recv: Vec<u8>,
+    /// Bytes per host of one piece of [`Exchange::allgather_pieces`].
+    piece: usize,
+    /// Its two sets of staging buffers (one piece on the network while
+    /// the other is produced or consumed).
+    slots: [Slot; 2],
     /// The posted receive of news from any host, and its buffer (boxed:
     /// MPI writes it until the request completes).
     news_req: ffi::MPI_Request,
@@ -106,8 +114,53 @@ pub struct MpiExchange {
     _universe: mpi::environment::Universe,
 }
 
+/// How [`MpiExchange::wait`] waits.
+#[derive(Clone, Copy)]
+enum Wait {
+    /// For the other hosts' members (a step's entries).
+    Peers,
+    /// For bytes on the network (data, the members' inputs all arrived).
+    Data,
+}
+
+impl Wait {
+    /// For a plain all-gather or broadcast of `n` bytes per host: a small
+    /// one is most likely a step's entries (or the start), waiting for the
+    /// other hosts; a large one is a collective's data.
+    fn for_bytes(n: usize) -> Wait {
+        if n <= 64 << 10 {
+            Wait::Peers
+        } else {
+            Wait::Data
+        }
+    }
+}
+
+/// Staging buffers of one piece: this host's bytes, every host's bytes.
+#[derive(Default)]
+struct Slot {
+    send: Vec<u8>,
+    recv: Vec<u8>,
+}
+
+/// While a piece is on the network, the next one is produced (and the last
+/// one consumed) in stretches of this many bytes at most (a quarter of a
+/// smaller piece), with an `MPI_Test` between them: the test is what moves
+/// the piece on (Open MPI's TCP transport progresses only inside MPI
+/// calls).
+const STRETCH: usize = 128 << 10;
+
+/// The stretch for pieces of `piece` bytes: on 64-byte boundaries.
+fn stretch(piece: usize) -> usize {
+    (piece / 4).clamp(64, STRETCH) & !63
+}
+
 impl MpiExchange {
-    fn init(group_id: u64, abandon: Arc<AtomicBool>) -> Result<(MpiExchange, Joined), String> {
+    fn init(
+        group_id: u64,
+        piece: usize,
+        abandon: Arc<AtomicBool>,
+    ) -> Result<(MpiExchange, Joined), String> {
         let (universe, granted) = mpi::initialize_with_threading(Threading::Funneled)
             .ok_or("MPI was initialised already")?;
         if granted < Threading::Funneled {
@@ -131,6 +184,8 @@ impl MpiExchange {
             hosts,
             send: Vec::new(),
             recv: Vec::new(),
+            piece,
+            slots: Default::default(),
             // SAFETY: a predefined handle, read only.
             news_req: unsafe { ffi::RSMPI_REQUEST_NULL },
             news_buf: Box::new([0; NEWS_BYTES]),
@@ -140,10 +195,18 @@ impl MpiExchange {
         };
         ex.post_news()
             .map_err(|e| format!("cannot post the news receive: {e}"))?;
-        let mut id = group_id.to_le_bytes();
-        ex.broadcast(&mut id, 0, Instant::now() + START_WAIT)
+        let mut agreed = [0u8; 16];
+        agreed[..8].copy_from_slice(&group_id.to_le_bytes());
+        agreed[8..].copy_from_slice(&(piece as u64).to_le_bytes());
+        ex.broadcast(&mut agreed, 0, Instant::now() + START_WAIT)
             .map_err(|e| format!("cannot agree on the group id: {e}"))?;
-        let group_id = u64::from_le_bytes(id);
+        let [id, piece] = [0, 8].map(|at| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&agreed[at..at + 8]);
+            u64::from_le_bytes(b)
+        });
+        let (group_id, piece) = (id, piece as usize);
+        ex.piece = piece;
         log::info!(
             "MPI: host {host} of {hosts} (thread level {granted:?}), group id {group_id:#x}"
         );
@@ -153,13 +216,26 @@ impl MpiExchange {
                 host,
                 hosts,
                 group_id,
+                piece,
             },
         ))
     }
 
     /// Tests `req` until it completes or `deadline` passes. After a miss or
     /// an error the staging buffers are leaked: MPI may still write them.
-    fn wait(&mut self, mut req: ffi::MPI_Request, deadline: Instant) -> Result<(), ExchangeError> {
+    ///
+    /// `Wait::Peers` (the other hosts' members may take long to arrive)
+    /// sleeps between tests after a short spin; `Wait::Data` (bytes on the
+    /// network) never sleeps, only yields: Open MPI's TCP transport moves
+    /// a message on only inside MPI calls, a socket buffer at a time, so a
+    /// sleep between tests stalls the transfer (a 16 MiB exchange took
+    /// 8.7x the time of MPI_Allreduce alone with 50 us sleeps).
+    fn wait(
+        &mut self,
+        mut req: ffi::MPI_Request,
+        deadline: Instant,
+        how: Wait,
+    ) -> Result<(), ExchangeError> {
         let started = Instant::now();
         let mut spins = 0u32;
         loop {
@@ -182,14 +258,83 @@ impl MpiExchange {
                 self.leak();
                 return Err(ExchangeError::Abandoned);
             }
-            // Spin briefly for small messages, then yield the CPU.
             spins += 1;
-            if spins > 1000 {
-                thread::sleep(Duration::from_micros(50));
-            } else {
-                std::hint::spin_loop();
+            match how {
+                Wait::Peers if spins > 1000 => thread::sleep(Duration::from_micros(50)),
+                Wait::Data if spins.is_multiple_of(64) => thread::yield_now(),
+                _ => std::hint::spin_loop(),
             }
         }
+    }
+
+    /// One `MPI_Test` of `req` (null once it completed): whether it is done.
+    fn test(&mut self, req: &mut ffi::MPI_Request) -> Result<bool, ExchangeError> {
+        let mut flag: c_int = 0;
+        // SAFETY: `req` is an active or null request of this thread's MPI;
+        // the flag is ours; MPI_STATUS_IGNORE is a predefined sentinel.
+        let rc = unsafe { ffi::MPI_Test(req, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
+        if rc != 0 {
+            self.leak();
+            return Err(ExchangeError::Failed(format!("MPI_Test failed ({rc})")));
+        }
+        Ok(flag != 0)
+    }
+
+    /// Starts the all-gather of the first `n` bytes of slot `s`'s `send`
+    /// into its `recv` (`hosts * n` bytes, host after host).
+    fn start_piece(&mut self, s: usize, n: usize) -> Result<ffi::MPI_Request, ExchangeError> {
+        let slot = &mut self.slots[s];
+        // SAFETY: a predefined handle, read only.
+        let mut req = unsafe { ffi::RSMPI_REQUEST_NULL };
+        // SAFETY: the slot's buffers hold at least `n` and `hosts * n`
+        // bytes and stay allocated, untouched, until the request completes
+        // (or are leaked with the exchange); the datatype and communicator
+        // are valid; `req` is ours.
+        let rc = unsafe {
+            ffi::MPI_Iallgather(
+                slot.send.as_ptr().cast(),
+                count(n),
+                ffi::RSMPI_UINT8_T,
+                slot.recv.as_mut_ptr().cast(),
+                count(n),
+                ffi::RSMPI_UINT8_T,
+                self.world.as_raw(),
+                &mut req,
+            )
+        };
+        if rc != 0 {
+            return Err(ExchangeError::Failed(format!(
+                "MPI_Iallgather failed ({rc})"
+            )));
+        }
+        Ok(req)
+    }
+
+    /// Hands every host's bytes of the piece at `at` (`n` per host, in slot
+    /// `s`) to `pieces`, a stretch at a time, testing `next` (the piece
+    /// on the network now, if any) between stretches.
+    fn consume_piece(
+        &mut self,
+        pieces: &mut dyn Pieces,
+        s: usize,
+        at: usize,
+        n: usize,
+        next: &mut ffi::MPI_Request,
+    ) -> Result<(), ExchangeError> {
+        let hosts = self.hosts as usize;
+        let stretch = stretch(self.piece);
+        let mut off = 0;
+        while off < n {
+            let k = stretch.min(n - off);
+            let recv = &self.slots[s].recv;
+            let parts: Vec<&[u8]> = (0..hosts)
+                .map(|h| &recv[h * n + off..h * n + off + k])
+                .collect();
+            pieces.consume(at + off, &parts);
+            off += k;
+            self.test(next)?;
+        }
+        Ok(())
     }
 
     /// Posts the receive of the next news from any host.
@@ -217,6 +362,7 @@ impl MpiExchange {
     fn leak(&mut self) {
         std::mem::forget(std::mem::take(&mut self.send));
         std::mem::forget(std::mem::take(&mut self.recv));
+        std::mem::forget(std::mem::take(&mut self.slots));
     }
 }
 
@@ -288,7 +434,7 @@ impl Exchange for MpiExchange {
                     "MPI_Iallgather failed ({rc})"
                 )));
             }
-            self.wait(req, deadline)?;
+            self.wait(req, deadline, Wait::for_bytes(n))?;
             for h in 0..hosts {
                 all[h * len + off..h * len + off + n]
                     .copy_from_slice(&self.recv[h * n..(h + 1) * n]);
@@ -296,6 +442,57 @@ impl Exchange for MpiExchange {
             off += n;
             if len == 0 {
                 break;
+            }
+        }
+        Ok(())
+    }
+
+    /// Two slots: while piece k is on the network, piece k+1 is produced
+    /// into the other slot, then piece k is consumed while k+1 travels.
+    fn allgather_pieces(
+        &mut self,
+        len: usize,
+        pieces: &mut dyn Pieces,
+        deadline: Instant,
+    ) -> Result<(), ExchangeError> {
+        let hosts = self.hosts as usize;
+        let piece = self.piece.min(len.max(1));
+        for slot in &mut self.slots {
+            slot.send.resize(piece, 0);
+            slot.recv.resize(hosts * piece, 0);
+        }
+        // SAFETY: a predefined handle, read only.
+        let null = unsafe { ffi::RSMPI_REQUEST_NULL };
+        // The piece on the network: its slot, offset, length and request.
+        let mut flying: Option<(usize, usize, usize, ffi::MPI_Request)> = None;
+        let mut at = 0;
+        let mut k = 0;
+        while at < len || flying.is_some() {
+            let mut next = null;
+            let mut started = None;
+            if at < len {
+                let n = piece.min(len - at);
+                let s = k % 2;
+                let mut off = 0;
+                while off < n {
+                    let m = stretch(self.piece).min(n - off);
+                    pieces.produce(at + off, &mut self.slots[s].send[off..off + m]);
+                    off += m;
+                    if let Some((.., req)) = &mut flying {
+                        self.test(req)?;
+                    }
+                }
+                next = self.start_piece(s, n)?;
+                started = Some((s, at, n));
+                at += n;
+                k += 1;
+            }
+            if let Some((s, p_at, n, req)) = flying.take() {
+                self.wait(req, deadline, Wait::Data)?;
+                self.consume_piece(pieces, s, p_at, n, &mut next)?;
+            }
+            if let Some((s, p_at, n)) = started {
+                flying = Some((s, p_at, n, next));
             }
         }
         Ok(())
@@ -330,7 +527,7 @@ impl Exchange for MpiExchange {
             if rc != 0 {
                 return Err(ExchangeError::Failed(format!("MPI_Ibcast failed ({rc})")));
             }
-            self.wait(req, deadline)?;
+            self.wait(req, deadline, Wait::for_bytes(n))?;
             buf[off..off + n].copy_from_slice(&self.recv[..n]);
             off += n;
         }

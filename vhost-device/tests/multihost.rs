@@ -91,6 +91,11 @@ fn every_opcode_two_members_per_host_against_the_hierarchical_reference() {
 }
 
 #[test]
+fn reductions_in_many_pieces_match_the_hierarchical_reference() {
+    run("pipelined");
+}
+
+#[test]
 fn mismatch_on_one_host_fails_both() {
     run("mismatch");
 }

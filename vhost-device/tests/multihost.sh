@@ -11,6 +11,10 @@
 #                 order when every host has one member)
 #   selftest-l2   H=2, L=2: every opcode, every dtype and op, checked against
 #                 the hierarchical reference (spec 5.X.6.5.4)
+#   pipelined     H=2, L=2, pieces of 4 KiB: allreduce, reduce and
+#                 reduce-scatter over many pieces and stretches (ragged
+#                 tails included), every dtype and op, against the
+#                 hierarchical reference
 #   mismatch      H=2, L=1: ranks disagree on the count: MISMATCH on both
 #   kill-member   H=2, L=2: a member is killed mid-run: the three others, on
 #                 both hosts, get PEER_LOST naming it within 30 s; then four
@@ -25,72 +29,38 @@ bin=$1
 case_=$2
 tag=d16$$
 work=$(mktemp -d /tmp/dmlc-mh.XXXXXX)
-nsa=${tag}a nsb=${tag}b br=${tag}br
-addr_a=10.16.0.1 addr_b=10.16.0.2
 pids=()
+# shellcheck source=netns-hosts.sh
+. "$(dirname "$0")/netns-hosts.sh"
 
 cleanup() {
   for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
-  ip netns del "$nsa" 2>/dev/null || true
-  ip netns del "$nsb" 2>/dev/null || true
-  ip link del "$br" 2>/dev/null || true
+  netns_hosts_down
   if [[ ${KEEP:-} == 1 ]]; then echo "logs kept in $work"; else rm -rf "$work"; fi
 }
 trap cleanup EXIT
 # A limit's SIGTERM (the Rust wrapper's `timeout`) still cleans up.
 trap 'exit 1' TERM INT
 
-ip link add "$br" type bridge
-ip addr add 10.16.0.254/24 dev "$br"
-ip link set "$br" up
-for ns in a b; do
-  name=${tag}$ns
-  ip netns add "$name"
-  ip link add "${tag}v$ns" type veth peer name "${tag}p$ns"
-  ip link set "${tag}p$ns" netns "$name"
-  ip link set "${tag}v$ns" master "$br" up
-  eval "addr=\$addr_$ns"
-  ip -n "$name" addr add "$addr/24" dev "${tag}p$ns"
-  ip -n "$name" link set "${tag}p$ns" up
-  ip -n "$name" link set lo up
-done
+netns_hosts_up "$tag" 2 10.16.0
+nsa=${NETNS[0]} nsb=${NETNS[1]}
+addr_a=${NETNS_ADDR[0]} addr_b=${NETNS_ADDR[1]}
+netns_agent "$work/agent"
+netns_mpirun_opts "$work/agent"
 
-# mpirun reaches the "hosts" through this agent: host address -> namespace.
-cat >"$work/agent" <<EOF
-#!/bin/sh
-host=\$1; shift
-case \$host in
-  $addr_a) ns=$nsa ;;
-  $addr_b) ns=$nsb ;;
-  *) echo "unknown host \$host" >&2; exit 1 ;;
-esac
-exec ip netns exec "\$ns" sh -c "\$*"
-EOF
-chmod +x "$work/agent"
-
-members=1
-case $case_ in selftest-l2 | kill-member) members=2 ;; esac
+members=1 piece=4M
+case $case_ in selftest-l2 | kill-member) members=2 ;; pipelined) members=2 piece=4K ;; esac
 
 cat >"$work/daemon" <<EOF
 #!/bin/sh
 exec "$bin/vhost-device-dmlc" --mpi --socket-path "$work/h\${OMPI_COMM_WORLD_RANK}.sock" \
-  --socket-count $members --timeout-ms 5000 --reduce-threads 1 --log-level ${DMLC_MH_LOG:-info} \
+  --socket-count $members --mpi-piece $piece --timeout-ms 5000 --reduce-threads 1 --log-level ${DMLC_MH_LOG:-info} \
   2>"$work/d\${OMPI_COMM_WORLD_RANK}.log"
 EOF
 chmod +x "$work/daemon"
 
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-# mpi_preconnect_mpi: the daemons' TCP connections are made in MPI_Init,
-# not under load mid-run (Open MPI 4.1 once failed a connect there with
-# EINPROGRESS on this machine). rtc_hwloc_vmhole none: orted does not
-# share its hwloc topology through a mapped hole (orted crashed once in
-# hwloc_shmem_topology_write at start).
-mpirun --allow-run-as-root -n 2 --host "$addr_a,$addr_b" \
-  --mca plm_rsh_agent "$work/agent" \
-  --mca btl tcp,self --mca btl_tcp_if_include 10.16.0.0/24 \
-  --mca oob_tcp_if_include 10.16.0.0/24 --mca mpi_preconnect_mpi 1 \
-  --mca rtc_hwloc_vmhole none \
+mpirun -n 2 --host "$addr_a,$addr_b" "${NETNS_MPIRUN[@]}" --mca btl tcp,self \
   "$work/daemon" >"$work/mpirun.log" 2>&1 &
 mpirun_pid=$!
 pids+=("$mpirun_pid")
@@ -165,6 +135,17 @@ case $case_ in
     # partials in host order), computed by each member, not by the device.
     for h in 0 1; do for l in 0 1; do
       member "$h" "$l" selftest --quick --max-count 1000 --members-per-host 2
+    done; done
+    wait_members || { show; exit 1; }
+    grep -h "^selftest" "$work"/m00.log
+    ;;
+  pipelined)
+    # With 4 KiB pieces (stretches of 1 KiB), counts up to 4099 cross
+    # several pieces and end in ragged ones; each member checks against
+    # its own reference in spec 5.X.6.5.4's order.
+    for h in 0 1; do for l in 0 1; do
+      member "$h" "$l" selftest --quick --opcode allreduce --opcode reduce \
+        --opcode reduce_scatter --members-per-host 2
     done; done
     wait_members || { show; exit 1; }
     grep -h "^selftest" "$work"/m00.log

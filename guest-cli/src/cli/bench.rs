@@ -132,6 +132,12 @@ pub struct BenchArgs {
     /// tcp.
     #[arg(long, default_value_t = 60, value_name = "SECS")]
     pub connect_timeout: u64,
+    /// The group spans hosts of L members each (ranks host-major): check
+    /// float reductions against spec 5.X.6.5.4's order (per host, then
+    /// across hosts) instead of flat rank order. L must divide the world
+    /// size.
+    #[arg(long, value_name = "L", value_parser = clap::value_parser!(u32).range(1..))]
+    pub members_per_host: Option<u32>,
 }
 
 impl BenchArgs {
@@ -306,6 +312,14 @@ pub fn run(dev: &Device, args: &BenchArgs, setup: &Setup) -> Result<bool, CliErr
         return Err(CliError::Usage(
             "--rank and --peers are for --transport tcp (the device knows its rank)".into(),
         ));
+    }
+    if let Some(l) = args.members_per_host {
+        if !dev.world_size().is_multiple_of(l) {
+            return Err(CliError::Usage(format!(
+                "--members-per-host {l} does not divide the world size {}",
+                dev.world_size()
+            )));
+        }
     }
     let plan = plan(args, dev.world_size(), dev.config().max_bytes.get())?;
     let mut engine = DeviceEngine::new(dev, args.queue, plan.pool_bytes)?;
@@ -542,7 +556,7 @@ struct Shape {
 }
 
 impl Shape {
-    fn case(&self, rank: u32, world: u32, in_place: bool) -> Case {
+    fn case(&self, rank: u32, world: u32, in_place: bool, per_host: u32) -> Case {
         Case {
             opcode: self.req.opcode,
             dtype: self.req.dtype,
@@ -552,7 +566,7 @@ impl Shape {
             root: self.req.root,
             count: self.req.count,
             in_place,
-            per_host: 0,
+            per_host,
         }
     }
 
@@ -646,7 +660,12 @@ fn timed(
     args: &BenchArgs,
     in_place: bool,
 ) -> Result<Side, CliError> {
-    let case = sh.case(e.rank(), e.world(), in_place);
+    let case = sh.case(
+        e.rank(),
+        e.world(),
+        in_place,
+        args.members_per_host.unwrap_or(0),
+    );
     let total = u64::from(args.warmup + args.iters);
     let used = sh.slots.min(total);
     let writes = sh.elems(in_place).output > 0;
@@ -1374,7 +1393,7 @@ mod tests {
             out_slot: 2048,
             slots: 3,
         };
-        let case = sh.case(0, 1, false);
+        let case = sh.case(0, 1, false, 0);
         prepare(&mut e, &sh, 2, false);
         e.run(&sh, 2, false).expect("run");
         let want = expected_digest(&sh, &case, &gen, 2);

@@ -47,7 +47,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Weak};
 use std::time::{Duration, Instant};
 
-use virtio_dmlc::{unsupported, Opcode, ReduceOp, Status, VirtioDmlcReq, NO_PEER};
+use virtio_dmlc::{unsupported, Dtype, Opcode, ReduceOp, Status, VirtioDmlcReq, NO_PEER};
 use zerocopy::{FromBytes, IntoBytes};
 
 use super::{header_mismatch, lock, Arrival, Cause, Outcome, Running, Shared, Waiting};
@@ -99,6 +99,17 @@ pub trait Exchange {
         all: &mut [u8],
         deadline: Instant,
     ) -> Result<(), ExchangeError>;
+    /// All-gathers `len` bytes per host, piece by piece, by `deadline`:
+    /// this host's bytes come from [`Pieces::produce`], every host's go to
+    /// [`Pieces::consume`], both in order from the start, in stretches
+    /// that begin on 64-byte boundaries. An exchange may produce the next
+    /// piece and consume the last while one is on the network.
+    fn allgather_pieces(
+        &mut self,
+        len: usize,
+        pieces: &mut dyn Pieces,
+        deadline: Instant,
+    ) -> Result<(), ExchangeError>;
     /// Host `root`'s `buf` into every host's `buf`, by `deadline`.
     fn broadcast(
         &mut self,
@@ -114,6 +125,14 @@ pub trait Exchange {
     /// Ends the whole job after an exchange failed (MPI_Abort). A fake may
     /// return.
     fn abort(&mut self, why: &str);
+}
+
+/// Both ends of a pipelined all-gather ([`Exchange::allgather_pieces`]).
+pub trait Pieces {
+    /// Writes this host's bytes `at .. at + mine.len()` into `mine`.
+    fn produce(&mut self, at: usize, mine: &mut [u8]);
+    /// Every host's bytes `at .. at + parts[h].len()`, in host order.
+    fn consume(&mut self, at: usize, parts: &[&[u8]]);
 }
 
 /// Bytes of one piece of news ([`Exchange::announce`]): the announcing
@@ -574,6 +593,168 @@ fn input_ref(a: &Arrival, extra: usize) -> SegRef<'_> {
     }
 }
 
+/// A reduction's ends of the pipelined exchange: this host's bytes of a
+/// stretch are its members' inputs reduced in local rank order (sum for
+/// avg), with the data path's kernels; the `H` partials of a stretch are
+/// reduced in host order straight into the outputs of the members that
+/// receive those bytes, so every host writes the same bits.
+struct Reduction<'a> {
+    arrivals: &'a [Arrival],
+    /// Global rank of this host's local rank 0.
+    first: usize,
+    world: u32,
+    dtype: Dtype,
+    op: ReduceOp,
+    /// How the members' outputs are written (by all their bytes together).
+    tuning: datapath::Tuning,
+}
+
+impl<'a> Reduction<'a> {
+    fn new(
+        arrivals: &'a [Arrival],
+        first: usize,
+        world: usize,
+        dtype: Dtype,
+        op: ReduceOp,
+    ) -> Self {
+        let req = &arrivals[0].req;
+        let written = match req.opcode {
+            Opcode::Allreduce => arrivals.len() * req.count_bytes(),
+            _ => req.count_bytes(),
+        };
+        Reduction {
+            arrivals,
+            first,
+            world: world as u32,
+            dtype,
+            op,
+            tuning: datapath::Tuning::for_output(written),
+        }
+    }
+}
+
+impl Pieces for Reduction<'_> {
+    fn produce(&mut self, at: usize, mine: &mut [u8]) {
+        let op = if self.op == ReduceOp::Avg {
+            ReduceOp::Sum
+        } else {
+            self.op
+        };
+        let len = mine.len();
+        let segs = host_seg(mine);
+        let out = SegRef {
+            segs: &segs,
+            offset: 0,
+        };
+        let ins: Vec<SegRef<'_>> = self.arrivals.iter().map(|a| input_ref(a, at)).collect();
+        // SAFETY: every input was resolved from its member's guest memory,
+        // mapped while the arrival lives, and checked at parse time to hold
+        // the whole reduction (whole elements) from its offset, which the
+        // exchange's stretches stay within; the output is the exchange's
+        // own buffer of `len` bytes.
+        unsafe {
+            datapath::reduce_range_tuned(
+                self.dtype,
+                op,
+                self.arrivals.len() as u32,
+                &ins,
+                &[out],
+                len,
+                datapath::Tuning::for_output(len),
+            );
+        }
+    }
+
+    fn consume(&mut self, at: usize, parts: &[&[u8]]) {
+        let n = parts[0].len();
+        let segs: Vec<[HostSeg; 1]> = parts
+            .iter()
+            .map(|p| {
+                [HostSeg {
+                    ptr: p.as_ptr().cast_mut(),
+                    len: p.len(),
+                }]
+            })
+            .collect();
+        // The partials from byte `skip` of the stretch, into `outs`, `len`
+        // bytes.
+        let reduce = |skip: usize, outs: &[SegRef<'_>], len: usize| {
+            let ins: Vec<SegRef<'_>> = segs
+                .iter()
+                .map(|s| SegRef {
+                    segs: s,
+                    offset: skip,
+                })
+                .collect();
+            // SAFETY: the inputs are the exchange's buffers of `n` bytes,
+            // only read, with `skip + len <= n`; every output was resolved
+            // from its member's guest memory, mapped while the arrival
+            // lives (the collective is still running), and checked at parse
+            // time to hold what the opcode writes there.
+            unsafe {
+                datapath::reduce_range_tuned(
+                    self.dtype,
+                    self.op,
+                    self.world,
+                    &ins,
+                    outs,
+                    len,
+                    self.tuning,
+                );
+            }
+        };
+        let req = &self.arrivals[0].req;
+        match req.opcode {
+            Opcode::ReduceScatter => {
+                // Member g receives bytes g*b .. (g+1)*b of the result.
+                let b = req.count_bytes();
+                for a in self.arrivals {
+                    let g = self.first + a.rank as usize;
+                    let (lo, hi) = (at.max(g * b), (at + n).min((g + 1) * b));
+                    if lo >= hi {
+                        continue;
+                    }
+                    let base = if a.req.in_place_offset.is_some() {
+                        g * b
+                    } else {
+                        0
+                    };
+                    let out = SegRef {
+                        segs: &a.req.outputs,
+                        offset: base + lo - g * b,
+                    };
+                    reduce(lo - at, &[out], hi - lo);
+                }
+            }
+            Opcode::Reduce => {
+                let root = req.root as usize;
+                if let Some(a) = self
+                    .arrivals
+                    .iter()
+                    .find(|a| self.first + a.rank as usize == root)
+                {
+                    let out = SegRef {
+                        segs: &a.req.outputs,
+                        offset: at,
+                    };
+                    reduce(0, &[out], n);
+                }
+            }
+            _ => {
+                let outs: Vec<SegRef<'_>> = self
+                    .arrivals
+                    .iter()
+                    .map(|a| SegRef {
+                        segs: &a.req.outputs,
+                        offset: at,
+                    })
+                    .collect();
+                reduce(0, &outs, n);
+            }
+        }
+    }
+}
+
 /// Reads, exchanges and writes the data of a collective whose headers
 /// agree on every host.
 fn data_stage(
@@ -594,12 +775,13 @@ fn data_stage(
         // movement of this collective has started.
         unsafe { bounce.fill() };
     }
-    // The bytes every member's outputs take their share from, and where
-    // member `a` (global rank g) finds its share.
-    let result: Vec<u8>;
+    // The bytes every member's outputs take their share from (none once
+    // a reduction has written them), and where member `a` (global rank g)
+    // finds its share.
+    let result: Option<Vec<u8>>;
     match req.opcode {
         Opcode::Barrier => {
-            result = Vec::new();
+            result = None;
             running.end();
         }
         Opcode::Broadcast => {
@@ -620,7 +802,7 @@ fn data_stage(
             }
             running.end();
             ex.broadcast(&mut buf, (root / local) as u32, deadline)?;
-            result = buf;
+            result = Some(buf);
         }
         Opcode::Allgather => {
             let mut mine = vec![0u8; local * b];
@@ -636,10 +818,11 @@ fn data_stage(
             running.end();
             let mut all = vec![0u8; world * b];
             ex.allgather(&mine, &mut all, deadline)?;
-            result = all;
+            result = Some(all);
         }
         _ => {
-            // Allreduce, reduce, reduce-scatter: reduce the whole input.
+            // Allreduce, reduce, reduce-scatter: pipelined, the outputs
+            // written as each piece's partials arrive.
             let (Some(dtype), Some(op)) = (req.dtype, req.op) else {
                 return Ok(());
             };
@@ -648,64 +831,16 @@ fn data_stage(
             } else {
                 b
             };
-            let mut partial = vec![0u8; len];
-            let local_op = if op == ReduceOp::Avg {
-                ReduceOp::Sum
-            } else {
-                op
-            };
-            {
-                let segs = host_seg(&mut partial);
-                let out = SegRef {
-                    segs: &segs,
-                    offset: 0,
-                };
-                let ins: Vec<SegRef<'_>> = arrivals.iter().map(|a| input_ref(a, 0)).collect();
-                let tuning = datapath::Tuning::for_output(len);
-                // SAFETY: every input was resolved from its member's guest
-                // memory, mapped while the arrival lives, and checked at
-                // parse time to hold `len` bytes (whole elements) from its
-                // offset; the output is our own buffer of `len` bytes.
-                unsafe {
-                    datapath::reduce_range_tuned(
-                        dtype,
-                        local_op,
-                        sh.world,
-                        &ins,
-                        &[out],
-                        len,
-                        tuning,
-                    );
-                }
-            }
+            let mut reduction = Reduction::new(arrivals, host * local, world, dtype, op);
+            ex.allgather_pieces(len, &mut reduction, deadline)?;
             running.end();
-            let mut all = vec![0u8; hosts as usize * len];
-            ex.allgather(&partial, &mut all, deadline)?;
-            let parts: Vec<&[u8]> = all.chunks(len).collect();
-            let mut out = vec![0u8; len];
-            dmlc_reduce::reduce_into(dtype, op, world as u32, &parts, &mut out)
-                .map_err(|e| ExchangeError::Failed(format!("host-order reduction: {e}")))?;
-            result = out;
+            result = None;
         }
     }
     let generation = sh.resp_generation.load(Ordering::Acquire);
     for a in arrivals {
-        let g = host * local + a.rank as usize;
-        let share: Option<(&[u8], usize)> = match req.opcode {
-            Opcode::Barrier => None,
-            Opcode::Reduce if g != req.root as usize => None,
-            Opcode::ReduceScatter => {
-                let base = if a.req.in_place_offset.is_some() {
-                    g * b
-                } else {
-                    0
-                };
-                Some((&result[g * b..(g + 1) * b], base))
-            }
-            _ => Some((&result[..], 0)),
-        };
         let write = || {
-            if let Some((bytes, base)) = share {
+            if let Some(bytes) = result.as_deref() {
                 if bytes.is_empty() {
                     return;
                 }
@@ -719,7 +854,7 @@ fn data_stage(
                 };
                 let dst = SegRef {
                     segs: &a.req.outputs,
-                    offset: base,
+                    offset: 0,
                 };
                 // SAFETY: the output was resolved from the member's guest
                 // memory, mapped while the arrival lives, and checked at
