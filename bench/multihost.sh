@@ -13,7 +13,8 @@
 #           them) and L host-transport `dmlc-guest bench` members per host:
 #           the hierarchical f32 sum allreduce across H x L members
 #   flat    Open MPI's MPI_Allreduce across the same H x L ranks (L per
-#           host: shared memory within a host, TCP across), bench/mpi_allreduce.c
+#           host: shared memory within a host, TCP across), bench/mpi_allreduce.c,
+#           yielding when idle (more ranks than CPUs here)
 #   inter   MPI_Allreduce across H ranks, one per host: the network stage
 #           alone, the limit for the device's inter-host step
 # and prints the median p50 (rank 0, out of place) of each with the ratios
@@ -69,7 +70,7 @@ cleanup() {
     for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
     wait 2>/dev/null || true
     netns_hosts_down
-    rm -rf "$work"
+    if [[ ${KEEP:-} == 1 ]]; then echo "logs kept in $work" >&2; else rm -rf "$work"; fi
 }
 trap cleanup EXIT
 trap 'exit 1' TERM INT
@@ -84,7 +85,7 @@ slots_list=${slots_list%,}
 cat >"$work/daemon" <<EOF
 #!/bin/sh
 exec "$backend" --mpi ${piece:+--mpi-piece $piece} --socket-path "$work/h\${OMPI_COMM_WORLD_RANK}.sock" \
-  --socket-count $members --log-level warn 2>"$work/d\${OMPI_COMM_WORLD_RANK}.log"
+  --socket-count $members --log-level ${MH_LOG:-warn} 2>"$work/d\${OMPI_COMM_WORLD_RANK}.log"
 EOF
 chmod +x "$work/daemon"
 mpirun -n "$hosts" --host "$host_list" "${NETNS_MPIRUN[@]}" --mca btl tcp,self \
@@ -121,7 +122,8 @@ run_device() {  # SIZE -> the p50 (us) of global rank 0
 
 run_mpi() {  # RANKS HOSTS SIZE -> rank 0's p50 (us)
     local np=$1 hl=$2 s=$3
-    timeout 300 mpirun -n "$np" --host "$hl" "${NETNS_MPIRUN[@]}" --mca btl "${MH_BTL:-tcp,vader,self}" \
+    timeout 300 mpirun -n "$np" --host "$hl" "${NETNS_MPIRUN[@]}" --mca btl tcp,vader,self \
+        --mca mpi_yield_when_idle 1 \
         --bind-to none "$mpi_bench" -b "$s" -e "$s" -n "$iters" -w "$warmup" >"$work/mpi.log" 2>&1 ||
         { echo "multihost.sh: mpirun failed:" >&2; cat "$work/mpi.log" >&2; exit 1; }
     p50_of "$work/mpi.log" "$s"

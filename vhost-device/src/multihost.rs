@@ -465,6 +465,8 @@ impl Exchange for MpiExchange {
         let null = unsafe { ffi::RSMPI_REQUEST_NULL };
         // The piece on the network: its slot, offset, length and request.
         let mut flying: Option<(usize, usize, usize, ffi::MPI_Request)> = None;
+        // Time spent producing, waiting for a piece, consuming (logged).
+        let mut spent = [Duration::ZERO; 3];
         let mut at = 0;
         let mut k = 0;
         while at < len || flying.is_some() {
@@ -473,6 +475,7 @@ impl Exchange for MpiExchange {
             if at < len {
                 let n = piece.min(len - at);
                 let s = k % 2;
+                let t = Instant::now();
                 let mut off = 0;
                 while off < n {
                     let m = stretch(self.piece).min(n - off);
@@ -482,19 +485,30 @@ impl Exchange for MpiExchange {
                         self.test(req)?;
                     }
                 }
+                spent[0] += t.elapsed();
                 next = self.start_piece(s, n)?;
                 started = Some((s, at, n));
                 at += n;
                 k += 1;
             }
             if let Some((s, p_at, n, req)) = flying.take() {
+                let t = Instant::now();
                 self.wait(req, deadline, Wait::Data)?;
+                spent[1] += t.elapsed();
+                let t = Instant::now();
                 self.consume_piece(pieces, s, p_at, n, &mut next)?;
+                spent[2] += t.elapsed();
             }
             if let Some((s, p_at, n)) = started {
                 flying = Some((s, p_at, n, next));
             }
         }
+        log::debug!(
+            "{len} bytes in {k} pieces: producing {:?}, waiting {:?}, consuming {:?}",
+            spent[0],
+            spent[1],
+            spent[2]
+        );
         Ok(())
     }
 

@@ -43,6 +43,7 @@ netns_hosts_down() {
   for name in "${NETNS[@]}"; do
     ip netns pids "$name" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
     ip netns del "$name" 2>/dev/null || true
+    rm -rf "/dev/shm/$name"
   done
   [[ -n $NETNS_TAG ]] && ip link del "${NETNS_TAG}br" 2>/dev/null
   NETNS=() NETNS_ADDR=()
@@ -60,7 +61,12 @@ netns_agent() {
     for h in "${!NETNS[@]}"; do echo "  ${NETNS_ADDR[$h]}) ns=${NETNS[$h]} ;;"; done
     echo '  *) echo "unknown host $host" >&2; exit 1 ;;'
     echo 'esac'
-    echo 'exec ip netns exec "$ns" sh -c "$*"'
+    # Every "host" has the same hostname and /dev/shm, and Open MPI's
+    # shared-memory transport names its files by hostname and local rank:
+    # each host gets a folder of its own (the ranks of two hosts crashed
+    # on each other's segments without it).
+    echo 'mkdir -p "/dev/shm/$ns"'
+    echo 'exec ip netns exec "$ns" env OMPI_MCA_btl_vader_backing_directory="/dev/shm/$ns" sh -c "$*"'
   } >"$file"
   chmod +x "$file"
 }

@@ -491,6 +491,7 @@ fn collective(
     put(&mut entry, 2, mask);
     put(&mut entry, 3, mpeer);
     entry[16..].copy_from_slice(reference.as_bytes());
+    let filled = Instant::now();
     let all = match gather(ex, &entry, deadline, sync) {
         Ok(all) => all,
         Err(e) => {
@@ -548,9 +549,17 @@ fn collective(
         );
         return Ok(());
     }
+    let agreed = Instant::now();
     match data_stage(ex, sh, &arrivals, &running, hosts, deadline) {
         Ok(()) => {
             sh.metrics.collective_done(req.opcode);
+            log::debug!(
+                "{} of {} bytes: entries agreed in {:?}, data in {:?}",
+                req.opcode,
+                req.count_bytes(),
+                agreed - filled,
+                agreed.elapsed()
+            );
             Ok(())
         }
         Err(e) => {
