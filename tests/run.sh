@@ -193,7 +193,7 @@ cargo test --locked -p dmlc-qemu --test system -- --test-threads=1
 
 step "multi-host with the launcher: dmlc-qemu submit --hosts, 2 namespaces of TCG VMs"
 # launcher/tests/multihost.rs: 2 hosts x 2 VMs run the self-test from a
-# hostfile; a failed worker on one host stops the other (docs/multi-host.md,
+# hostfile; a failed worker on one host stops the other; Ctrl-C stops both (docs/multi-host.md,
 # "With the launcher"). Needs what the multi-host stage needs and the mpi
 # build of the backend in release, which replaces the default one at
 # target/release/vhost-device-dmlc (a superset; no later stage uses it).

@@ -13,8 +13,9 @@
 //!   failure, it sends `mpirun` SIGUSR1, which Open MPI forwards to every
 //!   `host-part`;
 //! - `host-part` is what `mpirun` starts (Open MPI signals its whole process
-//!   group): it only starts `host-run` in a group of its own and turns any
-//!   signal into a SIGTERM for it;
+//!   group, and when it ends a job, SIGTERM is followed by SIGKILL 1 s
+//!   later): it only starts `host-run` in a group of its own and turns any
+//!   signal into a SIGTERM for it, so the teardown goes on if it is killed;
 //! - `host-run` reads its host index from the MPI environment and runs the
 //!   part; its backend, its child, inherits that environment and is the MPI
 //!   process of the host. It prints one report line when its monitor has
@@ -42,11 +43,6 @@ use crate::signals;
 /// SIGTERM, before it is killed.
 const STOP_WAIT: Duration = Duration::from_secs(30);
 const TERM_WAIT: Duration = Duration::from_secs(15);
-
-/// Open MPI's wait between its signals when it ends a job itself (after a
-/// process failed): SIGCONT, this, SIGTERM, this, SIGKILL. Long enough for
-/// a part's teardown (the default is 1 s).
-const OMPI_SIGKILL_TIMEOUT: &str = "10";
 
 /// What every host's part gets (one JSON argument of `host-part`).
 #[derive(Debug, Serialize, Deserialize)]
@@ -190,8 +186,7 @@ pub fn mpirun_command(
         .arg(hosts.len().to_string())
         .arg("--host")
         .arg(hosts.join(","))
-        .args(["--map-by", "node"])
-        .args(["--mca", "odls_base_sigkill_timeout", OMPI_SIGKILL_TIMEOUT]);
+        .args(["--map-by", "node"]);
     // What the parts on other hosts need of this environment (QEMU, the
     // caches, the repository, virtiofsd), as ssh does not bring it.
     let mut names: Vec<String> = std::env::vars_os()

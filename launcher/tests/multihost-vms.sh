@@ -14,8 +14,11 @@
 #              prints its own PASS line as rank r of 2L, both hosts' logs
 #              are kept in --log-dir
 #   fail       rank 2L-1 (on host 1) exits 7 at once, the others sleep:
-#              the launcher stops host 0 and exits 7 within 60 s
-# Both check that nothing is left: no process in either namespace, no
+#              the launcher stops host 0 and exits 7 within 30 s of the
+#              failure
+#   interrupt  every rank sleeps; SIGINT (Ctrl-C) to the launcher once
+#              every rank runs: exit status 130 within 60 s of it
+# Each checks that nothing is left: no process in either namespace, no
 # launcher process of the job, an empty TMPDIR.
 set -euo pipefail
 
@@ -90,7 +93,7 @@ mpi=(--mpirun-arg=--mca --mpirun-arg=plm_rsh_agent --mpirun-arg="$work/agent"
 
 case $case_ in
   selftest)
-    st=(selftest --quick --max-count 1000)
+    st=(selftest --quick --max-count 256)
     [[ $L -gt 1 ]] && st+=(--members-per-host "$L")
     args=(--hostfile "$work/hosts" --log-dir "$work/logs" --timeout 500
       -- "$bin/dmlc-guest" "${st[@]}")
@@ -99,6 +102,9 @@ case $case_ in
     last=$((n - 1))
     args=(--hosts "$addr_a,$addr_b" --timeout 500
       -- sh -c "if [ \$DMLC_TASK_ID = $last ]; then echo failing; exit 7; fi; echo waiting; sleep 600")
+    ;;
+  interrupt)
+    args=(--hosts "$addr_a,$addr_b" --timeout 500 -- sh -c 'echo waiting; sleep 600')
     ;;
   *) echo "unknown case $case_"; exit 2 ;;
 esac
@@ -109,6 +115,26 @@ set +e
   --backend-arg=--timeout-ms=20000 "${mpi[@]}" "${args[@]}" \
   >"$work/out" 2>"$work/err" &
 job_pid=$!
+case $case_ in
+  interrupt)
+    for _ in $(seq 3000); do
+      [[ $(grep -c "^\[rank [0-9]*\] waiting" "$work/out") -ge $n ]] && break
+      kill -0 "$job_pid" 2>/dev/null || break
+      sleep 0.1
+    done
+    start=$SECONDS
+    kill -INT "$job_pid"
+    ;;
+  fail)
+    # Timed from the failure (the boot's time depends on the load).
+    for _ in $(seq 3000); do
+      grep -q "^\[rank $last\] failing" "$work/out" && break
+      kill -0 "$job_pid" 2>/dev/null || break
+      sleep 0.1
+    done
+    start=$SECONDS
+    ;;
+esac
 wait "$job_pid"
 rc=$?
 set -e
@@ -144,10 +170,16 @@ case $case_ in
     ;;
   fail)
     [[ $rc -eq 7 ]] || { show; echo "expected the failed worker's status 7"; exit 1; }
-    [[ $took -le 60 ]] || { show; echo "took ${took}s, more than 60"; exit 1; }
+    [[ $took -le 30 ]] || { show; echo "took ${took}s after the failure, more than 30"; exit 1; }
     grep -q "^\[rank $last\] failing" "$work/out" || { show; echo "rank $last did not run"; exit 1; }
     grep -q "stopping the other hosts" "$work/err" ||
       { show; echo "the launcher did not stop the other host"; exit 1; }
+    ;;
+  interrupt)
+    [[ $rc -eq 130 ]] || { show; echo "expected 130 after SIGINT"; exit 1; }
+    [[ $took -le 60 ]] || { show; echo "took ${took}s after SIGINT, more than 60"; exit 1; }
+    [[ $(grep -c "^\[rank [0-9]*\] waiting" "$work/out") -eq $n ]] ||
+      { show; echo "not every rank ran"; exit 1; }
     ;;
 esac
 
@@ -164,6 +196,11 @@ fi
 if pgrep -f "dmlc-qemu host-(part|run) .*$bin" >/dev/null; then
   show; echo "a part of the job still runs"; exit 1
 fi
+# (A host's part may still be removing its files when mpirun has ended.)
+for _ in $(seq 100); do
+  [[ -z $(ls -A "$work/tmp") ]] && break
+  sleep 0.1
+done
 if [[ -n $(ls -A "$work/tmp") ]]; then
   show; echo "left in TMPDIR:"; ls -la "$work/tmp"; exit 1
 fi

@@ -149,3 +149,8 @@ fn selftest_in_two_vms_per_host_on_two_hosts() {
 fn a_failed_worker_on_one_host_stops_the_other_host() {
     run("fail", 1);
 }
+
+#[test]
+fn ctrl_c_stops_every_host() {
+    run("interrupt", 1);
+}
