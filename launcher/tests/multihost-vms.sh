@@ -95,7 +95,7 @@ case $case_ in
   selftest)
     st=(selftest --quick --max-count 256)
     [[ $L -gt 1 ]] && st+=(--members-per-host "$L")
-    args=(--hostfile "$work/hosts" --log-dir "$work/logs" --timeout 500
+    args=(--hostfile "$work/hosts" --log-dir "$work/logs" --timeout 800
       -- "$bin/dmlc-guest" "${st[@]}")
     ;;
   fail)

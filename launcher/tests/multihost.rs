@@ -116,7 +116,7 @@ fn run(case: &str, local: usize) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/multihost-vms.sh");
     let out = Command::new("timeout")
         // TERM first, so that the script removes its namespaces.
-        .args(["-k", "30", "600"])
+        .args(["-k", "30", "900"])
         .arg(&script)
         .arg(bins.path())
         .arg(case)
