@@ -8,7 +8,8 @@
 # tests (two network namespaces, MPI between the daemons), a short soak, a short
 # fuzzing run, the kernel driver's build (kernel-driver/build.sh --check), and
 # last the system tests, which boot QEMU VMs with the virtio-dmlc device
-# (tests/system/), the kernel driver's among them.
+# (tests/system/), the kernel driver's among them, and the launcher's
+# multi-host tests (TCG VMs in two network namespaces).
 #
 # Every stage prints its duration when it ends, and a summary of all of them
 # comes last (also when a stage fails).
@@ -189,3 +190,19 @@ cargo test --locked -p dmlc-system-tests --test system -- --test-threads=1
 
 step "system tests: dmlc-qemu submit with the digits example, DDP and XGBoost (TCP) on 2 VMs"
 cargo test --locked -p dmlc-qemu --test system -- --test-threads=1
+
+step "multi-host with the launcher: dmlc-qemu submit --hosts, 2 namespaces of TCG VMs"
+# launcher/tests/multihost.rs: 2 hosts x 2 VMs run the self-test from a
+# hostfile; a failed worker on one host stops the other; Ctrl-C stops both (docs/multi-host.md,
+# "With the launcher"). Needs what the multi-host stage needs and the mpi
+# build of the backend in release, which replaces the default one at
+# target/release/vhost-device-dmlc (a superset; no later stage uses it).
+if [ ${#mh_missing[@]} -eq 0 ]; then
+  cargo build --release --locked -p vhost-device-dmlc --features mpi
+  cargo test --locked -p dmlc-qemu --test multihost -- --test-threads=1
+elif under_ci; then
+  echo "error: the launcher's multi-host tests need ${mh_missing[*]} (install them as root)" >&2
+  exit 1
+else
+  echo "SKIP launcher multi-host tests: missing ${mh_missing[*]} (install them as root)" >&2
+fi

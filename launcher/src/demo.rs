@@ -565,6 +565,7 @@ pub fn run(a: DemoArgs) -> i32 {
             fetch: vec![GUEST_REPORT.to_owned()],
             host_root: None,
             tracker: None,
+            place: None,
         })
         .collect();
     // Both runs use the same image: build it (if the cache lacks it) before

@@ -23,6 +23,7 @@ use base64::{alphabet, Engine as _};
 use dmlc_vm as vm;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
+use serde::{Deserialize, Serialize};
 use tempfile::TempDir;
 
 use crate::prepare::{self, PrepareError};
@@ -49,7 +50,7 @@ pub const DMA_SLACK_MIB: u32 = 8;
 const GRACE: Duration = Duration::from_secs(5);
 
 /// How the workers exchange data.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
 pub enum Transport {
     /// The virtio-dmlc device (gradients reduced by the host backend).
     Device,
@@ -67,7 +68,7 @@ impl Transport {
 }
 
 /// What each VM runs.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum Program {
     /// A host file, copied into the image as `GUEST_BIN/NAME`.
     Host(PathBuf),
@@ -84,14 +85,14 @@ pub enum TrackerKind {
 
 /// The tracker of a job: XGBoost's RabitTracker at [`vm::vm_ip`]`(0)`,
 /// started by rank 0's wrapper with this Python.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Tracker {
     /// A Python with xgboost (seen in the guest at the same path).
     pub python: String,
 }
 
 /// A job on the host's userland (`--host-root`).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct HostRoot {
     /// Working directory of the job (the launcher's).
     pub cwd: String,
@@ -117,14 +118,46 @@ impl HostRoot {
     }
 }
 
+/// This machine's part of a job across hosts (`submit --hosts`): host
+/// `host` of `hosts` runs global ranks `host*L .. host*L+L-1`, with
+/// `L = num_workers / hosts`, served by a `--mpi` backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Place {
+    pub host: usize,
+    pub hosts: usize,
+}
+
+/// `vm::Accel` as a word, for a job sent to the other hosts.
+mod accel_name {
+    use dmlc_vm::Accel;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(a: &Accel, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(match a {
+            Accel::Tcg => "tcg",
+            Accel::Kvm => "kvm",
+        })
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Accel, D::Error> {
+        match String::deserialize(d)?.as_str() {
+            "tcg" => Ok(Accel::Tcg),
+            "kvm" => Ok(Accel::Kvm),
+            other => Err(serde::de::Error::custom(format!("unknown accel {other:?}"))),
+        }
+    }
+}
+
 /// Everything a job needs.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Job {
+    /// Workers of the whole job (of every host with `place`).
     pub num_workers: usize,
     pub vcpus: u32,
     pub memory_mib: u32,
     /// DMA memory for the driver (hugepages), MiB.
     pub dma_mib: u32,
+    #[serde(with = "accel_name")]
     pub accel: vm::Accel,
     /// QEMU's `-cpu` for every VM; None: the harness's choice.
     pub cpu: Option<String>,
@@ -149,7 +182,14 @@ pub struct Job {
     pub host_root: Option<HostRoot>,
     /// XGBoost's RabitTracker in VM 0 (needs TCP and the host's userland).
     pub tracker: Option<Tracker>,
+    /// This host's part of a job across hosts; `None`: the whole job here.
+    pub place: Option<Place>,
 }
+
+/// What [`Job::run_reporting`] calls when the monitor has decided the end:
+/// how the job ended, each local rank's status, when the first worker
+/// failed.
+pub type OnEnd<'a> = dyn FnMut(&End, &[Option<i32>], Option<SystemTime>) + 'a;
 
 /// Errors of a job (what ends it before its workers can run).
 #[derive(Debug, thiserror::Error)]
@@ -258,6 +298,19 @@ fn unique() -> String {
 }
 
 impl Job {
+    /// Workers (VMs) on this machine.
+    pub fn local_workers(&self) -> usize {
+        match self.place {
+            Some(p) => self.num_workers / p.hosts,
+            None => self.num_workers,
+        }
+    }
+
+    /// The global rank of this machine's first VM (host-major).
+    pub fn first_rank(&self) -> usize {
+        self.place.map_or(0, |p| p.host * self.local_workers())
+    }
+
     /// Path of the program in the guest, as the command line names it.
     fn guest_program(&self) -> String {
         match &self.program {
@@ -362,6 +415,19 @@ impl Job {
 
     /// [`Job::run`] with QEMU already prepared.
     pub fn run_with(&self, qemu: &vm::Qemu, out: &mut dyn Write) -> Result<Outcome, JobError> {
+        self.run_reporting(qemu, out, &mut |_, _, _| {})
+    }
+
+    /// [`Job::run_with`], calling `on_end` with how the job ended, each
+    /// local rank's status and when the first worker failed (if one did)
+    /// as soon as the monitor decides the end, before the VMs and the
+    /// backend are stopped.
+    pub fn run_reporting(
+        &self,
+        qemu: &vm::Qemu,
+        out: &mut dyn Write,
+        on_end: &mut OnEnd<'_>,
+    ) -> Result<Outcome, JobError> {
         let started = Instant::now();
         let tmp = private_dir()?;
         let image = prepare::image(&self.image_files())?;
@@ -377,23 +443,23 @@ impl Job {
             None => tmp.path().join("backend.log"),
         };
         let sock = tmp.path().join("dmlc.sock");
-        let mut backend = Backend::start(
-            &self.backend,
-            &sock,
-            self.num_workers,
-            &self.backend_args,
-            &backend_log,
-        )?;
+        let local = self.local_workers();
+        let mut backend_args = Vec::new();
+        if self.place.is_some() {
+            backend_args.push("--mpi".into());
+        }
+        backend_args.extend(self.backend_args.iter().cloned());
+        let mut backend = Backend::start(&self.backend, &sock, local, &backend_args, &backend_log)?;
 
         let token = unique();
-        let specs: Vec<vm::VmSpec> = (0..self.num_workers)
+        let specs: Vec<vm::VmSpec> = (0..local)
             .map(|i| {
                 let mut spec = vm::VmSpec::new(self.command_line(&token))
                     .dmlc_socket(format!("{}{i}", sock.display()));
                 spec.mem_mib = self.memory_mib;
                 spec.hugepages = (self.dma_mib + DMA_SLACK_MIB) / 2;
                 spec.cpus = self.vcpus;
-                spec.env = self.environment(i);
+                spec.env = self.environment(self.first_rank() + i);
                 if let Some(cpu) = &self.cpu {
                     spec.qemu_args.extend(["-cpu".to_owned(), cpu.clone()]);
                 }
@@ -417,8 +483,8 @@ impl Job {
         };
         crate::progress(&format!(
             "booting {} VM{} ({}, {} vCPU, {} MiB each; transport {}{})",
-            self.num_workers,
-            if self.num_workers == 1 { "" } else { "s" },
+            local,
+            if local == 1 { "" } else { "s" },
             match self.accel {
                 vm::Accel::Tcg => "TCG",
                 vm::Accel::Kvm => "KVM",
@@ -435,14 +501,32 @@ impl Job {
             }
         ));
         let cluster = vm::Cluster::start(qemu, &image, &specs, &opts).map_err(JobError::Cluster)?;
-        let mut monitor = Monitor::new(&cluster, self.num_workers, &token, self.log_dir.as_deref());
+        let mut monitor = Monitor::new(
+            &cluster,
+            local,
+            self.first_rank(),
+            &token,
+            self.log_dir.as_deref(),
+        );
         let end = monitor.run(out, &mut backend, self.timeout);
         let programs_done = Instant::now();
         monitor.flush(out);
+        on_end(&end, &monitor.statuses(), monitor.failed_at);
         if let Some(dir) = &self.log_dir {
-            save_logs(&cluster, self.num_workers, dir);
+            save_logs(&cluster, local, self.first_rank(), dir);
         }
         drop(cluster);
+        if self.place.is_some() {
+            // A backend that leaves the MPI job ends it: every host's
+            // backend stops together, when the launcher has every host's
+            // end (or stops the job), and says so with a signal.
+            if signals::received().is_none() && backend.exited().is_none() {
+                crate::progress("VMs done; waiting for the other hosts");
+            }
+            while signals::received().is_none() && backend.exited().is_none() {
+                thread::sleep(Duration::from_millis(20));
+            }
+        }
         backend.stop();
         drop(tmp);
         let ranks = monitor.consoles.into_iter().map(|c| c.outcome).collect();
@@ -456,19 +540,21 @@ impl Job {
     }
 }
 
-/// Copies each VM's console, QEMU output and command line into `dir`.
-fn save_logs(cluster: &vm::Cluster, n: usize, dir: &Path) {
+/// Copies each VM's console, QEMU output and command line into `dir`
+/// (named by global rank: VM i runs rank `first + i`).
+fn save_logs(cluster: &vm::Cluster, n: usize, first: usize, dir: &Path) {
     for i in 0..n {
+        let r = first + i;
         let _ = fs::copy(
             cluster.dir().join(format!("vm{i}.log")),
-            dir.join(format!("rank{i}.console")),
+            dir.join(format!("rank{r}.console")),
         );
         let _ = fs::copy(
             cluster.dir().join(format!("vm{i}.err")),
-            dir.join(format!("rank{i}.qemu.log")),
+            dir.join(format!("rank{r}.qemu.log")),
         );
         let _ = fs::write(
-            dir.join(format!("rank{i}.cmdline")),
+            dir.join(format!("rank{r}.cmdline")),
             cluster.command_line(i) + "\n",
         );
     }
@@ -612,7 +698,10 @@ enum Guard {
 
 /// Follows one VM's console.
 struct Console {
+    /// The global rank (what the output names).
     rank: usize,
+    /// The VM's index on this machine (`vmI.*` in the cluster's directory).
+    vm: usize,
     log: PathBuf,
     pos: u64,
     /// A line not yet ended.
@@ -774,10 +863,20 @@ fn proc_state(pid: i32) -> Option<char> {
 struct Monitor {
     consoles: Vec<Console>,
     cluster_dir: PathBuf,
+    /// When the first worker exited non-zero.
+    failed_at: Option<SystemTime>,
 }
 
 impl Monitor {
-    fn new(cluster: &vm::Cluster, n: usize, token: &str, log_dir: Option<&Path>) -> Monitor {
+    /// Follows the `n` VMs of `cluster`, VM i running global rank
+    /// `first + i`.
+    fn new(
+        cluster: &vm::Cluster,
+        n: usize,
+        first: usize,
+        token: &str,
+        log_dir: Option<&Path>,
+    ) -> Monitor {
         let dir = cluster.dir().to_owned();
         let consoles = (0..n)
             .map(|i| {
@@ -792,10 +891,11 @@ impl Monitor {
                     Ok(pid) if Path::new("/proc/self/stat").exists() => Guard::Pid(pid),
                     _ => Guard::Unknown,
                 };
-                let out_file =
-                    log_dir.and_then(|d| File::create(d.join(format!("rank{i}.out"))).ok());
+                let out_file = log_dir
+                    .and_then(|d| File::create(d.join(format!("rank{}.out", first + i))).ok());
                 Console {
-                    rank: i,
+                    rank: first + i,
+                    vm: i,
                     log,
                     pos: 0,
                     partial: Vec::new(),
@@ -817,7 +917,13 @@ impl Monitor {
         Monitor {
             consoles,
             cluster_dir: dir,
+            failed_at: None,
         }
+    }
+
+    /// Each VM's program status so far (`None`: still running, or stopped).
+    fn statuses(&self) -> Vec<Option<i32>> {
+        self.consoles.iter().map(|c| c.outcome.status).collect()
     }
 
     fn flush(&mut self, out: &mut dyn Write) {
@@ -879,6 +985,7 @@ impl Monitor {
                             ));
                         }
                         failed = Some((c.rank, status, Instant::now()));
+                        self.failed_at = Some(SystemTime::now());
                     }
                 }
             }
@@ -953,9 +1060,8 @@ impl Monitor {
                 if c.outcome.status.is_some() {
                     continue;
                 }
-                let qemu_err =
-                    fs::read_to_string(self.cluster_dir.join(format!("vm{}.err", c.rank)))
-                        .unwrap_or_default();
+                let qemu_err = fs::read_to_string(self.cluster_dir.join(format!("vm{}.err", c.vm)))
+                    .unwrap_or_default();
                 let mut msg = format!(
                     "rank {}: the VM stopped without the job's exit line",
                     c.rank
@@ -1003,6 +1109,7 @@ mod tests {
             fetch: Vec::new(),
             host_root: None,
             tracker: None,
+            place: None,
         }
     }
 
@@ -1160,6 +1267,7 @@ mod tests {
     fn console(dir: &Path) -> Console {
         Console {
             rank: 1,
+            vm: 1,
             log: dir.join("vm1.log"),
             pos: 0,
             partial: Vec::new(),

@@ -3,6 +3,7 @@
 //! way dmlc-submit runs one with its local, ssh or mpi backends.
 
 mod demo;
+mod hosts;
 mod job;
 mod prepare;
 mod signals;
@@ -22,10 +23,20 @@ use dmlc_vm as vm;
 
 use job::{Job, Outcome, Program, Transport};
 
+/// What follows `dmlc-qemu: ` on every progress line (`host H: ` in a
+/// host's part of a job across hosts).
+static PROGRESS_PREFIX: OnceLock<String> = OnceLock::new();
+
 /// Prints a progress or status line of the launcher (on stderr, so that
 /// the workers' output on stdout stays clean).
 pub fn progress(msg: &str) {
-    eprintln!("dmlc-qemu: {msg}");
+    let prefix = PROGRESS_PREFIX.get().map_or("", String::as_str);
+    eprintln!("dmlc-qemu: {prefix}{msg}");
+}
+
+/// Sets the prefix of the progress lines (once).
+pub fn set_progress_prefix(prefix: String) {
+    let _ = PROGRESS_PREFIX.set(prefix);
 }
 
 const ABOUT: &str = "Run a DMLC-style distributed job on N QEMU VMs, with gradients \
@@ -39,6 +50,8 @@ Examples:
       -- target/debug/dmlc-train-digits --steps 50
   dmlc-qemu submit -n 2 --tracker rabit --host-root --memory 1G \\
       -- python3 examples/xgboost/train.py --rounds 10
+  dmlc-qemu submit -n 4 --hosts node-a,node-b --backend-arg=--timeout-ms=10000 \\
+      -- sh -c 'echo rank $DMLC_TASK_ID of $DMLC_NUM_WORKER'
 
 See launcher/README.md for the environment inside the VMs and the logs.";
 
@@ -65,6 +78,19 @@ enum Cmd {
         override_usage = "dmlc-qemu demo [OPTIONS] [-- TRAINER_ARGS...]"
     )]
     Demo(DemoArgs),
+    /// One host's part of a job across hosts, as mpirun starts it (used by
+    /// `submit --hosts`, not by hand).
+    #[command(hide = true)]
+    HostPart {
+        /// The job, as `submit --hosts` encodes it.
+        job: String,
+    },
+    /// The work of `host-part`, in a process group of its own.
+    #[command(hide = true)]
+    HostRun {
+        /// The job, as `submit --hosts` encodes it.
+        job: String,
+    },
 }
 
 const SUBMIT_AFTER_HELP: &str = "\
@@ -78,6 +104,13 @@ Each worker's environment: DMLC_ROLE=worker DMLC_NUM_WORKER=N DMLC_TASK_ID=i
 DMLC_NUM_SERVER=0 DMLC_JOB_CLUSTER=qemu DMLC_TRANSPORT=device|tcp
 DMLC_DEVICE=pci, and with --transport tcp DMLC_TCP_PEERS=10.0.0.1:9091,...;
 with --tracker also DMLC_TRACKER_URI=10.0.0.1 DMLC_TRACKER_PORT=9092.
+
+Across hosts (--hosts or --hostfile): one mpirun starts dmlc-qemu on every
+host, which runs its backend (an mpi build: vhost-device-dmlc --mpi) and its
+N/H VMs; host h runs ranks h*L .. h*L+L-1 (L = N/H), the daemons' order.
+Every host needs the same paths (dmlc-qemu, the backend, PROGRAM, --files,
+--log-dir, which keeps host h's logs in DIR/hostH on host h) and
+passwordless ssh from here, as mpirun does. See docs/multi-host.md.
 
 Exit status: the first non-zero status of the workers (0 if all succeed);
 124 on timeout; 125 if a VM or the backend failed or the job could not
@@ -202,6 +235,32 @@ struct SubmitArgs {
     /// DMLC_VIRTIOFSD) and, for PyTorch, --memory 2G or more.
     #[arg(long)]
     host_root: bool,
+
+    /// Place the workers on these hosts (comma-separated), N/H each, through
+    /// mpirun: one backend (--mpi) per host, MPI between them (see below).
+    #[arg(
+        long,
+        value_name = "A,B,...",
+        value_delimiter = ',',
+        conflicts_with = "hostfile"
+    )]
+    hosts: Vec<String>,
+
+    /// Like --hosts, one host per line ('#' starts a comment; Open MPI's
+    /// slots= words are ignored: each host gets N/H workers).
+    #[arg(long, value_name = "FILE")]
+    hostfile: Option<PathBuf>,
+
+    /// The mpirun that starts the hosts' parts (Open MPI) [default: mpirun
+    /// on PATH].
+    #[arg(long, value_name = "PATH")]
+    mpirun: Option<PathBuf>,
+
+    /// One more argument for mpirun (repeatable), after the launcher's own,
+    /// e.g. --mpirun-arg=--mca --mpirun-arg=btl_tcp_if_include
+    /// --mpirun-arg=10.1.0.0/24, or --mpirun-arg=--allow-run-as-root.
+    #[arg(long, value_name = "ARG", allow_hyphen_values = true)]
+    mpirun_arg: Vec<OsString>,
 
     /// The program and its arguments.
     #[arg(value_name = "PROGRAM", required = true, num_args = 1..,
@@ -476,6 +535,78 @@ fn which(name: &Path) -> Option<PathBuf> {
         })
 }
 
+/// Where `submit` runs its job: here, or across hosts through mpirun.
+struct Across {
+    hosts: Vec<String>,
+    mpirun: PathBuf,
+    mpirun_args: Vec<OsString>,
+}
+
+/// The hosts of `--hosts` or `--hostfile`, checked against the job (`None`
+/// for a job on this machine alone).
+fn across_hosts(a: &SubmitArgs) -> Option<Across> {
+    let hosts = match &a.hostfile {
+        Some(f) => {
+            let text = std::fs::read_to_string(f)
+                .unwrap_or_else(|e| usage_error(format!("--hostfile {}: {e}", f.display())));
+            hosts::parse_hostfile(&text)
+                .unwrap_or_else(|e| usage_error(format!("--hostfile {}: {e}", f.display())))
+        }
+        None if a.hosts.is_empty() => {
+            if a.mpirun.is_some() || !a.mpirun_arg.is_empty() {
+                usage_error("--mpirun and --mpirun-arg need --hosts or --hostfile");
+            }
+            return None;
+        }
+        None => a.hosts.clone(),
+    };
+    if let Err(e) = hosts::check_hosts(&hosts) {
+        usage_error(format!("--hosts: {e}"));
+    }
+    let h = hosts.len();
+    let n = usize::from(a.num_workers);
+    if n % h != 0 {
+        usage_error(format!(
+            "--num-workers {n} does not divide among {h} hosts: every host runs the \
+             same number of workers (the backends' --socket-count); give a multiple of {h}"
+        ));
+    }
+    if a.transport == Some(Transport::Tcp) {
+        usage_error(
+            "--transport tcp does not work across hosts: the VMs' network is a segment \
+             of one host; across hosts the workers use the device",
+        );
+    }
+    if a.tracker.is_some() {
+        usage_error("--tracker does not work across hosts (it needs --transport tcp)");
+    }
+    for arg in &a.machine.backend_arg {
+        let s = arg.to_string_lossy();
+        if let Some(why) = hosts::refused_backend_arg(&s) {
+            usage_error(format!(
+                "--backend-arg {s} does not work across hosts: {why}"
+            ));
+        }
+    }
+    let mpirun = match &a.mpirun {
+        Some(p) => {
+            check_executable(p, "--mpirun");
+            p.clone()
+        }
+        None => which(Path::new("mpirun")).unwrap_or_else(|| {
+            usage_error(
+                "--hosts needs Open MPI's mpirun, which is not on PATH: install it \
+                 (apt-get install openmpi-bin) or give --mpirun PATH",
+            )
+        }),
+    };
+    Some(Across {
+        hosts,
+        mpirun,
+        mpirun_args: a.mpirun_arg.clone(),
+    })
+}
+
 /// The job of `submit`, after checking what clap cannot.
 fn submit_job(a: SubmitArgs) -> Job {
     check_dma(&a.machine);
@@ -540,6 +671,7 @@ fn submit_job(a: SubmitArgs) -> Job {
                 .unwrap_or_else(|e| usage_error(format!("cannot read the current directory: {e}")))
         }),
         tracker,
+        place: None,
     }
 }
 
@@ -569,24 +701,44 @@ fn exit_code(code: i32) -> ExitCode {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if let Err(e) = signals::install() {
+    // host-part also takes SIGUSR1: mpirun forwards it from the launcher.
+    let usr1 = matches!(cli.command, Cmd::HostPart { .. });
+    if let Err(e) = signals::install(usr1) {
         progress(&format!("{e}"));
         return ExitCode::from(125);
     }
     let _ = SUBCOMMAND.set(match cli.command {
         Cmd::Submit(_) => "submit",
         Cmd::Demo(_) => "demo",
+        Cmd::HostPart { .. } => "host-part",
+        Cmd::HostRun { .. } => "host-run",
     });
     let code = match cli.command {
         Cmd::Submit(a) => {
+            let across = across_hosts(&a);
             let job = submit_job(a);
-            let mut out = io::stdout();
-            match job.run(&mut out) {
-                Ok(outcome) => report(&outcome),
-                Err(e) => job_error(&e),
+            match across {
+                None => {
+                    let mut out = io::stdout();
+                    match job.run(&mut out) {
+                        Ok(outcome) => report(&outcome),
+                        Err(e) => job_error(&e),
+                    }
+                }
+                Some(x) => {
+                    if let Err(e) = hosts::backend_has_mpi(&job.backend) {
+                        usage_error(e);
+                    }
+                    hosts::submit(job, &x.hosts, &x.mpirun, &x.mpirun_args).unwrap_or_else(|e| {
+                        progress(&format!("error: {e}"));
+                        125
+                    })
+                }
             }
         }
         Cmd::Demo(a) => demo::run(a),
+        Cmd::HostPart { job } => hosts::host_part(&job),
+        Cmd::HostRun { job } => hosts::host_run(&job),
     };
     let _ = io::stdout().flush();
     exit_code(code)

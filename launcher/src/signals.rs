@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock};
 
 use nix::sys::signal::Signal;
-use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1};
 
 /// The last stopping signal received, 0 if none.
 static RECEIVED: LazyLock<Arc<AtomicUsize>> = LazyLock::new(|| Arc::new(AtomicUsize::new(0)));
@@ -18,9 +18,10 @@ pub enum SignalError {
     Install(i32, #[source] io::Error),
 }
 
-/// Installs the handlers (once, at start).
-pub fn install() -> Result<(), SignalError> {
-    for sig in [SIGINT, SIGTERM, SIGHUP] {
+/// Installs the handlers (once, at start); with `usr1`, SIGUSR1 stops too.
+pub fn install(usr1: bool) -> Result<(), SignalError> {
+    let extra: &[i32] = if usr1 { &[SIGUSR1] } else { &[] };
+    for &sig in [SIGINT, SIGTERM, SIGHUP].iter().chain(extra) {
         // Each stores its own number: the launcher reports which one came.
         signal_hook::flag::register_usize(sig, Arc::clone(&RECEIVED), sig as usize)
             .map_err(|e| SignalError::Install(sig, e))?;
@@ -49,7 +50,7 @@ mod tests {
 
     #[test]
     fn a_signal_is_recorded_not_fatal() {
-        install().unwrap();
+        install(false).unwrap();
         assert_eq!(received(), None);
         signal_hook::low_level::raise(SIGHUP).unwrap();
         assert_eq!(received(), Some(SIGHUP));

@@ -52,6 +52,13 @@ fn help_explains_every_flag() {
         "/usr/local/bin/NAME",
         "Exit status",
         "124 on timeout",
+        "--hosts <A,B,...>",
+        "--hostfile <FILE>",
+        "--mpirun <PATH>",
+        "--mpirun-arg <ARG>",
+        "h*L .. h*L+L-1",
+        "vhost-device-dmlc --mpi",
+        "DIR/hostH",
     ] {
         assert!(
             help.contains(needle),
@@ -187,6 +194,102 @@ fn wrong_flags_get_clear_errors() {
             ],
             "cannot run /no/such/python",
         ),
+        (
+            &[
+                "submit",
+                "-n",
+                "3",
+                "--hosts",
+                "a,b",
+                "--mpirun",
+                "/bin/true",
+                "sh",
+            ],
+            "--num-workers 3 does not divide among 2 hosts",
+        ),
+        (
+            &[
+                "submit",
+                "-n",
+                "2",
+                "--hosts",
+                "a,a",
+                "--mpirun",
+                "/bin/true",
+                "sh",
+            ],
+            "host a is given twice",
+        ),
+        (
+            &[
+                "submit",
+                "-n",
+                "2",
+                "--hosts",
+                "a,b",
+                "--mpirun",
+                "/bin/true",
+                "--transport",
+                "tcp",
+                "sh",
+            ],
+            "--transport tcp does not work across hosts",
+        ),
+        (
+            &[
+                "submit",
+                "-n",
+                "2",
+                "--hosts",
+                "a,b",
+                "--mpirun",
+                "/bin/true",
+                "--backend-arg=--timing=t.toml",
+                "sh",
+            ],
+            "--backend-arg --timing=t.toml does not work across hosts",
+        ),
+        (
+            &[
+                "submit", "-n", "2", "--hosts", "a,b", "--mpirun", "/no/such", "sh",
+            ],
+            "--mpirun /no/such",
+        ),
+        (
+            &["submit", "-n", "2", "--mpirun-arg=-v", "sh"],
+            "--mpirun and --mpirun-arg need --hosts or --hostfile",
+        ),
+        (
+            &["submit", "-n", "2", "--hostfile", "/no/such", "sh"],
+            "--hostfile /no/such",
+        ),
+        (
+            &[
+                "submit",
+                "-n",
+                "2",
+                "--hosts",
+                "a,b",
+                "--hostfile",
+                "f",
+                "sh",
+            ],
+            "cannot be used with",
+        ),
+        (
+            // DMLC_BACKEND is /bin/true, which is no vhost-device-dmlc.
+            &[
+                "submit",
+                "-n",
+                "2",
+                "--hosts",
+                "a,b",
+                "--mpirun",
+                "/bin/true",
+                "sh",
+            ],
+            "does not look like vhost-device-dmlc",
+        ),
         (&["submit", "--bogus"], "unexpected argument '--bogus'"),
         (&["frobnicate"], "unrecognized subcommand 'frobnicate'"),
         (&["demo", "--steps", "0"], "0 is not in 1.."),
@@ -277,4 +380,43 @@ fn program_arguments_are_not_parsed_as_flags() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("backend /no/such"), "{err}");
     assert!(out.stdout.is_empty());
+}
+
+#[test]
+fn across_hosts_a_backend_without_mpi_is_refused_with_how_to_build_one() {
+    // A "backend" that answers --mpi the way one built without the feature
+    // does.
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let fake = dir.join("backend-without-mpi");
+    std::fs::write(
+        &fake,
+        "#!/bin/sh\necho 'error: --mpi: this vhost-device-dmlc was built without MPI' >&2\nexit 2\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let hostfile = dir.join("hostfile-two");
+    std::fs::write(&hostfile, "# two hosts\nnode-a slots=2\nnode-b\n").unwrap();
+    let out = dmlc_qemu(&[
+        "submit",
+        "-n",
+        "4",
+        "--hostfile",
+        hostfile.to_str().unwrap(),
+        "--mpirun",
+        "/bin/true",
+        "--backend",
+        fake.to_str().unwrap(),
+        "--",
+        "sh",
+    ]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("was built without MPI, which --hosts needs"),
+        "{err}"
+    );
+    assert!(
+        err.contains("cargo build --release -p vhost-device-dmlc --features mpi"),
+        "{err}"
+    );
 }
