@@ -28,68 +28,34 @@ L=$3
 n=$((2 * L))
 tag=q16$$
 work=$(mktemp -d /tmp/dmlc-mhq.XXXXXX)
-nsa=${tag}a nsb=${tag}b br=${tag}br
-addr_a=10.17.0.1 addr_b=10.17.0.2
+# shellcheck source=../../vhost-device/tests/netns-hosts.sh
+. "$(dirname "$0")/../../vhost-device/tests/netns-hosts.sh"
 
 cleanup() {
-  local p
-  for ns in "$nsa" "$nsb"; do
-    for p in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$p" 2>/dev/null || true; done
-  done
   if [[ -n ${job_pid:-} ]]; then kill -9 "$job_pid" 2>/dev/null || true; fi
-  ip netns del "$nsa" 2>/dev/null || true
-  ip netns del "$nsb" 2>/dev/null || true
-  ip link del "$br" 2>/dev/null || true
+  netns_hosts_down
   if [[ ${KEEP:-} == 1 ]]; then echo "logs kept in $work"; else rm -rf "$work"; fi
 }
 trap cleanup EXIT
 trap 'exit 1' TERM INT
 
-ip link add "$br" type bridge
-ip addr add 10.17.0.254/24 dev "$br"
-ip link set "$br" up
-for ns in a b; do
-  name=${tag}$ns
-  ip netns add "$name"
-  ip link add "${tag}v$ns" type veth peer name "${tag}p$ns"
-  ip link set "${tag}p$ns" netns "$name"
-  ip link set "${tag}v$ns" master "$br" up
-  var=addr_$ns
-  addr=${!var}
-  ip -n "$name" addr add "$addr/24" dev "${tag}p$ns"
-  ip -n "$name" link set "${tag}p$ns" up
-  ip -n "$name" link set lo up
-done
-
-# mpirun reaches the "hosts" through this agent (in place of ssh): host
-# address -> namespace.
-cat >"$work/agent" <<EOF
-#!/bin/sh
-host=\$1; shift
-case \$host in
-  $addr_a) ns=$nsa ;;
-  $addr_b) ns=$nsb ;;
-  *) echo "unknown host \$host" >&2; exit 1 ;;
-esac
-exec ip netns exec "\$ns" sh -c "\$*"
-EOF
-chmod +x "$work/agent"
+netns_hosts_up "$tag" 2 10.17.0
+nsa=${NETNS[0]} nsb=${NETNS[1]}
+addr_a=${NETNS_ADDR[0]} addr_b=${NETNS_ADDR[1]}
+# mpirun reaches the "hosts" through this agent (in place of ssh).
+netns_agent "$work/agent"
+netns_mpirun_opts "$work/agent"
 
 printf '# the two namespaces\n%s\n%s  # host 1\n' "$addr_a" "$addr_b" >"$work/hosts"
 mkdir "$work/tmp"
 
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # The job's private directories go here, so that the check below sees
 # what it leaves.
 export TMPDIR=$work/tmp
-# As in vhost-device/tests/multihost.sh: TCP between the namespaces only,
-# connections made in MPI_Init, no hwloc shared-memory hole for orted.
-mpi=(--mpirun-arg=--mca --mpirun-arg=plm_rsh_agent --mpirun-arg="$work/agent"
-  --mpirun-arg=--mca --mpirun-arg=btl "--mpirun-arg=tcp,self"
-  --mpirun-arg=--mca --mpirun-arg=btl_tcp_if_include --mpirun-arg=10.17.0.0/24
-  --mpirun-arg=--mca --mpirun-arg=oob_tcp_if_include --mpirun-arg=10.17.0.0/24
-  --mpirun-arg=--mca --mpirun-arg=mpi_preconnect_mpi --mpirun-arg=1
-  --mpirun-arg=--mca --mpirun-arg=rtc_hwloc_vmhole --mpirun-arg=none)
+# The shared options (netns-hosts.sh) through --mpirun-arg, and TCP
+# between the namespaces only.
+mpi=()
+for o in "${NETNS_MPIRUN[@]}" --mca btl tcp,self; do mpi+=("--mpirun-arg=$o"); done
 
 case $case_ in
   selftest)

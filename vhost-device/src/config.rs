@@ -66,7 +66,8 @@ pub enum ConfigError {
     TraceCapacityAlone,
     #[error(
         "--mpi: this vhost-device-dmlc was built without MPI; build it with \
-         `cargo build --features mpi` (needs libopenmpi-dev and libclang-dev)"
+         `cargo build --release -p vhost-device-dmlc --features mpi` (needs libopenmpi-dev \
+         and libclang-dev)"
     )]
     MpiNotBuilt,
     #[error("--mpi serves one request queue per member for now, not --queues {0}")]
