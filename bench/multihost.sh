@@ -91,6 +91,8 @@ chmod +x "$work/daemon"
 mpirun -n "$hosts" --host "$host_list" "${NETNS_MPIRUN[@]}" --mca btl tcp,self \
     "$work/daemon" >"$work/mpirun.log" 2>&1 &
 pids+=("$!")
+# Killed at cleanup: no job notice from bash then.
+disown
 for _ in $(seq 600); do
     n=$(find "$work" -maxdepth 1 -name 'h*.sock*' | wc -l)
     [[ $n -ge $((hosts * members)) ]] && break
