@@ -303,6 +303,8 @@ impl MpiExchange {
             )
         };
         if rc != 0 {
+            // The other slot may still be on the network.
+            self.leak();
             return Err(ExchangeError::Failed(format!(
                 "MPI_Iallgather failed ({rc})"
             )));
