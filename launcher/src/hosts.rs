@@ -36,7 +36,7 @@ use nix::sys::signal::{kill, killpg, Signal};
 use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
 
-use crate::job::{End, Job, Place};
+use crate::job::{term_with_parent, End, Job, Place};
 use crate::signals;
 
 /// How long `mpirun` gets to end the job after SIGUSR1, and then after
@@ -228,17 +228,8 @@ pub fn submit(
         .stderr(Stdio::inherit())
         // A Ctrl-C reaches the launcher, which stops the job through mpirun.
         .process_group(0);
-    // SAFETY: the closure runs in the child between fork and exec and only
-    // makes one prctl system call, which is async-signal-safe.
-    unsafe {
-        cmd.pre_exec(|| {
-            // mpirun ends the job if the launcher is SIGKILLed.
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
+    // mpirun ends the job if the launcher is SIGKILLed.
+    term_with_parent(&mut cmd);
     crate::progress(&format!(
         "starting {} worker{} on {} host{} ({} each: {}) with {}",
         job.num_workers,
@@ -482,15 +473,7 @@ pub fn host_part(json: &str) -> i32 {
         .arg(json)
         .stdin(Stdio::null())
         .process_group(0);
-    // SAFETY: as for the backend: one prctl call between fork and exec.
-    unsafe {
-        cmd.pre_exec(|| {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
+    term_with_parent(&mut cmd);
     let mut child = match cmd.spawn() {
         Ok(c) => c,
         Err(e) => {

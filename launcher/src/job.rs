@@ -561,6 +561,21 @@ fn save_logs(cluster: &vm::Cluster, n: usize, first: usize, dir: &Path) {
 }
 
 /// A private directory for the backend's sockets and log, removed on drop.
+/// The child started by `cmd` gets SIGTERM when its parent dies, even a
+/// parent that was SIGKILLed (`PR_SET_PDEATHSIG`).
+pub(crate) fn term_with_parent(cmd: &mut Command) {
+    // SAFETY: the closure runs in the child between fork and exec and only
+    // makes one prctl system call, which is async-signal-safe.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
 fn private_dir() -> Result<TempDir, JobError> {
     tempfile::Builder::new()
         .prefix("dmlc-qemu-")
@@ -600,17 +615,8 @@ impl Backend {
             // Its own group: a Ctrl-C on the terminal reaches the launcher,
             // which stops the VMs before the backend.
             .process_group(0);
-        // SAFETY: the closure runs in the child between fork and exec and
-        // only makes one prctl system call, which is async-signal-safe.
-        unsafe {
-            cmd.pre_exec(|| {
-                // Dies with the launcher even if the launcher is SIGKILLed.
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+        // Dies with the launcher even if the launcher is SIGKILLed.
+        term_with_parent(&mut cmd);
         let child = cmd
             .spawn()
             .map_err(|e| JobError::BackendSpawn(bin.to_owned(), e))?;

@@ -17,12 +17,7 @@ use std::process::Command;
 
 use dmlc_vm as vm;
 
-fn under_ci() -> bool {
-    !matches!(
-        std::env::var("CI").as_deref(),
-        Err(_) | Ok("" | "false" | "0")
-    )
-}
+use dmlc_test_support::{missing_for_namespaces, under_ci};
 
 /// A binary: `$var`, else next to dmlc-qemu.
 fn bin(var: &str, name: &str) -> PathBuf {
@@ -33,18 +28,8 @@ fn bin(var: &str, name: &str) -> PathBuf {
 
 /// What is missing to run the cases here, if anything.
 fn missing(backend: &Path, guest: &Path) -> Option<String> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        return Some("root (network namespaces)".into());
-    }
-    for tool in ["ip", "mpirun"] {
-        let found = Command::new("sh")
-            .args(["-c", &format!("command -v {tool}")])
-            .output()
-            .is_ok_and(|o| o.status.success());
-        if !found {
-            return Some(format!("{tool} on PATH"));
-        }
+    if let Some(what) = missing_for_namespaces() {
+        return Some(what);
     }
     if let Err(e) = vm::Qemu::from_env().and_then(|q| {
         std::fs::metadata(&q.binary).map_err(|source| vm::Error::Io {

@@ -583,6 +583,34 @@ pub fn run_backend(args: &[&str], limit: Duration) -> Proc {
     run("backend", Command::new(backend_bin()).args(args), limit)
 }
 
+/// Whether this runs under CI (`CI` set and not "", "false" or "0"), where
+/// a test that lacks what it needs must fail instead of skipping.
+pub fn under_ci() -> bool {
+    !matches!(
+        std::env::var("CI").as_deref(),
+        Err(_) | Ok("" | "false" | "0")
+    )
+}
+
+/// What the multi-host tests (network namespaces joined by `mpirun`) lack
+/// here, if anything: root, `ip` or `mpirun`.
+pub fn missing_for_namespaces() -> Option<String> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some("root (network namespaces)".into());
+    }
+    for tool in ["ip", "mpirun"] {
+        let found = Command::new("sh")
+            .args(["-c", &format!("command -v {tool}")])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !found {
+            return Some(format!("{tool} on PATH"));
+        }
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -9,30 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-fn under_ci() -> bool {
-    !matches!(
-        std::env::var("CI").as_deref(),
-        Err(_) | Ok("" | "false" | "0")
-    )
-}
-
-/// What is missing to run the cases here, if anything.
-fn missing() -> Option<String> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        return Some("root (network namespaces)".into());
-    }
-    for tool in ["ip", "mpirun"] {
-        let found = Command::new("sh")
-            .args(["-c", &format!("command -v {tool}")])
-            .output()
-            .is_ok_and(|o| o.status.success());
-        if !found {
-            return Some(format!("{tool} on PATH"));
-        }
-    }
-    None
-}
+use dmlc_test_support::{missing_for_namespaces as missing, under_ci};
 
 /// A folder with links to both binaries: vhost-device-dmlc of this build
 /// (with the feature) and dmlc-guest.
