@@ -21,7 +21,9 @@
 # flat / device and device / inter. --wait is the members' wait (hybrid,
 # the driver's default; poll; or interrupt). --backend runs another
 # vhost-device-dmlc --mpi build (an older commit's, say) instead of this
-# tree's; --piece is the daemons' --mpi-piece (default theirs). --out also writes the table to FILE.
+# tree's; --piece is the daemons' --mpi-piece (default theirs). In the
+# environment, MH_LOG=debug sets the daemons' --log-level (debug prints
+# every collective's phases) and KEEP=1 keeps their logs. --out also writes the table to FILE.
 set -euo pipefail
 
 hosts=2 members=2 sizes="1M 4M 16M 64M" iters=20 warmup=5 repeat=3 wait=hybrid backend='' out=''
@@ -37,7 +39,7 @@ while [ $# -gt 0 ]; do
         --backend) backend=$2; shift 2 ;;
         --piece) piece=$2; shift 2 ;;
         --out) out=$2; shift 2 ;;
-        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
         *) echo "multihost.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
