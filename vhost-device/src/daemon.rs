@@ -184,10 +184,14 @@ pub fn start_backend(config: Config) -> Result<(), DaemonError> {
         );
     }
     #[cfg(feature = "mpi")]
+    let mut mpi_finished = None;
+    #[cfg(feature = "mpi")]
     if config.mpi {
-        let (joined, link) = crate::multihost::start(group_config.group_id, config.mpi_piece)
-            .map_err(DaemonError::Mpi)?;
+        let (joined, link, finished) =
+            crate::multihost::start(group_config.group_id, config.mpi_piece)
+                .map_err(DaemonError::Mpi)?;
         group_config.group_id = joined.group_id;
+        mpi_finished = Some((link.clone(), finished));
         group_config.remote = Some(link);
         info!(
             "host {} of {}: local members are global ranks {} to {} of {}; pieces of {} bytes",
@@ -284,8 +288,26 @@ pub fn start_backend(config: Config) -> Result<(), DaemonError> {
     for path in config.socket_paths.iter().chain(&config.control_socket) {
         let _ = std::fs::remove_file(path);
     }
+    #[cfg(feature = "mpi")]
+    if let Some((link, finished)) = mpi_finished {
+        // After the reset above, so that a waiting step gives up first.
+        link.stop();
+        if finished.wait(MPI_FINALIZE_WAIT) {
+            info!("MPI finalised");
+        } else {
+            warn!(
+                "MPI was not finalised within {MPI_FINALIZE_WAIT:?} (another host's daemon may \
+                 be gone); exiting without it"
+            );
+        }
+    }
     outcome
 }
+
+/// How long a stopping `--mpi` daemon waits for `MPI_Finalize`, which
+/// returns once every daemon of the job has called it.
+#[cfg(feature = "mpi")]
+const MPI_FINALIZE_WAIT: Duration = Duration::from_secs(10);
 
 /// Writes the flight recorder's trace to `path`, if both exist.
 pub(crate) fn write_trace(group: &Group, path: Option<&Path>, world: u32) {

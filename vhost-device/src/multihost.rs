@@ -50,14 +50,28 @@ pub struct Joined {
     pub piece: usize,
 }
 
+/// Tells when the `dmlc-mpi` thread has finalised MPI (after
+/// [`RemoteLink::stop`]).
+pub struct Finished(mpsc::Receiver<()>);
+
+impl Finished {
+    /// Waits up to `bound` for the thread to finalise MPI; false if it did
+    /// not (`MPI_Finalize` waits for every daemon of the job, and one may be
+    /// gone) or gave up serving on an error (then it called `MPI_Abort`).
+    pub fn wait(&self, bound: Duration) -> bool {
+        self.0.recv_timeout(bound).is_ok()
+    }
+}
+
 /// Starts the `dmlc-mpi` thread: MPI is initialised there, host 0's group
 /// id and piece size are agreed, and the thread then serves the steps sent
-/// on the returned link.
-pub fn start(group_id: u64, piece: usize) -> Result<(Joined, RemoteLink), String> {
+/// on the returned link until it is stopped.
+pub fn start(group_id: u64, piece: usize) -> Result<(Joined, RemoteLink, Finished), String> {
     let (tx, rx) = mpsc::channel::<remote::Work>();
     let abandon = Arc::new(AtomicBool::new(false));
     let abandon_mpi = abandon.clone();
     let (joined_tx, joined_rx) = mpsc::channel::<Result<Joined, String>>();
+    let (finished_tx, finished_rx) = mpsc::channel::<()>();
     thread::Builder::new()
         .name("dmlc-mpi".into())
         .spawn(move || {
@@ -72,7 +86,11 @@ pub fn start(group_id: u64, piece: usize) -> Result<(Joined, RemoteLink), String
                 }
             };
             remote::serve(&rx, &mut ex);
-            log::info!("inter-host stage stopped");
+            log::info!("inter-host stage stopped; finalising MPI");
+            // MPI_Finalize, which mpirun expects of every process it started
+            // before it exits (else it reports the job as ended improperly).
+            drop(ex);
+            let _ = finished_tx.send(());
         })
         .map_err(|e| format!("cannot start the MPI thread: {e}"))?;
     let joined = joined_rx
@@ -86,6 +104,7 @@ pub fn start(group_id: u64, piece: usize) -> Result<(Joined, RemoteLink), String
             tx,
             abandon,
         },
+        Finished(finished_rx),
     ))
 }
 

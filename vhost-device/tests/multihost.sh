@@ -8,7 +8,8 @@
 # multihost.sh BIN_DIR CASE: CASE is one of
 #   selftest-l1   H=2, L=1: every opcode, every dtype and op, checked against
 #                 the flat rank-order reference (equal to the hierarchical
-#                 order when every host has one member)
+#                 order when every host has one member); then SIGTERM to
+#                 both daemons: both finalise MPI, mpirun ends with 0
 #   selftest-l2   H=2, L=2: every opcode, every dtype and op, checked against
 #                 the hierarchical reference (spec 5.X.6.5.4)
 #   pipelined     H=2, L=2, pieces of 4 KiB: allreduce, reduce and
@@ -127,6 +128,24 @@ case $case_ in
     for h in 0 1; do member "$h" 0 selftest --quick --max-count 1000; done
     wait_members || { show; exit 1; }
     grep -h "passed\|PASS\|ok" "$work"/m00.log | tail -3
+    # Then both daemons get SIGTERM, as the launcher's host parts send it at
+    # the end of a job: each finalises MPI, so mpirun ends with 0 and does
+    # not report a process that exited improperly.
+    for ns in "$nsa" "$nsb"; do
+      for p in $(ip netns pids "$ns"); do
+        [[ $(cat /proc/"$p"/comm 2>/dev/null) == vhost-device-dm* ]] && kill -TERM "$p"
+      done
+    done
+    for _ in $(seq 300); do kill -0 "$mpirun_pid" 2>/dev/null || break; sleep 0.1; done
+    if kill -0 "$mpirun_pid" 2>/dev/null; then show; echo "mpirun still runs 30 s after SIGTERM"; exit 1; fi
+    rc=0; wait "$mpirun_pid" || rc=$?
+    if [[ $rc != 0 ]] || grep -qi "improperly" "$work/mpirun.log"; then
+      show; echo "mpirun ended with $rc after the daemons' SIGTERM"; exit 1
+    fi
+    for h in 0 1; do
+      grep -q "MPI finalised" "$work/d$h.log" || { show; cat "$work/d$h.log"; echo "host $h: no 'MPI finalised'"; exit 1; }
+    done
+    echo "both daemons finalised MPI; mpirun ended with 0"
     ;;
   selftest-l2)
     # Every opcode x dtype x op, float sums, products and averages included,

@@ -158,6 +158,14 @@ pub struct RemoteLink {
     pub abandon: Arc<AtomicBool>,
 }
 
+impl RemoteLink {
+    /// Asks [`serve`] to return once it has dealt with the steps sent
+    /// before (a waiting one gives up when the group is reset first).
+    pub fn stop(&self) {
+        let _ = self.tx.send(Work(Step::Stop));
+    }
+}
+
 impl std::fmt::Debug for RemoteLink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RemoteLink")
@@ -192,6 +200,10 @@ pub(super) enum Step {
         peer: u32,
         deadline: Instant,
     },
+    /// The daemon is shutting down (after a reset of the group): [`serve`]
+    /// returns, so that its thread can drop the exchange (for MPI,
+    /// `MPI_Finalize`: every daemon of the job stops at about the same time).
+    Stop,
 }
 
 /// The opcodes the inter-host stage runs; the others fail with
@@ -233,6 +245,7 @@ pub fn serve(rx: &mpsc::Receiver<Work>, ex: &mut dyn Exchange) {
             Err(mpsc::RecvTimeoutError::Disconnected) => return,
         };
         let result = match step {
+            Step::Stop => return,
             Step::Attach { shared } => {
                 sync.shared = Arc::downgrade(&shared);
                 Ok(())
