@@ -8,6 +8,7 @@ each rank's own count, never a number summed through the device.
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -15,11 +16,29 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 RANKS = Path(__file__).resolve().parent / "ranks.py"
+
+
+def under_ci() -> bool:
+    """As tests/run.sh's under_ci: CI set, and not empty, "false" or "0"."""
+    return os.environ.get("CI", "") not in ("", "false", "0")
+
+
+def need(module: str) -> Any:
+    """Imports `module` (torch, for the tests that use it): a skip when it
+    is missing on a developer's machine, a failure under CI, where
+    tests/run.sh installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        if under_ci():
+            pytest.fail(f"{module} cannot be imported under CI: {e}")
+        pytest.skip(f"{module} is not installed ({e})")
 
 
 def _binary(env: str, name: str) -> Path:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import dmlc
-from conftest import Backend, checks_passed, start_backend
+from conftest import Backend, checks_passed, need, start_backend
 from dmlc import flight_recorder
 from dmlc.device import memory, parse_size, reduce_op
 
@@ -23,7 +23,7 @@ def test_numpy_collectives_match_the_rank_order_reference(backend: Backend) -> N
 
 
 def test_torch_tensors_in_place_out_of_place_and_async(backend: Backend) -> None:
-    pytest.importorskip("torch", reason="torch is not installed")
+    need("torch")
     counts = checks_passed(backend.run("torch"))
     assert len(set(counts)) == 1 and counts[0] >= 20, counts
 
@@ -67,7 +67,7 @@ def _field(res: object, key: str) -> str:
 
 @pytest.mark.parametrize("world", [2])
 def test_ddp_unmodified_gives_every_rank_the_same_parameters(tmp_path: Path, world: int) -> None:
-    pytest.importorskip("torch", reason="torch is not installed")
+    need("torch")
     from conftest import start_backend
 
     b = start_backend(tmp_path, world, "--timeout-ms", "20000")
@@ -98,9 +98,7 @@ def test_a_missing_kernel_driver_node_is_named_in_the_error() -> None:
 
 
 def test_the_flight_recorder_dump_loads_in_torchs_analyser(tmp_path: Path) -> None:
-    fr_trace = pytest.importorskip(
-        "torch.distributed.flight_recorder.fr_trace", reason="torch is not installed"
-    )
+    fr_trace = need("torch.distributed.flight_recorder.fr_trace")
     trace = tmp_path / "trace.json"
     b = start_backend(tmp_path, 2, "--timeout-ms", "5000", "--trace-out", str(trace))
     try:
