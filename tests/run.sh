@@ -99,12 +99,15 @@ step "python: the dmlc package and its torch backend (ruff; pytest over the host
 venv=$(python/venv.sh)
 "$venv/bin/pip" install --disable-pip-version-check -q --no-deps --force-reinstall ./python
 py_files=(python bench/torch-ddp.py bench/tcg-cpu.py examples/torch examples/xgboost
-  launcher/src/rabit_tracker.py)
+  launcher/src/rabit_tracker.py launcher/tests/test_rabit_tracker.py)
 "$venv/bin/ruff" check --config python/pyproject.toml "${py_files[@]}"
 "$venv/bin/ruff" format --check --config python/pyproject.toml "${py_files[@]}"
 (cd python && DMLC_LIBRARY="$PWD/../target/debug/libdmlc_guest.so" \
   DMLC_BACKEND_BIN="$PWD/../target/debug/vhost-device-dmlc" \
   "$venv/bin/python" -m pytest -q -p no:cacheprovider tests)
+# The tracker wrapper of dmlc-qemu --tracker rabit: rank = DMLC_TASK_ID with 12
+# workers on the host (about 10 s).
+"$venv/bin/python" -m pytest -q -p no:cacheprovider launcher/tests/test_rabit_tracker.py
 
 step "multi-host: 2 hosts as network namespaces, MPI between the daemons (--features mpi)"
 # vhost-device/tests/multihost.rs: every opcode against the guest's scalar
