@@ -1,7 +1,12 @@
-"""Distributed gradient boosting with stock XGBoost (tree method hist) on a
-data set that scikit-learn's wheel ships, one shard per rank.
+"""Distributed gradient boosting with XGBoost (tree method hist) on a data set
+that scikit-learn's wheel ships, one shard per rank.
 
     dmlc-qemu submit -n 2 --tracker rabit --host-root -- python3 examples/xgboost/train.py
+    dmlc-qemu submit -n 2 --tracker rabit --transport device --host-root \
+        -- python3 examples/xgboost/train.py --communicator dmlc
+
+The second needs the patched XGBoost of xgboost-patches/ on PYTHONPATH and
+DMLC_LIBRARY (docs/xgboost.md): its collectives go through the device.
 
 The ranks meet at a DMLC tracker, the way dmlc-submit starts a job: every
 worker reads DMLC_TASK_ID, DMLC_NUM_WORKER, DMLC_TRACKER_URI and
