@@ -474,7 +474,8 @@ impl Job {
             .collect();
         let opts = vm::Options {
             accel: self.accel,
-            net: self.transport == Transport::Tcp,
+            // The tracker is reached over virtio-net, whatever the transport.
+            net: self.transport == Transport::Tcp || self.tracker.is_some(),
             timeout: self
                 .timeout
                 .unwrap_or(Duration::from_secs(u64::from(u32::MAX))),

@@ -4,7 +4,9 @@
 
 Rank 0 (DMLC_TASK_ID=0) forks a process that runs XGBoost's RabitTracker
 (`xgboost.tracker`) on DMLC_TRACKER_URI:DMLC_TRACKER_PORT for
-DMLC_NUM_WORKER workers, ranks sorted by task (so rank = DMLC_TASK_ID), and
+DMLC_NUM_WORKER workers, ranks sorted by task (so rank = DMLC_TASK_ID, which
+this wrapper zero-pads to one width: the tracker compares task ids as
+strings), and
 that answers on the next port once the tracker listens. Every rank waits for
 that answer, then execs PROGRAM. (A worker gives up on the tracker after a
 few seconds of retries, and the VMs boot at different times; a probe on the
@@ -116,6 +118,10 @@ def main() -> None:
         port = int(env["DMLC_TRACKER_PORT"])
     except (KeyError, ValueError) as e:
         fail(f"the DMLC tracker environment is incomplete: {e!r}")
+    # The tracker sorts the workers by their task ids as strings ("10" before
+    # "2"): zero-padded to one width, string order is numeric order, so that
+    # rank = DMLC_TASK_ID with more than 10 workers too (int() still reads it).
+    env["DMLC_TASK_ID"] = f"{rank:0{len(str(max(n - 1, 0)))}d}"
     if rank == 0:
         start_tracker(n, host, port, port + 1)
     else:

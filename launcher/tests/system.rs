@@ -457,14 +457,44 @@ const MIN_XGBOOST_ACCURACY_5_ROUNDS: f64 = 0.9;
 /// (python/venv.sh, as tests/run.sh passes it).
 #[test]
 fn xgboost_trains_on_two_vms_over_tcp_with_the_rabit_tracker() {
-    let Some(env) = setup("xgboost") else { return };
+    xgboost_on_two_vms("xgboost", "rabit");
+}
+
+/// XGBoost patched with the virtio-dmlc collective
+/// (xgboost-patches/build-xgboost.sh, on `PYTHONPATH` from
+/// `DMLC_XGBOOST_PYTHONPATH`) trains on 2 VMs with `--tracker rabit
+/// --transport device --communicator dmlc`: the bootstrap over virtio-net,
+/// the collectives through the device; the same model on both ranks, the
+/// same as the one-process (and the TCP) model. Needs `DMLC_PYTHON`,
+/// `DMLC_XGBOOST_PYTHONPATH` and `DMLC_LIBRARY`.
+#[test]
+fn xgboost_trains_on_two_vms_through_the_device_with_the_patched_build() {
+    xgboost_on_two_vms("xgboost-dmlc", "dmlc");
+}
+
+/// The XGBoost example on 2 VMs with the RabitTracker; `communicator` is
+/// rabit (stock XGBoost, TCP) or dmlc (the patched build, the device).
+fn xgboost_on_two_vms(name: &str, communicator: &str) {
+    let Some(env) = setup(name) else { return };
+    let dmlc = communicator == "dmlc";
+    let pythonpath = std::env::var_os("DMLC_XGBOOST_PYTHONPATH");
+    let library = std::env::var_os("DMLC_LIBRARY");
+    if dmlc && (pythonpath.is_none() || library.is_none()) {
+        let what = "DMLC_XGBOOST_PYTHONPATH (xgboost-patches/build-xgboost.sh --env) or \
+                    DMLC_LIBRARY is not set";
+        if under_ci() {
+            panic!("{name}: cannot run under CI=true: {what}");
+        }
+        progress(&format!("SKIP {name}: {what}"));
+        return;
+    }
     let Some(python) = std::env::var_os("DMLC_PYTHON") else {
         let what = "DMLC_PYTHON is not set (a Python with xgboost-cpu and scikit-learn: \
                     python/venv.sh)";
         if under_ci() {
-            panic!("xgboost: cannot run under CI=true: {what}");
+            panic!("{name}: cannot run under CI=true: {what}");
         }
-        progress(&format!("SKIP xgboost: {what}"));
+        progress(&format!("SKIP {name}: {what}"));
         return;
     };
     let root = vm::repo_root().unwrap();
@@ -492,12 +522,15 @@ fn xgboost_trains_on_two_vms_over_tcp_with_the_rabit_tracker() {
         .find_map(|l| l.strip_prefix("rank 0: model sha256 "))
         .unwrap_or_else(|| panic!("train.py alone printed no hash:\n{alone_out}"))
         .to_owned();
+    let transport = if dmlc { "device" } else { "tcp" };
     let mut cmd = env.command(&[
         "submit",
         "--num-workers",
         "2",
         "--tracker",
         "rabit",
+        "--transport",
+        transport,
         "--host-root",
         "--memory",
         "1G",
@@ -508,12 +541,21 @@ fn xgboost_trains_on_two_vms_over_tcp_with_the_rabit_tracker() {
         train.to_str().unwrap(),
         "--rounds",
         "5",
+        "--communicator",
+        communicator,
     ]);
     cmd.current_dir(&root);
+    if dmlc {
+        // --host-root hands PYTHONPATH and DMLC_LIBRARY to the workers.
+        cmd.env("PYTHONPATH", pythonpath.unwrap());
+        cmd.env("DMLC_LIBRARY", library.unwrap());
+    }
     let (code, out, err, took) = Running::start(cmd).finish(Duration::from_secs(460));
     assert_eq!(code, Some(0), "dmlc-qemu failed:\n{out}\n{err}");
     assert!(
-        err.contains("XGBoost's RabitTracker in VM 0 at 10.0.0.1:9092"),
+        err.contains(&format!(
+            "transport {transport}; XGBoost's RabitTracker in VM 0 at 10.0.0.1:9092"
+        )),
         "{err}"
     );
     assert!(
@@ -544,10 +586,14 @@ fn xgboost_trains_on_two_vms_over_tcp_with_the_rabit_tracker() {
         );
     }
     assert!(
-        out.contains("[rank 0] xgboost 3.2.0 rabit: 2 ranks, digits"),
+        out.contains(&format!(
+            "[rank 0] xgboost 3.2.0 {communicator}: 2 ranks, digits"
+        )),
         "{out}"
     );
-    progress(&format!("XGBoost on 2 VMs over TCP in {took:.0?}"));
+    progress(&format!(
+        "XGBoost ({communicator}) on 2 VMs over {transport} in {took:.0?}"
+    ));
     env.assert_nothing_left();
 }
 
