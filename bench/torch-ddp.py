@@ -115,7 +115,7 @@ def run_vms(a: argparse.Namespace, backend: str, ranks: int) -> dict[str, float]
     cmd += ["--transport", "device" if backend == "dmlc" else "tcp", "--", sys.executable]
     cmd += [str(TRAIN), "--backend", backend, "--steps", str(a.steps)]
     cmd += ["--hidden", str(a.hidden), "--batch", str(a.batch)]
-    cmd += ["--eval-samples", "256", "--json", "-"]
+    cmd += ["--eval-samples", "256", "--json", "-"] + ["--bucket-view"] * a.bucket_view
     with tempfile.TemporaryDirectory(prefix="dmlc-ddp-") as tmp:
         t = time.monotonic()
         p = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, check=False)
@@ -151,6 +151,11 @@ def main() -> None:
         default=None,
         help="samples per rank per step [default: 64 on the host, 2 in VMs, where TCG "
         "computes about 1000x slower than the host and a bigger batch hides the exchange]",
+    )
+    p.add_argument(
+        "--bucket-view",
+        action="store_true",
+        help="with --vms: pass --bucket-view to train.py (DDP's gradient_as_bucket_view=True)",
     )
     p.add_argument("--timeout", type=int, default=1200, help="seconds per VM job")
     p.add_argument("--log-dir", type=Path, help="with --vms: keep each job's logs here")
