@@ -6,7 +6,8 @@
 # frontends, faults) over real vhost-user sockets, the Python package and
 # its torch backend (pytest, with torch in a cached venv), the multi-host
 # tests (two network namespaces, MPI between the daemons), a short soak, a short
-# fuzzing run, the kernel driver's build (kernel-driver/build.sh --check), and
+# fuzzing run, the kernel driver's build (kernel-driver/build.sh --check), the
+# patched XGBoost's cached build and its C++ test (xgboost-patches/), and
 # last the system tests, which boot QEMU VMs with the virtio-dmlc device
 # (tests/system/), the kernel driver's among them, and the launcher's
 # multi-host tests (TCG VMs in two network namespaces).
