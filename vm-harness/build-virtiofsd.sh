@@ -92,31 +92,8 @@ if works "$BIN"; then
     exit 0
 fi
 
-apt_updated=0
-ensure_packages() {
-    local missing=() p
-    for p in "$@"; do
-        if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed'; then
-            missing+=("$p")
-        fi
-    done
-    [[ ${#missing[@]} -eq 0 ]] && return 0
-    command -v apt-get >/dev/null || die "missing ${missing[*]} and no apt-get to install them"
-    [[ $(id -u) -eq 0 ]] ||
-        die "missing build packages (install them as root): ${missing[*]}"
-    log "installing ${missing[*]}"
-    if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-        "${missing[@]}" >&2; then
-        # Stale package lists: update once and retry.
-        if [[ $apt_updated -eq 0 ]]; then
-            log "apt-get update"
-            apt-get -qq update >&2 || die "apt-get update failed"
-            apt_updated=1
-        fi
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-            "${missing[@]}" >&2 || die "apt-get install ${missing[*]} failed"
-    fi
-}
+# shellcheck source=SCRIPTDIR/../tests/lib/ensure-packages.sh
+. "$(dirname "${BASH_SOURCE[0]}")/../tests/lib/ensure-packages.sh"
 ensure_packages "${BUILD_PACKAGES[@]}"
 
 cargo=${CARGO:-cargo}

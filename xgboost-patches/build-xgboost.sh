@@ -59,22 +59,8 @@ case "${1:-}" in
 esac
 [[ $# -le 1 ]] || die "expected at most one option"
 
-ensure_packages() {
-    local missing=() p
-    for p in "$@"; do
-        if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed'; then
-            missing+=("$p")
-        fi
-    done
-    [[ ${#missing[@]} -eq 0 ]] && return 0
-    [[ $(id -u) -eq 0 ]] || die "missing build packages (install them as root): ${missing[*]}"
-    log "installing ${missing[*]}"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-        "${missing[@]}" >&2 ||
-        { apt-get -qq update >&2 &&
-            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-                "${missing[@]}" >&2; } || die "apt-get install ${missing[*]} failed"
-}
+# shellcheck source=SCRIPTDIR/../tests/lib/ensure-packages.sh
+. "$(dirname "${BASH_SOURCE[0]}")/../tests/lib/ensure-packages.sh"
 
 cache_key() {
     local patches=("$HERE"/*.patch)
