@@ -27,7 +27,7 @@ use std::slice;
 use virtio_dmlc::{Dtype, ReduceOp};
 
 use crate::scratch::Scratch;
-use crate::store::{self, CopyFn, Stores};
+use crate::store::{self, CopyFn, Stores, StreamLines};
 
 /// Default accumulator size of one chunk, in bytes. 8 KiB keeps the
 /// accumulator in L1 next to the input lines streaming through it: on
@@ -494,6 +494,106 @@ unsafe fn finish_body<E: Elem, O: Op<E::Acc>>(
     true
 }
 
+/// Elements of one block of [`Kernel::through`] with ordinary stores: the
+/// block's results are computed into a buffer of ours (in L1), then
+/// stored to every destination, so that the loads of the inputs and the
+/// stores of the outputs interleave a few lines apart and the memory
+/// system works on both at once. A block is a whole number of cache lines
+/// for every dtype. In the reduction micro-benchmark (docs/benchmarks.md)
+/// 16 or 32 elements were fastest with ordinary stores, 64 to 128 with
+/// streaming ones.
+const CACHED_BLOCK: usize = 32;
+/// Elements of one block with streaming stores.
+const STREAM_BLOCK: usize = 128;
+/// The larger of the two.
+const BLOCK_ELEMS: usize = STREAM_BLOCK;
+
+/// A block's worth of elements, line-aligned.
+#[repr(C, align(64))]
+struct Block<T>([T; BLOCK_ELEMS]);
+
+/// The shared operands of a [`Kernel::through`] pass.
+struct Through {
+    /// The accumulator (the first element of the range), read when folding.
+    acc: *const u8,
+    /// `K` source pointers.
+    srcs: *const *const u8,
+    /// The destinations.
+    dsts: *const *mut u8,
+    ndsts: usize,
+    world: u32,
+}
+
+/// For elements `from..n`: `r = acc op s0 op .. op s(K-1)` (`FOLD`) or
+/// `r = s0 op .. op s(K-1)`, finished as [`finish_body`] finishes (avg,
+/// narrowing), written to every destination; with streaming stores for
+/// whole lines if `streaming` (the destinations are then 64-aligned at
+/// element `from`, which the caller ensures).
+#[inline(always)]
+unsafe fn through_body<E: Elem, O: Op<E::Acc>, L: StreamLines, const K: usize, const FOLD: bool>(
+    t: &Through,
+    from: usize,
+    n: usize,
+    streaming: bool,
+) {
+    // SAFETY: `K` source pointers (contract of `through`).
+    let s = unsafe { sources::<E, K>(t.srcs) };
+    let acc = t.acc.cast::<E::Acc>();
+    // SAFETY: `ndsts` destination pointers (contract of `through`).
+    let dsts = unsafe { slice::from_raw_parts(t.dsts, t.ndsts) };
+    let size = std::mem::size_of::<E::Raw>();
+    let mut accs = Block([E::Acc::default(); BLOCK_ELEMS]);
+    let mut raws = Block([E::Raw::default(); BLOCK_ELEMS]);
+    let cap = if streaming {
+        STREAM_BLOCK
+    } else {
+        CACHED_BLOCK
+    };
+    let mut i = from;
+    while i < n {
+        let m = cap.min(n - i);
+        for (j, a) in accs.0[..m].iter_mut().enumerate() {
+            let v = if FOLD {
+                // SAFETY: the accumulator holds `n > i + j` elements when
+                // folding (contract of `through`); it is our scratch.
+                unsafe { acc.add(i + j).read() }
+            } else {
+                // SAFETY: every source is readable for `n` elements.
+                unsafe { read::<E>(s[0], i + j) }
+            };
+            // One source needs no op; its NaNs are quieted all the same.
+            let mut v = if !FOLD && K == 1 { v.quiet() } else { v };
+            for &src in &s[usize::from(!FOLD)..] {
+                // SAFETY: as above.
+                v = O::apply(v, unsafe { read::<E>(src, i + j) });
+            }
+            *a = if O::AVG { v.div_world(t.world) } else { v };
+        }
+        let block = if E::SAME {
+            accs.0.as_ptr().cast::<u8>()
+        } else {
+            E::narrow_all(&accs.0[..m], &mut raws.0[..m]);
+            raws.0.as_ptr().cast::<u8>()
+        };
+        for &dst in dsts {
+            let dst = dst.wrapping_add(i * size);
+            // SAFETY: every destination is writable for `n` elements and
+            // overlaps no buffer of ours; `block` holds `m` results.
+            unsafe {
+                if streaming {
+                    L::stream_lines(dst, block, m * size);
+                } else if m == CACHED_BLOCK {
+                    // A constant length, which the compiler inlines.
+                    std::ptr::copy_nonoverlapping(block, dst, CACHED_BLOCK * size);
+                } else {
+                    std::ptr::copy_nonoverlapping(block, dst, m * size);
+                }
+            }
+        }
+        i += m;
+    }
+}
+
 /// The most sources one kernel pass reads. Reading several inputs per pass
 /// keeps more memory streams in flight and loads and stores the
 /// accumulator once for all of them.
@@ -513,6 +613,8 @@ pub fn groups(n: usize) -> impl Iterator<Item = usize> {
 
 type GroupFn = unsafe fn(*mut u8, *const *const u8, usize);
 type FinishFn = unsafe fn(*mut u8, *mut u8, usize, u32) -> bool;
+/// `(operands, from, n, streaming)`.
+type ThroughFn = unsafe fn(&Through, usize, usize, bool);
 
 /// The kernels of one dtype, op and ISA; `first[k - 1]` and `fold[k - 1]`
 /// read `k` sources.
@@ -521,12 +623,14 @@ struct Fns {
     first: [GroupFn; MAX_GROUP],
     fold: [GroupFn; MAX_GROUP],
     finish: FinishFn,
+    /// `through[fold][k - 1]`: the last pass, straight to the outputs.
+    through: [[ThroughFn; MAX_GROUP]; 2],
 }
 
 /// One copy of the kernels compiled for an instruction set: the bodies are
 /// `inline(always)`, so they take on the wrapper's target features.
 macro_rules! isa_kernels {
-    ($module:ident $(, $features:literal)?) => {
+    ($module:ident, $lines:ty $(, $features:literal)?) => {
         mod $module {
             use super::*;
 
@@ -567,6 +671,17 @@ macro_rules! isa_kernels {
                 unsafe { finish_body::<E, O>(acc, stage, n, world) }
             }
 
+            $(#[target_feature(enable = $features)])?
+            pub(super) unsafe fn through<E: Elem, O: Op<E::Acc>, const K: usize, const FOLD: bool>(
+                t: &Through,
+                from: usize,
+                n: usize,
+                streaming: bool,
+            ) {
+                // SAFETY: the caller keeps the kernel contract.
+                unsafe { through_body::<E, O, $lines, K, FOLD>(t, from, n, streaming) }
+            }
+
             pub(super) fn fns<E: Elem, O: Op<E::Acc>>() -> Fns {
                 Fns {
                     first: [load::<E>, first::<E, O, 2>, first::<E, O, 3>, first::<E, O, 4>],
@@ -577,15 +692,29 @@ macro_rules! isa_kernels {
                         fold::<E, O, 4>,
                     ],
                     finish: finish::<E, O>,
+                    through: [
+                        [
+                            through::<E, O, 1, false>,
+                            through::<E, O, 2, false>,
+                            through::<E, O, 3, false>,
+                            through::<E, O, 4, false>,
+                        ],
+                        [
+                            through::<E, O, 1, true>,
+                            through::<E, O, 2, true>,
+                            through::<E, O, 3, true>,
+                            through::<E, O, 4, true>,
+                        ],
+                    ],
                 }
             }
         }
     };
 }
 
-isa_kernels!(baseline);
+isa_kernels!(baseline, store::Sse2Lines);
 #[cfg(target_arch = "x86_64")]
-isa_kernels!(avx2, "avx2,f16c");
+isa_kernels!(avx2, store::AvxLines, "avx2,f16c");
 
 /// The kernels of one ISA, and the types it represents f16 with.
 trait IsaKernels {
@@ -821,6 +950,74 @@ impl Kernel {
         // initialised (zeroed at allocation, then written as numbers) and
         // borrowed from `scratch` for the returned lifetime.
         unsafe { slice::from_raw_parts(lines.as_ptr().cast::<u8>(), bytes) }
+    }
+
+    /// The last pass of a reduction, straight to the outputs: for every
+    /// destination, `dst[..n] = finish(acc[at..at + n] op srcs[0][..n] op ..)`
+    /// when `acc` is given (the earlier passes' accumulator and `at`), or
+    /// `finish(srcs[0][..n] op ..)` for a reduction of one pass; finished
+    /// as [`Kernel::finish`] finishes. With [`Stores::Streaming`] the whole
+    /// lines of the destinations get streaming stores when all of them
+    /// have the same offset in a line (ordinary stores otherwise), and the
+    /// caller calls [`crate::fence`] before the result is published.
+    ///
+    /// Each block of a few lines is read from every source before any of
+    /// it is written, so a destination may be the very memory of a source
+    /// at the same position (in place).
+    ///
+    /// # Safety
+    /// Each source must be valid for reads and each destination for writes
+    /// of `n` elements (any alignment); the memory may be read or written
+    /// by another process meanwhile; no destination overlaps the scratch.
+    pub unsafe fn through(
+        &self,
+        acc: Option<(&mut Scratch, usize)>,
+        srcs: &[*const u8],
+        dsts: &[*mut u8],
+        n: usize,
+        world: u32,
+        stores: Stores,
+    ) {
+        assert!(world > 0, "world size is zero");
+        let k = Self::group(srcs);
+        let (acc, fold) = match acc {
+            Some((scratch, at)) => (self.acc_ptr(scratch, at, n).cast_const(), true),
+            None => (std::ptr::null(), false),
+        };
+        let f = self.fns.through[usize::from(fold)][k];
+        let t = Through {
+            acc,
+            srcs: srcs.as_ptr(),
+            dsts: dsts.as_ptr(),
+            ndsts: dsts.len(),
+            world,
+        };
+        // Elements before the destinations' first whole line, if they
+        // can stream at all.
+        let size = self.elem_size();
+        let head = match dsts.first() {
+            Some(first) if stores == Stores::Streaming && n * size >= store::STREAM_MIN => {
+                let offset = first.addr() % 64;
+                let head = (64 - offset) % 64;
+                let same = dsts.iter().all(|d| d.addr() % 64 == offset);
+                (same && head % size == 0).then_some(head / size)
+            }
+            _ => None,
+        };
+        // SAFETY: `acc` addresses `n` accumulators of our scratch when
+        // folding (checked by `acc_ptr`); `f` reads `srcs.len()` source
+        // and `dsts.len()` destination pointers; sources and destinations
+        // are the caller's promise; streaming starts at `head`, where
+        // every destination is 64-aligned.
+        unsafe {
+            match head {
+                Some(head) => {
+                    f(&t, 0, head, false);
+                    f(&t, head, n, true);
+                }
+                None => f(&t, 0, n, false),
+            }
+        }
     }
 
     /// Writes `result` (what [`Kernel::finish`] returned, or any bytes of
@@ -1067,6 +1264,134 @@ mod tests {
                             if let Err(e) = reference::check(dtype, &got, &want) {
                                 panic!("{isa:?} {op} N={world} groups {groups:?} n={n}: {e}");
                             }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Reduces `inputs` as the data path does: the passes before the last
+    /// into the accumulator at element `at`, then `through` from the last
+    /// pass's sources to `dsts` (each a pointer `n` elements long).
+    fn run_through(
+        k: &Kernel,
+        srcs: &[*const u8],
+        dsts: &[*mut u8],
+        n: usize,
+        world: u32,
+        stores: Stores,
+    ) {
+        let groups: Vec<usize> = groups(srcs.len()).collect();
+        let earlier = srcs.len() - groups[groups.len() - 1];
+        let at = 3;
+        let mut scratch = Scratch::with_bytes((n + at) * k.acc_size());
+        let mut next = 0;
+        for (g, &len) in groups[..groups.len() - 1].iter().enumerate() {
+            let group = &srcs[next..next + len];
+            // SAFETY: every pointer addresses `n` elements (the caller's).
+            unsafe {
+                if g == 0 {
+                    k.first(&mut scratch, at, group, n);
+                } else {
+                    k.fold(&mut scratch, at, group, n);
+                }
+            }
+            next += len;
+        }
+        let acc = (earlier > 0).then_some((&mut scratch, at));
+        // SAFETY: as above; the destinations are the caller's buffers.
+        unsafe { k.through(acc, &srcs[earlier..], dsts, n, world, stores) };
+        crate::fence();
+    }
+
+    #[test]
+    fn through_writes_every_output_exactly_for_every_dtype_op_isa_and_alignment() {
+        let mut rng = Rng::new(7);
+        // Guard bytes either side of every destination.
+        const GUARD: usize = 64;
+        for isa in Isa::available() {
+            for (dtype, op) in reference::pairs() {
+                let k = Kernel::with_isa(dtype, op, isa).unwrap();
+                let size = k.elem_size();
+                for world in [1usize, 2, 4, 5, 9] {
+                    // Below, at and above the streaming minimum, and a few
+                    // blocks with a ragged tail.
+                    let lens = [
+                        1,
+                        store::STREAM_MIN / size - 1,
+                        store::STREAM_MIN / size,
+                        517,
+                    ];
+                    for n in lens {
+                        let inputs: Vec<Vec<u8>> =
+                            (0..world).map(|_| rng.elems(dtype, n)).collect();
+                        let refs: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
+                        let want = reference::reduce(dtype, op, world as u32, &refs);
+                        let srcs: Vec<*const u8> = inputs.iter().map(|b| b.as_ptr()).collect();
+                        // Line-aligned destinations, destinations sharing an
+                        // unaligned offset, and offsets that differ.
+                        for offsets in [[0, 0, 0], [size, size, size], [0, size, 2 * size]] {
+                            for stores in [Stores::Cached, Stores::Streaming] {
+                                let mut out = vec![vec![0x5a_u8; 2 * GUARD + 64 + n * size]; 3];
+                                // Where each destination starts: a line
+                                // boundary, plus the offset.
+                                let starts: Vec<usize> = out
+                                    .iter()
+                                    .zip(offsets)
+                                    .map(|(o, off)| {
+                                        let base = o.as_ptr().addr() + GUARD;
+                                        GUARD + (64 - base % 64) % 64 + off
+                                    })
+                                    .collect();
+                                let dsts: Vec<*mut u8> = out
+                                    .iter_mut()
+                                    .zip(&starts)
+                                    .map(|(o, &at)| o[at..].as_mut_ptr())
+                                    .collect();
+                                let dsts = &dsts[..1 + world % 3];
+                                run_through(&k, &srcs, dsts, n, world as u32, stores);
+                                for (d, (b, &at)) in
+                                    out.iter().zip(&starts).take(dsts.len()).enumerate()
+                                {
+                                    let ctx = format!(
+                                        "{isa:?} {dtype:?} {op} N={world} n={n} {stores:?} out {d} at {at}"
+                                    );
+                                    let end = at + n * size;
+                                    if let Err(e) = reference::check(dtype, &b[at..end], &want) {
+                                        panic!("{ctx}: {e}");
+                                    }
+                                    assert!(b[..at].iter().all(|&x| x == 0x5a), "{ctx}: head");
+                                    assert!(b[end..].iter().all(|&x| x == 0x5a), "{ctx}: tail");
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn through_in_place_overwrites_the_first_input_with_the_result() {
+        let mut rng = Rng::new(8);
+        for isa in Isa::available() {
+            for (dtype, op) in reference::pairs() {
+                let k = Kernel::with_isa(dtype, op, isa).unwrap();
+                for world in [1usize, 3, 6] {
+                    let n = 1031;
+                    let mut inputs: Vec<Vec<u8>> =
+                        (0..world).map(|_| rng.elems(dtype, n)).collect();
+                    let refs: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
+                    let want = reference::reduce(dtype, op, world as u32, &refs);
+                    // Every input is also an output, as in an in-place
+                    // allreduce of one process's ranks.
+                    let dsts: Vec<*mut u8> = inputs.iter_mut().map(|b| b.as_mut_ptr()).collect();
+                    let srcs: Vec<*const u8> = dsts.iter().map(|&p| p.cast_const()).collect();
+                    run_through(&k, &srcs, &dsts, n, world as u32, Stores::Streaming);
+                    for (r, b) in inputs.iter().enumerate() {
+                        if let Err(e) = reference::check(dtype, b, &want) {
+                            panic!("{isa:?} {dtype:?} {op} N={world} rank {r}: {e}");
                         }
                     }
                 }

@@ -12,7 +12,8 @@
 //!   so that their results equal the device's bit for bit.
 //! - [`Stores`] and [`fence`]: how results are written out, ordinary or
 //!   non-temporal (streaming) stores, from [`STREAM_FROM`] output bytes
-//!   on ([`Kernel::write`]).
+//!   on ([`Kernel::write`], and [`Kernel::through`], the last pass of a
+//!   reduction, which writes its results straight to the outputs).
 //! - `reference` (with the `reference` feature, and in this crate's
 //!   tests): the independent scalar reduction all of them are tested
 //!   against.

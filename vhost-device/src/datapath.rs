@@ -3,18 +3,20 @@
 //! A collective's buffers are lists of segments of the members' guest
 //! memory, as mapped in this process. [`reduce_range`] reads every input
 //! once and writes every output once: one cache-sized chunk at a time, it
-//! folds the inputs into this thread's accumulator ([`dmlc_reduce`]) in
-//! rank order, up to [`MAX_GROUP`] inputs per pass, and then writes the
-//! result from there into the outputs, up to [`MAX_GROUP`] of them in
-//! lock-step: with non-temporal (streaming) stores when the collective
-//! writes at least [`dmlc_reduce::STREAM_FROM`] bytes ([`Tuning`]), fenced
-//! before the call returns. Each list is walked by its own cursor: a
-//! segment boundary splits only the pass that reads it or writes it (the
-//! lists of one group of inputs or outputs are walked in lock-step), never
-//! the chunk itself.
+//! folds the inputs but the last [`MAX_GROUP`] or fewer into this thread's
+//! accumulator ([`dmlc_reduce`]) in rank order, up to [`MAX_GROUP`] inputs
+//! per pass, and then the last pass ([`Kernel::through`]) reads the last
+//! inputs a few lines at a time and writes each finished block straight
+//! to every output: with non-temporal (streaming) stores when the
+//! collective writes at least [`dmlc_reduce::STREAM_FROM`] bytes
+//! ([`Tuning`]), fenced before the call returns. Each list is walked by its
+//! own cursor: a segment boundary splits only the pass that reads it or
+//! writes it (the lists of one pass are walked in lock-step), never the
+//! chunk itself.
 //!
-//! Because a chunk is read completely before any of it is written, an
-//! output may be the very same memory as an input (in-place collectives).
+//! Because every block is read from every input before any of it is
+//! written, an output may be the very same memory as an input (in-place
+//! collectives).
 //! [`copy_range`] (broadcast, allgather) likewise reads each source chunk
 //! once from memory for all of its destinations.
 //!
@@ -131,26 +133,32 @@ fn walk2(
     }
 }
 
-/// As [`walk`], over the lists of a group of inputs (or outputs) in
-/// lock-step: pieces end at the boundaries of any of them.
-fn walk_group(
-    refs: &[SegRef<'_>],
-    pos: &mut [Pos],
+/// As [`walk`], over several lists in lock-step, those of `a` then those
+/// of `b` (a group of inputs and the outputs): pieces end at the
+/// boundaries of any of them, and `f` gets one pointer per list, in
+/// `ptrs`.
+fn walk_lists(
+    (a, a_pos): (&[SegRef<'_>], &mut [Pos]),
+    (b, b_pos): (&[SegRef<'_>], &mut [Pos]),
+    ptrs: &mut Vec<*mut u8>,
     len: usize,
-    mut f: impl FnMut(usize, &[*const u8], usize),
+    mut f: impl FnMut(usize, &[*mut u8], usize),
 ) {
-    let mut ptrs = [ptr::null::<u8>(); MAX_GROUP];
-    let ptrs = &mut ptrs[..refs.len()];
     let mut at = 0;
     while at < len {
         let mut n = len - at;
-        for ((r, p), ptr) in refs.iter().zip(pos.iter()).zip(ptrs.iter_mut()) {
+        ptrs.clear();
+        for (r, p) in a.iter().zip(a_pos.iter()).chain(b.iter().zip(b_pos.iter())) {
             let (piece, avail) = p.piece(r.segs);
-            *ptr = piece;
+            ptrs.push(piece);
             n = n.min(avail);
         }
         f(at, ptrs, n);
-        for (r, p) in refs.iter().zip(pos.iter_mut()) {
+        for (r, p) in a
+            .iter()
+            .zip(a_pos.iter_mut())
+            .chain(b.iter().zip(b_pos.iter_mut()))
+        {
             p.advance(r.segs, n);
         }
         at += n;
@@ -163,6 +171,8 @@ struct State {
     scratch: Scratch,
     inputs: Vec<Pos>,
     outputs: Vec<Pos>,
+    /// The pointers of one piece of a walk.
+    ptrs: Vec<*mut u8>,
 }
 
 thread_local! {
@@ -171,6 +181,7 @@ thread_local! {
             scratch: Scratch::new(),
             inputs: Vec::new(),
             outputs: Vec::new(),
+            ptrs: Vec::new(),
         })
     };
 }
@@ -266,24 +277,48 @@ pub unsafe fn reduce_range_tuned(
         assert_eq!(n % size, 0, "segment boundary inside an element");
         n / size
     };
+    // No allocation: this runs for every piece of every collective.
+    let passes = groups(inputs.len()).count();
+    let last = groups(inputs.len()).last().expect("inputs is not empty");
+    // The inputs before the last pass; without them no accumulator is
+    // needed, and the last pass runs over the whole range at once.
+    let earlier = inputs.len() - last;
+    let chunk = if earlier == 0 {
+        len
+    } else {
+        chunk_elems * size
+    };
     STATE.with_borrow_mut(|st| {
-        st.scratch.reserve(chunk_elems * kernel.acc_size());
-        st.inputs.clear();
-        st.inputs.extend(inputs.iter().map(Pos::start));
-        st.outputs.clear();
-        st.outputs.extend(outputs.iter().map(Pos::start));
-        let scratch = &mut st.scratch;
+        let State {
+            scratch,
+            inputs: in_pos,
+            outputs: out_pos,
+            ptrs,
+        } = st;
+        if earlier > 0 {
+            scratch.reserve(chunk_elems * kernel.acc_size());
+        }
+        in_pos.clear();
+        in_pos.extend(inputs.iter().map(Pos::start));
+        out_pos.clear();
+        out_pos.extend(outputs.iter().map(Pos::start));
         let mut done = 0;
         while done < len {
-            let bytes = (chunk_elems * size).min(len - done);
-            // Read the whole chunk from every input first, a group of
-            // inputs per pass, in rank order.
+            let bytes = chunk.min(len - done);
+            // Fold the chunk of every input but the last pass's into the
+            // accumulator, a group of inputs per pass, in rank order.
             let mut start = 0;
-            for group in groups(inputs.len()) {
+            for group in groups(inputs.len()).take(passes - 1) {
                 let end = start + group;
-                let pos = &mut st.inputs[start..end];
-                walk_group(&inputs[start..end], pos, bytes, |at, srcs, n| {
+                let no_outputs = (&outputs[..0], &mut out_pos[..0]);
+                let group_inputs = (&inputs[start..end], &mut in_pos[start..end]);
+                walk_lists(group_inputs, no_outputs, ptrs, bytes, |at, srcs, n| {
                     let (at, n) = (whole(at), whole(n));
+                    let mut group_srcs = [ptr::null::<u8>(); MAX_GROUP];
+                    for (g, s) in group_srcs.iter_mut().zip(srcs) {
+                        *g = s.cast_const();
+                    }
+                    let srcs = &group_srcs[..srcs.len()];
                     // SAFETY: every piece lies in an input segment, which
                     // the caller guarantees readable; the kernel reads
                     // them through raw pointers only.
@@ -297,26 +332,23 @@ pub unsafe fn reduce_range_tuned(
                 });
                 start = end;
             }
-            // Then write it to every output, a group of outputs at a time
-            // in lock-step (streaming stores write a line of each in
-            // turn).
-            let result = kernel.finish(scratch, bytes / size, world);
-            let mut start = 0;
-            for group in groups(outputs.len()) {
-                let end = start + group;
-                let pos = &mut st.outputs[start..end];
-                walk_group(&outputs[start..end], pos, bytes, |at, dsts, n| {
-                    let mut out = [ptr::null_mut::<u8>(); MAX_GROUP];
-                    for (o, d) in out.iter_mut().zip(dsts) {
-                        *o = d.cast_mut();
-                    }
-                    // SAFETY: every piece lies in an output segment, which
-                    // the caller guarantees writable; the result is our
-                    // scratch, so none can overlap it.
-                    unsafe { kernel.write_many(&result[at..at + n], &out[..dsts.len()], stores) }
-                });
-                start = end;
-            }
+            // The last pass reads its inputs and writes every output in
+            // the same loop, a few lines at a time (Kernel::through).
+            let last_inputs = (&inputs[earlier..], &mut in_pos[earlier..]);
+            let all_outputs = (outputs, &mut out_pos[..]);
+            walk_lists(last_inputs, all_outputs, ptrs, bytes, |at, ptrs, n| {
+                let (at, n) = (whole(at), whole(n));
+                let (srcs, dsts) = ptrs.split_at(last);
+                let mut last_srcs = [ptr::null::<u8>(); MAX_GROUP];
+                for (l, s) in last_srcs.iter_mut().zip(srcs) {
+                    *l = s.cast_const();
+                }
+                let acc = (earlier > 0).then_some((&mut *scratch, at));
+                // SAFETY: the sources lie in input segments (readable) and
+                // the destinations in output segments (writable), by the
+                // caller's promise; no guest memory overlaps our scratch.
+                unsafe { kernel.through(acc, &last_srcs[..last], dsts, n, world, stores) }
+            });
             done += bytes;
         }
     });
