@@ -12,7 +12,8 @@ With --vms each rank is a TCG VM on the host's userland (`dmlc-qemu submit
 --host-root`): "dmlc" through the device, "gloo" over virtio-net between
 the same kind of VMs. Every run must end with the same parameters on every
 rank (each rank prints its own sha256). Needs torch and numpy
-(python/venv.sh); builds the release binaries and C library first.
+(python/venv.sh); builds the release binaries and C library and fetches
+the digits data (examples/digits/fetch-data.sh) first.
 """
 
 from __future__ import annotations
@@ -164,6 +165,9 @@ def main() -> None:
         a.batch = 2 if a.vms else 64
     crates = ["-p", "dmlc-capi", "-p", "vhost-device-dmlc"] + (["-p", "dmlc-qemu"] * a.vms)
     subprocess.run(["cargo", "build", "--release", "-q", *crates], cwd=ROOT, check=True)
+    # train.py's default data file (scikit-learn's digits), fetched once.
+    fetch = ROOT / "examples" / "digits" / "fetch-data.sh"
+    subprocess.run([str(fetch)], check=True, stdout=subprocess.DEVNULL)
     load = Path("/proc/loadavg").read_text().split()[:3]
     where = "TCG VMs (1 vCPU, 2 GiB each)" if a.vms else "host processes"
     print(

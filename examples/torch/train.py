@@ -46,6 +46,8 @@ def env_int(*names: str, default: int | None = None) -> int:
 
 def load(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """scikit-learn's digits.csv.gz: 64 pixels (0..16) and a label per row."""
+    if not path.exists():
+        raise SystemExit(f"{path} not found: examples/digits/fetch-data.sh fetches it (or --data)")
     with gzip.open(path, "rt") as f:
         rows = np.loadtxt(f, delimiter=",", dtype=np.float32)
     return torch.from_numpy(rows[:, :64] / 16.0), torch.from_numpy(rows[:, 64]).long()
