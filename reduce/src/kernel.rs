@@ -1186,6 +1186,32 @@ mod tests {
         }
     }
 
+    /// Folds `srcs` into the accumulator at element `at`, in passes of
+    /// `groups` sources (`first`, then `fold`); every pointer addresses
+    /// `n` elements of a live buffer.
+    fn fold_passes(
+        k: &Kernel,
+        scratch: &mut Scratch,
+        at: usize,
+        srcs: &[*const u8],
+        groups: &[usize],
+        n: usize,
+    ) {
+        let mut next = 0;
+        for (g, &len) in groups.iter().enumerate() {
+            let group = &srcs[next..next + len];
+            // SAFETY: the caller's pointers, `n` elements each.
+            unsafe {
+                if g == 0 {
+                    k.first(scratch, at, group, n);
+                } else {
+                    k.fold(scratch, at, group, n);
+                }
+            }
+            next += len;
+        }
+    }
+
     /// Runs the kernels by hand over host buffers, at an odd byte offset
     /// (unaligned sources) and into the middle of the accumulator, reading
     /// the inputs in passes of `groups` sources.
@@ -1204,19 +1230,7 @@ mod tests {
             })
             .collect();
         let ptrs: Vec<*const u8> = shifted.iter().map(|b| b[1..].as_ptr()).collect();
-        let mut next = 0;
-        for (g, &len) in groups.iter().enumerate() {
-            let srcs = &ptrs[next..next + len];
-            // SAFETY: every pointer addresses `n` elements of a live Vec.
-            unsafe {
-                if g == 0 {
-                    k.first(&mut scratch, at, srcs, n);
-                } else {
-                    k.fold(&mut scratch, at, srcs, n);
-                }
-            }
-            next += len;
-        }
+        fold_passes(k, &mut scratch, at, &ptrs, groups, n);
         // `finish` works on the chunk from 0: move the result there first.
         let acc_bytes = k.acc_size() * n;
         let head = scratch.acc_lines().as_mut_ptr().cast::<u8>();
@@ -1286,19 +1300,7 @@ mod tests {
         let earlier = srcs.len() - groups[groups.len() - 1];
         let at = 3;
         let mut scratch = Scratch::with_bytes((n + at) * k.acc_size());
-        let mut next = 0;
-        for (g, &len) in groups[..groups.len() - 1].iter().enumerate() {
-            let group = &srcs[next..next + len];
-            // SAFETY: every pointer addresses `n` elements (the caller's).
-            unsafe {
-                if g == 0 {
-                    k.first(&mut scratch, at, group, n);
-                } else {
-                    k.fold(&mut scratch, at, group, n);
-                }
-            }
-            next += len;
-        }
+        fold_passes(k, &mut scratch, at, srcs, &groups[..groups.len() - 1], n);
         let acc = (earlier > 0).then_some((&mut scratch, at));
         // SAFETY: as above; the destinations are the caller's buffers.
         unsafe { k.through(acc, &srcs[earlier..], dsts, n, world, stores) };
