@@ -498,10 +498,12 @@ unsafe fn finish_body<E: Elem, O: Op<E::Acc>>(
 /// block's results are computed into a buffer of ours (in L1), then
 /// stored to every destination, so that the loads of the inputs and the
 /// stores of the outputs interleave a few lines apart and the memory
-/// system works on both at once. A block is a whole number of cache lines
-/// for every dtype. In the reduction micro-benchmark (docs/benchmarks.md)
-/// 16 or 32 elements were fastest with ordinary stores, 64 to 128 with
-/// streaming ones.
+/// system works on both at once. A streaming block is a whole number of
+/// cache lines for every dtype, so that every block after the first
+/// starts on a line boundary. The sizes come from quick runs of the reduction
+/// micro-benchmark that were not kept (16 or 32 elements fastest with
+/// ordinary stores, 64 to 128 with streaming ones); the figures in
+/// docs/benchmarks.md ("The last pass writes the outputs") use them.
 const CACHED_BLOCK: usize = 32;
 /// Elements of one block with streaming stores.
 const STREAM_BLOCK: usize = 128;

@@ -266,8 +266,9 @@ impl StreamLines for Sse2Lines {
     }
 }
 
-/// 32-byte streaming stores (AVX): 3 to 5% faster than 16-byte ones from
-/// memory in the reduction micro-benchmark.
+/// 32-byte streaming stores (AVX), for the AVX2 kernels (3 to 5% faster
+/// than 16-byte ones from memory in micro-benchmark runs that were not
+/// kept).
 #[cfg(target_arch = "x86_64")]
 pub(crate) struct AvxLines;
 
