@@ -1377,7 +1377,7 @@ mod tests {
     }
 
     #[test]
-    fn through_in_place_overwrites_the_first_input_with_the_result() {
+    fn through_in_place_overwrites_every_input_with_the_result() {
         let mut rng = Rng::new(8);
         for isa in Isa::available() {
             for (dtype, op) in reference::pairs() {
