@@ -510,6 +510,38 @@ const STREAM_BLOCK: usize = 128;
 /// The larger of the two.
 const BLOCK_ELEMS: usize = STREAM_BLOCK;
 
+/// How far ahead of its current block a streaming pass asks for its
+/// inputs: one 4 KiB page. The CPU's own stream prefetcher stops at page
+/// boundaries, and guest memory is made of 4 KiB pages scattered in
+/// physical memory, so without a hint every page of every input starts
+/// with a miss. In the reduction micro-benchmark (64 MiB, N = 2 and 4,
+/// quick runs alternated with and without it) this took the reduction from
+/// 0.83 to 0.98 of the streaming copy of the same traffic to 0.95 to 1.05;
+/// 2 and 8 KiB ahead did no better, and ordinary stores at 1 and 4 MiB
+/// did not gain from it, so only streaming passes prefetch.
+const PREFETCH_AHEAD: usize = 4 << 10;
+
+/// Hints the CPU to bring the cache lines of bytes `from..to` of `src`
+/// into cache. A prefetch loads nothing into a register and never
+/// faults; callers still keep the range inside the buffer, so that no
+/// memory a guest did not offer is asked for.
+#[inline(always)]
+fn prefetch(src: *const u8, from: usize, to: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let mut at = from;
+        while at < to {
+            // SAFETY: a prefetch is only a hint; it has no architectural
+            // effect and cannot fault, whatever the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(src.wrapping_add(at).cast()) };
+            at += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (src, from, to);
+}
+
 /// A block's worth of elements, line-aligned.
 #[repr(C, align(64))]
 struct Block<T>([T; BLOCK_ELEMS]);
@@ -554,6 +586,14 @@ unsafe fn through_body<E: Elem, O: Op<E::Acc>, L: StreamLines, const K: usize, c
     let mut i = from;
     while i < n {
         let m = cap.min(n - i);
+        if streaming {
+            // The inputs of the block one page on, never past the range.
+            let ahead = PREFETCH_AHEAD / size;
+            let (lo, hi) = ((i + ahead).min(n) * size, (i + ahead + m).min(n) * size);
+            for &src in &s {
+                prefetch(src.cast(), lo, hi);
+            }
+        }
         for (j, a) in accs.0[..m].iter_mut().enumerate() {
             let v = if FOLD {
                 // SAFETY: the accumulator holds `n > i + j` elements when
