@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
-import time
+import timeit
 from collections.abc import Callable
 
 import torch
@@ -26,13 +26,8 @@ from dmlc import Device
 
 
 def median_ms(fn: Callable[[], object], runs: int) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    """Median of `runs` timed calls after one untimed call."""
+    return statistics.median(timeit.repeat(fn, number=1, repeat=runs + 1)[1:]) * 1e3
 
 
 def main() -> None:
