@@ -514,11 +514,12 @@ const BLOCK_ELEMS: usize = STREAM_BLOCK;
 /// inputs: one 4 KiB page. The CPU's own stream prefetcher stops at page
 /// boundaries, and guest memory is made of 4 KiB pages scattered in
 /// physical memory, so without a hint every page of every input starts
-/// with a miss. In the reduction micro-benchmark (64 MiB, N = 2 and 4,
-/// quick runs alternated with and without it) this took the reduction from
-/// 0.83 to 0.98 of the streaming copy of the same traffic to 0.95 to 1.05;
-/// 2 and 8 KiB ahead did no better, and ordinary stores at 1 and 4 MiB
-/// did not gain from it, so only streaming passes prefetch.
+/// with a miss. In the reduction micro-benchmark (N = 2 and 4 from 4 MiB,
+/// docs/benchmarks.md "Inputs asked for one page ahead") this took the
+/// reduction from 0.81 to 1.06 of the streaming copy of the same traffic
+/// to 0.93 to 1.11. In quick runs that were not kept, 2 and 8 KiB ahead did
+/// no better, and ordinary stores at 1 and 4 MiB did not gain from it, so
+/// only streaming passes prefetch.
 const PREFETCH_AHEAD: usize = 4 << 10;
 
 /// Hints the CPU to bring the cache lines of bytes `from..to` of `src`
