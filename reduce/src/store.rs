@@ -40,8 +40,12 @@ pub enum Stores {
 /// docs/benchmarks.md "Streaming stores from 8 MiB"), where each member
 /// has just written its output (as a program has a gradient bucket), 2
 /// ranks at 1 and 2 MiB were 1.4x to 1.6x faster with ordinary stores
-/// and 4 MiB and up the same: streaming now starts at 8 MiB of output.
-pub const STREAM_FROM: usize = 8 << 20;
+/// and 4 MiB and up the same, which moved it to 8 MiB. Once the last pass
+/// wrote the outputs itself (`Kernel::through`) and prefetched its inputs,
+/// the same A/B (docs/benchmarks.md "Streaming stores from 2 MiB again")
+/// found streaming from 2 MiB of output as fast at 1 MiB per rank and
+/// faster at 2 MiB per rank, so it starts at 2 MiB again.
+pub const STREAM_FROM: usize = 2 << 20;
 
 /// Accumulator bytes of one chunk with [`Stores::Streaming`]. Larger than
 /// [`CHUNK_BYTES`]: a chunk's reads and its output writes alternate, and
