@@ -10,8 +10,12 @@ repetitions and the ratio gloo / dmlc. Without --vms the ranks are local
 processes (the device over the host transport, gloo over loopback TCP).
 With --vms each rank is a TCG VM on the host's userland (`dmlc-qemu submit
 --host-root`): "dmlc" through the device, "gloo" over virtio-net between
-the same kind of VMs. Every run must end with the same parameters on every
-rank (each rank prints its own sha256). Needs torch and numpy
+the same kind of VMs. With --vms, --kernel-driver adds "dmlc-kernel": the
+device through the kernel driver (kernel-driver/build.sh), whose buckets go
+to the device from the tensors' own pages; --nocomm adds train.py's
+"nocomm" baseline, whose collectives do nothing: the step with a free
+exchange, the floor under any backend. Every run but nocomm's must end with
+the same parameters on every rank (each rank prints its own sha256). Needs torch and numpy
 (python/venv.sh); builds the release binaries and C library and fetches
 the digits data (examples/digits/fetch-data.sh) first.
 """
@@ -101,7 +105,8 @@ RESULT = re.compile(r"^\[rank (\d+)\] json: (.*)$")
 
 
 def run_vms(a: argparse.Namespace, backend: str, ranks: int) -> dict[str, float]:
-    """One job of `ranks` TCG VMs through the launcher; rank 0's results."""
+    """One job of `ranks` TCG VMs through the launcher; rank 0's results.
+    `backend` is train.py's, or "dmlc-kernel": "dmlc" over the kernel driver."""
     target = ROOT / "target" / "release"
     env = dict(
         os.environ,
@@ -113,8 +118,10 @@ def run_vms(a: argparse.Namespace, backend: str, ranks: int) -> dict[str, float]
     if a.log_dir:
         runs = len(list(a.log_dir.glob(f"{backend}-{ranks}-*")))
         cmd += ["--log-dir", str(a.log_dir / f"{backend}-{ranks}-{runs}")]
-    cmd += ["--transport", "device" if backend == "dmlc" else "tcp", "--", sys.executable]
-    cmd += [str(TRAIN), "--backend", backend, "--steps", str(a.steps)]
+    if backend == "dmlc-kernel":
+        cmd += ["--kernel-driver", str(a.kernel_module)]
+    cmd += ["--transport", "tcp" if backend == "gloo" else "device", "--", sys.executable]
+    cmd += [str(TRAIN), "--backend", backend.removesuffix("-kernel"), "--steps", str(a.steps)]
     cmd += ["--hidden", str(a.hidden), "--batch", str(a.batch)]
     cmd += ["--eval-samples", "256", "--json", "-"] + ["--bucket-view"] * a.bucket_view
     with tempfile.TemporaryDirectory(prefix="dmlc-ddp-") as tmp:
@@ -129,7 +136,7 @@ def run_vms(a: argparse.Namespace, backend: str, ranks: int) -> dict[str, float]
     if p.returncode or len(results) != ranks:
         sys.stderr.write(p.stdout[-4000:] + p.stderr[-4000:])
         raise SystemExit(f"{backend} on {ranks} VMs failed: exit status {p.returncode}")
-    if len({r["params_sha256"] for r in results.values()}) != 1:
+    if backend != "nocomm" and len({r["params_sha256"] for r in results.values()}) != 1:
         raise SystemExit(f"{backend} on {ranks} VMs: the ranks ended with different models")
     print(
         f"#   {backend} on {ranks} VMs: step {results[0]['step_ms']:.1f} ms, "
@@ -158,11 +165,34 @@ def main() -> None:
         action="store_true",
         help="with --vms: pass --bucket-view to train.py (DDP's gradient_as_bucket_view=True)",
     )
+    p.add_argument(
+        "--kernel-driver",
+        action="store_true",
+        help='with --vms: also "dmlc-kernel", the device through the kernel driver '
+        "(builds it with kernel-driver/build.sh)",
+    )
+    p.add_argument(
+        "--nocomm",
+        action="store_true",
+        help="with --vms: also train.py's nocomm baseline (collectives that do nothing)",
+    )
     p.add_argument("--timeout", type=int, default=1200, help="seconds per VM job")
     p.add_argument("--log-dir", type=Path, help="with --vms: keep each job's logs here")
     a = p.parse_args()
     if a.batch is None:
         a.batch = 2 if a.vms else 64
+    if (a.kernel_driver or a.nocomm) and not a.vms:
+        p.error("--kernel-driver and --nocomm need --vms")
+    backends = ["dmlc"] + ["dmlc-kernel"] * a.kernel_driver + ["gloo"] + ["nocomm"] * a.nocomm
+    if a.kernel_driver:
+        built = subprocess.run(
+            [str(ROOT / "kernel-driver" / "build.sh")], check=True, capture_output=True, text=True
+        ).stdout
+        a.kernel_module = next(
+            Path(line.split("=", 1)[1])
+            for line in built.splitlines()
+            if line.startswith("DMLC_KMOD=")
+        )
     crates = ["-p", "dmlc-capi", "-p", "vhost-device-dmlc"] + (["-p", "dmlc-qemu"] * a.vms)
     subprocess.run(["cargo", "build", "--release", "-q", *crates], cwd=ROOT, check=True)
     # train.py's default data file (scikit-learn's digits), fetched once.
@@ -179,9 +209,9 @@ def main() -> None:
     rows = []
     port = 29600
     for n in a.ranks:
-        got: dict[str, list[dict[str, float]]] = {"dmlc": [], "gloo": []}
+        got: dict[str, list[dict[str, float]]] = {b: [] for b in backends}
         for _ in range(a.repeat):
-            for backend in ("dmlc", "gloo"):
+            for backend in backends:
                 port += 1
                 if a.vms:
                     got[backend].append(run_vms(a, backend, n))
@@ -196,24 +226,25 @@ def main() -> None:
         }
         rows.append((n, med, got["dmlc"][0]["params"]))
     print(
-        f"{'N':>3} {'backend':>8} {'step ms':>9} {'compute ms':>11} {'update ms':>10} "
+        f"{'N':>3} {'backend':>11} {'step ms':>9} {'compute ms':>11} {'update ms':>10} "
         f"{'exchange ms':>12}"
     )
     for n, med, _ in rows:
-        for b in ("dmlc", "gloo"):
+        for b in backends:
             m = med[b]
             print(
-                f"{n:>3} {b:>8} {m['step_ms']:>9.2f} {m['compute_ms']:>11.2f} "
+                f"{n:>3} {b:>11} {m['step_ms']:>9.2f} {m['compute_ms']:>11.2f} "
                 f"{m['update_ms']:>10.2f} {m['exchange_ms']:>12.2f}"
             )
     print()
     for n, med, params in rows:
-        step = med["gloo"]["step_ms"] / med["dmlc"]["step_ms"]
-        ex_d = max(med["dmlc"]["exchange_ms"], 1e-3)
-        print(
-            f"N={n} ({params} parameters): step gloo/dmlc {step:.2f}x, "
-            f"exchange gloo/dmlc {med['gloo']['exchange_ms'] / ex_d:.2f}x"
-        )
+        for b in (b for b in backends if b != "gloo"):
+            step = med["gloo"]["step_ms"] / med[b]["step_ms"]
+            ex_d = max(med[b]["exchange_ms"], 1e-3)
+            print(
+                f"N={n} ({params} parameters): step gloo/{b} {step:.2f}x, "
+                f"exchange gloo/{b} {med['gloo']['exchange_ms'] / ex_d:.2f}x"
+            )
 
 
 if __name__ == "__main__":

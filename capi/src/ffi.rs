@@ -637,6 +637,43 @@ pub unsafe extern "C" fn dmlc_alloc(
     })
 }
 
+/// Wraps the caller's own memory as a buffer (kernel transport only).
+///
+/// # Safety
+///
+/// `dev` is NULL or an open device; `out` is NULL or writable; `data` is
+/// valid for reads and writes of `bytes` until the buffer is freed and no
+/// request using it is pending, and is not accessed while a request writes
+/// it (dmlc_guest.h).
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_wrap_memory(
+    dev: *mut DmlcDevice,
+    data: *mut c_void,
+    bytes: usize,
+    out: *mut *mut DmlcBuffer,
+) -> c_int {
+    guard(|| {
+        if out.is_null() {
+            return Err(Fail::invalid("out is NULL"));
+        }
+        // SAFETY: `out` is non-NULL and writable per the contract.
+        unsafe { out.write(std::ptr::null_mut()) };
+        // SAFETY: forwarded contract.
+        let d = unsafe { device(dev) }?;
+        // SAFETY: forwarded contract; C reaches the bytes only through
+        // `data` and keeps the rules of `DmaBuf` (dmlc_guest.h).
+        let buf = unsafe { d.dev.wrap_caller_memory(data.cast(), bytes) }?;
+        let boxed = Box::new(DmlcBuffer {
+            dev: Arc::clone(&d.dev),
+            buf,
+            data: data.cast(),
+        });
+        // SAFETY: `out` is non-NULL and writable per the contract.
+        unsafe { out.write(Box::into_raw(boxed)) };
+        Ok(())
+    })
+}
+
 /// Frees a buffer.
 ///
 /// # Safety

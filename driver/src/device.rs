@@ -1037,6 +1037,44 @@ impl Device {
         })
     }
 
+    /// The caller's `len` bytes at `ptr` as a buffer, without a copy. Only
+    /// over the kernel transport, whose module pins the caller's pages for
+    /// each request (docs/kernel-driver.md); over the others the device sees
+    /// only its own memory, so [`Self::alloc`] and copy.
+    ///
+    /// # Safety
+    ///
+    /// `ptr` is valid for reads and writes of `len` bytes until the buffer
+    /// is dropped and every request that used it has completed. Nothing
+    /// else accesses those bytes while a request in flight writes them, and
+    /// nothing writes them while a borrow the buffer handed out
+    /// ([`DmaBuf::as_slice`], [`DmaBuf::as_mut_slice`]) may be alive.
+    pub unsafe fn wrap_caller_memory(&self, ptr: *mut u8, len: usize) -> Result<DmaBuf> {
+        let Some(k) = &self.kernel else {
+            return Err(Error::InvalidArgument(
+                "only the kernel transport reaches the caller's own memory; allocate device \
+                 memory and copy"
+                    .into(),
+            ));
+        };
+        let Some(ptr) = std::ptr::NonNull::new(ptr) else {
+            return Err(Error::InvalidArgument("buffer at NULL".into()));
+        };
+        if len == 0 {
+            return Err(Error::InvalidArgument("buffer of 0 bytes".into()));
+        }
+        // SAFETY: `k.caller` is a `CallerMemory`, which allocates nothing;
+        // the rest is this function's own contract.
+        let alloc = unsafe { DmaAlloc::borrowed(&k.caller, ptr, len) };
+        Ok(DmaBuf {
+            mem: Arc::new(BufMem {
+                alloc,
+                state: AtomicU64::new(0),
+            }),
+            len,
+        })
+    }
+
     fn queue(&self, queue: u16) -> Result<&Queue> {
         self.queues.get(usize::from(queue)).ok_or_else(|| {
             Error::InvalidArgument(format!(
@@ -1225,7 +1263,12 @@ impl Device {
         let mut uses: Vec<(&Arc<BufMem>, bool)> = Vec::new();
         for d in chain {
             if let RawDesc::Read(s) | RawDesc::Write(s) = d {
-                if !same_memory(s.mem.alloc.memory(), &self.mem) {
+                let m = s.mem.alloc.memory();
+                let caller = self
+                    .kernel
+                    .as_ref()
+                    .is_some_and(|k| same_memory(m, &k.caller));
+                if !same_memory(m, &self.mem) && !caller {
                     return Err(Error::InvalidArgument(
                         "buffer from another device's memory".into(),
                     ));

@@ -55,6 +55,9 @@ pub enum DmaError {
         #[source]
         source: nix::Error,
     },
+    /// This memory only wraps what its caller owns ([`CallerMemory`]).
+    #[error("this memory allocates nothing: it only wraps the caller's own")]
+    NotAnAllocator,
     /// mmap failed.
     #[error("cannot map {bytes} bytes of the memfd")]
     Map {
@@ -138,6 +141,27 @@ impl DmaAlloc {
         })
     }
 
+    /// The caller's own `len` bytes at `ptr` (not zeroed), device address
+    /// the virtual address: for [`CallerMemory`], whose `dealloc` leaves
+    /// them to their owner.
+    ///
+    /// # Safety
+    ///
+    /// `mem` does not allocate (its `dealloc` is a no-op). `ptr` is valid
+    /// for reads and writes of `len` bytes until this value is dropped and
+    /// every request that used it has completed, and nothing else accesses
+    /// those bytes while a request that writes them is in flight.
+    pub unsafe fn borrowed(mem: &Arc<dyn DmaMemory>, ptr: NonNull<u8>, len: usize) -> Self {
+        DmaAlloc {
+            mem: Arc::clone(mem),
+            region: DmaRegion {
+                vaddr: ptr,
+                paddr: ptr.as_ptr() as u64,
+                len,
+            },
+        }
+    }
+
     /// Host pointer to the first byte.
     pub fn as_ptr(&self) -> *mut u8 {
         self.region.vaddr.as_ptr()
@@ -192,6 +216,25 @@ impl Drop for DmaAlloc {
         // and whoever could still use it (a posted request) holds this value.
         unsafe { self.mem.dealloc(&self.region) };
     }
+}
+
+/// Memory a caller already owns, seen by the device at its virtual
+/// addresses: the kernel transport, whose module pins the pages of each
+/// request itself. It allocates nothing; [`DmaAlloc::borrowed`] wraps the
+/// caller's bytes, and dropping them gives nothing back.
+#[derive(Debug, Default)]
+pub struct CallerMemory;
+
+// SAFETY: `alloc` hands out no region; every region of this memory comes
+// from `DmaAlloc::borrowed`, whose contract makes the caller keep it valid,
+// and its device address is its virtual address, as `device_ranges` (the
+// default) reports.
+unsafe impl DmaMemory for CallerMemory {
+    fn alloc(&self, _len: usize, _align: usize) -> Result<DmaRegion, DmaError> {
+        Err(DmaError::NotAnAllocator)
+    }
+
+    unsafe fn dealloc(&self, _region: &DmaRegion) {}
 }
 
 fn align_up(value: usize, align: usize) -> Option<usize> {

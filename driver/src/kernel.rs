@@ -26,7 +26,7 @@ use virtio_dmlc::{
 use zerocopy::IntoBytes;
 
 use crate::device::{Completion, Device, Done, Handle, Lease, OpenOptions, RawDesc};
-use crate::dma::{DmaMemory, MemfdMemory};
+use crate::dma::{CallerMemory, DmaMemory, MemfdMemory};
 use crate::error::{Error, Result};
 use crate::transport::{QueueAddrs, Transport, TransportError};
 
@@ -275,6 +275,9 @@ pub(crate) struct KernelFile {
     spin: Spin,
     /// Each collective's holds on its buffers, by the module's id.
     leases: Mutex<HashMap<u64, Vec<Lease>>>,
+    /// Where buffers over the caller's own memory come from
+    /// ([`Device::wrap_caller_memory`]): the module pins any user page.
+    pub(crate) caller: Arc<dyn DmaMemory>,
 }
 
 /// Opens the device node `node` (default [`DEFAULT_NODE`]).
@@ -328,6 +331,7 @@ pub fn open(node: Option<&Path>, opts: &OpenOptions) -> Result<Device> {
         queues,
         spin,
         leases: Mutex::new(HashMap::new()),
+        caller: Arc::new(CallerMemory),
     };
     Device::over_kernel(Box::new(transport), mem, config_of(&info), kernel, opts)
 }

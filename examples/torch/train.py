@@ -6,7 +6,10 @@ unmodified, over backend "dmlc" (the device) or "gloo" (TCP).
 Rank and world size come from the environment (RANK and WORLD_SIZE, or the
 launcher's DMLC_TASK_ID and DMLC_NUM_WORKER). With "gloo" the ranks meet
 at MASTER_ADDR:MASTER_PORT (default: rank 0 of DMLC_TCP_PEERS, else
-127.0.0.1:29500); "dmlc" needs no rendezvous: the device is the group.
+127.0.0.1:29500); "dmlc" needs no rendezvous: the device is the group. "nocomm" is a
+baseline, not a backend: its collectives complete at once and move
+nothing, so a step costs what DDP and the model cost with a free exchange,
+the floor under any backend (the ranks' parameters then differ).
 
 Prints, on rank 0, the median step time split into compute (forward and
 backward without the exchange, measured first under no_sync), the
@@ -64,7 +67,45 @@ def model(hidden: int) -> torch.nn.Module:
     )
 
 
+class NoComm(dist.ProcessGroup):
+    """Collectives that complete at once and move nothing (the "nocomm"
+    baseline): what DDP's step costs with an exchange of zero."""
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return "nocomm"
+
+    def _done(self, value: object) -> dist.Work:
+        from torch._C._distributed_c10d import _create_work_from_future  # noqa: PLC0415
+
+        fut: torch.futures.Future[object] = torch.futures.Future()
+        fut.set_result(value)
+        return _create_work_from_future(fut)
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:
+        return self._done(tensors)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:
+        return self._done(tensors)
+
+    def allgather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: object = None
+    ) -> dist.Work:
+        for o in outputs[0]:
+            o.copy_(inputs[0])  # every rank "holds" this rank's value
+        return self._done(outputs)
+
+    def barrier(self, opts: object = None) -> dist.Work:
+        return self._done(None)
+
+
 def init(backend: str, rank: int, world: int) -> None:
+    if backend == "nocomm":
+        if "NOCOMM" not in dist.Backend._plugins:
+            dist.Backend.register_backend(
+                "nocomm", lambda _s, r, n, _t: NoComm(r, n), devices=["cpu"]
+            )
+        dist.init_process_group("nocomm", store=dist.HashStore(), rank=rank, world_size=world)
+        return
     if backend == "dmlc":
         import dmlc.torch_backend  # noqa: F401, PLC0415 (registers "dmlc" on older torch)
 
@@ -85,7 +126,12 @@ def init(backend: str, rank: int, world: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--backend", choices=["dmlc", "gloo"], default="dmlc")
+    p.add_argument(
+        "--backend",
+        choices=["dmlc", "gloo", "nocomm"],
+        default="dmlc",
+        help='"nocomm": a baseline whose collectives do nothing (see above)',
+    )
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="digits.csv.gz")
     p.add_argument("--hidden", type=int, default=1024, help="width of the two hidden layers")
     p.add_argument("--batch", type=int, default=64, help="samples per rank per step")

@@ -98,6 +98,11 @@ pub struct HostRoot {
     pub cwd: String,
     /// Environment passed through from the launcher (PATH, HOME, a venv).
     pub env: Vec<(String, String)>,
+    /// `virtio_dmlc.ko` (an absolute path, the same in the guest): each
+    /// guest loads it before the job, and the job gets the device through
+    /// the kernel driver (`DMLC_DEVICE=kernel`) instead of the userspace one.
+    #[serde(default)]
+    pub kernel_driver: Option<String>,
 }
 
 impl HostRoot {
@@ -108,7 +113,11 @@ impl HostRoot {
             .iter()
             .filter_map(|k| std::env::var(k).ok().map(|v| ((*k).to_owned(), v)))
             .collect();
-        Ok(HostRoot { cwd, env })
+        Ok(HostRoot {
+            cwd,
+            env,
+            kernel_driver: None,
+        })
     }
 
     /// The guest puts tmpfs on /tmp, which would hide a job that lives
@@ -400,6 +409,10 @@ impl Job {
             if root.under_tmp() {
                 env.push(("TMPDIR".to_owned(), "/var/tmp".to_owned()));
             }
+            if root.kernel_driver.is_some() {
+                env.retain(|(key, _)| key != "DMLC_DEVICE");
+                env.push(("DMLC_DEVICE".to_owned(), "kernel".to_owned()));
+            }
         }
         env.extend(self.env.iter().cloned());
         env
@@ -467,6 +480,14 @@ impl Job {
                     spec = spec.host_root().cwd(root.cwd.clone());
                     if root.under_tmp() {
                         spec.append.push("dmlc.tmpfs=/run,/var/tmp".to_owned());
+                    }
+                    if let Some(ko) = &root.kernel_driver {
+                        // The init loads it from the share; virtio_pci must
+                        // own the device for the module to bind it.
+                        spec.bind = Some("virtio-pci".to_owned());
+                        // Padded standard base64, as the init's busybox decodes.
+                        let path = base64::engine::general_purpose::STANDARD.encode(ko);
+                        spec.append.push(format!("dmlc.kmod={path}"));
                     }
                 }
                 spec
@@ -1130,6 +1151,7 @@ mod tests {
                 ("PATH".to_owned(), "/opt/venv/bin:/usr/bin".to_owned()),
                 ("DMLC_LIBRARY".to_owned(), "/w/libdmlc_guest.so".to_owned()),
             ],
+            kernel_driver: None,
         });
         // Not copied into the image: the guest sees the host's file.
         assert!(j.image_files().iter().all(|(p, _)| !p.ends_with("python3")));
@@ -1153,6 +1175,18 @@ mod tests {
         assert!(j.host_root.as_ref().unwrap().under_tmp());
         j.host_root.as_mut().unwrap().cwd = "/work/repo".to_owned();
         assert!(!j.host_root.as_ref().unwrap().under_tmp());
+        // With the kernel driver the job reaches the device through it, even
+        // where the caller's environment named another.
+        assert_eq!(get("DMLC_DEVICE"), Some("pci"));
+        j.env.clear();
+        j.host_root.as_mut().unwrap().kernel_driver = Some("/k/virtio_dmlc.ko".to_owned());
+        let env = j.environment(0);
+        let devices: Vec<&str> = env
+            .iter()
+            .filter(|(k, _)| k == "DMLC_DEVICE")
+            .map(|(_, v)| v.as_str())
+            .collect();
+        assert_eq!(devices, ["kernel"]);
     }
 
     #[test]
@@ -1163,6 +1197,7 @@ mod tests {
         j.host_root = Some(HostRoot {
             cwd: "/w".to_owned(),
             env: Vec::new(),
+            kernel_driver: None,
         });
         j.tracker = Some(Tracker {
             python: "/venv/bin/python3".to_owned(),

@@ -237,6 +237,14 @@ struct SubmitArgs {
     #[arg(long)]
     host_root: bool,
 
+    /// With --host-root: every guest loads this virtio_dmlc.ko
+    /// (kernel-driver/build.sh builds it for the guests' kernel) before the
+    /// job, and the job reaches the device through it (DMLC_DEVICE=kernel):
+    /// collectives on the program's own memory, a PyTorch tensor included,
+    /// without a staging copy (docs/kernel-driver.md).
+    #[arg(long, value_name = "KO", requires = "host_root")]
+    kernel_driver: Option<PathBuf>,
+
     /// Place the workers on these hosts (comma-separated), N/H each, through
     /// mpirun: one backend (--mpi) per host, MPI between them (see below).
     #[arg(
@@ -625,6 +633,21 @@ fn submit_job(a: SubmitArgs) -> Job {
              Python with xgboost in VM 0",
         );
     }
+    let kernel_driver = a.kernel_driver.as_deref().map(|ko| {
+        if transport != Transport::Device {
+            usage_error("--kernel-driver needs --transport device: it is the device's driver");
+        }
+        if !ko.is_file() {
+            usage_error(format!(
+                "--kernel-driver {}: no such file (kernel-driver/build.sh builds it)",
+                ko.display()
+            ));
+        }
+        std::path::absolute(ko)
+            .ok()
+            .and_then(|p| p.to_str().map(str::to_owned))
+            .unwrap_or_else(|| usage_error("--kernel-driver: the path must be valid UTF-8"))
+    });
     let mut words = a.command.into_iter();
     let program = words.next().expect("clap requires PROGRAM");
     let program_str = program
@@ -667,8 +690,9 @@ fn submit_job(a: SubmitArgs) -> Job {
         program,
         args,
         fetch: Vec::new(),
-        host_root: a.host_root.then(|| {
-            job::HostRoot::here()
+        host_root: a.host_root.then(|| job::HostRoot {
+            kernel_driver,
+            ..job::HostRoot::here()
                 .unwrap_or_else(|e| usage_error(format!("cannot read the current directory: {e}")))
         }),
         tracker,

@@ -3,7 +3,8 @@
 //! non-root user through the group-accessible /dev/dmlc0, a process killed
 //! mid-collective (nothing stays pinned, by the module's own counters, and
 //! the group recovers), and `dmlc-guest --kernel` (the driver library's
-//! kernel transport) running the self-test unchanged.
+//! kernel transport) running the self-test unchanged, and again on buffers
+//! of its own heap handed to the device without a copy (`--caller-memory`).
 //!
 //! `DMLC_KMOD` and `DMLC_KTEST` name the module and the tool
 //! (`eval "$(kernel-driver/build.sh | tail -n 2)"`); without them these
@@ -197,14 +198,19 @@ fn dmlc_guest_selftest_over_the_kernel_transport() {
     let backend = Backend::start(&env, "kdrvguest", 2, &[]);
     let cmd = format!(
         "dmlc-guest selftest --quick --kernel && \
+         dmlc-guest selftest --quick --kernel --caller-memory --max-count 1025 && \
          dmlc-guest bench --kernel -b 4 -e 1M -f 512 -n 5 -w 1 && {ADD_USER} && \
          su dmlc -c 'dmlc-guest info --kernel'"
     );
     let out = run_group(&env, &backend, &[cmd.clone(), cmd], "dmlc-guest --kernel");
     for (r, o) in out.iter().enumerate() {
         assert!(
-            o.contains("selftest PASS: ") && o.contains(&format!("rank {r} of 2")),
-            "rank {r}: dmlc-guest selftest over the kernel driver did not pass:\n{o}"
+            o.matches("selftest PASS: ").count() == 2 && o.contains(&format!("rank {r} of 2")),
+            "rank {r}: dmlc-guest selftest over the kernel driver did not pass twice:\n{o}"
+        );
+        assert!(
+            o.contains("buffers in the caller's memory"),
+            "rank {r}: the selftest on the caller's own memory did not run:\n{o}"
         );
         assert!(
             o.contains(&format!("# rank {r} of 2: ok, #wrong 0")),

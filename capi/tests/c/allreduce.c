@@ -146,6 +146,19 @@ static void misuse(dmlc_device *dev, dmlc_buffer *small)
     CHECK(dmlc_barrier(NULL) == DMLC_ERR_INVALID_ARGUMENT, "barrier NULL");
     CHECK(dmlc_alloc(dev, 0, NULL) == DMLC_ERR_INVALID_ARGUMENT, "alloc NULL out");
     CHECK(dmlc_buffer_data(NULL) == NULL && dmlc_buffer_size(NULL) == 0, "buffer NULL");
+    {
+        /* Only the kernel transport reaches the caller's own memory. */
+        float mine[4] = { 0 };
+        dmlc_buffer *wrapped = small;
+
+        CHECK(dmlc_wrap_memory(dev, mine, sizeof(mine), &wrapped) ==
+                  DMLC_ERR_INVALID_ARGUMENT && wrapped == NULL,
+              "wrap over the host transport");
+        CHECK(strstr(dmlc_last_error_message(), "kernel transport") != NULL,
+              "message names the kernel transport: %s", dmlc_last_error_message());
+        CHECK(dmlc_wrap_memory(dev, mine, sizeof(mine), NULL) == DMLC_ERR_INVALID_ARGUMENT,
+              "wrap NULL out");
+    }
     CHECK(dmlc_wait(dev, NULL, 0, NULL) == DMLC_ERR_INVALID_ARGUMENT, "wait NULL handle");
     CHECK(dmlc_submit(dev, 0, NULL, NULL, 0, NULL, 0, NULL) == DMLC_ERR_INVALID_ARGUMENT,
           "submit NULL");

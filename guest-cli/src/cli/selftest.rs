@@ -54,6 +54,11 @@ pub struct SelftestArgs {
     /// hosts) instead of flat rank order. L must divide the world size.
     #[arg(long, value_name = "L", value_parser = clap::value_parser!(u32).range(1..))]
     pub members_per_host: Option<u32>,
+    /// The input and output are this process's own heap memory, handed to
+    /// the device without a copy (`Device::wrap_caller_memory`; only the
+    /// kernel transport reaches it).
+    #[arg(long)]
+    pub caller_memory: bool,
 }
 
 impl SelftestArgs {
@@ -140,12 +145,34 @@ pub fn run(dev: &Device, args: &SelftestArgs) -> Result<bool, CliError> {
     let counts = self::SelftestArgs::counts(args);
     let max_count = counts.last().copied().unwrap_or(1);
     let cap = (u64::from(world) * max_count * 8) as usize + GUARD;
-    let mut input = dev.alloc(cap).ctx("allocating the input buffer")?;
-    let mut output = dev.alloc(cap).ctx("allocating the output buffer")?;
+    let (mut input, mut output) = if args.caller_memory {
+        // Leaked, so that it outlives any request, even one the device never
+        // answers; u64s for the alignment of every dtype.
+        let heap: &'static mut [u64] = Vec::leak(vec![0u64; cap.div_ceil(8) * 2]);
+        let (a, b) = heap.split_at_mut(cap.div_ceil(8));
+        // SAFETY: both halves live forever, are disjoint, and are reached
+        // only through these two buffers.
+        let wrap = |m: &mut [u64]| unsafe { dev.wrap_caller_memory(m.as_mut_ptr().cast(), cap) };
+        (
+            wrap(a).ctx("wrapping the input buffer")?,
+            wrap(b).ctx("wrapping the output buffer")?,
+        )
+    } else {
+        (
+            dev.alloc(cap).ctx("allocating the input buffer")?,
+            dev.alloc(cap).ctx("allocating the output buffer")?,
+        )
+    };
 
     println!(
-        "# selftest: rank {rank} of {world}, {queues} queue(s), seed {}, counts {:?}",
-        args.seed, counts
+        "# selftest: rank {rank} of {world}, {queues} queue(s), seed {}, counts {:?}{}",
+        args.seed,
+        counts,
+        if args.caller_memory {
+            ", buffers in the caller's memory"
+        } else {
+            ""
+        }
     );
     let mut total_cases = 0;
     let mut total_fail = 0;
@@ -418,6 +445,7 @@ mod tests {
             dtype: vec![],
             op: vec![],
             members_per_host: None,
+            caller_memory: false,
         };
         let g = groups(&args);
         // 3 reducing opcodes x (4 floats x 5 ops + 6 ints x 8 ops),

@@ -168,6 +168,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "dmlc_world_size": (c_int32, [dev]),
         "dmlc_get_config": (c_int, [dev, POINTER(Config)]),
         "dmlc_alloc": (c_int, [dev, c_size_t, POINTER(c_void_p)]),
+        "dmlc_wrap_memory": (c_int, [dev, c_void_p, c_size_t, POINTER(c_void_p)]),
         "dmlc_free": (None, [c_void_p]),
         "dmlc_buffer_data": (c_void_p, [c_void_p]),
         "dmlc_buffer_size": (c_size_t, [c_void_p]),

@@ -198,8 +198,12 @@ class Device:
 
     _lib: ctypes.CDLL | None = None
 
-    def __init__(self, handle: int, lib: ctypes.CDLL) -> None:
+    def __init__(self, handle: int, lib: ctypes.CDLL, *, wraps: bool = False) -> None:
         self._lib_ = lib
+        # Over the kernel transport the device reaches any of this process's
+        # memory (the module pins it per request): no staging copy.
+        self._wraps = wraps
+        self._wrapped = ctypes.c_void_p()
         self._dev = ctypes.c_void_p(handle)
         cfg = _capi.Config()
         self._check(lib.dmlc_get_config(self._dev, ctypes.byref(cfg)))
@@ -262,7 +266,7 @@ class Device:
         opts = cls._options(poll, dma_bytes)
         rc = getattr(lib, opener)(where, ctypes.byref(opts), ctypes.byref(out))
         _raise_if(lib, rc)
-        return cls(out.value or 0, lib)
+        return cls(out.value or 0, lib, wraps=opener == "dmlc_open_kernel")
 
     @classmethod
     def open_host(
@@ -587,9 +591,17 @@ class Device:
         return self._staging_addr
 
     def _direct(self, addr: int, nbytes: int) -> bool:
-        """Points the request at the caller's memory if it is device memory
-        (from empty()); False if it must be staged."""
+        """Points the request at the caller's memory if the device can reach
+        it: device memory (from empty()), or any memory over the kernel
+        transport (wrapped until `_run` returns); False if it must be staged."""
         found = self._device_memory(addr, nbytes)
+        if found is None and self._wraps and nbytes:
+            self._check(
+                self._lib_.dmlc_wrap_memory(
+                    self._dev, ctypes.c_void_p(addr), nbytes, ctypes.byref(self._wrapped)
+                )
+            )
+            found = self._wrapped, 0
         if found is None:
             return False
         self._seg.buf, self._seg.offset = found
@@ -608,6 +620,24 @@ class Device:
         buffer that the caller filled (after `_stage`), or the caller's own
         (after `_direct`); none for a barrier. The result is left there.
         `block_bytes` is the per-member count in bytes."""
+        try:
+            self._submit_and_wait(opcode, dtype, op, root, block_bytes, nbytes)
+        finally:
+            # The wrapper goes in any case: the driver keeps its own hold on
+            # a request still pending after a wait that gave up on a device
+            # that stopped answering (which then needs a reset, and the
+            # module's reset unpins).
+            self._unwrap()
+
+    def _submit_and_wait(
+        self,
+        opcode: int,
+        dtype: Dtype,
+        op: ReduceOp,
+        root: int,
+        block_bytes: int,
+        nbytes: int,
+    ) -> None:
         size = _SIZES[dtype]
         if block_bytes % size:
             raise ValueError(f"{block_bytes} bytes are not whole {dtype.name} elements")
@@ -637,6 +667,12 @@ class Device:
             msg = (lib.dmlc_last_error_message() or b"").decode(errors="replace")
             peer = None if done.peer == _capi.NO_PEER else done.peer
             raise error_for(rc, msg or _strerror(lib, rc), done.detail, peer)
+
+    def _unwrap(self) -> None:
+        """Frees the wrapper of the caller's memory made by `_direct`, if any."""
+        if self._wrapped:
+            self._lib_.dmlc_free(self._wrapped)
+            self._wrapped = ctypes.c_void_p()
 
 
 def _strerror(lib: ctypes.CDLL, rc: int) -> str:
