@@ -124,6 +124,7 @@ def run_vms(a: argparse.Namespace, backend: str, ranks: int) -> dict[str, float]
     cmd += [str(TRAIN), "--backend", backend.removesuffix("-kernel"), "--steps", str(a.steps)]
     cmd += ["--hidden", str(a.hidden), "--batch", str(a.batch)]
     cmd += ["--eval-samples", "256", "--json", "-"] + ["--bucket-view"] * a.bucket_view
+    cmd += ["--interleave"] * a.interleave
     with tempfile.TemporaryDirectory(prefix="dmlc-ddp-") as tmp:
         t = time.monotonic()
         p = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, check=False)
@@ -164,6 +165,11 @@ def main() -> None:
         "--bucket-view",
         action="store_true",
         help="with --vms: pass --bucket-view to train.py (DDP's gradient_as_bucket_view=True)",
+    )
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="with --vms: pass --interleave to train.py (compute measured before every step)",
     )
     p.add_argument(
         "--kernel-driver",

@@ -202,7 +202,7 @@ xgboost-patches/build-xgboost.sh --test
 step "system tests: VMs (${DMLC_ACCEL:-tcg}), one test at a time"
 cargo test --locked -p dmlc-system-tests --test system -- --test-threads=1
 
-step "system tests: dmlc-qemu submit with the digits example, DDP and XGBoost (TCP, and the device with the patched build) on 2 VMs"
+step "system tests: dmlc-qemu submit with the digits example, DDP (userspace and kernel driver) and XGBoost (TCP, and the device with the patched build) on 2 VMs"
 cargo test --locked -p dmlc-qemu --test system -- --test-threads=1
 
 step "multi-host with the launcher: dmlc-qemu submit --hosts, 2 namespaces of TCG VMs"

@@ -12,7 +12,8 @@ nothing, so a step costs what DDP and the model cost with a free exchange,
 the floor under any backend (the ranks' parameters then differ).
 
 Prints, on rank 0, the median step time split into compute (forward and
-backward without the exchange, measured first under no_sync), the
+backward without the exchange, measured first under no_sync, or with
+--interleave before every step), the
 optimizer's update, and exchange (the rest: DDP's bucket copies and
 scaling, and the collectives that the backward did not hide), and on
 every rank the sha256 of its parameters, so that a caller can check that
@@ -150,6 +151,13 @@ def main() -> None:
         help="DDP(gradient_as_bucket_view=True): gradients live in DDP's buckets, so the "
         "copies into and out of the buckets go away (a DDP option; DDP itself unchanged)",
     )
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="measure the compute before every step instead of before all of them, so "
+        "that compute and step come from the same stretch of time on a noisy machine "
+        "(the parameters end the same either way)",
+    )
     p.add_argument("--json", type=Path, help="also write the results here ('-': print them)")
     a = p.parse_args()
 
@@ -168,17 +176,25 @@ def main() -> None:
         lo = ((step * world + rank) * a.batch) % (len(x) - a.batch)
         return x[lo : lo + a.batch], y[lo : lo + a.batch]
 
-    # Compute alone: forward and backward with DDP's exchange off.
-    compute = []
-    for s in range(5):
-        bx, by = batch(s)
+    compute: list[float] = []
+
+    def compute_alone(step: int) -> None:
+        """Forward and backward with DDP's exchange off; the gradients go."""
+        bx, by = batch(step)
         t = time.perf_counter()
         with net.no_sync():
             torch.nn.functional.cross_entropy(net(bx), by).backward()
         compute.append(time.perf_counter() - t)
         opt.zero_grad()
+
+    for s in range(5):
+        compute_alone(s)
+    if a.interleave:
+        compute.clear()  # those were the warm-up
     steps, updates = [], []
     for s in range(a.steps):
+        if a.interleave:
+            compute_alone(s)
         bx, by = batch(s)
         t = time.perf_counter()
         opt.zero_grad()
@@ -193,6 +209,12 @@ def main() -> None:
         acc = (net(ex).argmax(1) == ey).float().mean().item()
     flat = torch.cat([q.detach().reshape(-1) for q in net.parameters()])
     digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+    staged = None
+    if a.backend == "dmlc":
+        from dmlc.torch_backend import device  # noqa: PLC0415
+
+        dev = device()
+        staged = dev.staged_bytes if dev is not None else None
     dist.destroy_process_group()
 
     step_ms = statistics.median(steps) * 1e3
@@ -211,8 +233,12 @@ def main() -> None:
         "final_loss": round(loss.item(), 6),
         "accuracy": round(acc, 4),
         "params_sha256": digest,
+        "staged_bytes": staged,
     }
     print(f"rank {rank}: params sha256 {digest}")
+    if staged is not None:
+        # Over the kernel driver no bucket is staged: only DDP's allgather.
+        print(f"rank {rank}: dmlc staged {staged} bytes")
     if rank == 0:
         print(
             f"{a.backend}: {world} ranks, {params} parameters, step {step_ms:.2f} ms "

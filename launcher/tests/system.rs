@@ -5,7 +5,9 @@
 //!   and the test itself compares the fingerprints the ranks print and
 //!   checks the accuracy;
 //! - DDP, unmodified, on the host's userland (`--host-root`) in 2 VMs
-//!   through the device, both ranks ending with the same parameters;
+//!   through the device, both ranks ending with the same parameters: over
+//!   the userspace driver (buckets staged) and over the kernel driver
+//!   (`--kernel-driver`, no bucket staged);
 //! - stock XGBoost across 2 VMs over TCP (`--tracker rabit`, the host's
 //!   userland): both ranks print the same model hash and a sane accuracy;
 //! - a failed worker, Ctrl-C, a timeout and a VM whose QEMU fails each
@@ -398,24 +400,80 @@ fn digits_trains_on_two_vms_through_the_device() {
 
 /// DDP, unmodified, on the host's userland in 2 VMs (`--host-root`), its
 /// gradients through the device: both ranks print the same parameter
-/// digest. Needs `DMLC_PYTHON`, a Python with torch and the `dmlc` package
-/// (tests/run.sh passes the cached venv's), and the C library.
+/// digest, and say that their buckets were staged, every step's (the
+/// userspace driver reaches only its own memory). Needs `DMLC_PYTHON`, a Python with torch
+/// and the `dmlc` package (tests/run.sh passes the cached venv's), and the
+/// C library.
 #[test]
 fn ddp_trains_unmodified_on_two_vms_through_the_device() {
     let Some(env) = setup("ddp") else { return };
+    let Some(out) = ddp_on_two_vms(&env, "ddp", &[]) else {
+        return;
+    };
+    for r in 0..2 {
+        let staged: u64 = rank_value(&out, r, &format!("rank {r}: dmlc staged"))
+            .parse()
+            .expect("a byte count");
+        assert!(
+            staged > 0,
+            "rank {r}: nothing staged through the userspace driver:\n{out}"
+        );
+    }
+}
+
+/// The same over the kernel driver (`--kernel-driver`, `DMLC_KMOD` from
+/// kernel-driver/build.sh): every bucket goes to the device from the
+/// tensor's own pages, so each rank staged less than one step's gradient
+/// (only DDP's allgather at construction, which the package always stages).
+#[test]
+fn ddp_trains_unmodified_on_two_vms_through_the_kernel_driver() {
+    let Some(env) = setup("ddp-kernel") else {
+        return;
+    };
+    let Some(kmod) = std::env::var_os("DMLC_KMOD") else {
+        let what = "DMLC_KMOD is not set (kernel-driver/build.sh)";
+        if under_ci() {
+            panic!("ddp-kernel: cannot run under CI=true: {what}");
+        }
+        progress(&format!("SKIP ddp-kernel: {what}"));
+        return;
+    };
+    let kmod = kmod.to_str().expect("a UTF-8 path").to_owned();
+    let Some(out) = ddp_on_two_vms(&env, "ddp-kernel", &["--kernel-driver", &kmod]) else {
+        return;
+    };
+    let params: u64 = rank_value(&out, 0, "dmlc: 2 ranks,")
+        .parse()
+        .expect("a parameter count");
+    for r in 0..2 {
+        let staged: u64 = rank_value(&out, r, &format!("rank {r}: dmlc staged"))
+            .parse()
+            .expect("a byte count");
+        assert!(
+            staged < 4 * params,
+            "rank {r}: a bucket was staged over the kernel driver ({staged} bytes staged, \
+             one step's gradient is {} bytes):\n{out}",
+            4 * params
+        );
+    }
+}
+
+/// examples/torch/train.py with backend dmlc on 2 VMs; its output, after
+/// checking that both ranks ended with the same parameters (None: SKIP).
+fn ddp_on_two_vms(env: &Env, name: &str, extra: &[&str]) -> Option<String> {
     let Some(python) = std::env::var_os("DMLC_PYTHON") else {
         let what = "DMLC_PYTHON is not set (a Python with torch and the dmlc package: \
                     python/venv.sh, then pip install ./python)";
         if under_ci() {
-            panic!("ddp: cannot run under CI=true: {what}");
+            panic!("{name}: cannot run under CI=true: {what}");
         }
-        progress(&format!("SKIP ddp: {what}"));
-        return;
+        progress(&format!("SKIP {name}: {what}"));
+        return None;
     };
     let library = workspace_bin("DMLC_LIBRARY", "libdmlc_guest.so", "dmlc-capi");
     let root = vm::repo_root().unwrap();
     let train = root.join("examples/torch/train.py");
-    let mut cmd = env.command(&[
+    let mut args = vec![
         "submit",
         "--num-workers",
         "2",
@@ -424,6 +482,9 @@ fn ddp_trains_unmodified_on_two_vms_through_the_device() {
         "2G",
         "--timeout",
         "500",
+    ];
+    args.extend_from_slice(extra);
+    args.extend_from_slice(&[
         "--",
         python.to_str().unwrap(),
         train.to_str().unwrap(),
@@ -434,15 +495,20 @@ fn ddp_trains_unmodified_on_two_vms_through_the_device() {
         "--steps",
         "5",
     ]);
+    let mut cmd = env.command(&args);
     cmd.env("DMLC_LIBRARY", &library).current_dir(&root);
     let (code, out, err, took) = Running::start(cmd).finish(Duration::from_secs(560));
-    assert_eq!(code, Some(0), "dmlc-qemu failed:\n{out}\n{err}");
+    assert_eq!(code, Some(0), "{name}: dmlc-qemu failed:\n{out}\n{err}");
     let d0 = rank_value(&out, 0, "rank 0: params sha256");
     let d1 = rank_value(&out, 1, "rank 1: params sha256");
-    assert_eq!(d0, d1, "the ranks ended with different models:\n{out}");
+    assert_eq!(
+        d0, d1,
+        "{name}: the ranks ended with different models:\n{out}"
+    );
     assert!(out.contains("[rank 0] dmlc: 2 ranks"), "{out}");
-    progress(&format!("DDP on 2 VMs through the device in {:.0?}", took));
+    progress(&format!("{name}: DDP on 2 VMs in {took:.0?}"));
     env.assert_nothing_left();
+    Some(out)
 }
 
 /// The test accuracy of examples/xgboost/train.py's 5-round digits model

@@ -165,9 +165,11 @@ def torch_collectives(dev: Device) -> None:
     dev.broadcast(h[2:5], root=world - 1)
     check(list(h) == [rank, rank] + [world - 1] * 3 + [rank], f"empty() slice: {h}")
     check(dev._staging_len == 0, "a collective on device memory was staged")
+    check(dev.staged_bytes == 0, f"staged_bytes {dev.staged_bytes} without staging")
     s = torch.ones(10)
     dev.allreduce(s)
     check(dev._staging_len > 0 and torch.equal(s, torch.full((10,), float(world))), "staged")
+    check(dev.staged_bytes == 40, f"staged_bytes {dev.staged_bytes} after 40 B staged")
     for dt in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64):
         x = torch.arange(COUNT, dtype=torch.float32).to(dt) + rank
         dev.allreduce(x)

@@ -1,11 +1,14 @@
 """One member's device: collectives on numpy arrays and torch tensors.
 
-The device reads and writes only device-visible memory. An array or tensor
-made by :meth:`Device.empty` lives there, and an in-place collective on it
-goes to the device without a copy; anything else is copied into one
-staging buffer in that memory, run in place there, and copied back (one
-memmove each way, straight between the caller's memory and the staging
-buffer). Calls run in order on one worker thread per device, so blocking
+The device reads and writes only device-visible memory. Over the kernel
+driver that is any of the process's memory (the module pins the pages of
+each request), so an in-place allreduce or broadcast on any contiguous
+array or tensor goes to the device without a copy. Over the other
+transports an array or tensor made by :meth:`Device.empty` lives there and
+goes without a copy; anything else is copied into one staging buffer in
+that memory, run in place there, and copied back (one memmove each way,
+straight between the caller's memory and the staging buffer; counted in
+``staged_bytes``). Calls run in order on one worker thread per device, so blocking
 and asynchronous calls keep the order every member must issue them in, and
 an asynchronous call leaves the caller's thread free (ctypes releases the
 GIL while the C library waits).
@@ -191,8 +194,8 @@ class Device:
     """One member's handle on a virtio-dmlc device.
 
     Open it with :meth:`open_host` (a host process playing a VM, over the
-    backend's vhost-user socket), :meth:`open_pci` (inside a guest) or
-    :meth:`from_env` (the job's environment). Collectives take numpy arrays
+    backend's vhost-user socket), :meth:`open_pci` or :meth:`open_kernel`
+    (inside a guest) or :meth:`from_env` (the job's environment). Collectives take numpy arrays
     or CPU torch tensors; ``in place`` unless an ``out`` is given.
     """
 
@@ -204,6 +207,10 @@ class Device:
         # memory (the module pins it per request): no staging copy.
         self._wraps = wraps
         self._wrapped = ctypes.c_void_p()
+        #: Bytes of the caller's data that went through the staging buffer
+        #: (each collective's input counted once): 0 while every collective
+        #: reaches the caller's memory directly.
+        self.staged_bytes = 0
         self._dev = ctypes.c_void_p(handle)
         cfg = _capi.Config()
         self._check(lib.dmlc_get_config(self._dev, ctypes.byref(cfg)))
@@ -440,6 +447,7 @@ class Device:
                 return data
             step = self._chunk // _SIZES[dtype] * _SIZES[dtype]
             stage = self._stage(min(n, step))
+            self.staged_bytes += n
             for lo in range(0, n, step):
                 k = min(step, n - lo)
                 ctypes.memmove(stage, src + lo, k)
@@ -460,6 +468,7 @@ class Device:
                 return data
             step = self._chunk // _SIZES[dtype] * _SIZES[dtype]
             stage = self._stage(min(n, step))
+            self.staged_bytes += n
             for lo in range(0, n, step):
                 k = min(step, n - lo)
                 if self.rank == root:
@@ -480,6 +489,7 @@ class Device:
         def run() -> Any:
             buf, n, dtype = memory(data)
             stage = self._stage(n)
+            self.staged_bytes += n
             ctypes.memmove(stage, buf, n)
             self._run(_capi.REDUCE, dtype, rop, root, n, n)
             if self.rank == root:
@@ -499,6 +509,7 @@ class Device:
                     f"allgather output must hold {self.world_size} x {n} bytes of {dtype.name}"
                 )
             stage = self._stage(total)
+            self.staged_bytes += total
             # In place, the device reads this member's block at its rank's
             # place and writes every block.
             ctypes.memmove(stage + self.rank * n, src, n)
@@ -522,6 +533,7 @@ class Device:
                     f"reduce_scatter input must hold {self.world_size} x {n} bytes of {dtype.name}"
                 )
             stage = self._stage(total)
+            self.staged_bytes += total
             ctypes.memmove(stage, src, total)
             self._run(_capi.REDUCE_SCATTER, dtype, rop, 0, n, total)
             ctypes.memmove(dst, stage + self.rank * n, n)

@@ -7,8 +7,10 @@ environment (see :meth:`dmlc.Device.from_env`) and DDP runs unmodified.
 
 Every collective is queued on the device's worker thread and returns at
 once: its Work completes from that thread, so DDP's backward overlaps the
-exchange. Tensors are copied into device memory and back (one staging
-buffer); reduce ops map to the device's, AVG included; what the device
+exchange. Tensors go to the device from their own memory over the kernel
+driver (``DMLC_DEVICE=kernel``), and from tensors made by
+:meth:`dmlc.Device.empty`; others are copied into device memory and back
+(one staging buffer); reduce ops map to the device's, AVG included; what the device
 does not have raises NotImplementedError naming the op.
 """
 
@@ -24,7 +26,7 @@ from torch._C._distributed_c10d import _create_work_from_future
 
 from .device import Device, ReduceOp
 
-__all__ = ["ProcessGroupDmlc", "register"]
+__all__ = ["ProcessGroupDmlc", "device", "register"]
 
 BACKEND = "dmlc"
 
@@ -218,6 +220,12 @@ def _create(store: Any, rank: int, size: int, timeout: timedelta) -> ProcessGrou
             "(new_group with other ranks) are not supported"
         )
     return ProcessGroupDmlc(dev, rank, size)
+
+
+def device() -> Device | None:
+    """The device the backend opened in this process (None before any group):
+    for its counters, such as ``staged_bytes``."""
+    return _device
 
 
 def register() -> None:
