@@ -1,21 +1,24 @@
 """What one DDP gradient bucket costs inside a guest: the device's allreduce
-from Python (staged through the package's buffer, and straight from device
-memory), a 4 B allreduce and a barrier, against what DDP and the optimizer
-do to the same bucket anyway (one element-wise pass, one copy). Medians of
+from Python (of a torch tensor, and straight from device memory), a 4 B
+allreduce and a barrier, against what DDP and the optimizer do to the
+same bucket anyway (one element-wise pass, one copy). Medians of
 a few runs, printed by rank 0. Run it on N VMs through the device, e.g.:
 
     dmlc-qemu submit -n 2 --host-root --memory 2G --transport device \\
         -- python3 bench/guest-allreduce.py
 
 (PYTHONPATH must reach python/src and DMLC_LIBRARY the C library, as in
-the README's PyTorch example). The bucket defaults to 1.1M f32, the
-gradients of examples/torch/train.py's MLP.
+the README's PyTorch example). With `--kernel-driver KO` the tensor goes
+to the device from its own pages instead of through the staging buffer.
+The bucket defaults to 1.1M f32, the gradients of examples/torch/train.py's
+MLP.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import statistics
 import timeit
 from collections.abc import Callable
@@ -44,7 +47,7 @@ def main() -> None:
     nbytes = a.elems * 4
     # Every rank runs the same collectives in the same order; only rank 0 prints.
     rows = [
-        ("device allreduce, staged (a torch tensor)", lambda: dev.allreduce(bucket)),
+        ("device allreduce of a torch tensor", lambda: dev.allreduce(bucket)),
         ("device allreduce, device memory (no copy)", lambda: dev.allreduce(shared)),
         ("device allreduce of 4 B", lambda: dev.allreduce(torch.ones(1))),
         ("device barrier", dev.barrier),
@@ -57,9 +60,15 @@ def main() -> None:
         ),
     ]
     results = [(name, median_ms(fn, a.runs)) for name, fn in rows + local]
+    staged = dev.staged_bytes
     dev.close()
     if dev.rank == 0:
-        print(f"# {dev.world_size} members, bucket {nbytes / 1e6:.1f} MB, median of {a.runs}")
+        driver = os.environ.get("DMLC_DEVICE", "?")
+        how = "staged" if staged else "from its own pages"
+        print(
+            f"# {dev.world_size} members, bucket {nbytes / 1e6:.1f} MB, median of {a.runs}; "
+            f"DMLC_DEVICE={driver}: the torch tensor went {how} ({staged} bytes staged)"
+        )
         for name, ms in results:
             print(f"{name:45s} {ms:9.2f} ms")
 

@@ -38,6 +38,7 @@ fn help_explains_every_flag() {
         "--files <HOST:GUEST>",
         "--timeout <SECS>",
         "--log-dir <DIR>",
+        "--kernel-driver <KO>",
         "--backend <PATH>",
         "--backend-arg <ARG>",
         "--env <K=V>",
@@ -151,6 +152,23 @@ fn wrong_flags_get_clear_errors() {
         (
             &["submit", "-n", "2", "--tracker", "rabit", "--", "sh"],
             "--tracker rabit needs --host-root",
+        ),
+        (
+            &["submit", "-n", "2", "--kernel-driver", "/k.ko", "--", "sh"],
+            "--host-root",
+        ),
+        (
+            &[
+                "submit",
+                "-n",
+                "2",
+                "--host-root",
+                "--kernel-driver",
+                "/no/such/virtio_dmlc.ko",
+                "--",
+                "sh",
+            ],
+            "--kernel-driver /no/such/virtio_dmlc.ko: no such file",
         ),
         (
             &[
