@@ -213,11 +213,11 @@ size_t dmlc_dtype_size(int dtype);
 int dmlc_alloc(dmlc_device *dev, size_t bytes, dmlc_buffer **out);
 /* Wraps the caller's own `bytes` (> 0) at `data` as a buffer, without a
  * copy: only over the kernel transport (dmlc_open_kernel), whose module
- * pins those pages for each request; elsewhere DMLC_ERR_INVALID (allocate
- * with dmlc_alloc and copy). The memory stays the caller's: it must stay
- * valid until the buffer is freed and no request using it is pending, and
- * must not be touched while a request writes it. dmlc_free releases the
- * wrapper only. */
+ * pins those pages for each request; elsewhere DMLC_ERR_INVALID_ARGUMENT
+ * (allocate with dmlc_alloc and copy). The memory stays the caller's: it
+ * must stay valid until the buffer is freed and no request using it is
+ * pending, and must not be touched while a request writes it. dmlc_free
+ * releases the wrapper only. */
 int dmlc_wrap_memory(dmlc_device *dev, void *data, size_t bytes, dmlc_buffer **out);
 /* Frees a buffer. NULL is a no-op. */
 void dmlc_free(dmlc_buffer *buf);
