@@ -611,30 +611,15 @@ pub unsafe extern "C" fn dmlc_alloc(
     bytes: usize,
     out: *mut *mut DmlcBuffer,
 ) -> c_int {
-    guard(|| {
-        if out.is_null() {
-            return Err(Fail::invalid("out is NULL"));
-        }
-        // SAFETY: `out` is non-NULL and writable per the contract.
-        unsafe { out.write(std::ptr::null_mut()) };
-        // SAFETY: forwarded contract.
-        let d = unsafe { device(dev) }?;
-        if bytes == 0 {
-            return Err(Fail::invalid("cannot allocate 0 bytes"));
-        }
-        let buf = d.dev.alloc(bytes)?;
-        // C accesses the buffer through this pointer and keeps the rules of
-        // `DmaBuf` itself (dmlc_guest.h: no access while in flight).
-        let data = buf.as_ptr();
-        let boxed = Box::new(DmlcBuffer {
-            dev: Arc::clone(&d.dev),
-            buf,
-            data,
-        });
-        // SAFETY: `out` is non-NULL and writable per the contract.
-        unsafe { out.write(Box::into_raw(boxed)) };
-        Ok(())
-    })
+    // SAFETY: forwarded contract.
+    unsafe {
+        new_buffer(dev, out, |d| {
+            if bytes == 0 {
+                return Err(Fail::invalid("cannot allocate 0 bytes"));
+            }
+            Ok(d.alloc(bytes)?)
+        })
+    }
 }
 
 /// Wraps the caller's own memory as a buffer (kernel transport only).
@@ -652,6 +637,21 @@ pub unsafe extern "C" fn dmlc_wrap_memory(
     bytes: usize,
     out: *mut *mut DmlcBuffer,
 ) -> c_int {
+    // SAFETY: forwarded contract; C reaches the bytes only through `data`
+    // and keeps the rules of `DmaBuf` (dmlc_guest.h).
+    unsafe { new_buffer(dev, out, |d| Ok(d.wrap_caller_memory(data.cast(), bytes)?)) }
+}
+
+/// Sets `*out` to NULL, then to a new buffer of `dev` that `make` returns.
+///
+/// # Safety
+///
+/// `dev` is NULL or an open device; `out` is NULL or writable.
+unsafe fn new_buffer(
+    dev: *mut DmlcDevice,
+    out: *mut *mut DmlcBuffer,
+    make: impl FnOnce(&Device) -> Result<DmaBuf, Fail>,
+) -> c_int {
     guard(|| {
         if out.is_null() {
             return Err(Fail::invalid("out is NULL"));
@@ -660,13 +660,14 @@ pub unsafe extern "C" fn dmlc_wrap_memory(
         unsafe { out.write(std::ptr::null_mut()) };
         // SAFETY: forwarded contract.
         let d = unsafe { device(dev) }?;
-        // SAFETY: forwarded contract; C reaches the bytes only through
-        // `data` and keeps the rules of `DmaBuf` (dmlc_guest.h).
-        let buf = unsafe { d.dev.wrap_caller_memory(data.cast(), bytes) }?;
+        let buf = make(&d.dev)?;
+        // C accesses the buffer through this pointer and keeps the rules of
+        // `DmaBuf` itself (dmlc_guest.h: no access while in flight).
+        let data = buf.as_ptr();
         let boxed = Box::new(DmlcBuffer {
             dev: Arc::clone(&d.dev),
             buf,
-            data: data.cast(),
+            data,
         });
         // SAFETY: `out` is non-NULL and writable per the contract.
         unsafe { out.write(Box::into_raw(boxed)) };

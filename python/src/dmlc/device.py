@@ -633,52 +633,41 @@ class Device:
         (after `_direct`); none for a barrier. The result is left there.
         `block_bytes` is the per-member count in bytes."""
         try:
-            self._submit_and_wait(opcode, dtype, op, root, block_bytes, nbytes)
+            size = _SIZES[dtype]
+            if block_bytes % size:
+                raise ValueError(f"{block_bytes} bytes are not whole {dtype.name} elements")
+            req = self._req
+            req.opcode = opcode
+            req.dtype = dtype
+            req.op = op
+            req.root = root
+            req.count = block_bytes // size
+            req.flags = _capi.FLAG_IN_PLACE if nbytes else 0
+            self._seg.len = nbytes
+            lib = self._lib_
+            rc = lib.dmlc_submit(
+                self._dev,
+                0,
+                self._req_ref,
+                None,
+                0,
+                self._seg_ref if nbytes else None,
+                1 if nbytes else 0,
+                self._handle_ref,
+            )
+            self._check(rc)
+            done = self._done
+            rc = lib.dmlc_wait(self._dev, self._handle, -1, self._done_ref)
+            if rc != _capi.OK:
+                msg = (lib.dmlc_last_error_message() or b"").decode(errors="replace")
+                peer = None if done.peer == _capi.NO_PEER else done.peer
+                raise error_for(rc, msg or _strerror(lib, rc), done.detail, peer)
         finally:
             # The wrapper goes in any case: the driver keeps its own hold on
             # a request still pending after a wait that gave up on a device
             # that stopped answering (which then needs a reset, and the
             # module's reset unpins).
             self._unwrap()
-
-    def _submit_and_wait(
-        self,
-        opcode: int,
-        dtype: Dtype,
-        op: ReduceOp,
-        root: int,
-        block_bytes: int,
-        nbytes: int,
-    ) -> None:
-        size = _SIZES[dtype]
-        if block_bytes % size:
-            raise ValueError(f"{block_bytes} bytes are not whole {dtype.name} elements")
-        req = self._req
-        req.opcode = opcode
-        req.dtype = dtype
-        req.op = op
-        req.root = root
-        req.count = block_bytes // size
-        req.flags = _capi.FLAG_IN_PLACE if nbytes else 0
-        self._seg.len = nbytes
-        lib = self._lib_
-        rc = lib.dmlc_submit(
-            self._dev,
-            0,
-            self._req_ref,
-            None,
-            0,
-            self._seg_ref if nbytes else None,
-            1 if nbytes else 0,
-            self._handle_ref,
-        )
-        self._check(rc)
-        done = self._done
-        rc = lib.dmlc_wait(self._dev, self._handle, -1, self._done_ref)
-        if rc != _capi.OK:
-            msg = (lib.dmlc_last_error_message() or b"").decode(errors="replace")
-            peer = None if done.peer == _capi.NO_PEER else done.peer
-            raise error_for(rc, msg or _strerror(lib, rc), done.detail, peer)
 
     def _unwrap(self) -> None:
         """Frees the wrapper of the caller's memory made by `_direct`, if any."""
