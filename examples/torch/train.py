@@ -237,7 +237,7 @@ def main() -> None:
     }
     print(f"rank {rank}: params sha256 {digest}")
     if staged is not None:
-        # Over the kernel driver no bucket is staged: only DDP's allgather.
+        # Over the kernel driver nothing is staged; over the others, every bucket.
         print(f"rank {rank}: dmlc staged {staged} bytes")
     if rank == 0:
         print(

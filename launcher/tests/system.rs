@@ -7,7 +7,7 @@
 //! - DDP, unmodified, on the host's userland (`--host-root`) in 2 VMs
 //!   through the device, both ranks ending with the same parameters: over
 //!   the userspace driver (buckets staged) and over the kernel driver
-//!   (`--kernel-driver`, no bucket staged);
+//!   (`--kernel-driver`, nothing staged);
 //! - stock XGBoost across 2 VMs over TCP (`--tracker rabit`, the host's
 //!   userland): both ranks print the same model hash and a sane accuracy;
 //! - a failed worker, Ctrl-C, a timeout and a VM whose QEMU fails each
@@ -422,23 +422,17 @@ fn ddp_trains_unmodified_on_two_vms_through_the_device() {
 }
 
 /// The same over the kernel driver (`--kernel-driver`, `DMLC_KMOD` from
-/// kernel-driver/build.sh): every bucket goes to the device from the
-/// tensor's own pages, so each rank staged less than one step's gradient
-/// (only DDP's allgather at construction, which the package always stages).
+/// kernel-driver/build.sh): every collective, each bucket and DDP's
+/// broadcasts and allgather at construction, goes to the device from the
+/// tensors' own pages, so no rank staged a byte.
 #[test]
 fn ddp_trains_unmodified_on_two_vms_through_the_kernel_driver() {
     let Some(env) = setup("ddp-kernel") else {
         return;
     };
-    let Some(kmod) = std::env::var_os("DMLC_KMOD") else {
-        let what = "DMLC_KMOD is not set (kernel-driver/build.sh)";
-        if under_ci() {
-            panic!("ddp-kernel: cannot run under CI=true: {what}");
-        }
-        progress(&format!("SKIP ddp-kernel: {what}"));
+    let Some(kmod) = kernel_module("ddp-kernel") else {
         return;
     };
-    let kmod = kmod.to_str().expect("a UTF-8 path").to_owned();
     let Some(out) = ddp_on_two_vms(&env, "ddp-kernel", &["--kernel-driver", &kmod]) else {
         return;
     };
@@ -449,18 +443,87 @@ fn ddp_trains_unmodified_on_two_vms_through_the_kernel_driver() {
         let staged: u64 = rank_value(&out, r, &format!("rank {r}: dmlc staged"))
             .parse()
             .expect("a byte count");
-        assert!(
-            staged < 4 * params,
-            "rank {r}: a bucket was staged over the kernel driver ({staged} bytes staged, \
-             one step's gradient is {} bytes):\n{out}",
+        assert_eq!(
+            staged,
+            0,
+            "rank {r}: staged over the kernel driver (one step's gradient is {} bytes):\n{out}",
             4 * params
         );
     }
 }
 
+/// Every collective of the Python package, in place and out of place, on
+/// plain numpy arrays in 2 VMs over the kernel driver: the ranks check
+/// their results themselves (`python/tests/ranks.py unstaged`), including
+/// that nothing went through the staging buffer.
+#[test]
+fn python_collectives_go_unstaged_through_the_kernel_driver() {
+    let name = "py-kernel";
+    let Some(env) = setup(name) else {
+        return;
+    };
+    let Some(kmod) = kernel_module(name) else {
+        return;
+    };
+    let ranks = vm::repo_root().unwrap().join("python/tests/ranks.py");
+    let flags = ["--kernel-driver", &kmod];
+    let Some(out) = python_on_two_vms(
+        &env,
+        name,
+        &flags,
+        &[ranks.to_str().unwrap(), "unstaged", "-"],
+    ) else {
+        return;
+    };
+    for r in 0..2 {
+        let checks: u32 = rank_value(&out, r, "checks passed:")
+            .parse()
+            .expect("a count");
+        assert!(checks >= 10, "rank {r} ran only {checks} checks:\n{out}");
+    }
+}
+
+/// The kernel module from kernel-driver/build.sh (`DMLC_KMOD`; None: SKIP).
+fn kernel_module(name: &str) -> Option<String> {
+    let Some(kmod) = std::env::var_os("DMLC_KMOD") else {
+        let what = "DMLC_KMOD is not set (kernel-driver/build.sh)";
+        if under_ci() {
+            panic!("{name}: cannot run under CI=true: {what}");
+        }
+        progress(&format!("SKIP {name}: {what}"));
+        return None;
+    };
+    Some(kmod.to_str().expect("a UTF-8 path").to_owned())
+}
+
 /// examples/torch/train.py with backend dmlc on 2 VMs; its output, after
 /// checking that both ranks ended with the same parameters (None: SKIP).
-fn ddp_on_two_vms(env: &Env, name: &str, extra: &[&str]) -> Option<String> {
+fn ddp_on_two_vms(env: &Env, name: &str, flags: &[&str]) -> Option<String> {
+    let train = vm::repo_root().unwrap().join("examples/torch/train.py");
+    let program = [
+        train.to_str().unwrap(),
+        "--backend",
+        "dmlc",
+        "--hidden",
+        "64",
+        "--steps",
+        "5",
+    ];
+    let out = python_on_two_vms(env, name, flags, &program)?;
+    let d0 = rank_value(&out, 0, "rank 0: params sha256");
+    let d1 = rank_value(&out, 1, "rank 1: params sha256");
+    assert_eq!(
+        d0, d1,
+        "{name}: the ranks ended with different models:\n{out}"
+    );
+    assert!(out.contains("[rank 0] dmlc: 2 ranks"), "{out}");
+    Some(out)
+}
+
+/// `dmlc-qemu submit --host-root` of a Python program (DMLC_PYTHON, with
+/// the dmlc package) on 2 VMs; its output once the job succeeded and left
+/// nothing behind (None: SKIP).
+fn python_on_two_vms(env: &Env, name: &str, flags: &[&str], program: &[&str]) -> Option<String> {
     let Some(python) = std::env::var_os("DMLC_PYTHON") else {
         let what = "DMLC_PYTHON is not set (a Python with torch and the dmlc package: \
                     python/venv.sh, then pip install ./python)";
@@ -471,8 +534,6 @@ fn ddp_on_two_vms(env: &Env, name: &str, extra: &[&str]) -> Option<String> {
         return None;
     };
     let library = workspace_bin("DMLC_LIBRARY", "libdmlc_guest.so", "dmlc-capi");
-    let root = vm::repo_root().unwrap();
-    let train = root.join("examples/torch/train.py");
     let mut args = vec![
         "submit",
         "--num-workers",
@@ -483,30 +544,15 @@ fn ddp_on_two_vms(env: &Env, name: &str, extra: &[&str]) -> Option<String> {
         "--timeout",
         "500",
     ];
-    args.extend_from_slice(extra);
-    args.extend_from_slice(&[
-        "--",
-        python.to_str().unwrap(),
-        train.to_str().unwrap(),
-        "--backend",
-        "dmlc",
-        "--hidden",
-        "64",
-        "--steps",
-        "5",
-    ]);
+    args.extend_from_slice(flags);
+    args.extend_from_slice(&["--", python.to_str().unwrap()]);
+    args.extend_from_slice(program);
     let mut cmd = env.command(&args);
-    cmd.env("DMLC_LIBRARY", &library).current_dir(&root);
+    cmd.env("DMLC_LIBRARY", &library)
+        .current_dir(vm::repo_root().unwrap());
     let (code, out, err, took) = Running::start(cmd).finish(Duration::from_secs(560));
     assert_eq!(code, Some(0), "{name}: dmlc-qemu failed:\n{out}\n{err}");
-    let d0 = rank_value(&out, 0, "rank 0: params sha256");
-    let d1 = rank_value(&out, 1, "rank 1: params sha256");
-    assert_eq!(
-        d0, d1,
-        "{name}: the ranks ended with different models:\n{out}"
-    );
-    assert!(out.contains("[rank 0] dmlc: 2 ranks"), "{out}");
-    progress(&format!("{name}: DDP on 2 VMs in {took:.0?}"));
+    progress(&format!("{name}: 2 VMs in {took:.0?}"));
     env.assert_nothing_left();
     Some(out)
 }

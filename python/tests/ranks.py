@@ -150,6 +150,55 @@ def numpy_collectives(dev: Device) -> None:
     check(True, "barrier")
 
 
+def unstaged(dev: Device) -> None:
+    """Every collective, in place and out of place, on memory the device
+    reaches without staging: arrays from empty(), or over the kernel
+    transport plain numpy arrays."""
+    world, rank = dev.world_size, dev.rank
+    staged_before = dev.staged_bytes
+
+    def alloc(n: int, t: type[np.generic]) -> np.ndarray:
+        return np.empty(n, t) if dev.reaches_any_memory else dev.empty(n, t)
+
+    a, b = alloc(8, np.int64), alloc(8, np.int64)
+    a[:], b[:] = np.arange(8) + rank, -1
+    dev.allreduce(a, "max", out=b)
+    check(list(b) == list(np.arange(8) + world - 1), f"out of place: {b}")
+    check(list(a) == list(np.arange(8) + rank), f"out of place changed its input: {a}")
+    a[:] = rank + 1
+    dev.reduce(a, "prod", root=world - 1)
+    want = float(np.prod(np.arange(1, world + 1))) if rank == world - 1 else rank + 1
+    check(list(a) == [want] * 8, f"reduce: {a}")
+    g = alloc(world * 2, np.int32)
+    g[:] = -1
+    block = alloc(2, np.int32)
+    block[:] = rank
+    dev.allgather(block, g)
+    check(list(g) == [q for q in range(world) for _ in range(2)], f"allgather: {g}")
+    g[:] = -1
+    g[rank * 2 : rank * 2 + 2] = rank + 10
+    dev.allgather(g[rank * 2 : rank * 2 + 2], g)
+    check(list(g) == [q + 10 for q in range(world) for _ in range(2)], f"in-place allgather: {g}")
+    big = alloc(world * 3, np.float32)
+    big[:] = np.arange(world * 3) + rank
+    mine = alloc(3, np.float32)
+    dev.reduce_scatter(big, mine)
+    total = sum(np.arange(world * 3, dtype=np.float32) + q for q in range(world))
+    check(list(mine) == list(total[rank * 3 : rank * 3 + 3]), f"reduce_scatter: {mine}")
+    dev.reduce_scatter(big, big[rank * 3 : rank * 3 + 3])
+    check(list(big[rank * 3 : rank * 3 + 3]) == list(mine), f"in-place reduce_scatter: {big}")
+    h = alloc(6, np.int32)
+    h[:] = rank
+    dev.broadcast(h[2:5], root=world - 1)
+    check(list(h) == [rank, rank] + [world - 1] * 3 + [rank], f"broadcast of a slice: {h}")
+    # Many pages, from an offset within one.
+    x, y = alloc(300_001, np.float32)[1:], alloc(300_000, np.float32)
+    x[:] = rank + 0.5
+    dev.allreduce(x, out=y)
+    check(bool(np.all(y == world * world / 2)), "out of place over many pages")
+    check(dev.staged_bytes == staged_before, f"{dev.staged_bytes - staged_before} B staged")
+
+
 def torch_collectives(dev: Device) -> None:
     import torch
 
@@ -160,16 +209,21 @@ def torch_collectives(dev: Device) -> None:
     z.fill_(float(rank + 1))
     dev.allreduce(z)
     check(torch.equal(z, torch.full((2, 500), float(sum(range(1, world + 1))))), "empty()")
-    h = dev.empty(6, np.int32)
-    h[:] = rank
-    dev.broadcast(h[2:5], root=world - 1)
-    check(list(h) == [rank, rank] + [world - 1] * 3 + [rank], f"empty() slice: {h}")
+    unstaged(dev)
     check(dev._staging_len == 0, "a collective on device memory was staged")
     check(dev.staged_bytes == 0, f"staged_bytes {dev.staged_bytes} without staging")
     s = torch.ones(10)
     dev.allreduce(s)
     check(dev._staging_len > 0 and torch.equal(s, torch.full((10,), float(world))), "staged")
     check(dev.staged_bytes == 40, f"staged_bytes {dev.staged_bytes} after 40 B staged")
+    # Input and output that overlap (not in the in-place form) are staged,
+    # even in device memory.
+    a = dev.empty(8, np.int64)
+    a[:] = np.arange(8) + rank
+    dev.allreduce(a[0:4], out=a[2:6])
+    sums = [sum(i + q for q in range(world)) for i in range(4)]
+    check(list(a) == [rank, 1 + rank, *sums, 6 + rank, 7 + rank], f"overlapping out: {a}")
+    check(dev.staged_bytes == 40 + 32, f"staged_bytes {dev.staged_bytes} after an overlap")
     for dt in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64):
         x = torch.arange(COUNT, dtype=torch.float32).to(dt) + rank
         dev.allreduce(x)
@@ -333,6 +387,7 @@ def ddp(backend: str, store_path: str) -> None:
 SCENARIOS: dict[str, Callable[[Device], Any]] = {
     "numpy": numpy_collectives,
     "torch": torch_collectives,
+    "unstaged": unstaged,
     "mismatch": mismatch,
     "lost": lost,
 }
@@ -344,6 +399,9 @@ def main() -> None:
         from_env(socket)
     elif scenario == "ddp":
         ddp(sys.argv[3], sys.argv[4])
+    elif socket == "-":  # the job's environment (in a VM: dmlc-qemu submit)
+        with Device.from_env() as dev:
+            SCENARIOS[scenario](dev)
     else:
         with Device.open_host(socket, dma_bytes=64 << 20) as dev:
             SCENARIOS[scenario](dev)

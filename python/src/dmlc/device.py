@@ -2,13 +2,14 @@
 
 The device reads and writes only device-visible memory. Over the kernel
 driver that is any of the process's memory (the module pins the pages of
-each request), so an in-place allreduce or broadcast on any contiguous
-array or tensor goes to the device without a copy. Over the other
-transports an array or tensor made by :meth:`Device.empty` lives there and
-goes without a copy; anything else is copied into one staging buffer in
+each request), so every collective on contiguous arrays or tensors goes to
+the device without a copy. Over the other transports an array or tensor
+made by :meth:`Device.empty` lives there and goes without a copy; a
+collective that touches anything else is copied into one staging buffer in
 that memory, run in place there, and copied back (one memmove each way,
 straight between the caller's memory and the staging buffer; counted in
-``staged_bytes``). Calls run in order on one worker thread per device, so blocking
+``staged_bytes``), as is one whose input and output overlap other than in
+the in-place form. Calls run in order on one worker thread per device, so blocking
 and asynchronous calls keep the order every member must issue them in, and
 an asynchronous call leaves the caller's thread free (ctypes releases the
 GIL while the C library waits).
@@ -206,7 +207,9 @@ class Device:
         # Over the kernel transport the device reaches any of this process's
         # memory (the module pins it per request): no staging copy.
         self._wraps = wraps
-        self._wrapped = ctypes.c_void_p()
+        # Wrappers of the caller's memory for the request in flight (input,
+        # output): freed when it completes.
+        self._wrapped: list[ctypes.c_void_p] = []
         #: Bytes of the caller's data that went through the staging buffer
         #: (each collective's input counted once): 0 while every collective
         #: reaches the caller's memory directly.
@@ -230,10 +233,12 @@ class Device:
         # a small collective under TCG).
         self._req = _capi.Request(tag=0, timeout_ms=0)
         self._seg = _capi.Segment(offset=0)
+        self._in_seg = _capi.Segment(offset=0)
         self._done = _capi.Completion()
         self._handle = ctypes.c_void_p()
         self._req_ref = ctypes.byref(self._req)
         self._seg_ref = ctypes.byref(self._seg)
+        self._in_seg_ref = ctypes.byref(self._in_seg)
         self._done_ref = ctypes.byref(self._done)
         self._handle_ref = ctypes.byref(self._handle)
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
@@ -242,6 +247,13 @@ class Device:
         self._worker = threading.Thread(target=self._serve, name="dmlc-device", daemon=True)
         self._worker.start()
         self._closed = False
+
+    @property
+    def reaches_any_memory(self) -> bool:
+        """True over the kernel transport, where collectives on any
+        contiguous array or tensor go to the device without a copy; False
+        where only arrays from :meth:`empty` do."""
+        return self._wraps
 
     # ---- opening ----------------------------------------------------------
 
@@ -442,9 +454,9 @@ class Device:
         def run() -> Any:
             src, n, dtype = memory(data)
             dst = src if out is None else self._same(out, n, dtype)
-            if dst == src and n <= self.max_bytes and self._direct(src, n):
-                self._run(_capi.ALLREDUCE, dtype, rop, 0, n, n)
-                return data
+            if n <= self.max_bytes and self._direct_pair(src, n, dst, n, dst == src):
+                self._run(_capi.ALLREDUCE, dtype, rop, 0, n, n, in_bytes=0 if dst == src else n)
+                return data if out is None else out
             step = self._chunk // _SIZES[dtype] * _SIZES[dtype]
             stage = self._stage(min(n, step))
             self.staged_bytes += n
@@ -463,7 +475,7 @@ class Device:
 
         def run() -> Any:
             buf, n, dtype = memory(data)
-            if n <= self.max_bytes and self._direct(buf, n):
+            if n <= self.max_bytes and self._direct(buf, n, self._seg):
                 self._run(_capi.BROADCAST, dtype, ReduceOp.SUM, root, n, n)
                 return data
             step = self._chunk // _SIZES[dtype] * _SIZES[dtype]
@@ -488,6 +500,10 @@ class Device:
 
         def run() -> Any:
             buf, n, dtype = memory(data)
+            # In place, a non-root member's buffer is only read.
+            if self._direct(buf, n, self._seg):
+                self._run(_capi.REDUCE, dtype, rop, root, n, n)
+                return data
             stage = self._stage(n)
             self.staged_bytes += n
             ctypes.memmove(stage, buf, n)
@@ -508,6 +524,13 @@ class Device:
                 raise ValueError(
                     f"allgather output must hold {self.world_size} x {n} bytes of {dtype.name}"
                 )
+            # `data` as block `rank` of `out` is the in-place form.
+            in_place = src == dst + self.rank * n
+            if self._direct_pair(src, n, dst, total, in_place):
+                self._run(
+                    _capi.ALLGATHER, dtype, ReduceOp.SUM, 0, n, total, in_bytes=0 if in_place else n
+                )
+                return out
             stage = self._stage(total)
             self.staged_bytes += total
             # In place, the device reads this member's block at its rank's
@@ -532,6 +555,14 @@ class Device:
                 raise ValueError(
                     f"reduce_scatter input must hold {self.world_size} x {n} bytes of {dtype.name}"
                 )
+            # `out` as block `rank` of `data` is the in-place form (on `data`).
+            in_place = dst == src + self.rank * n
+            if in_place and self._direct(src, total, self._seg):
+                self._run(_capi.REDUCE_SCATTER, dtype, rop, 0, n, total)
+                return out
+            if not in_place and self._direct_pair(src, total, dst, n, False):
+                self._run(_capi.REDUCE_SCATTER, dtype, rop, 0, n, n, in_bytes=total)
+                return out
             stage = self._stage(total)
             self.staged_bytes += total
             ctypes.memmove(stage, src, total)
@@ -602,22 +633,45 @@ class Device:
         self._seg.offset = 0
         return self._staging_addr
 
-    def _direct(self, addr: int, nbytes: int) -> bool:
-        """Points the request at the caller's memory if the device can reach
-        it: device memory (from empty()), or any memory over the kernel
+    def _direct(self, addr: int, nbytes: int, seg: _capi.Segment) -> bool:
+        """Points `seg` at the caller's memory if the device can reach it:
+        device memory (from empty()), or any memory over the kernel
         transport (wrapped until `_run` returns); False if it must be staged."""
         found = self._device_memory(addr, nbytes)
         if found is None and self._wraps and nbytes:
+            wrapper = ctypes.c_void_p()
             self._check(
                 self._lib_.dmlc_wrap_memory(
-                    self._dev, ctypes.c_void_p(addr), nbytes, ctypes.byref(self._wrapped)
+                    self._dev, ctypes.c_void_p(addr), nbytes, ctypes.byref(wrapper)
                 )
             )
-            found = self._wrapped, 0
+            self._wrapped.append(wrapper)
+            found = wrapper, 0
         if found is None:
             return False
-        self._seg.buf, self._seg.offset = found
+        seg.buf, seg.offset = found
         return True
+
+    def _direct_pair(
+        self, src: int, src_bytes: int, dst: int, dst_bytes: int, in_place: bool
+    ) -> bool:
+        """`_direct` for a request's output (`dst`) and, unless `in_place`,
+        its input (`src`); False (nothing wrapped) if either must be staged,
+        or if the two overlap other than in the in-place form."""
+        if in_place:
+            return self._direct(dst, dst_bytes, self._seg)
+        if src < dst + dst_bytes and dst < src + src_bytes:
+            return False
+        try:
+            if self._direct(src, src_bytes, self._in_seg) and self._direct(
+                dst, dst_bytes, self._seg
+            ):
+                return True
+        except BaseException:
+            self._unwrap()
+            raise
+        self._unwrap()
+        return False
 
     def _run(
         self,
@@ -627,11 +681,15 @@ class Device:
         root: int,
         block_bytes: int,
         nbytes: int,
+        *,
+        in_bytes: int = 0,
     ) -> None:
-        """Runs one in-place request on `nbytes` of device memory: the staging
-        buffer that the caller filled (after `_stage`), or the caller's own
-        (after `_direct`); none for a barrier. The result is left there.
-        `block_bytes` is the per-member count in bytes."""
+        """Runs one request on `nbytes` of device memory: the staging buffer
+        that the caller filled (after `_stage`), or the caller's own (after
+        `_direct`); none for a barrier. In place, the result is left there;
+        with `in_bytes`, the request is out of place and reads its input
+        from the segment `_direct_pair` set. `block_bytes` is the per-member
+        count in bytes."""
         try:
             size = _SIZES[dtype]
             if block_bytes % size:
@@ -642,15 +700,16 @@ class Device:
             req.op = op
             req.root = root
             req.count = block_bytes // size
-            req.flags = _capi.FLAG_IN_PLACE if nbytes else 0
+            req.flags = _capi.FLAG_IN_PLACE if nbytes and not in_bytes else 0
             self._seg.len = nbytes
+            self._in_seg.len = in_bytes
             lib = self._lib_
             rc = lib.dmlc_submit(
                 self._dev,
                 0,
                 self._req_ref,
-                None,
-                0,
+                self._in_seg_ref if in_bytes else None,
+                1 if in_bytes else 0,
                 self._seg_ref if nbytes else None,
                 1 if nbytes else 0,
                 self._handle_ref,
@@ -670,10 +729,9 @@ class Device:
             self._unwrap()
 
     def _unwrap(self) -> None:
-        """Frees the wrapper of the caller's memory made by `_direct`, if any."""
-        if self._wrapped:
-            self._lib_.dmlc_free(self._wrapped)
-            self._wrapped = ctypes.c_void_p()
+        """Frees the wrappers of the caller's memory made by `_direct`."""
+        while self._wrapped:
+            self._lib_.dmlc_free(self._wrapped.pop())
 
 
 def _strerror(lib: ctypes.CDLL, rc: int) -> str:
