@@ -555,13 +555,13 @@ class Device:
                 raise ValueError(
                     f"reduce_scatter input must hold {self.world_size} x {n} bytes of {dtype.name}"
                 )
-            # `out` as block `rank` of `data` is the in-place form (on `data`).
+            # `out` as block `rank` of `data` is the in-place form, whose one
+            # buffer is `data`.
             in_place = dst == src + self.rank * n
-            if in_place and self._direct(src, total, self._seg):
-                self._run(_capi.REDUCE_SCATTER, dtype, rop, 0, n, total)
-                return out
-            if not in_place and self._direct_pair(src, total, dst, n, False):
-                self._run(_capi.REDUCE_SCATTER, dtype, rop, 0, n, n, in_bytes=total)
+            out_addr, out_bytes = (src, total) if in_place else (dst, n)
+            if self._direct_pair(src, total, out_addr, out_bytes, in_place):
+                in_bytes = 0 if in_place else total
+                self._run(_capi.REDUCE_SCATTER, dtype, rop, 0, n, out_bytes, in_bytes=in_bytes)
                 return out
             stage = self._stage(total)
             self.staged_bytes += total
