@@ -384,6 +384,239 @@ def ddp(backend: str, store_path: str) -> None:
     print(f"params sum: {params.double().sum().item():.9e}")
 
 
+def _torch_group(store_path: str) -> Any:
+    """Joins the "dmlc" process group of the job (rank and size from the
+    environment) over a FileStore at `store_path`; returns the store."""
+    import torch.distributed as dist
+
+    import dmlc.torch_backend  # noqa: F401 (registers "dmlc" from a source tree)
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("dmlc", store=store, rank=rank, world_size=world)
+    return store
+
+
+def _raises(kind: type[BaseException], match: str, fn: Callable[[], Any]) -> BaseException:
+    """Runs `fn`, which must raise `kind` with `match` in its message."""
+    try:
+        fn()
+    except kind as e:
+        check(match in str(e), f"{kind.__name__} without {match!r}: {e}")
+        return e
+    check(False, f"no {kind.__name__} ({match!r})")
+    raise AssertionError  # unreachable: check(False) raised
+
+
+def torch_values(store_path: str) -> None:
+    """The dtypes the device lacks, through dist.*: right values against a
+    numpy reference, or a clear error at the call."""
+    import torch
+    import torch.distributed as dist
+
+    _torch_group(store_path)
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def mine(r: int) -> np.ndarray:
+        return np.array([1, -2, 300, 32767, -32768, 7 * r], dtype=np.int16) * np.int16(r + 1)
+
+    every = [mine(r) for r in range(world)]
+    for op, fold in (
+        (dist.ReduceOp.SUM, lambda a, b: a + b),
+        (dist.ReduceOp.PRODUCT, lambda a, b: a * b),
+        (dist.ReduceOp.MIN, np.minimum),
+        (dist.ReduceOp.BXOR, np.bitwise_xor),
+    ):
+        t = torch.from_numpy(mine(rank).copy())
+        dist.all_reduce(t, op=op)
+        want = every[0]
+        with np.errstate(over="ignore"):
+            for x in every[1:]:
+                want = fold(want, x).astype(np.int16)
+        check(np.array_equal(t.numpy(), want), f"int16 {op}: {t} != {want}")
+    u = torch.tensor([65535, 1, 40000], dtype=torch.uint16)
+    dist.all_reduce(u)
+    want16 = (np.array([65535, 1, 40000], dtype=np.uint32) * world % 65536).astype(np.uint16)
+    check(np.array_equal(u.numpy(), want16), f"uint16 sum: {u}")
+    bits = [np.array([r == 0, True, False, r % 2 == 1]) for r in range(world)]
+    for op, fold in (
+        (dist.ReduceOp.SUM, np.logical_or),
+        (dist.ReduceOp.PRODUCT, np.logical_and),
+        (dist.ReduceOp.MAX, np.logical_or),
+        (dist.ReduceOp.MIN, np.logical_and),
+        (dist.ReduceOp.BXOR, np.logical_xor),
+    ):
+        b = torch.from_numpy(bits[rank].copy())
+        dist.all_reduce(b, op=op)
+        want_b = bits[0]
+        for x in bits[1:]:
+            want_b = fold(want_b, x)
+        check(b.dtype == torch.bool and np.array_equal(b.numpy(), want_b), f"bool {op}: {b}")
+    b = torch.from_numpy(bits[rank].copy())
+    dist.broadcast(b, src=world - 1)
+    check(np.array_equal(b.numpy(), bits[world - 1]), f"bool broadcast: {b}")
+    outs = [torch.zeros(4, dtype=torch.bool) for _ in range(world)]
+    dist.all_gather(outs, torch.from_numpy(bits[rank].copy()))
+    check(all(np.array_equal(o.numpy(), bits[q]) for q, o in enumerate(outs)), "bool all_gather")
+    z = torch.tensor([1 + 2j, -3 + 0.5j], dtype=torch.complex64) * (rank + 1)
+    dist.all_reduce(z)
+    tri = world * (world + 1) // 2
+    check(torch.equal(z, torch.tensor([1 + 2j, -3 + 0.5j], dtype=torch.complex64) * tri), f"{z}")
+    big = torch.from_numpy(np.concatenate([mine(rank)] * world))
+    part = torch.zeros(6, dtype=torch.int16)
+    dist.reduce_scatter_tensor(part, big)
+    with np.errstate(over="ignore"):
+        want_rs = sum(every[1:], every[0]).astype(np.int16)
+    check(np.array_equal(part.numpy(), want_rs), f"int16 reduce_scatter: {part}")
+    # Refused at the call, naming what is missing.
+    _raises(
+        TypeError, "float8_e4m3fn", lambda: dist.all_reduce(torch.zeros(2).to(torch.float8_e4m3fn))
+    )
+    _raises(ValueError, "MAX", lambda: dist.all_reduce(z, op=dist.ReduceOp.MAX))
+    _raises(ValueError, "AVG", lambda: dist.all_reduce(b, op=dist.ReduceOp.AVG))
+    _raises(
+        NotImplementedError,
+        "all_to_all",
+        lambda: dist.all_to_all_single(torch.zeros(world), torch.zeros(world)),
+    )
+    _raises(NotImplementedError, "send", lambda: dist.send(torch.zeros(1), dst=(rank + 1) % world))
+    # Sparse: the sum of every rank's entries, duplicates added.
+    idx = torch.tensor([[rank, 2, 5]])
+    sp = torch.sparse_coo_tensor(idx, torch.tensor([1.0, 2.0, 0.5]), (8,), check_invariants=True)
+    dist.all_reduce(sp)
+    want_sp = np.zeros(8, dtype=np.float32)
+    for r in range(world):
+        np.add.at(want_sp, [r, 2, 5], [1.0, 2.0, 0.5])
+    check(sp.is_sparse and np.array_equal(sp.to_dense().numpy(), want_sp), f"sparse: {sp}")
+    dist.destroy_process_group()
+
+
+def torch_failures(store_path: str) -> None:
+    """Failed collectives reach torch: Work.wait() raises the device's
+    exception, the Work's future fails, DDP's backward raises; the group,
+    its sub-groups and its timeout behave as torch expects."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from dmlc.torch_backend import BackendDmlc
+
+    store = _torch_group(store_path)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pg = dist.group.WORLD
+    backend = pg._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
+    check(isinstance(backend, BackendDmlc), f"the CPU backend is {type(backend)}")
+    check(dist.get_backend() == "dmlc" and backend.name() == "dmlc", dist.get_backend())
+    # Counts between the ranks differ: MISMATCH, its field and peer, on every rank.
+    w = dist.all_reduce(torch.zeros(4 + rank), async_op=True)
+    e = _raises(dmlc.MismatchError, "count", w.wait)
+    check(e.fields == ["count"] and e.peer == 1, f"fields {e.fields} peer {e.peer}")
+    fut = dist.all_reduce(torch.zeros(4 + rank), async_op=True).get_future()
+    _raises(RuntimeError, "MismatchError", fut.wait)
+    direct = backend.allreduce([torch.zeros(4 + rank)])
+    _raises(dmlc.MismatchError, "count", direct.wait)
+    check(direct.is_completed() and not direct.is_success(), "a failed Work is a success")
+    # The group goes on; sequence numbers count collectives.
+    before = backend._get_sequence_number_for_group()
+    dist.barrier()
+    check(backend._get_sequence_number_for_group() == before + 1, "sequence number")
+    # A sub-group of every rank, and its destruction.
+    g = dist.new_group()
+    t = torch.ones(3)
+    dist.all_reduce(t, group=g)
+    check(torch.equal(t, torch.full((3,), float(world))), f"new_group: {t}")
+    dist.destroy_process_group(g)
+    outs = [[torch.zeros(2) for _ in range(world)], [torch.zeros(1) for _ in range(world)]]
+    dist.all_gather_coalesced(outs, [torch.full((2,), float(rank)), torch.full((1,), rank + 0.5)])
+    check(all(torch.equal(outs[0][q], torch.full((2,), float(q))) for q in range(world)), "coal 0")
+    check(all(torch.equal(outs[1][q], torch.full((1,), q + 0.5)) for q in range(world)), "coal 1")
+
+    # DDP with sparse gradients trains as one process over the whole batch.
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.EmbeddingBag(50, 8, mode="sum", sparse=True), torch.nn.Linear(8, 3)
+        )
+
+    gen = torch.Generator().manual_seed(1)
+    xs = torch.randint(0, 50, (4, world * 3, 5), generator=gen)
+    ys = torch.randint(0, 3, (4, world * 3), generator=gen)
+    net = DistributedDataParallel(model())
+    ref = model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    loss_fn = torch.nn.functional.cross_entropy
+    for x, y in zip(xs, ys):
+        opt.zero_grad()
+        loss_fn(net(x[rank * 3 : rank * 3 + 3]), y[rank * 3 : rank * 3 + 3]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        per_rank = [loss_fn(ref(x[r * 3 : r * 3 + 3]), y[r * 3 : r * 3 + 3]) for r in range(world)]
+        (sum(per_rank) / world).backward()
+        ref_opt.step()
+    err = max((a - b).abs().max().item() for a, b in zip(net.module.parameters(), ref.parameters()))
+    check(err < 1e-5, f"sparse DDP differs from one process by {err}")
+
+    # A comm hook whose collective mismatches: backward raises, no crash.
+    # No annotations: DDP refuses a hook whose bucket is not annotated GradBucket.
+    def uneven(_state, bucket):
+        buf = bucket.buffer()
+        mine = buf if rank == 0 else buf[:-1]
+        # As torch's own hooks do, the callback reads the result (value()
+        # raises the collective's error).
+        return dist.all_reduce(mine, async_op=True).get_future().then(lambda f: (f.value(), buf)[1])
+
+    hooked = DistributedDataParallel(torch.nn.Linear(4, 2))
+    hooked.register_comm_hook(None, uneven)
+    _raises(RuntimeError, "MismatchError", lambda: hooked(torch.ones(3, 4)).sum().backward())
+
+    # A missing member: the device's timeout (the backend's --timeout-ms),
+    # then the group's own, shorter one; rank 1 waits for rank 0 to see both.
+    if rank == 0:
+        e = _raises(dmlc.CollectiveTimeoutError, "", dist.barrier)
+        check(e.status == dmlc._capi.ERR_TIMEOUT, f"status {e.status}: {e}")
+        short = dist.new_group(timeout=timedelta(seconds=1))
+        w = dist.barrier(group=short, async_op=True)
+        e = _raises(dmlc.CollectiveTimeoutError, "0:00:01", w.wait)
+        check(e.status == dmlc._capi.ERR_WAIT_TIMEOUT, f"status {e.status}: {e}")
+        store.set("rank 0 timed out", "1")
+    else:
+        dist.new_group(timeout=timedelta(seconds=1))
+        store.wait(["rank 0 timed out"])
+
+
+def torch_peer_lost(store_path: str) -> None:
+    """A member that exits: the other's collective and DDP backward raise."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    store = _torch_group(store_path)
+    net = DistributedDataParallel(torch.nn.Linear(4, 2))
+    if dist.get_rank() == 1:
+        store.wait(["rank 0 posted"])
+        os._exit(0)  # leaves without closing: the backend sees the loss
+    w = dist.all_reduce(torch.ones(8), async_op=True)
+    store.set("rank 0 posted", "1")
+    # PEER_LOST if the request was at the device when rank 1 left, TIMEOUT
+    # (the member never came) if it got there after.
+    lost = (dmlc.PeerLostError, dmlc.CollectiveTimeoutError)
+    try:
+        w.wait()
+        check(False, "an allreduce with a member gone completed")
+    except lost as e:
+        check(e.peer == 1, f"peer {e.peer}: {e}")
+    _raises(RuntimeError, "Error: collective", lambda: net(torch.ones(3, 4)).sum().backward())
+
+
+TORCH_SCENARIOS: dict[str, Callable[[str], None]] = {
+    "torch_values": torch_values,
+    "torch_failures": torch_failures,
+    "torch_peer_lost": torch_peer_lost,
+}
+
 SCENARIOS: dict[str, Callable[[Device], Any]] = {
     "numpy": numpy_collectives,
     "torch": torch_collectives,
@@ -399,6 +632,8 @@ def main() -> None:
         from_env(socket)
     elif scenario == "ddp":
         ddp(sys.argv[3], sys.argv[4])
+    elif scenario in TORCH_SCENARIOS:
+        TORCH_SCENARIOS[scenario](sys.argv[3])
     elif socket == "-":  # the job's environment (in a VM: dmlc-qemu submit)
         with Device.from_env() as dev:
             SCENARIOS[scenario](dev)

@@ -190,6 +190,10 @@ class Work:
     def add_done_callback(self, fn: Callable[[Future[Any]], None]) -> None:
         self._future.add_done_callback(fn)
 
+    def exception(self) -> BaseException | None:
+        """What the collective raised (None if it succeeded); blocks until it completes."""
+        return self._future.exception()
+
 
 class Device:
     """One member's handle on a virtio-dmlc device.
