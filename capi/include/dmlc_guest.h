@@ -37,6 +37,20 @@
 extern "C" {
 #endif
 
+/* ---- Version ----------------------------------------------------------------
+ * The ABI of this header: raised whenever a function, struct, constant or
+ * status changes meaning. A program (or a binding such as the Python
+ * package) checks dmlc_abi_version() == DMLC_ABI_VERSION when it loads the
+ * library, and refuses a library of another ABI. */
+#define DMLC_ABI_VERSION 1u
+
+/* The library's ABI version (DMLC_ABI_VERSION of the header it was built
+ * with). */
+uint32_t dmlc_abi_version(void);
+
+/* The library's release ("0.1.0"): static text, never NULL. */
+const char *dmlc_version(void);
+
 /* ---- Status codes -------------------------------------------------------
  * 0..7 are the device's response statuses (VirtioDmlcResp.status);
  * 100 and up are the driver's own errors. */
@@ -59,7 +73,13 @@ typedef enum dmlc_status {
     DMLC_ERR_UNKNOWN_HANDLE = 106,   /* handle already completed or of another device */
     DMLC_ERR_TRANSPORT = 107,        /* connection to the device failed or was lost */
     DMLC_ERR_DEVICE = 108,           /* the device misbehaved (config, ring protocol) */
-    DMLC_ERR_INTERNAL = 109          /* internal driver error (caught panic) */
+    DMLC_ERR_INTERNAL = 109,         /* internal driver error (caught panic) */
+    DMLC_ERR_UNANSWERED = 110,       /* no answer within the device's timeout plus a margin:
+                                      * the device is stuck or gone; the request stays in
+                                      * flight until the device is reset; reopen it */
+    DMLC_ERR_REQUEST_DROPPED = 111,  /* the backend restarted (its group id changed) and will
+                                      * never answer this request; reopen the device */
+    DMLC_ERR_BUFFER_BUSY = 112       /* a request in flight uses the buffer (wait for it) */
 } dmlc_status;
 
 /* ---- Element types (VirtioDmlcReq.dtype) ---- */

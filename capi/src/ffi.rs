@@ -25,6 +25,23 @@ use dmlc_driver::device::Wait;
 use dmlc_driver::Error;
 use dmlc_driver::{BufSlice, Device, DmaBuf, Handle, OpenOptions, Request};
 
+/// `DMLC_ABI_VERSION` of dmlc_guest.h: raised with every change of a
+/// function, struct, constant or status (tests/c checks the two agree).
+pub const DMLC_ABI_VERSION: u32 = 1;
+
+/// The ABI version this library was built with.
+#[no_mangle]
+pub extern "C" fn dmlc_abi_version() -> u32 {
+    DMLC_ABI_VERSION
+}
+
+/// The library's release: static text.
+#[no_mangle]
+pub extern "C" fn dmlc_version() -> *const c_char {
+    // A static, NUL-terminated copy of the crate's version.
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
 // Status codes (dmlc_status in the header). 0..=7 are the device's.
 pub const DMLC_OK: c_int = 0;
 pub const DMLC_ERR_INVALID_ARGUMENT: c_int = 100;
@@ -37,6 +54,9 @@ pub const DMLC_ERR_UNKNOWN_HANDLE: c_int = 106;
 pub const DMLC_ERR_TRANSPORT: c_int = 107;
 pub const DMLC_ERR_DEVICE: c_int = 108;
 pub const DMLC_ERR_INTERNAL: c_int = 109;
+pub const DMLC_ERR_UNANSWERED: c_int = 110;
+pub const DMLC_ERR_REQUEST_DROPPED: c_int = 111;
+pub const DMLC_ERR_BUFFER_BUSY: c_int = 112;
 
 /// An open device (`dmlc_device`).
 pub struct DmlcDevice {
@@ -176,6 +196,9 @@ fn status_of(e: &Error) -> c_int {
         Error::UnknownHandle => DMLC_ERR_UNKNOWN_HANDLE,
         Error::InvalidArgument(_) => DMLC_ERR_INVALID_ARGUMENT,
         Error::Transport(_) => DMLC_ERR_TRANSPORT,
+        Error::Unanswered { .. } => DMLC_ERR_UNANSWERED,
+        Error::RequestDropped { .. } => DMLC_ERR_REQUEST_DROPPED,
+        Error::BufferBusy { .. } => DMLC_ERR_BUFFER_BUSY,
         Error::BadConfig(_) | Error::Queue(_) | Error::Dma(_) => DMLC_ERR_DEVICE,
         _ => DMLC_ERR_DEVICE,
     }
@@ -1073,6 +1096,9 @@ pub extern "C" fn dmlc_strerror(status: c_int) -> *const c_char {
         DMLC_ERR_TRANSPORT => c"transport error",
         DMLC_ERR_DEVICE => c"device error",
         DMLC_ERR_INTERNAL => c"internal error",
+        DMLC_ERR_UNANSWERED => c"the device did not answer: reopen it",
+        DMLC_ERR_REQUEST_DROPPED => c"the backend restarted and dropped the request: reopen",
+        DMLC_ERR_BUFFER_BUSY => c"buffer busy",
         _ => c"unknown status",
     };
     s.as_ptr()
@@ -1099,6 +1125,31 @@ mod tests {
         }
         assert_eq!(status_of(&Error::PeerLost { peer: 1 }), 3);
         assert_eq!(status_of(&Error::WaitTimeout), DMLC_ERR_WAIT_TIMEOUT);
+        // "Reopen the device" and "wait for the buffer" each have a code.
+        let dropped = Error::RequestDropped {
+            generation: (1, 1),
+            group: (7, 8),
+        };
+        let unanswered = Error::Unanswered {
+            after: std::time::Duration::from_secs(1),
+        };
+        let busy = Error::BufferBusy {
+            reason: "in flight",
+        };
+        let codes = [&dropped, &unanswered, &busy].map(status_of);
+        assert_eq!(
+            codes,
+            [
+                DMLC_ERR_REQUEST_DROPPED,
+                DMLC_ERR_UNANSWERED,
+                DMLC_ERR_BUFFER_BUSY
+            ]
+        );
+        for c in codes {
+            // SAFETY: dmlc_strerror returns a static NUL-terminated string.
+            let text = unsafe { CStr::from_ptr(dmlc_strerror(c)) };
+            assert_ne!(text.to_bytes(), b"unknown status");
+        }
         assert_eq!(
             detail_of(&Error::mismatch(mismatch::COUNT | mismatch::TAG, 2)),
             (mismatch::COUNT | mismatch::TAG, 2)

@@ -66,6 +66,26 @@ fn header_constants_match_the_device_abi() {
     check("DMLC_NO_PEER".into(), virtio_dmlc::NO_PEER.into());
     check("DMLC_WAIT_HYBRID".into(), ffi::DMLC_WAIT_HYBRID.into());
     check("DMLC_WAIT_POLL".into(), 1);
+    // The driver's own statuses, and the ABI version of header and library.
+    for (name, code) in [
+        ("INVALID_ARGUMENT", ffi::DMLC_ERR_INVALID_ARGUMENT),
+        ("NO_STATUS", ffi::DMLC_ERR_NO_STATUS),
+        ("UNKNOWN_STATUS", ffi::DMLC_ERR_UNKNOWN_STATUS),
+        ("WAIT_TIMEOUT", ffi::DMLC_ERR_WAIT_TIMEOUT),
+        ("QUEUE_FULL", ffi::DMLC_ERR_QUEUE_FULL),
+        ("OUT_OF_MEMORY", ffi::DMLC_ERR_OUT_OF_MEMORY),
+        ("UNKNOWN_HANDLE", ffi::DMLC_ERR_UNKNOWN_HANDLE),
+        ("TRANSPORT", ffi::DMLC_ERR_TRANSPORT),
+        ("DEVICE", ffi::DMLC_ERR_DEVICE),
+        ("INTERNAL", ffi::DMLC_ERR_INTERNAL),
+        ("UNANSWERED", ffi::DMLC_ERR_UNANSWERED),
+        ("REQUEST_DROPPED", ffi::DMLC_ERR_REQUEST_DROPPED),
+        ("BUFFER_BUSY", ffi::DMLC_ERR_BUFFER_BUSY),
+    ] {
+        check(format!("DMLC_ERR_{name}"), code.into());
+    }
+    check("DMLC_ABI_VERSION".into(), ffi::DMLC_ABI_VERSION.into());
+    check("dmlc_abi_version()".into(), ffi::DMLC_ABI_VERSION.into());
     check("DMLC_WAIT_INTERRUPT".into(), 0);
     check(
         "sizeof(dmlc_config)".into(),

@@ -17,18 +17,22 @@ from typing import Any
 from .device import Device, Dtype, ReduceOp, Work
 from .errors import (
     BadRequestError,
+    BufferBusyError,
     CollectiveTimeoutError,
     DmlcError,
     MismatchError,
     PeerLostError,
+    RequestDroppedError,
     ResetError,
     TooBigError,
     TransportError,
+    UnansweredError,
     UnsupportedError,
 )
 
 __all__ = [
     "BadRequestError",
+    "BufferBusyError",
     "CollectiveTimeoutError",
     "Device",
     "DmlcError",
@@ -36,9 +40,11 @@ __all__ = [
     "MismatchError",
     "PeerLostError",
     "ReduceOp",
+    "RequestDroppedError",
     "ResetError",
     "TooBigError",
     "TransportError",
+    "UnansweredError",
     "UnsupportedError",
     "Work",
     "allgather",

@@ -38,9 +38,23 @@ ERR_UNSUPPORTED = 5
 ERR_TOO_BIG = 6
 ERR_RESET = 7
 ERR_INVALID_ARGUMENT = 100
+ERR_NO_STATUS = 101
+ERR_UNKNOWN_STATUS = 102
 ERR_WAIT_TIMEOUT = 103
+ERR_QUEUE_FULL = 104
 ERR_OUT_OF_MEMORY = 105
+ERR_UNKNOWN_HANDLE = 106
 ERR_TRANSPORT = 107
+ERR_DEVICE = 108
+ERR_INTERNAL = 109
+ERR_UNANSWERED = 110
+ERR_REQUEST_DROPPED = 111
+ERR_BUFFER_BUSY = 112
+
+# DMLC_ABI_VERSION of the header these declarations follow: load() refuses
+# a library of another ABI (python/tests/test_capi.py checks every constant
+# and struct here against the header).
+ABI_VERSION = 1
 
 NO_PEER = 0xFFFFFFFF
 WAIT_HYBRID = 2  # dmlc_open_options.poll: DMLC_WAIT_HYBRID
@@ -152,8 +166,29 @@ def load() -> ctypes.CDLL:
             f"`cargo build --release -p dmlc-capi` and set {LIBRARY_ENV} to "
             f"target/release/{LIBRARY_NAME}"
         ) from e
+    _check_abi(lib, path)
     _declare(lib)
     return lib
+
+
+def _check_abi(lib: ctypes.CDLL, path: str) -> None:
+    """Refuses a library built for another C ABI than this package's."""
+    rebuild = f"rebuild it (`cargo build --release -p dmlc-capi`) or point {LIBRARY_ENV} at one"
+    try:
+        version_of = lib.dmlc_abi_version
+    except AttributeError:
+        raise ImportError(
+            f"the virtio-dmlc C library {path} predates ABI versions; this dmlc package "
+            f"needs C ABI {ABI_VERSION}: {rebuild}"
+        ) from None
+    version_of.restype = c_uint32
+    version_of.argtypes = []
+    found = version_of()
+    if found != ABI_VERSION:
+        raise ImportError(
+            f"the virtio-dmlc C library {path} has C ABI {found}; this dmlc package "
+            f"needs C ABI {ABI_VERSION}: {rebuild}"
+        )
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -187,6 +222,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ),
         "dmlc_wait": (c_int, [dev, c_void_p, c_int64, POINTER(Completion)]),
         "dmlc_strerror": (c_char_p, [c_int]),
+        "dmlc_version": (c_char_p, []),
         "dmlc_last_error_message": (c_char_p, []),
     }
     for name, (restype, argtypes) in sigs.items():

@@ -6,13 +6,16 @@ from . import _capi
 
 __all__ = [
     "BadRequestError",
+    "BufferBusyError",
     "CollectiveTimeoutError",
     "DmlcError",
     "MismatchError",
     "PeerLostError",
+    "RequestDroppedError",
     "ResetError",
     "TooBigError",
     "TransportError",
+    "UnansweredError",
     "UnsupportedError",
 ]
 
@@ -68,6 +71,20 @@ class TransportError(DmlcError, ConnectionError):
     """The connection to the device failed or was lost."""
 
 
+class UnansweredError(DmlcError):
+    """The device did not answer within its timeout plus a margin: it is
+    stuck or gone. The request stays in flight; close and reopen the device."""
+
+
+class RequestDroppedError(DmlcError):
+    """The backend restarted (its group id changed) and will never answer
+    this request: close and reopen the device."""
+
+
+class BufferBusyError(DmlcError):
+    """A request in flight uses the buffer: wait for it first."""
+
+
 _BY_STATUS: dict[int, type[DmlcError]] = {
     _capi.ERR_BAD_REQUEST: BadRequestError,
     _capi.ERR_MISMATCH: MismatchError,
@@ -77,6 +94,9 @@ _BY_STATUS: dict[int, type[DmlcError]] = {
     _capi.ERR_TOO_BIG: TooBigError,
     _capi.ERR_RESET: ResetError,
     _capi.ERR_TRANSPORT: TransportError,
+    _capi.ERR_UNANSWERED: UnansweredError,
+    _capi.ERR_REQUEST_DROPPED: RequestDroppedError,
+    _capi.ERR_BUFFER_BUSY: BufferBusyError,
 }
 
 
