@@ -287,6 +287,27 @@ int dmlc_barrier(dmlc_device *dev);
 int dmlc_allreduce_host(dmlc_device *dev, const void *send, void *recv, uint64_t count, int dtype,
                         int op);
 
+/* The other collectives on ordinary memory, through the same bounce buffer
+ * and cut at the same places on every member. */
+
+/* data (count elements) = the root's data. */
+int dmlc_broadcast_host(dmlc_device *dev, void *data, uint64_t count, int dtype, uint32_t root);
+
+/* The root's data = reduction of every member's data; the others' data is
+ * unchanged. */
+int dmlc_reduce_host(dmlc_device *dev, void *data, uint64_t count, int dtype, int op,
+                     uint32_t root);
+
+/* recv (world_size * sendcount elements) = every member's send in rank
+ * order; send and recv must not overlap. */
+int dmlc_allgather_host(dmlc_device *dev, const void *send, void *recv, uint64_t sendcount,
+                        int dtype);
+
+/* recv (recvcount elements) = block `rank` of the reduction of every
+ * member's send (world_size * recvcount elements); no overlap. */
+int dmlc_reduce_scatter_host(dmlc_device *dev, const void *send, void *recv, uint64_t recvcount,
+                             int dtype, int op);
+
 /* ---- Non-blocking requests ---- */
 
 /* Posts `req` on `queue` with the given input and output segments (see the

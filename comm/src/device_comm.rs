@@ -5,7 +5,9 @@ use std::sync::Arc;
 use dmlc_driver::bounce::Bounce;
 use dmlc_driver::{Device, Dtype, ReduceOp};
 
-use crate::{check_allgather, check_allreduce, check_root, Communicator, Result};
+use crate::{
+    check_allgather, check_allreduce, check_reduce_scatter, check_root, Communicator, Result,
+};
 
 /// Largest piece one request carries by default.
 pub use dmlc_driver::bounce::DEFAULT_CHUNK_BYTES as DEVICE_CHUNK_BYTES;
@@ -23,7 +25,7 @@ pub use dmlc_driver::bounce::DEFAULT_CHUNK_BYTES as DEVICE_CHUNK_BYTES;
 /// The bounce buffer lives in the device-visible memory of the [`Device`]
 /// (`OpenOptions::dma_bytes`), which must have room for it: up to the chunk
 /// size for allreduce and broadcast, `world_size` times the data (up to the
-/// chunk size) for allgather. Zero-length collectives return at once
+/// chunk size) for allgather and reduce-scatter. Zero-length collectives return at once
 /// without a request.
 ///
 /// For zero copy, allocate buffers with `comm.device().alloc(..)` and call
@@ -97,5 +99,25 @@ impl Communicator for DeviceComm {
 
     fn barrier(&mut self) -> Result<()> {
         Ok(self.dev.barrier()?)
+    }
+
+    fn reduce_raw(&mut self, dtype: Dtype, op: ReduceOp, root: u32, data: &mut [u8]) -> Result<()> {
+        check_allreduce(dtype, op, data.len())?;
+        check_root(root, self.world_size())?;
+        Ok(self.bounce.reduce(&self.dev, dtype, op, root, data)?)
+    }
+
+    fn reduce_scatter_raw(
+        &mut self,
+        dtype: Dtype,
+        op: ReduceOp,
+        input: &[u8],
+        output: &mut [u8],
+    ) -> Result<()> {
+        check_allreduce(dtype, op, output.len())?;
+        check_reduce_scatter(input.len(), output.len(), self.world_size())?;
+        Ok(self
+            .bounce
+            .reduce_scatter(&self.dev, dtype, op, input, output)?)
     }
 }

@@ -2,7 +2,8 @@
 //! takes.
 //!
 //! [`Communicator`] is what a training program or a benchmark needs: rank,
-//! world size, allreduce, broadcast, allgather and barrier. Three
+//! world size, allreduce, broadcast, allgather, barrier, reduce and
+//! reduce-scatter. Three
 //! implementations:
 //!
 //! - [`DeviceComm`]: through the virtio-dmlc device ([`dmlc_driver::Device`]), copying
@@ -75,6 +76,45 @@ pub trait Communicator: Send {
 
     /// Returns once every member has arrived.
     fn barrier(&mut self) -> Result<()>;
+
+    /// The root's `data` gets the reduction of every member's `data`; the
+    /// others' stays as it was.
+    ///
+    /// The default runs an allreduce on a copy (the same result, bitwise,
+    /// on every path); [`DeviceComm`] uses the device's own reduce.
+    fn reduce_raw(&mut self, dtype: Dtype, op: ReduceOp, root: u32, data: &mut [u8]) -> Result<()> {
+        check_root(root, self.world_size())?;
+        let mut copy = Aligned::default();
+        let all = copy.bytes(data.len());
+        all.copy_from_slice(data);
+        self.allreduce_raw(dtype, op, all)?;
+        if self.rank() == root {
+            data.copy_from_slice(all);
+        }
+        Ok(())
+    }
+
+    /// `output` gets block `rank` of the reduction of every member's
+    /// `input` (`world_size` blocks, each as long as `output`).
+    ///
+    /// The default runs an allreduce on a copy of `input`; [`DeviceComm`]
+    /// uses the device's own reduce-scatter.
+    fn reduce_scatter_raw(
+        &mut self,
+        dtype: Dtype,
+        op: ReduceOp,
+        input: &[u8],
+        output: &mut [u8],
+    ) -> Result<()> {
+        check_reduce_scatter(input.len(), output.len(), self.world_size())?;
+        let mut copy = Aligned::default();
+        let all = copy.bytes(input.len());
+        all.copy_from_slice(input);
+        self.allreduce_raw(dtype, op, all)?;
+        let (n, r) = (output.len(), self.rank() as usize);
+        output.copy_from_slice(&all[r * n..(r + 1) * n]);
+        Ok(())
+    }
 }
 
 impl<C: Communicator + ?Sized> Communicator for Box<C> {
@@ -99,6 +139,18 @@ impl<C: Communicator + ?Sized> Communicator for Box<C> {
     fn barrier(&mut self) -> Result<()> {
         (**self).barrier()
     }
+    fn reduce_raw(&mut self, dtype: Dtype, op: ReduceOp, root: u32, data: &mut [u8]) -> Result<()> {
+        (**self).reduce_raw(dtype, op, root, data)
+    }
+    fn reduce_scatter_raw(
+        &mut self,
+        dtype: Dtype,
+        op: ReduceOp,
+        input: &[u8],
+        output: &mut [u8],
+    ) -> Result<()> {
+        (**self).reduce_scatter_raw(dtype, op, input, output)
+    }
 }
 
 /// Typed collectives on slices, for every [`Communicator`] (including
@@ -118,6 +170,22 @@ pub trait CommunicatorExt: Communicator {
     /// `input` in rank order.
     fn allgather<T: Element>(&mut self, input: &[T], output: &mut [T]) -> Result<()> {
         self.allgather_raw(bytes_of(input), bytes_of_mut(output))
+    }
+
+    /// The root's `data` gets the reduction; the others' stays as it was.
+    fn reduce<T: Element>(&mut self, op: ReduceOp, root: u32, data: &mut [T]) -> Result<()> {
+        self.reduce_raw(T::DTYPE, op, root, bytes_of_mut(data))
+    }
+
+    /// `output` gets block `rank` of the reduction of every member's
+    /// `input` (`world_size` times as long as `output`).
+    fn reduce_scatter<T: Element>(
+        &mut self,
+        op: ReduceOp,
+        input: &[T],
+        output: &mut [T],
+    ) -> Result<()> {
+        self.reduce_scatter_raw(T::DTYPE, op, bytes_of(input), bytes_of_mut(output))
     }
 }
 
@@ -161,6 +229,15 @@ pub(crate) fn check_allgather(input: usize, output: usize, world: u32) -> Result
     if input.checked_mul(world as usize) != Some(output) {
         return Err(CommError::InvalidArgument(format!(
             "allgather output has {output} bytes, {input} x {world} needed"
+        )));
+    }
+    Ok(())
+}
+
+pub(crate) fn check_reduce_scatter(input: usize, output: usize, world: u32) -> Result<()> {
+    if output.checked_mul(world as usize) != Some(input) {
+        return Err(CommError::InvalidArgument(format!(
+            "reduce-scatter input has {input} bytes, {output} x {world} needed"
         )));
     }
     Ok(())
@@ -509,6 +586,51 @@ mod tests {
                 .allreduce_in_place(Dtype::U32, ReduceOp::Max, &buf, 4)
                 .unwrap();
             std::thread::sleep(Duration::from_millis(1));
+        });
+    }
+
+    /// reduce and reduce-scatter on the device (cut into several requests)
+    /// and over TCP (the trait's default, from an allreduce) both give the
+    /// reference's result, computed here from every rank's input.
+    #[test]
+    fn reduce_and_reduce_scatter_match_the_reference_on_device_and_tcp() {
+        let _serial = serial();
+        let world = 3u32;
+        let backend = start_backend("reduce", world);
+        let members: Vec<_> = tcp_group(world)
+            .into_iter()
+            .enumerate()
+            .map(|(r, t)| (open(&backend, r as u32), t))
+            .collect();
+        on_each(members, |(mut dev, mut tcp)| {
+            dev.set_chunk_bytes(4096);
+            let rank = dev.rank();
+            for (dtype, op) in [(Dtype::F32, ReduceOp::Sum), (Dtype::I64, ReduceOp::Max)] {
+                // 3001 elements per block: several requests on the device.
+                let block = 3001 * dtype.size();
+                let inputs: Vec<Vec<u8>> = (0..world)
+                    .map(|r| data(dtype, 3001 * world as usize, u64::from(r) + 7, false))
+                    .collect();
+                let want = naive(dtype, op, &inputs);
+                let mine = &inputs[rank as usize];
+                let r = rank as usize;
+                for c in [&mut dev as &mut dyn Communicator, &mut tcp] {
+                    let what = format!("{dtype} {op} on {}", c.transport());
+                    let mut out = vec![0u8; block];
+                    c.reduce_scatter_raw(dtype, op, mine, &mut out).unwrap();
+                    assert_eq!(
+                        out,
+                        want[r * block..(r + 1) * block],
+                        "reduce-scatter {what}"
+                    );
+                    let mut d = mine.clone();
+                    c.reduce_raw(dtype, op, 1, &mut d).unwrap();
+                    let root_gets = if rank == 1 { &want } else { mine };
+                    assert_eq!(&d, root_gets, "reduce {what}");
+                    assert!(c.reduce_scatter_raw(dtype, op, mine, &mut d[..8]).is_err());
+                    assert!(c.reduce_raw(dtype, op, world, &mut d).is_err());
+                }
+            }
         });
     }
 }

@@ -151,6 +151,68 @@ impl Bounce {
         Ok(())
     }
 
+    /// Reduce of every member's `data` into the root's `data`; the others'
+    /// stays as it was.
+    pub fn reduce(
+        &mut self,
+        dev: &Device,
+        dtype: Dtype,
+        op: ReduceOp,
+        root: u32,
+        data: &mut [u8],
+    ) -> Result<()> {
+        whole_elements(dtype, data.len())?;
+        let is_root = root == dev.rank();
+        let step = self.step(dtype);
+        for piece in data.chunks_mut(step) {
+            let buf = self.buffer(dev, piece.len())?;
+            buf.as_mut_slice()[..piece.len()].copy_from_slice(piece);
+            dev.reduce_in_place(dtype, op, root, buf, count(dtype, piece.len()))?;
+            if is_root {
+                piece.copy_from_slice(&buf.as_slice()[..piece.len()]);
+            }
+        }
+        Ok(())
+    }
+
+    /// `output` gets block `rank` of the reduction of every member's `input`
+    /// (`world_size` blocks as long as `output`).
+    pub fn reduce_scatter(
+        &mut self,
+        dev: &Device,
+        dtype: Dtype,
+        op: ReduceOp,
+        input: &[u8],
+        output: &mut [u8],
+    ) -> Result<()> {
+        whole_elements(dtype, output.len())?;
+        let world = dev.world_size() as usize;
+        let n = output.len();
+        if Some(input.len()) != n.checked_mul(world) {
+            return Err(Error::InvalidArgument(format!(
+                "reduce-scatter input has {} bytes, {n} x {world} needed",
+                input.len()
+            )));
+        }
+        let rank = dev.rank() as usize;
+        // Each request carries the same slice of every block: `world` slots
+        // of `k` bytes, the result landing in slot `rank` (in place).
+        let piece_max = (self.chunk_bytes / world / dtype.size()).max(1) * dtype.size();
+        let mut off = 0;
+        while off < n {
+            let k = piece_max.min(n - off);
+            let buf = self.buffer(dev, k * world)?;
+            for j in 0..world {
+                let src = j * n + off;
+                buf.as_mut_slice()[j * k..(j + 1) * k].copy_from_slice(&input[src..src + k]);
+            }
+            dev.reduce_scatter_in_place(dtype, op, buf, count(dtype, k))?;
+            output[off..off + k].copy_from_slice(&buf.as_slice()[rank * k..(rank + 1) * k]);
+            off += k;
+        }
+        Ok(())
+    }
+
     /// `output` (`world_size` times as long as `input`) gets every member's
     /// `input` in rank order.
     pub fn allgather(

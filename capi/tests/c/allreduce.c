@@ -341,6 +341,44 @@ int main(int argc, char **argv)
         }
     }
 
+    /* The other collectives on ordinary memory. */
+    {
+        int32_t b[100], g[100 * 8], mine[3] = {rank, 10 * rank, -rank};
+        float rs_in[8 * 5], rs_out[5];
+        CHECK(n <= 8, "world of %d is above this test's arrays", n);
+        for (int i = 0; i < 100; i++)
+            b[i] = rank == n - 1 ? i * 3 : -1;
+        MUST(dmlc_broadcast_host(dev, b, 100, DMLC_DTYPE_I32, (uint32_t)(n - 1)));
+        for (int i = 0; i < 100; i++)
+            if (b[i] != i * 3) {
+                CHECK(0, "broadcast_host[%d] = %d", i, b[i]);
+                break;
+            }
+        for (int i = 0; i < 100; i++)
+            b[i] = rank + i;
+        MUST(dmlc_reduce_host(dev, b, 100, DMLC_DTYPE_I32, DMLC_OP_MAX, 0));
+        for (int i = 0; i < 100; i++)
+            if (b[i] != (rank == 0 ? n - 1 + i : rank + i)) {
+                CHECK(0, "reduce_host[%d] = %d on rank %d", i, b[i], rank);
+                break;
+            }
+        MUST(dmlc_allgather_host(dev, mine, g, 3, DMLC_DTYPE_I32));
+        for (int r = 0; r < n; r++)
+            CHECK(g[3 * r] == r && g[3 * r + 1] == 10 * r && g[3 * r + 2] == -r,
+                  "allgather_host block %d", r);
+        for (int i = 0; i < n * 5; i++)
+            rs_in[i] = (float)(rank * 100 + i);
+        MUST(dmlc_reduce_scatter_host(dev, rs_in, rs_out, 5, DMLC_DTYPE_F32, DMLC_OP_SUM));
+        for (int i = 0; i < 5; i++) {
+            float want = 0.0f;
+            for (int r = 0; r < n; r++)
+                want += (float)(r * 100 + rank * 5 + i);
+            CHECK(rs_out[i] == want, "reduce_scatter_host[%d] = %g, want %g", i, rs_out[i], want);
+        }
+        CHECK(dmlc_reduce_host(dev, NULL, 1, DMLC_DTYPE_I32, DMLC_OP_SUM, 0) ==
+                  DMLC_ERR_INVALID_ARGUMENT, "reduce_host NULL");
+    }
+
     /* Two requests in flight on queue 0, each in two input segments. */
     uint32_t *a = dmlc_buffer_data(send), *ra = dmlc_buffer_data(recv);
     for (int i = 0; i < 200; i++)
