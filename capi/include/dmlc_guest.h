@@ -79,7 +79,8 @@ typedef enum dmlc_status {
                                       * flight until the device is reset; reopen it */
     DMLC_ERR_REQUEST_DROPPED = 111,  /* the backend restarted (its group id changed) and will
                                       * never answer this request; reopen the device */
-    DMLC_ERR_BUFFER_BUSY = 112       /* a request in flight uses the buffer (wait for it) */
+    DMLC_ERR_BUFFER_BUSY = 112,      /* a request in flight uses the buffer (wait for it) */
+    DMLC_ERR_ENVIRONMENT = 113       /* the job's environment is wrong or names no device */
 } dmlc_status;
 
 /* ---- Element types (VirtioDmlcReq.dtype) ---- */
@@ -210,6 +211,21 @@ int dmlc_open_pci(const char *addr, const dmlc_open_options *opts, dmlc_device *
  * NULL for /dev/dmlc0. Needs no root and no hugepages, only read and write
  * access to the node; opts->dma_bytes is ordinary memory. */
 int dmlc_open_kernel(const char *node, const dmlc_open_options *opts, dmlc_device **out);
+
+/* Opens the device the job's environment names, the way every client does
+ * (the rabit API, the Python package, its torch backend): DMLC_SOCKET (a
+ * backend socket), DMLC_SOCKET_PREFIX (plus the rank), DMLC_DEVICE=pci[:ADDR]
+ * or kernel[:NODE]; DMLC_POLL (hybrid, the default; 1 polls; 0 sleeps at
+ * once), DMLC_DMA_BYTES ("256M"); a rank and size from the launcher
+ * (DMLC_TASK_ID, DMLC_NUM_WORKER) or torchrun (RANK, WORLD_SIZE) must be the
+ * device's. `env` is NULL for the process environment, or a NULL-terminated
+ * array of "NAME=VALUE" strings. Settings that cannot work give
+ * DMLC_ERR_ENVIRONMENT; a device that cannot be opened, its own status. */
+int dmlc_open_env(const char *const *env, dmlc_device **out);
+
+/* 1 if collectives reach the caller's own memory without a copy (the kernel
+ * transport, where dmlc_wrap_memory works), 0 if not; -1 if dev is NULL. */
+int dmlc_reaches_any_memory(const dmlc_device *dev);
 
 /* Closes the device. Buffers still allocated keep the device's memory alive
  * until they are freed. Pending handles must be waited for first. NULL is a

@@ -81,6 +81,7 @@ fn header_constants_match_the_device_abi() {
         ("UNANSWERED", ffi::DMLC_ERR_UNANSWERED),
         ("REQUEST_DROPPED", ffi::DMLC_ERR_REQUEST_DROPPED),
         ("BUFFER_BUSY", ffi::DMLC_ERR_BUFFER_BUSY),
+        ("ENVIRONMENT", ffi::DMLC_ERR_ENVIRONMENT),
     ] {
         check(format!("DMLC_ERR_{name}"), code.into());
     }

@@ -45,14 +45,19 @@
 //!
 //! ## Environment read by [`init`]
 //!
+//! [`Config::from_env`] is the one reader of a job's environment: the C
+//! ABI's `dmlc_open_env` (and through it the Python package and its torch
+//! backend) opens the device with it and [`open_device`].
+//!
 //! | Variable | Meaning |
 //! |---|---|
 //! | `DMLC_ROLE` | `worker` (or unset); other roles are refused |
-//! | `DMLC_TASK_ID` | this worker's rank; checked against the device's |
-//! | `DMLC_NUM_WORKER` | number of workers; checked against the device's |
+//! | `DMLC_TASK_ID` (or torchrun's `RANK`) | this worker's rank; checked against the device's (both set: they must agree) |
+//! | `DMLC_NUM_WORKER` (or torchrun's `WORLD_SIZE`) | number of workers; checked against the device's |
 //! | `DMLC_TRANSPORT` | `device` (default) or `tcp` |
 //! | `DMLC_DEVICE` | `pci` (the first virtio-dmlc PCI device, inside a VM) or `pci:0000:00:04.0`; `kernel` (the `virtio_dmlc` module's /dev/dmlc0, no root needed) or `kernel:/dev/dmlcN` |
 //! | `DMLC_SOCKET` | path of a backend socket: this process plays the VM (host transport) |
+//! | `DMLC_SOCKET_PREFIX` | the backend's socket prefix: socket `PREFIX<rank>` (the daemon's naming) |
 //! | `DMLC_DMA_BYTES` | device-visible memory to set aside, e.g. `16M` (default 256M; in a VM it comes from hugepages) |
 //! | `DMLC_POLL` | `hybrid` (default) spins up to 200 us (while recent waits mostly ended within that) and then sleeps on interrupts, `1` busy-polls for completions, `0` sleeps at once |
 //! | `DMLC_TCP_PEERS` | TCP only: `ip:port,...` of every worker in rank order |
@@ -87,7 +92,7 @@ use std::time::Duration;
 use crate::tcp::{self, TcpComm};
 use crate::{CommError, Communicator, CommunicatorExt, DeviceComm, SelfComm};
 use dmlc_driver::device::Wait;
-use dmlc_driver::{Dtype, ReduceOp};
+use dmlc_driver::{Device, Dtype, ReduceOp};
 use dmlc_driver::{Element, OpenOptions};
 
 /// Reduce operations, with rabit's names.
@@ -295,12 +300,19 @@ impl Config {
                 ));
             }
         }
-        let rank = var("DMLC_TASK_ID")
-            .map(|v| parse_u32("DMLC_TASK_ID", &v))
-            .transpose()?;
-        let world_size = var("DMLC_NUM_WORKER")
-            .map(|v| parse_u32("DMLC_NUM_WORKER", &v))
-            .transpose()?;
+        // The launcher's names and torchrun's: either, or both if they agree.
+        let either = |ours: &'static str, torchrun: &'static str| -> Result<Option<u32>> {
+            let a = var(ours).map(|v| parse_u32(ours, &v)).transpose()?;
+            let b = var(torchrun).map(|v| parse_u32(torchrun, &v)).transpose()?;
+            match (a, b) {
+                (Some(x), Some(y)) if x != y => {
+                    Err(bad(ours, &x.to_string(), format!("but {torchrun} is {y}")))
+                }
+                _ => Ok(a.or(b)),
+            }
+        };
+        let rank = either("DMLC_TASK_ID", "RANK")?;
+        let world_size = either("DMLC_NUM_WORKER", "WORLD_SIZE")?;
         if world_size == Some(0) {
             return Err(bad("DMLC_NUM_WORKER", "0", "a job has at least one worker"));
         }
@@ -318,7 +330,25 @@ impl Config {
             Some("tcp") => TransportKind::Tcp,
             Some(other) => return Err(bad("DMLC_TRANSPORT", other, "expected device or tcp")),
         };
-        let device = match (var("DMLC_DEVICE"), var("DMLC_SOCKET")) {
+        // DMLC_SOCKET_PREFIX: one socket per rank, PREFIX0, PREFIX1, ...
+        let socket = match (var("DMLC_SOCKET"), var("DMLC_SOCKET_PREFIX")) {
+            (Some(_), Some(p)) => {
+                return Err(bad(
+                    "DMLC_SOCKET_PREFIX",
+                    &p,
+                    "DMLC_SOCKET is set too; set only one",
+                ))
+            }
+            (None, Some(p)) => Some(format!(
+                "{p}{}",
+                rank.ok_or(RabitError::MissingEnv {
+                    var: "DMLC_TASK_ID",
+                    why: "DMLC_SOCKET_PREFIX needs this worker's rank (DMLC_TASK_ID or RANK)",
+                })?
+            )),
+            (s, None) => s,
+        };
+        let device = match (var("DMLC_DEVICE"), socket) {
             (Some(_), Some(_)) => {
                 return Err(bad(
                     "DMLC_DEVICE",
@@ -355,7 +385,13 @@ impl Config {
                 "1" | "true" | "yes" => Wait::Poll,
                 "0" | "false" | "no" => Wait::Interrupt,
                 "hybrid" => Wait::Hybrid,
-                _ => return Err(bad("DMLC_POLL", &v, "expected 1, 0 or hybrid")),
+                _ => {
+                    return Err(bad(
+                        "DMLC_POLL",
+                        &v,
+                        "expected 1 (poll), 0 (interrupts) or hybrid",
+                    ))
+                }
             };
             open = open.wait(wait);
         }
@@ -413,6 +449,53 @@ fn agree(what: &'static str, device: u32, var: &'static str, env: Option<u32>) -
     }
 }
 
+/// Opens the device `cfg` names and checks that its rank and world size
+/// are the environment's: the one way every client (this API, the C ABI's
+/// `dmlc_open_env`, and through it the Python package) opens a device from
+/// a job's environment.
+pub fn open_device(cfg: &Config) -> Result<Device> {
+    let dev =
+        match &cfg.device {
+            None => {
+                return Err(RabitError::MissingEnv {
+                    var: "DMLC_DEVICE",
+                    why: "set DMLC_DEVICE=pci or DMLC_DEVICE=kernel inside a guest, or \
+                      DMLC_SOCKET=PATH for the host transport",
+                })
+            }
+            Some(DeviceSpec::Host(path)) => {
+                dmlc_driver::host::open(path, &cfg.open).map_err(|source| RabitError::Open {
+                    which: format!("socket {}", path.display()),
+                    source,
+                })?
+            }
+            Some(DeviceSpec::Kernel(node)) => dmlc_driver::kernel::open(node.as_deref(), &cfg.open)
+                .map_err(|source| RabitError::Open {
+                    which: format!(
+                        "kernel driver node {}",
+                        node.as_deref()
+                            .map_or(dmlc_driver::kernel::DEFAULT_NODE.into(), |p| p
+                                .display()
+                                .to_string())
+                    ),
+                    source,
+                })?,
+            Some(DeviceSpec::Pci(addr)) => dmlc_driver::pci::open(addr.as_deref(), &cfg.open)
+                .map_err(|source| RabitError::Open {
+                    which: format!("PCI {}", addr.as_deref().unwrap_or("first device")),
+                    source,
+                })?,
+        };
+    agree("rank", dev.rank(), "DMLC_TASK_ID", cfg.rank)?;
+    agree(
+        "world size",
+        dev.world_size(),
+        "DMLC_NUM_WORKER",
+        cfg.world_size,
+    )?;
+    Ok(dev)
+}
+
 impl Rabit {
     /// Joins the job described by the environment (see the module docs).
     pub fn init() -> Result<Rabit> {
@@ -447,50 +530,14 @@ impl Rabit {
                 Box::new(c)
             }
             TransportKind::Device => {
-                let dev = match &cfg.device {
-                    None => {
-                        let world = cfg.world_size.unwrap_or(1);
-                        if world > 1 {
-                            return Err(RabitError::NoDevice { world });
-                        }
-                        return Ok(Rabit::new(Box::new(SelfComm)));
+                if cfg.device.is_none() {
+                    let world = cfg.world_size.unwrap_or(1);
+                    if world > 1 {
+                        return Err(RabitError::NoDevice { world });
                     }
-                    Some(DeviceSpec::Host(path)) => dmlc_driver::host::open(path, &cfg.open)
-                        .map_err(|source| RabitError::Open {
-                            which: format!("socket {}", path.display()),
-                            source,
-                        })?,
-                    Some(DeviceSpec::Kernel(node)) => {
-                        dmlc_driver::kernel::open(node.as_deref(), &cfg.open).map_err(|source| {
-                            RabitError::Open {
-                                which: format!(
-                                    "kernel driver node {}",
-                                    node.as_deref()
-                                        .map_or(dmlc_driver::kernel::DEFAULT_NODE.into(), |p| p
-                                            .display()
-                                            .to_string())
-                                ),
-                                source,
-                            }
-                        })?
-                    }
-                    Some(DeviceSpec::Pci(addr)) => {
-                        dmlc_driver::pci::open(addr.as_deref(), &cfg.open).map_err(|source| {
-                            RabitError::Open {
-                                which: format!("PCI {}", addr.as_deref().unwrap_or("first device")),
-                                source,
-                            }
-                        })?
-                    }
-                };
-                agree("rank", dev.rank(), "DMLC_TASK_ID", cfg.rank)?;
-                agree(
-                    "world size",
-                    dev.world_size(),
-                    "DMLC_NUM_WORKER",
-                    cfg.world_size,
-                )?;
-                Box::new(DeviceComm::new(dev))
+                    return Ok(Rabit::new(Box::new(SelfComm)));
+                }
+                Box::new(DeviceComm::new(open_device(cfg)?))
             }
         };
         Ok(Rabit::new(comm))
@@ -787,7 +834,31 @@ mod tests {
         assert!(err(&[("DMLC_DEVICE", "usb")]).contains("expected pci"));
         assert!(err(&[("DMLC_DEVICE", "kernel:")]).contains("kernel:/dev/dmlcN"));
         assert!(err(&[("DMLC_DMA_BYTES", "lots")]).contains("not a size"));
-        assert!(err(&[("DMLC_POLL", "maybe")]).contains("expected 1, 0 or hybrid"));
+        assert!(
+            err(&[("DMLC_POLL", "maybe")]).contains("expected 1 (poll), 0 (interrupts) or hybrid")
+        );
+        // torchrun's names, alone or agreeing with the launcher's.
+        let c = cfg(&[("RANK", "2"), ("WORLD_SIZE", "3"), ("DMLC_NUM_WORKER", "3")]).unwrap();
+        assert_eq!((c.rank, c.world_size), (Some(2), Some(3)));
+        assert_eq!(
+            err(&[("DMLC_TASK_ID", "1"), ("RANK", "0")]),
+            "invalid DMLC_TASK_ID=\"1\": but RANK is 0"
+        );
+        assert_eq!(
+            err(&[("RANK", "3"), ("WORLD_SIZE", "3")]),
+            "invalid DMLC_TASK_ID=\"3\": not below DMLC_NUM_WORKER=3"
+        );
+        // One socket per rank, named as the daemon names them.
+        assert_eq!(
+            cfg(&[("DMLC_SOCKET_PREFIX", "/run/d.sock"), ("RANK", "1")])
+                .unwrap()
+                .device,
+            Some(DeviceSpec::Host("/run/d.sock1".into()))
+        );
+        assert!(err(&[("DMLC_SOCKET_PREFIX", "/run/d.sock")]).contains("needs this worker's rank"));
+        assert!(
+            err(&[("DMLC_SOCKET_PREFIX", "/p"), ("DMLC_SOCKET", "/s")]).contains("set only one")
+        );
         assert!(err(&[("DMLC_TCP_PEERS", "nowhere")]).starts_with("invalid DMLC_TCP_PEERS"));
         assert!(err(&[("DMLC_TCP_IO_TIMEOUT_S", "-1")]).contains("seconds"));
     }

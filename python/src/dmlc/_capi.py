@@ -50,6 +50,7 @@ ERR_INTERNAL = 109
 ERR_UNANSWERED = 110
 ERR_REQUEST_DROPPED = 111
 ERR_BUFFER_BUSY = 112
+ERR_ENVIRONMENT = 113
 
 # DMLC_ABI_VERSION of the header these declarations follow: load() refuses
 # a library of another ABI (python/tests/test_capi.py checks every constant
@@ -198,6 +199,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "dmlc_open_host_ex": (c_int, [c_char_p, POINTER(OpenOptions), POINTER(c_void_p)]),
         "dmlc_open_pci": (c_int, [c_char_p, POINTER(OpenOptions), POINTER(c_void_p)]),
         "dmlc_open_kernel": (c_int, [c_char_p, POINTER(OpenOptions), POINTER(c_void_p)]),
+        "dmlc_open_env": (c_int, [POINTER(c_char_p), POINTER(c_void_p)]),
+        "dmlc_reaches_any_memory": (c_int, [dev]),
         "dmlc_close": (None, [dev]),
         "dmlc_rank": (c_int32, [dev]),
         "dmlc_world_size": (c_int32, [dev]),

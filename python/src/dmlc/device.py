@@ -293,21 +293,21 @@ class Device:
 
     @classmethod
     def open_host(
-        cls, socket: str | os.PathLike[str], *, poll: Wait = False, dma_bytes: int | None = None
+        cls, socket: str | os.PathLike[str], *, poll: Wait = "hybrid", dma_bytes: int | None = None
     ) -> Device:
         """The device served by the backend at `socket` (this process plays the VM)."""
         return cls._open("dmlc_open_host_ex", os.fsencode(socket), poll, dma_bytes)
 
     @classmethod
     def open_pci(
-        cls, addr: str | None = None, *, poll: Wait = False, dma_bytes: int | None = None
+        cls, addr: str | None = None, *, poll: Wait = "hybrid", dma_bytes: int | None = None
     ) -> Device:
         """The PCI device from inside a guest (root and hugepages needed)."""
         return cls._open("dmlc_open_pci", addr.encode() if addr else None, poll, dma_bytes)
 
     @classmethod
     def open_kernel(
-        cls, node: str | None = None, *, poll: Wait = False, dma_bytes: int | None = None
+        cls, node: str | None = None, *, poll: Wait = "hybrid", dma_bytes: int | None = None
     ) -> Device:
         """The device through the virtio_dmlc kernel module's node (no root needed)."""
         return cls._open("dmlc_open_kernel", os.fsencode(node) if node else None, poll, dma_bytes)
@@ -318,52 +318,26 @@ class Device:
 
         ``DMLC_SOCKET`` (a backend socket; or ``DMLC_SOCKET_PREFIX`` plus the
         rank), ``DMLC_DEVICE=pci[:ADDR]`` or ``DMLC_DEVICE=kernel[:NODE]``;
-        ``DMLC_POLL=1`` polls,
-        ``DMLC_POLL=hybrid`` spins briefly before it sleeps (the default, 0,
-        sleeps on the interrupt at once),
+        ``DMLC_POLL=hybrid`` (the default) spins up to 200 us before it
+        sleeps, ``1`` polls, ``0`` sleeps on the interrupt at once;
         ``DMLC_DMA_BYTES`` sizes the device memory. A rank given by the
-        launcher (``DMLC_TASK_ID``) or torchrun (``RANK``, ``WORLD_SIZE``)
-        must match the device's.
+        launcher (``DMLC_TASK_ID``, ``DMLC_NUM_WORKER``) or torchrun
+        (``RANK``, ``WORLD_SIZE``) must match the device's. The C library
+        reads all of it (``dmlc_open_env``), as the rabit API and XGBoost's
+        device path do, so every client reads one environment one way; a
+        setting that cannot work raises :class:`dmlc.EnvironmentSettingError`
+        (a ValueError). `env` replaces the process environment.
         """
-        env = dict(os.environ) if env is None else env
-        given_rank = _int_env(env, "RANK", "DMLC_TASK_ID")
-        given_world = _int_env(env, "WORLD_SIZE", "DMLC_NUM_WORKER")
-        waits: dict[str, Wait] = {"0": False, "1": True, "hybrid": "hybrid"}
-        if env.get("DMLC_POLL", "0") not in waits:
-            raise ValueError(
-                f"DMLC_POLL={env['DMLC_POLL']!r}: expected 1 (poll), 0 (interrupts) or hybrid"
-            )
-        poll = waits[env.get("DMLC_POLL", "0")]
-        dma = env.get("DMLC_DMA_BYTES")
-        dma_bytes = parse_size("DMLC_DMA_BYTES", dma) if dma else None
-        if "DMLC_SOCKET" in env:
-            dev = cls.open_host(env["DMLC_SOCKET"], poll=poll, dma_bytes=dma_bytes)
-        elif "DMLC_SOCKET_PREFIX" in env:
-            if given_rank is None:
-                raise ValueError("DMLC_SOCKET_PREFIX needs RANK or DMLC_TASK_ID")
-            dev = cls.open_host(
-                f"{env['DMLC_SOCKET_PREFIX']}{given_rank}", poll=poll, dma_bytes=dma_bytes
-            )
-        elif env.get("DMLC_DEVICE", "").startswith("pci"):
-            addr = env["DMLC_DEVICE"].partition(":")[2] or None
-            dev = cls.open_pci(addr, poll=poll, dma_bytes=dma_bytes)
-        elif env.get("DMLC_DEVICE", "").startswith("kernel"):
-            node = env["DMLC_DEVICE"].partition(":")[2] or None
-            dev = cls.open_kernel(node, poll=poll, dma_bytes=dma_bytes)
+        lib = cls.library()
+        out = ctypes.c_void_p()
+        if env is None:
+            rc = lib.dmlc_open_env(None, ctypes.byref(out))
         else:
-            raise ValueError(
-                "no device in the environment: set DMLC_SOCKET (host transport) "
-                "or DMLC_DEVICE=pci or DMLC_DEVICE=kernel (inside a guest)"
-            )
-        if given_rank is not None and given_rank != dev.rank:
-            dev.close()
-            raise ValueError(f"the environment says rank {given_rank}, the device {dev.rank}")
-        if given_world is not None and given_world != dev.world_size:
-            dev.close()
-            raise ValueError(
-                f"the environment says {given_world} members, the device {dev.world_size}"
-            )
-        return dev
+            entries = [f"{k}={v}".encode() for k, v in env.items()]
+            array = (ctypes.c_char_p * (len(entries) + 1))(*entries, None)
+            rc = lib.dmlc_open_env(array, ctypes.byref(out))
+        _raise_if(lib, rc)
+        return cls(out.value or 0, lib, wraps=lib.dmlc_reaches_any_memory(out) == 1)
 
     def close(self) -> None:
         """Finishes the queued collectives and closes the device."""
@@ -756,13 +730,3 @@ def parse_size(name: str, value: str) -> int:
     if not digits.isdigit() or int(digits) == 0:
         raise ValueError(f"{name}={value!r} is not a size such as 16M")
     return int(digits) << shift
-
-
-def _int_env(env: dict[str, str], *names: str) -> int | None:
-    for name in names:
-        if name in env:
-            try:
-                return int(env[name])
-            except ValueError:
-                raise ValueError(f"{name}={env[name]!r} is not a number") from None
-    return None

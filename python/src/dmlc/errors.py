@@ -9,6 +9,7 @@ __all__ = [
     "BufferBusyError",
     "CollectiveTimeoutError",
     "DmlcError",
+    "EnvironmentSettingError",
     "MismatchError",
     "PeerLostError",
     "RequestDroppedError",
@@ -85,6 +86,11 @@ class BufferBusyError(DmlcError):
     """A request in flight uses the buffer: wait for it first."""
 
 
+class EnvironmentSettingError(DmlcError, ValueError):
+    """The job's environment (``DMLC_*``, ``RANK``, ``WORLD_SIZE``) is
+    wrong, or names no device, or not this one."""
+
+
 _BY_STATUS: dict[int, type[DmlcError]] = {
     _capi.ERR_BAD_REQUEST: BadRequestError,
     _capi.ERR_MISMATCH: MismatchError,
@@ -97,6 +103,7 @@ _BY_STATUS: dict[int, type[DmlcError]] = {
     _capi.ERR_UNANSWERED: UnansweredError,
     _capi.ERR_REQUEST_DROPPED: RequestDroppedError,
     _capi.ERR_BUFFER_BUSY: BufferBusyError,
+    _capi.ERR_ENVIRONMENT: EnvironmentSettingError,
 }
 
 
