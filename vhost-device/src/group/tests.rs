@@ -1982,7 +1982,7 @@ mod timed;
 /// order, at least `MIN_PART` long but a piece's last, a few per thread.
 #[test]
 fn split_ranges_are_page_aligned_and_cover_every_piece() {
-    use super::{split, BufAt, Piece, MIN_PART, PARTS_PER_THREAD, PART_ALIGN};
+    use super::pieces::{split, BufAt, Piece, MIN_PART, PARTS_PER_THREAD, PART_ALIGN};
     let at = BufAt {
         member: 0,
         output: false,
