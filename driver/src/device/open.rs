@@ -1,0 +1,296 @@
+//! The [`Device`] struct itself: opening it over a transport (or over the
+//! kernel driver), what it reports about the device (rank, queues,
+//! features, the config space), and closing it.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use virtio_dmlc::{
+    VirtioDmlcConfig, CONFIG_SIZE, VIRTIO_DMLC_F_REQ_TIMEOUT, VIRTIO_F_VERSION_1,
+    VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
+};
+use zerocopy::FromBytes;
+
+use crate::bounce::Bounce;
+use crate::dma::{DmaAlloc, DmaMemory, DMA_ALIGN};
+use crate::error::{Error, Result};
+use crate::kernel::KernelFile;
+use crate::transport::Transport;
+use crate::virtqueue::{SplitQueue, MAX_QUEUE_SIZE};
+
+use super::options::HIT_ONE;
+use super::queue::{Queue, QueueState, SLOT_SIZE};
+use super::OpenOptions;
+
+/// One member's handle on the device.
+pub struct Device {
+    // Declared first so it is dropped first: the device stops using the
+    // rings before their memory is freed.
+    pub(super) transport: Box<dyn Transport>,
+    queues: Box<[Queue]>,
+    pub(super) mem: Arc<dyn DmaMemory>,
+    pub(super) config: VirtioDmlcConfig,
+    pub(super) features: u64,
+    pub(super) poll: bool,
+    /// The hybrid wait's bound (zero: none) and the share of recent waits
+    /// that ended within it, in [`HIT_ONE`]ths.
+    pub(super) spin_cap: Duration,
+    pub(super) spin_hits: AtomicU64,
+    /// The slice conveniences' bounce buffer, made at first use.
+    pub(super) bounce: Mutex<Option<Bounce>>,
+    /// Generation and group id as last read from the config space.
+    pub(super) known_generation: AtomicU32,
+    pub(super) known_group: AtomicU64,
+    /// [`WAIT_MARGIN`](super::WAIT_MARGIN), shorter in tests.
+    pub(super) wait_margin: Duration,
+    /// Opened over the kernel driver (`crate::kernel`): it owns the queues,
+    /// and `queues` is empty.
+    pub(super) kernel: Option<KernelFile>,
+}
+
+pub(super) fn bit(b: u32) -> u64 {
+    1u64 << b
+}
+
+impl Device {
+    /// Opens a device over any transport whose device sees `mem`.
+    pub fn open(
+        mut transport: Box<dyn Transport>,
+        mem: Arc<dyn DmaMemory>,
+        opts: &OpenOptions,
+    ) -> Result<Device> {
+        let size = opts.queue_size;
+        if size == 0 || !size.is_power_of_two() || size > MAX_QUEUE_SIZE {
+            return Err(Error::InvalidArgument(format!(
+                "queue size {size} is not a power of two up to {MAX_QUEUE_SIZE}"
+            )));
+        }
+        let mut want = bit(VIRTIO_F_VERSION_1)
+            | bit(VIRTIO_DMLC_F_REQ_TIMEOUT)
+            | bit(VIRTIO_RING_F_INDIRECT_DESC);
+        if opts.event_idx {
+            want |= bit(VIRTIO_RING_F_EVENT_IDX);
+        }
+        let features = transport.device_features() & want;
+        transport.negotiate(features)?;
+        let config = read_config(&*transport)?;
+        let (rank, world) = (config.rank.get(), config.world_size.get());
+        if world == 0 || rank >= world {
+            return Err(Error::BadConfig(format!(
+                "rank {rank} of a group of {world}"
+            )));
+        }
+        let mut nq = u32::from(transport.max_queues()).min(config.num_queues.get());
+        if opts.max_queues > 0 {
+            nq = nq.min(u32::from(opts.max_queues));
+        }
+        if nq == 0 {
+            return Err(Error::BadConfig("no request queues".into()));
+        }
+        let event_idx = features & bit(VIRTIO_RING_F_EVENT_IDX) != 0;
+        let (poll, spin_cap) = if opts.poll {
+            (true, Duration::ZERO)
+        } else if !opts.spin_cap.is_zero() && !transport.can_sleep() {
+            log::info!("the transport has no interrupt to sleep on: the hybrid wait polls instead");
+            (true, Duration::ZERO)
+        } else {
+            (false, opts.spin_cap)
+        };
+        let mut queues = Vec::new();
+        for index in 0..nq as u16 {
+            let size = size.min(transport.max_queue_size(index));
+            let mut vq = SplitQueue::new(&mem, size, event_idx)?;
+            // Off while polling, and while the hybrid wait spins (it arms
+            // them only to sleep).
+            vq.set_interrupts(!poll && spin_cap.is_zero());
+            let slots = DmaAlloc::new(&mem, usize::from(size) * SLOT_SIZE, DMA_ALIGN)?;
+            transport.setup_queue(index, &vq.addrs())?;
+            queues.push(Queue {
+                index,
+                state: Mutex::new(QueueState {
+                    vq,
+                    slots,
+                    in_flight: (0..size).map(|_| None).collect(),
+                    done: HashMap::new(),
+                    next_serial: 0,
+                    sleeping: false,
+                    wake: false,
+                    scratch: Vec::new(),
+                }),
+                cond: Condvar::new(),
+            });
+        }
+        transport.driver_ok()?;
+        Ok(Device {
+            transport,
+            queues: queues.into_boxed_slice(),
+            mem,
+            config,
+            features,
+            poll,
+            spin_cap,
+            spin_hits: AtomicU64::new(HIT_ONE),
+            bounce: Mutex::new(None),
+            known_generation: AtomicU32::new(config.generation.get()),
+            known_group: AtomicU64::new(config.group_id.get()),
+            wait_margin: opts.wait_margin,
+            kernel: None,
+        })
+    }
+
+    /// A device whose queues the kernel driver owns (`crate::kernel::open`).
+    pub(crate) fn over_kernel(
+        transport: Box<dyn Transport>,
+        mem: Arc<dyn DmaMemory>,
+        config: VirtioDmlcConfig,
+        kernel: KernelFile,
+        opts: &OpenOptions,
+    ) -> Result<Device> {
+        let (rank, world) = (config.rank.get(), config.world_size.get());
+        if world == 0 || rank >= world {
+            return Err(Error::BadConfig(format!(
+                "rank {rank} of a group of {world}"
+            )));
+        }
+        Ok(Device {
+            features: transport.device_features(),
+            transport,
+            queues: Box::new([]),
+            mem,
+            config,
+            poll: opts.poll,
+            spin_cap: if opts.poll {
+                Duration::ZERO
+            } else {
+                opts.spin_cap
+            },
+            spin_hits: AtomicU64::new(HIT_ONE),
+            bounce: Mutex::new(None),
+            known_generation: AtomicU32::new(config.generation.get()),
+            known_group: AtomicU64::new(config.group_id.get()),
+            wait_margin: opts.wait_margin,
+            kernel: Some(kernel),
+        })
+    }
+
+    /// This member's rank.
+    pub fn rank(&self) -> u32 {
+        self.config.rank.get()
+    }
+
+    /// Number of members.
+    pub fn world_size(&self) -> u32 {
+        self.config.world_size.get()
+    }
+
+    /// Number of queues set up (at most what the device offers).
+    pub fn num_queues(&self) -> u16 {
+        match &self.kernel {
+            Some(k) => k.num_queues(),
+            None => self.queues.len() as u16,
+        }
+    }
+
+    /// Descriptors per queue (0 over the kernel driver: its own rings).
+    pub fn queue_size(&self) -> u16 {
+        match self.queues.first() {
+            Some(q) => q.lock().vq.size(),
+            None => 0,
+        }
+    }
+
+    /// True if the device was opened over the kernel driver.
+    pub fn is_kernel(&self) -> bool {
+        self.kernel.is_some()
+    }
+
+    /// Negotiated feature bits.
+    pub fn features(&self) -> u64 {
+        self.features
+    }
+
+    /// True in poll mode.
+    pub fn is_polling(&self) -> bool {
+        self.poll
+    }
+
+    /// The device-visible memory buffers come from.
+    pub fn dma_memory(&self) -> &Arc<dyn DmaMemory> {
+        &self.mem
+    }
+
+    /// The config space, read afresh (the generation changes). If the read
+    /// fails, logs why and returns the config read at open;
+    /// [`Self::try_config`] reports the failure instead.
+    pub fn config(&self) -> VirtioDmlcConfig {
+        self.try_config().unwrap_or_else(|e| {
+            log::warn!("reading the device config failed: {e}");
+            self.config
+        })
+    }
+
+    /// The config space, read afresh.
+    pub fn try_config(&self) -> Result<VirtioDmlcConfig> {
+        let c = read_config(&*self.transport)?;
+        self.note_group(c.generation.get(), c.group_id.get());
+        Ok(c)
+    }
+
+    /// Reads `generation` and `group_id` (one config read of 12 bytes).
+    pub(super) fn read_group(&self) -> Result<(u32, u64)> {
+        let mut raw = [0u8; 12];
+        self.transport.read_config(GENERATION_OFFSET, &mut raw)?;
+        let generation = u32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]);
+        let mut group = [0u8; 8];
+        group.copy_from_slice(&raw[4..]);
+        let group = u64::from_le_bytes(group);
+        self.note_group(generation, group);
+        Ok((generation, group))
+    }
+
+    fn note_group(&self, generation: u32, group: u64) {
+        self.known_generation.store(generation, Ordering::Relaxed);
+        self.known_group.store(group, Ordering::Relaxed);
+    }
+
+    pub(super) fn queue(&self, queue: u16) -> Result<&Queue> {
+        self.queues.get(usize::from(queue)).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "queue {queue} does not exist (device has {})",
+                self.queues.len()
+            ))
+        })
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        // Stop the device before the rings are freed (fields drop after).
+        if let Err(e) = self.transport.reset() {
+            log::debug!("device reset on close failed: {e}");
+        }
+    }
+}
+
+impl fmt::Debug for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Device")
+            .field("rank", &self.rank())
+            .field("world_size", &self.world_size())
+            .field("queues", &self.queues.len())
+            .field("poll", &self.poll)
+            .finish()
+    }
+}
+
+fn read_config(transport: &dyn Transport) -> Result<VirtioDmlcConfig> {
+    let mut raw = [0u8; CONFIG_SIZE];
+    transport.read_config(0, &mut raw)?;
+    Ok(VirtioDmlcConfig::read_from_bytes(&raw).unwrap_or_default())
+}
+
+/// Offset of `generation` (followed by `group_id`) in the config space.
+const GENERATION_OFFSET: usize = std::mem::offset_of!(VirtioDmlcConfig, generation);

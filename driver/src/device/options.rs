@@ -1,0 +1,158 @@
+//! How a device is opened and how its waits spend their time
+//! ([`OpenOptions`], [`Wait`], [`HYBRID_SPIN_CAP`], and the bounds every wait
+//! gets: [`ASSUMED_DEFAULT_TIMEOUT`], [`WAIT_MARGIN`]), and the [`Request`]
+//! that describes one collective.
+
+use std::time::Duration;
+
+use virtio_dmlc::{Dtype, Opcode, ReduceOp, VirtioDmlcReq, FLAG_IN_PLACE};
+
+/// How to open a device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OpenOptions {
+    /// Busy-poll the used ring (true), or sleep until the device signals a
+    /// completion (false, the default, after the spin of `spin_cap`).
+    pub poll: bool,
+    /// Descriptors per queue (a power of two; default 256).
+    pub queue_size: u16,
+    /// Negotiate `VIRTIO_F_EVENT_IDX` if offered (default true).
+    pub event_idx: bool,
+    /// Device-visible memory to set aside for buffers and rings (default 256 MiB).
+    pub dma_bytes: usize,
+    /// Set up at most this many queues; 0 (the default) = all the device has.
+    pub max_queues: u16,
+    /// With `poll` false: busy-poll for a while before sleeping (the hybrid
+    /// wait), at most this long: the whole bound while most recent waits
+    /// ended within it, a twentieth of it while most did not. Zero: sleep
+    /// at once. The default, [`HYBRID_SPIN_CAP`], makes the hybrid wait the
+    /// default wait; on a transport that cannot sleep on an interrupt
+    /// ([`Transport::can_sleep`]) the hybrid wait polls.
+    ///
+    /// [`Transport::can_sleep`]: crate::transport::Transport::can_sleep
+    pub spin_cap: Duration,
+    /// How long past a request's own timeout a wait gives up on an
+    /// unanswered request ([`WAIT_MARGIN`] by default; tests of that bound
+    /// shorten it).
+    pub wait_margin: Duration,
+}
+
+/// The hybrid wait's bound that `--hybrid` (and `DMLC_POLL=hybrid`) use:
+/// several times a TCG round trip (about 30 us), and little next to a wait
+/// for a late peer (milliseconds).
+pub const HYBRID_SPIN_CAP: Duration = Duration::from_micros(200);
+
+/// All of the recent waits, in the hybrid wait's share of waits that ended
+/// within its bound (fixed point).
+pub(super) const HIT_ONE: u64 = 1 << 10;
+
+/// The longest collective timeout the driver assumes for a request that
+/// leaves it to the device's default (`timeout_ms == 0`, or the timeout
+/// feature not negotiated): the default is a device setting the driver
+/// cannot read.
+pub const ASSUMED_DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+/// Added to a request's timeout to bound every wait for it: a collective
+/// whose members all arrived runs to completion, moving its data, after the
+/// timeout no longer applies.
+pub const WAIT_MARGIN: Duration = Duration::from_secs(60);
+
+impl Default for OpenOptions {
+    fn default() -> Self {
+        OpenOptions {
+            poll: false,
+            queue_size: 256,
+            event_idx: true,
+            dma_bytes: 256 << 20,
+            max_queues: 0,
+            spin_cap: HYBRID_SPIN_CAP,
+            wait_margin: WAIT_MARGIN,
+        }
+    }
+}
+
+/// How a wait for a completion spends its time, as the CLI, the C ABI and
+/// `DMLC_POLL` name it; [`OpenOptions::wait`] sets `poll` and `spin_cap`
+/// for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wait {
+    /// Busy-poll the used ring.
+    Poll,
+    /// Sleep on the interrupt at once.
+    Interrupt,
+    /// Spin up to [`HYBRID_SPIN_CAP`], then sleep (the default).
+    Hybrid,
+}
+
+impl OpenOptions {
+    /// These options with `wait`'s way of waiting.
+    pub fn wait(self, wait: Wait) -> OpenOptions {
+        let (poll, spin_cap) = match wait {
+            Wait::Poll => (true, Duration::ZERO),
+            Wait::Interrupt => (false, Duration::ZERO),
+            Wait::Hybrid => (false, HYBRID_SPIN_CAP),
+        };
+        OpenOptions {
+            poll,
+            spin_cap,
+            ..self
+        }
+    }
+
+    /// The way of waiting these options ask for.
+    pub fn wait_kind(&self) -> Wait {
+        match (self.poll, self.spin_cap.is_zero()) {
+            (true, _) => Wait::Poll,
+            (false, true) => Wait::Interrupt,
+            (false, false) => Wait::Hybrid,
+        }
+    }
+}
+
+/// One collective request (the header fields, in Rust types).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Request {
+    pub opcode: Opcode,
+    pub dtype: Dtype,
+    /// Used by allreduce, reduce and reduce-scatter; ignored otherwise.
+    pub op: ReduceOp,
+    /// Root of broadcast and reduce; 0 otherwise.
+    pub root: u32,
+    /// Elements per member block (see `Opcode` for buffer sizes).
+    pub count: u64,
+    /// Caller's tag; must be equal on every member.
+    pub tag: u64,
+    /// No input segments; the output holds this member's input.
+    pub in_place: bool,
+    /// Collective timeout in ms, 0 = device default (honoured if the device
+    /// offers `VIRTIO_DMLC_F_REQ_TIMEOUT`).
+    pub timeout_ms: u32,
+}
+
+impl Request {
+    /// A request with root 0, tag 0, out of place, default timeout.
+    pub fn new(opcode: Opcode, dtype: Dtype, op: ReduceOp, count: u64) -> Self {
+        Request {
+            opcode,
+            dtype,
+            op,
+            root: 0,
+            count,
+            tag: 0,
+            in_place: false,
+            timeout_ms: 0,
+        }
+    }
+
+    /// The wire header.
+    pub fn header(&self) -> VirtioDmlcReq {
+        VirtioDmlcReq {
+            opcode: self.opcode.raw().into(),
+            dtype: self.dtype.raw(),
+            op: self.op.raw(),
+            root: self.root.into(),
+            count: self.count.into(),
+            tag: self.tag.into(),
+            flags: if self.in_place { FLAG_IN_PLACE } else { 0 }.into(),
+            timeout_ms: self.timeout_ms.into(),
+        }
+    }
+}
