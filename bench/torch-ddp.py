@@ -18,6 +18,10 @@ exchange, the floor under any backend. Every run but nocomm's must end with
 the same parameters on every rank (each rank prints its own sha256). Needs torch and numpy
 (python/venv.sh); builds the release binaries and C library and fetches
 the digits data (examples/digits/fetch-data.sh) first.
+
+With --vms, --wait-modes runs "dmlc" once per way the driver waits
+(`DMLC_POLL`): "dmlc-poll" (1), "dmlc-interrupt" (0) and "dmlc-hybrid"
+(hybrid), to choose the default wait by the step it gives DDP.
 """
 
 from __future__ import annotations
@@ -103,6 +107,9 @@ def run_host(
 
 RESULT = re.compile(r"^\[rank (\d+)\] json: (.*)$")
 
+# --wait-modes: backend label suffix -> DMLC_POLL.
+WAITS = {"poll": "1", "interrupt": "0", "hybrid": "hybrid"}
+
 
 def run_vms(a: argparse.Namespace, backend: str, ranks: int) -> dict[str, float]:
     """One job of `ranks` TCG VMs through the launcher; rank 0's results.
@@ -120,8 +127,11 @@ def run_vms(a: argparse.Namespace, backend: str, ranks: int) -> dict[str, float]
         cmd += ["--log-dir", str(a.log_dir / f"{backend}-{ranks}-{runs}")]
     if backend == "dmlc-kernel":
         cmd += ["--kernel-driver", str(a.kernel_module)]
+    train_backend, _, variant = backend.partition("-")
+    if variant in WAITS:
+        cmd += ["--env", f"DMLC_POLL={WAITS[variant]}"]
     cmd += ["--transport", "tcp" if backend == "gloo" else "device", "--", sys.executable]
-    cmd += [str(TRAIN), "--backend", backend.removesuffix("-kernel"), "--steps", str(a.steps)]
+    cmd += [str(TRAIN), "--backend", train_backend, "--steps", str(a.steps)]
     cmd += ["--hidden", str(a.hidden), "--batch", str(a.batch)]
     cmd += ["--eval-samples", "256", "--json", "-"] + ["--bucket-view"] * a.bucket_view
     cmd += ["--interleave"] * a.interleave
@@ -182,14 +192,20 @@ def main() -> None:
         action="store_true",
         help="with --vms: also train.py's nocomm baseline (collectives that do nothing)",
     )
+    p.add_argument(
+        "--wait-modes",
+        action="store_true",
+        help='with --vms: "dmlc" once per DMLC_POLL (dmlc-poll, dmlc-interrupt, dmlc-hybrid)',
+    )
     p.add_argument("--timeout", type=int, default=1200, help="seconds per VM job")
     p.add_argument("--log-dir", type=Path, help="with --vms: keep each job's logs here")
     a = p.parse_args()
     if a.batch is None:
         a.batch = 2 if a.vms else 64
-    if (a.kernel_driver or a.nocomm) and not a.vms:
-        p.error("--kernel-driver and --nocomm need --vms")
-    backends = ["dmlc"] + ["dmlc-kernel"] * a.kernel_driver + ["gloo"] + ["nocomm"] * a.nocomm
+    if (a.kernel_driver or a.nocomm or a.wait_modes) and not a.vms:
+        p.error("--kernel-driver, --nocomm and --wait-modes need --vms")
+    dmlc = [f"dmlc-{m}" for m in WAITS] if a.wait_modes else ["dmlc"]
+    backends = dmlc + ["dmlc-kernel"] * a.kernel_driver + ["gloo"] + ["nocomm"] * a.nocomm
     if a.kernel_driver:
         built = subprocess.run(
             [str(ROOT / "kernel-driver" / "build.sh")], check=True, capture_output=True, text=True
@@ -230,16 +246,16 @@ def main() -> None:
             }
             for b, rs in got.items()
         }
-        rows.append((n, med, got["dmlc"][0]["params"]))
+        rows.append((n, med, got[dmlc[0]][0]["params"]))
     print(
-        f"{'N':>3} {'backend':>11} {'step ms':>9} {'compute ms':>11} {'update ms':>10} "
+        f"{'N':>3} {'backend':>14} {'step ms':>9} {'compute ms':>11} {'update ms':>10} "
         f"{'exchange ms':>12}"
     )
     for n, med, _ in rows:
         for b in backends:
             m = med[b]
             print(
-                f"{n:>3} {b:>11} {m['step_ms']:>9.2f} {m['compute_ms']:>11.2f} "
+                f"{n:>3} {b:>14} {m['step_ms']:>9.2f} {m['compute_ms']:>11.2f} "
                 f"{m['update_ms']:>10.2f} {m['exchange_ms']:>12.2f}"
             )
     print()
