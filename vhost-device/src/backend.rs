@@ -790,14 +790,14 @@ pub struct VringCompletion {
 }
 
 impl Completion for VringCompletion {
-    fn complete(&self, queue: u16, head: u16, written: u32) {
+    fn put(&self, queue: u16, head: u16, written: u32) -> bool {
         let rank = self.rank;
         if queue != self.queue {
             warn!(
                 "rank {rank}: completion for queue {queue} given to queue {}",
                 self.queue
             );
-            return;
+            return false;
         }
         // Before the used element is visible: once the driver sees it, it
         // may offer the chain again, and the count must have room for it.
@@ -811,7 +811,7 @@ impl Completion for VringCompletion {
         // already belong to a new driver.
         if self.current.load(Ordering::Acquire) != self.epoch {
             debug!("rank {rank} queue {queue}: dropped completion of chain {head}");
-            return;
+            return false;
         }
         // The ring is stopped (a paused VM): the frontend owns it until it
         // starts it again, and the chain goes in the used ring then. Under
@@ -821,18 +821,26 @@ impl Completion for VringCompletion {
             deferred.current = Some(self.current.clone());
             deferred.chains.push((head, written, self.epoch));
             debug!("rank {rank} queue {queue}: chain {head} kept until the ring runs again");
-            return;
+            return false;
         }
         if let Err(e) = state.add_used(head, written) {
             warn!("rank {rank} queue {queue}: cannot return chain {head}: {e}");
-            return;
+            return false;
         }
         // A driver's broken used_event costs an interrupt, not a request.
-        let notify = state.needs_notification().unwrap_or(true);
-        if notify {
-            if let Err(e) = state.signal_used_queue() {
-                warn!("rank {rank} queue {queue}: cannot notify the driver: {e}");
-            }
+        state.needs_notification().unwrap_or(true)
+    }
+
+    fn notify(&self, queue: u16) {
+        // A driver gone since the put has a new call eventfd, or none.
+        if self.current.load(Ordering::Acquire) != self.epoch {
+            return;
+        }
+        if let Err(e) = self.vring.get_ref().signal_used_queue() {
+            warn!(
+                "rank {} queue {queue}: cannot notify the driver: {e}",
+                self.rank
+            );
         }
     }
 }

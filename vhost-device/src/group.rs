@@ -137,10 +137,25 @@ pub struct GroupConfig {
 }
 
 /// How the engine hands a finished request back to its member's virtqueue.
+///
+/// A collective's completions are made in two steps, [`Completion::put`]
+/// for every member and then [`Completion::notify`] for each that asked:
+/// no notification (a system call that may hand the CPU to the woken
+/// frontend) comes between two members' used elements, so a daemon killed
+/// while it completes a collective has almost always completed all of its
+/// members or none of them.
 pub trait Completion: Send + Sync {
-    /// Puts `head` with `written` bytes in the used ring of `queue` and
-    /// notifies the driver if it asked to be notified.
-    fn complete(&self, queue: u16, head: u16, written: u32);
+    /// Puts `head` with `written` bytes in the used ring of `queue`; true
+    /// if the driver asked to be notified.
+    fn put(&self, queue: u16, head: u16, written: u32) -> bool;
+    /// Notifies the driver of `queue` that its used ring changed.
+    fn notify(&self, queue: u16);
+    /// [`Completion::put`], then [`Completion::notify`] if asked.
+    fn complete(&self, queue: u16, head: u16, written: u32) {
+        if self.put(queue, head, written) {
+            self.notify(queue);
+        }
+    }
 }
 
 /// How long [`Group::reset`] waits for the inter-host stage to complete

@@ -377,13 +377,7 @@ impl Job {
     /// a timing model.
     fn deliver_all(&self, moved_to: Option<Instant>, late: bool) {
         let sh = &self.shared;
-        let mut done_at = Vec::new();
-        for a in &self.arrivals {
-            let delivered = sh.deliver(a, Outcome::OK);
-            if sh.recorder.is_some() {
-                done_at.push(delivered.then(Instant::now));
-            }
-        }
+        let done_at = sh.deliver_together(&self.arrivals, Outcome::OK);
         self.running.delivered();
         self.record(&done_at, moved_to, late);
     }

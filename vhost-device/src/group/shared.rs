@@ -255,9 +255,53 @@ impl Shared {
             self.metrics.dropped();
             return false;
         }
-        self.respond(rank, queue, head, done, response, writable_len);
+        let notify = self.respond(rank, queue, head, done, response, writable_len);
         drop(gate);
+        if notify {
+            done.notify(queue);
+        }
         true
+    }
+
+    /// Completes every arrival of one collective with `out`, in the current
+    /// generation: every member's response and used element first, then
+    /// the notifications ([`Completion`] says why). Per arrival, when it
+    /// was completed, or `None` if its member was lost (the completion is
+    /// dropped).
+    pub(super) fn deliver_together(
+        &self,
+        arrivals: &[Arrival],
+        out: Outcome,
+    ) -> Vec<Option<Instant>> {
+        let generation = self.resp_generation.load(Ordering::Acquire);
+        let mut to_notify = Vec::with_capacity(arrivals.len());
+        let delivered: Vec<bool> = arrivals
+            .iter()
+            .map(|a| {
+                let gate = read(&self.gates[a.rank as usize]);
+                if gate.epoch != a.epoch || !gate.accepting {
+                    self.metrics.dropped();
+                    return false;
+                }
+                let response = Some((&*a.mem, a.req.response, out, generation));
+                if self.respond(
+                    a.rank,
+                    a.queue,
+                    a.req.head,
+                    &a.done,
+                    response,
+                    a.req.writable_len,
+                ) {
+                    to_notify.push(a);
+                }
+                true
+            })
+            .collect();
+        for a in to_notify {
+            a.done.notify(a.queue);
+        }
+        let at = Instant::now();
+        delivered.into_iter().map(|d| d.then_some(at)).collect()
     }
 
     /// As [`Shared::deliver`], after `write` (which moves the member's
@@ -277,7 +321,7 @@ impl Shared {
         }
         write();
         let response = Some((&*a.mem, a.req.response, out, generation));
-        self.respond(
+        let notify = self.respond(
             a.rank,
             a.queue,
             a.req.head,
@@ -286,6 +330,9 @@ impl Shared {
             a.req.writable_len,
         );
         drop(gate);
+        if notify {
+            a.done.notify(a.queue);
+        }
         true
     }
 
@@ -305,8 +352,9 @@ impl Shared {
         }
     }
 
-    /// Writes the response (if any) and completes the chain; the caller
-    /// holds the member's gate, open in the request's epoch.
+    /// Writes the response (if any) and puts the chain in the used ring;
+    /// the caller holds the member's gate, open in the request's epoch, and
+    /// notifies the driver afterwards if this returns true.
     fn respond(
         &self,
         rank: u32,
@@ -315,7 +363,7 @@ impl Shared {
         done: &Arc<dyn Completion>,
         response: Option<(&GuestMem, GuestAddress, Outcome, u32)>,
         writable_len: u32,
-    ) {
+    ) -> bool {
         let written = match response {
             Some((mem, addr, out, generation)) => {
                 let resp = VirtioDmlcResp {
@@ -345,6 +393,6 @@ impl Shared {
                 0
             }
         };
-        done.complete(queue, head, written);
+        done.put(queue, head, written)
     }
 }

@@ -307,13 +307,7 @@ impl Group {
             // No data moves.
             running.end();
             let out = Outcome::fail(Status::Mismatch, mask, peer);
-            let mut done_at = Vec::new();
-            for a in &arrivals {
-                let delivered = sh.deliver(a, out);
-                if sh.recorder.is_some() {
-                    done_at.push(delivered.then(Instant::now));
-                }
-            }
+            let done_at = sh.deliver_together(&arrivals, out);
             running.delivered();
             if let Some(rec) = &sh.recorder {
                 let generation = sh.resp_generation.load(Ordering::Acquire);

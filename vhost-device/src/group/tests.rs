@@ -1816,13 +1816,17 @@ struct Probe {
 }
 
 impl super::Completion for Probe {
-    fn complete(&self, queue: u16, head: u16, written: u32) {
+    fn put(&self, queue: u16, head: u16, written: u32) -> bool {
         let group = self.group.get().and_then(std::sync::Weak::upgrade).unwrap();
         self.seen.lock().unwrap().push(group.generation());
         if let Some(rx) = self.hold.lock().unwrap().take() {
             rx.recv().unwrap();
         }
-        self.inner.complete(queue, head, written);
+        self.inner.put(queue, head, written)
+    }
+
+    fn notify(&self, queue: u16) {
+        self.inner.notify(queue);
     }
 }
 
@@ -1915,6 +1919,82 @@ fn config_space_shows_a_new_generation_only_after_its_failures_are_completed() {
 
 /// The generation never takes the value 0: it starts at 1, goes up by
 /// one per change, and wraps from `u32::MAX` to 1.
+/// Logs each put and notification of its member, in one log shared by the
+/// group, and asks to be notified after every put.
+struct Logged {
+    rank: u32,
+    log: Arc<std::sync::Mutex<Vec<(&'static str, u32)>>>,
+    inner: Arc<dyn super::Completion>,
+}
+
+impl super::Completion for Logged {
+    fn put(&self, queue: u16, head: u16, written: u32) -> bool {
+        self.log.lock().unwrap().push(("put", self.rank));
+        self.inner.put(queue, head, written);
+        true
+    }
+
+    fn notify(&self, queue: u16) {
+        self.log.lock().unwrap().push(("notify", self.rank));
+        self.inner.notify(queue);
+    }
+}
+
+/// Every member of a collective gets its used element before any of them
+/// is notified, for a collective that moves data and for a mismatch: a
+/// notification can hand the CPU to the woken frontend, and a daemon
+/// killed then would leave the members one collective apart.
+#[test]
+fn a_collective_puts_every_member_before_notifying_any() {
+    let n = 3;
+    let (group, hub, parts) = World::new(config(n)).into_parts();
+    let log = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let dones: Vec<Arc<dyn super::Completion>> = parts
+        .iter()
+        .enumerate()
+        .map(|(r, (_, done))| {
+            Arc::new(Logged {
+                rank: r as u32,
+                log: log.clone(),
+                inner: done.clone(),
+            }) as _
+        })
+        .collect();
+    let mut members: Vec<_> = parts.into_iter().map(|(m, _)| m).collect();
+    let count = 4u64;
+    for tags in [[7u64, 7, 7], [1, 2, 1]] {
+        log.lock().unwrap().clear();
+        let mut pend = Vec::new();
+        for (r, m) in members.iter_mut().enumerate() {
+            let h = hdr(
+                Opcode::Allreduce.raw(),
+                Dtype::F32.raw(),
+                ReduceOp::Sum.raw(),
+                0,
+                count,
+                tags[r],
+                0,
+                0,
+            );
+            let input: Vec<u8> = (0..count).flat_map(|i| (i as f32).to_le_bytes()).collect();
+            let mut d = vec![m.header(&h)];
+            d.extend(m.segments(&input, &[], false));
+            d.extend(m.segments(&vec![0; input.len()], &[], true));
+            d.push(m.response());
+            pend.push(m.submit(&group, r as u32, 0, &d, &dones[r]));
+        }
+        for p in &pend {
+            assert!(hub.wait_for(p, Duration::from_secs(10)).is_some());
+        }
+        let got = log.lock().unwrap().clone();
+        let puts = got.iter().filter(|(what, _)| *what == "put").count();
+        let first_notify = got.iter().position(|(what, _)| *what == "notify");
+        assert_eq!(puts, n as usize, "tags {tags:?}: {got:?}");
+        assert_eq!(first_notify, Some(n as usize), "tags {tags:?}: {got:?}");
+        assert_eq!(got.len(), 2 * n as usize, "tags {tags:?}: {got:?}");
+    }
+}
+
 #[test]
 fn generation_starts_at_one_and_wraps_past_zero() {
     assert_eq!(super::generation_of(0), 1);
