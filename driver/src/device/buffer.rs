@@ -10,6 +10,7 @@ use std::sync::Arc;
 use crate::dma::{DmaAlloc, DmaMemory, DMA_ALIGN};
 use crate::error::{Error, Result};
 
+use super::open::Engine;
 use super::{Device, Dtype, RawDesc};
 
 mod sealed {
@@ -424,7 +425,7 @@ impl Device {
     /// nothing writes them while a borrow the buffer handed out
     /// ([`DmaBuf::as_slice`], [`DmaBuf::as_mut_slice`]) may be alive.
     pub unsafe fn wrap_caller_memory(&self, ptr: *mut u8, len: usize) -> Result<DmaBuf> {
-        let Some(k) = &self.kernel else {
+        let Engine::Kernel(k) = &self.engine else {
             return Err(Error::InvalidArgument(
                 "only the kernel transport reaches the caller's own memory; allocate device \
                  memory and copy"
@@ -456,10 +457,7 @@ impl Device {
         for d in chain {
             if let RawDesc::Read(s) | RawDesc::Write(s) = d {
                 let m = s.mem.alloc.memory();
-                let caller = self
-                    .kernel
-                    .as_ref()
-                    .is_some_and(|k| same_memory(m, &k.caller));
+                let caller = matches!(&self.engine, Engine::Kernel(k) if same_memory(m, &k.caller));
                 if !same_memory(m, &self.mem) && !caller {
                     return Err(Error::InvalidArgument(
                         "buffer from another device's memory".into(),

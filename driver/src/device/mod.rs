@@ -45,7 +45,7 @@ pub(crate) use buffer::Lease;
 pub use buffer::{BufSlice, DmaBuf, Element};
 pub use open::Device;
 pub use options::{
-    OpenOptions, Request, Wait, ASSUMED_DEFAULT_TIMEOUT, HYBRID_SPIN_CAP, WAIT_MARGIN,
+    OpenOptions, Request, UnknownWait, Wait, ASSUMED_DEFAULT_TIMEOUT, HYBRID_SPIN_CAP, WAIT_MARGIN,
 };
 pub(crate) use queue::{completion_result, Completion};
 pub use queue::{Done, Handle, RawDesc};

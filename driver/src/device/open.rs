@@ -23,14 +23,14 @@ use crate::virtqueue::{SplitQueue, MAX_QUEUE_SIZE};
 
 use super::options::HIT_ONE;
 use super::queue::{Queue, QueueState, SLOT_SIZE};
-use super::OpenOptions;
+use super::{OpenOptions, Wait};
 
 /// One member's handle on the device.
 pub struct Device {
     // Declared first so it is dropped first: the device stops using the
     // rings before their memory is freed.
     pub(super) transport: Box<dyn Transport>,
-    queues: Box<[Queue]>,
+    pub(super) engine: Engine,
     pub(super) mem: Arc<dyn DmaMemory>,
     pub(super) config: VirtioDmlcConfig,
     pub(super) features: u64,
@@ -46,9 +46,17 @@ pub struct Device {
     pub(super) known_group: AtomicU64,
     /// [`WAIT_MARGIN`](super::WAIT_MARGIN), shorter in tests.
     pub(super) wait_margin: Duration,
-    /// Opened over the kernel driver (`crate::kernel`): it owns the queues,
-    /// and `queues` is empty.
-    pub(super) kernel: Option<KernelFile>,
+}
+
+/// What carries a device's requests: each operation of [`Device`] that
+/// touches requests matches on it.
+pub(super) enum Engine {
+    /// The driver's own split rings, one per queue (the PCI and host
+    /// transports).
+    Rings(Box<[Queue]>),
+    /// The kernel driver (`crate::kernel`), which owns the rings: one
+    /// system call per submit or wait.
+    Kernel(KernelFile),
 }
 
 pub(super) fn bit(b: u32) -> u64 {
@@ -126,7 +134,7 @@ impl Device {
         transport.driver_ok()?;
         Ok(Device {
             transport,
-            queues: queues.into_boxed_slice(),
+            engine: Engine::Rings(queues.into_boxed_slice()),
             mem,
             config,
             features,
@@ -137,7 +145,6 @@ impl Device {
             known_generation: AtomicU32::new(config.generation.get()),
             known_group: AtomicU64::new(config.group_id.get()),
             wait_margin: opts.wait_margin,
-            kernel: None,
         })
     }
 
@@ -158,7 +165,7 @@ impl Device {
         Ok(Device {
             features: transport.device_features(),
             transport,
-            queues: Box::new([]),
+            engine: Engine::Kernel(kernel),
             mem,
             config,
             poll: opts.poll,
@@ -172,7 +179,6 @@ impl Device {
             known_generation: AtomicU32::new(config.generation.get()),
             known_group: AtomicU64::new(config.group_id.get()),
             wait_margin: opts.wait_margin,
-            kernel: Some(kernel),
         })
     }
 
@@ -188,23 +194,23 @@ impl Device {
 
     /// Number of queues set up (at most what the device offers).
     pub fn num_queues(&self) -> u16 {
-        match &self.kernel {
-            Some(k) => k.num_queues(),
-            None => self.queues.len() as u16,
+        match &self.engine {
+            Engine::Kernel(k) => k.num_queues(),
+            Engine::Rings(queues) => queues.len() as u16,
         }
     }
 
     /// Descriptors per queue (0 over the kernel driver: its own rings).
     pub fn queue_size(&self) -> u16 {
-        match self.queues.first() {
-            Some(q) => q.lock().vq.size(),
-            None => 0,
+        match &self.engine {
+            Engine::Rings(queues) => queues.first().map_or(0, |q| q.lock().vq.size()),
+            Engine::Kernel(_) => 0,
         }
     }
 
     /// True if the device was opened over the kernel driver.
     pub fn is_kernel(&self) -> bool {
-        self.kernel.is_some()
+        matches!(self.engine, Engine::Kernel(_))
     }
 
     /// Negotiated feature bits.
@@ -215,6 +221,17 @@ impl Device {
     /// True in poll mode.
     pub fn is_polling(&self) -> bool {
         self.poll
+    }
+
+    /// How waits spend their time on this device: the mode asked for, or
+    /// `Poll` where a hybrid wait found no interrupt to sleep on.
+    pub fn wait_mode(&self) -> Wait {
+        OpenOptions {
+            poll: self.poll,
+            spin_cap: self.spin_cap,
+            ..OpenOptions::default()
+        }
+        .wait_kind()
     }
 
     /// The device-visible memory buffers come from.
@@ -257,10 +274,15 @@ impl Device {
     }
 
     pub(super) fn queue(&self, queue: u16) -> Result<&Queue> {
-        self.queues.get(usize::from(queue)).ok_or_else(|| {
+        let Engine::Rings(queues) = &self.engine else {
+            return Err(Error::InvalidArgument(
+                "the kernel driver owns this device's queues".into(),
+            ));
+        };
+        queues.get(usize::from(queue)).ok_or_else(|| {
             Error::InvalidArgument(format!(
                 "queue {queue} does not exist (device has {})",
-                self.queues.len()
+                queues.len()
             ))
         })
     }
@@ -280,7 +302,8 @@ impl fmt::Debug for Device {
         f.debug_struct("Device")
             .field("rank", &self.rank())
             .field("world_size", &self.world_size())
-            .field("queues", &self.queues.len())
+            .field("queues", &self.num_queues())
+            .field("kernel", &self.is_kernel())
             .field("poll", &self.poll)
             .finish()
     }

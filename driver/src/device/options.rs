@@ -69,17 +69,72 @@ impl Default for OpenOptions {
     }
 }
 
-/// How a wait for a completion spends its time, as the CLI, the C ABI and
-/// `DMLC_POLL` name it; [`OpenOptions::wait`] sets `poll` and `spin_cap`
-/// for it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// How a wait for a completion spends its time; [`OpenOptions::wait`] sets
+/// `poll` and `spin_cap` for it. The one encoding of the wait mode: every
+/// client names it by [`Wait::name`] (`DMLC_POLL`, the CLI's output, the
+/// Python package's `poll=`) and the C ABI numbers it by [`Wait::code`]
+/// (`DMLC_WAIT_*`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Wait {
     /// Busy-poll the used ring.
     Poll,
     /// Sleep on the interrupt at once.
     Interrupt,
     /// Spin up to [`HYBRID_SPIN_CAP`], then sleep (the default).
+    #[default]
     Hybrid,
+}
+
+impl Wait {
+    /// Every mode, in the order of their codes.
+    pub const ALL: [Wait; 3] = [Wait::Interrupt, Wait::Poll, Wait::Hybrid];
+
+    /// The mode's name: `poll`, `interrupt` or `hybrid`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Wait::Poll => "poll",
+            Wait::Interrupt => "interrupt",
+            Wait::Hybrid => "hybrid",
+        }
+    }
+
+    /// The C ABI's number for the mode (`DMLC_WAIT_INTERRUPT` 0,
+    /// `DMLC_WAIT_POLL` 1, `DMLC_WAIT_HYBRID` 2).
+    pub const fn code(self) -> i32 {
+        match self {
+            Wait::Interrupt => 0,
+            Wait::Poll => 1,
+            Wait::Hybrid => 2,
+        }
+    }
+}
+
+impl std::fmt::Display for Wait {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A wait mode's name that is none of [`Wait::name`]'s.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "unknown wait mode {0:?}: expected poll, interrupt or hybrid (or 1 for poll, 0 for interrupt)"
+)]
+pub struct UnknownWait(pub String);
+
+impl std::str::FromStr for Wait {
+    type Err = UnknownWait;
+
+    /// A mode by its name; `1` and `0` are the older spellings of `poll`
+    /// and `interrupt` that `DMLC_POLL` has always taken.
+    fn from_str(text: &str) -> Result<Wait, UnknownWait> {
+        match text {
+            "poll" | "1" => Ok(Wait::Poll),
+            "interrupt" | "0" => Ok(Wait::Interrupt),
+            "hybrid" => Ok(Wait::Hybrid),
+            _ => Err(UnknownWait(text.to_string())),
+        }
+    }
 }
 
 impl OpenOptions {

@@ -10,7 +10,7 @@ use virtio_dmlc::{VirtioDmlcReq, VIRTIO_DMLC_F_REQ_TIMEOUT, VIRTIO_RING_F_INDIRE
 use crate::error::{Error, Result};
 
 use super::collectives::standard_chain;
-use super::open::bit;
+use super::open::{bit, Engine};
 use super::queue::{post_locked, PostCtx, Posted, QueueState};
 use super::{BufSlice, Device, Done, Handle, RawDesc, Request, ASSUMED_DEFAULT_TIMEOUT};
 
@@ -37,7 +37,7 @@ impl Device {
         header: &VirtioDmlcReq,
         chain: &[RawDesc],
     ) -> Result<Handle> {
-        if self.kernel.is_some() {
+        if let Engine::Kernel(_) = self.engine {
             return Err(Error::InvalidArgument(
                 "submit_raw needs the pci or host transport: the kernel driver builds every \
                  chain itself"
@@ -60,7 +60,7 @@ impl Device {
         self.check(req, input, output)?;
         let deadline = timeout.map(|t| Instant::now() + t);
         let chain = standard_chain(input, output);
-        if let Some(k) = &self.kernel {
+        if let Engine::Kernel(k) = &self.engine {
             // One system call: submit and wait, within the wait's bound.
             let header = req.header();
             let bound = Instant::now() + self.wait_bound(&header);
@@ -100,7 +100,7 @@ impl Device {
         block: bool,
         deadline: Option<Instant>,
     ) -> Result<Handle> {
-        if let Some(k) = &self.kernel {
+        if let Engine::Kernel(k) = &self.engine {
             let leases = self.leases(chain)?;
             return Ok(k.submit(queue, header, chain, leases, None)?.0);
         }

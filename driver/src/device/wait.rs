@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 
+use super::open::Engine;
 use super::options::HIT_ONE;
 use super::queue::{completion_result, in_flight_of, Posted, Queue, QueueState};
 use super::{Device, Done, Handle, ASSUMED_DEFAULT_TIMEOUT};
@@ -46,7 +47,7 @@ impl Device {
     }
 
     pub(super) fn wait_deadline(&self, h: Handle, deadline: Option<Instant>) -> Result<Done> {
-        if let Some(k) = &self.kernel {
+        if let Engine::Kernel(k) = &self.engine {
             // The module keeps no per-request bound: the longest a request
             // can take is its timeout (at most the assumed default) plus
             // the margin, counted from now as the request's posting time
@@ -145,7 +146,7 @@ impl Device {
 
     /// True if the request has completed (its result waits in [`Self::wait`]).
     pub fn is_done(&self, h: Handle) -> Result<bool> {
-        if let Some(k) = &self.kernel {
+        if let Engine::Kernel(k) = &self.engine {
             return k.is_done(h);
         }
         let q = self.queue(h.queue)?;
