@@ -215,8 +215,8 @@ int dmlc_open_kernel(const char *node, const dmlc_open_options *opts, dmlc_devic
 /* Opens the device the job's environment names, the way every client does
  * (the rabit API, the Python package, its torch backend): DMLC_SOCKET (a
  * backend socket), DMLC_SOCKET_PREFIX (plus the rank), DMLC_DEVICE=pci[:ADDR]
- * or kernel[:NODE]; DMLC_POLL (hybrid, the default; 1 polls; 0 sleeps at
- * once), DMLC_DMA_BYTES ("256M"); a rank and size from the launcher
+ * or kernel[:NODE]; DMLC_POLL (hybrid, the default; poll or 1 polls;
+ * interrupt or 0 sleeps at once), DMLC_DMA_BYTES ("256M"); a rank and size from the launcher
  * (DMLC_TASK_ID, DMLC_NUM_WORKER) or torchrun (RANK, WORLD_SIZE) must be the
  * device's. `env` is NULL for the process environment, or a NULL-terminated
  * array of "NAME=VALUE" strings. Settings that cannot work give
@@ -226,6 +226,11 @@ int dmlc_open_env(const char *const *env, dmlc_device **out);
 /* 1 if collectives reach the caller's own memory without a copy (the kernel
  * transport, where dmlc_wrap_memory works), 0 if not; -1 if dev is NULL. */
 int dmlc_reaches_any_memory(const dmlc_device *dev);
+
+/* How waits spend their time on this device: DMLC_WAIT_INTERRUPT,
+ * DMLC_WAIT_POLL or DMLC_WAIT_HYBRID (a hybrid wait on a transport with no
+ * interrupt to sleep on polls); -1 if dev is NULL. */
+int dmlc_wait_mode(const dmlc_device *dev);
 
 /* Closes the device. Buffers still allocated keep the device's memory alive
  * until they are freed. Pending handles must be waited for first. NULL is a

@@ -110,15 +110,11 @@ pub struct DmlcConfig {
 /// `dmlc_open_options.poll` for the hybrid wait (the default): spin up to
 /// `HYBRID_SPIN_CAP` while recent waits mostly ended within it, then sleep
 /// on the interrupt. 0 sleeps at once; any other value busy-polls.
-pub const DMLC_WAIT_HYBRID: c_int = 2;
+pub const DMLC_WAIT_HYBRID: c_int = Wait::Hybrid.code();
 
 /// The `dmlc_open_options.poll` value that stands for `o`'s wait.
 fn wait_field(o: &OpenOptions) -> c_int {
-    match o.wait_kind() {
-        Wait::Poll => 1,
-        Wait::Interrupt => 0,
-        Wait::Hybrid => DMLC_WAIT_HYBRID,
-    }
+    o.wait_kind().code()
 }
 
 /// `dmlc_open_options`.
@@ -440,11 +436,11 @@ pub unsafe extern "C" fn dmlc_open_host_ex(
 unsafe fn open_options(opts: *const DmlcOpenOptions) -> Result<OpenOptions, Fail> {
     // SAFETY: forwarded contract.
     let o = unsafe { opts.as_ref() }.ok_or_else(|| Fail::invalid("options are NULL"))?;
-    let wait = match o.poll {
-        0 => Wait::Interrupt,
-        DMLC_WAIT_HYBRID => Wait::Hybrid,
-        _ => Wait::Poll,
-    };
+    // Any value that names no mode polls, as the header says.
+    let wait = Wait::ALL
+        .into_iter()
+        .find(|w| w.code() == o.poll)
+        .unwrap_or(Wait::Poll);
     Ok(OpenOptions {
         queue_size: o.queue_size,
         event_idx: o.event_idx != 0,

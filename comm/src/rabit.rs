@@ -59,7 +59,7 @@
 //! | `DMLC_SOCKET` | path of a backend socket: this process plays the VM (host transport) |
 //! | `DMLC_SOCKET_PREFIX` | the backend's socket prefix: socket `PREFIX<rank>` (the daemon's naming) |
 //! | `DMLC_DMA_BYTES` | device-visible memory to set aside, e.g. `16M` (default 256M; in a VM it comes from hugepages) |
-//! | `DMLC_POLL` | `hybrid` (default) spins up to 200 us (while recent waits mostly ended within that) and then sleeps on interrupts, `1` busy-polls for completions, `0` sleeps at once |
+//! | `DMLC_POLL` | a [`Wait`] by name: `hybrid` (default) spins up to 200 us (while recent waits mostly ended within that) and then sleeps on interrupts, `poll` (or `1`) busy-polls for completions, `interrupt` (or `0`) sleeps at once |
 //! | `DMLC_TCP_PEERS` | TCP only: `ip:port,...` of every worker in rank order |
 //! | `DMLC_TCP_CONNECT_TIMEOUT_S` | TCP only: how long to wait for slow peers (default 60) |
 //! | `DMLC_TCP_IO_TIMEOUT_S` | TCP only: how long a collective waits for a silent peer (default 120, 0 = forever) |
@@ -91,7 +91,7 @@ use std::time::Duration;
 
 use crate::tcp::{self, TcpComm};
 use crate::{CommError, Communicator, CommunicatorExt, DeviceComm, SelfComm};
-use dmlc_driver::device::Wait;
+use dmlc_driver::device::{UnknownWait, Wait};
 use dmlc_driver::{Device, Dtype, ReduceOp};
 use dmlc_driver::{Element, OpenOptions};
 
@@ -381,18 +381,9 @@ impl Config {
             open.dma_bytes = parse_bytes("DMLC_DMA_BYTES", &v)?;
         }
         if let Some(v) = var("DMLC_POLL") {
-            let wait = match v.as_str() {
-                "1" | "true" | "yes" => Wait::Poll,
-                "0" | "false" | "no" => Wait::Interrupt,
-                "hybrid" => Wait::Hybrid,
-                _ => {
-                    return Err(bad(
-                        "DMLC_POLL",
-                        &v,
-                        "expected 1 (poll), 0 (interrupts) or hybrid",
-                    ))
-                }
-            };
+            let wait: Wait = v
+                .parse()
+                .map_err(|e: UnknownWait| bad("DMLC_POLL", &v, e.to_string()))?;
             open = open.wait(wait);
         }
         let tcp_peers = match var(tcp::PEERS_ENV) {
@@ -861,6 +852,33 @@ mod tests {
         );
         assert!(err(&[("DMLC_TCP_PEERS", "nowhere")]).starts_with("invalid DMLC_TCP_PEERS"));
         assert!(err(&[("DMLC_TCP_IO_TIMEOUT_S", "-1")]).contains("seconds"));
+    }
+
+    /// DMLC_POLL's settings and the wait mode each names: the same table as
+    /// the Python package's test (python/tests/ranks.py, WAIT_BY_DMLC_POLL),
+    /// which opens devices through the C ABI's dmlc_open_env.
+    #[test]
+    fn every_dmlc_poll_names_one_wait_mode() {
+        let table = [
+            (None, Wait::Hybrid),
+            (Some("hybrid"), Wait::Hybrid),
+            (Some("poll"), Wait::Poll),
+            (Some("1"), Wait::Poll),
+            (Some("interrupt"), Wait::Interrupt),
+            (Some("0"), Wait::Interrupt),
+        ];
+        for (setting, mode) in table {
+            let vars: Vec<(&str, &str)> = setting.map(|v| ("DMLC_POLL", v)).into_iter().collect();
+            assert_eq!(cfg(&vars).unwrap().open.wait_kind(), mode, "{setting:?}");
+        }
+        for mode in Wait::ALL {
+            assert_eq!(mode.name().parse::<Wait>(), Ok(mode));
+        }
+        let err = cfg(&[("DMLC_POLL", "true")]).unwrap_err().to_string();
+        assert!(
+            err.contains("DMLC_POLL") && err.contains("expected poll, interrupt or hybrid"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -106,3 +106,18 @@ pub unsafe extern "C" fn dmlc_reaches_any_memory(dev: *const DmlcDevice) -> c_in
         Err(_) => -1,
     }
 }
+
+/// How waits spend their time on `dev`: `DMLC_WAIT_INTERRUPT`,
+/// `DMLC_WAIT_POLL` or `DMLC_WAIT_HYBRID` (`Wait::code`); -1 if dev is NULL.
+///
+/// # Safety
+///
+/// `dev` is NULL or an open device.
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_wait_mode(dev: *const DmlcDevice) -> c_int {
+    // SAFETY: forwarded contract.
+    match unsafe { device(dev) } {
+        Ok(d) => d.dev.wait_mode().code(),
+        Err(_) => -1,
+    }
+}

@@ -234,6 +234,8 @@ int main(int argc, char **argv)
     CHECK(cfg.rank == (uint32_t)rank && cfg.world_size == (uint32_t)n, "config");
     CHECK(cfg.generation >= 1 && cfg.max_bytes > 0, "config generation %u", cfg.generation);
     CHECK(dmlc_num_queues(dev) == (int32_t)cfg.num_queues, "queues");
+    CHECK(dmlc_wait_mode(dev) == poll, "wait mode %d, asked for %d", dmlc_wait_mode(dev), poll);
+    CHECK(dmlc_wait_mode(NULL) == -1, "wait mode of NULL");
 
     enum { COUNT = 1000 };
     dmlc_buffer *send = NULL, *recv = NULL, *small = NULL;

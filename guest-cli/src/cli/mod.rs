@@ -87,13 +87,7 @@ impl Globals {
 
     /// How completions are waited for, as the output names it.
     fn mode(&self) -> &'static str {
-        if self.interrupt {
-            "interrupt"
-        } else if self.poll {
-            "poll"
-        } else {
-            "hybrid"
-        }
+        self.wait_options().wait_kind().name()
     }
 
     fn validate(&self) -> Result<(), CliError> {
