@@ -85,6 +85,7 @@ mod pieces;
 mod shared;
 mod state;
 mod submit;
+mod test_fault;
 mod timed;
 mod timers;
 

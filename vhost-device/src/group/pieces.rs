@@ -152,14 +152,3 @@ pub(super) fn split(pieces: &[Piece], threads: usize) -> Vec<(usize, usize, usiz
     }
     parts
 }
-
-/// Drops member `member`'s outputs from every step (the skip-write test
-/// fault): its buffers are read as usual but never written.
-pub(super) fn forget_outputs(pieces: &mut [Piece], member: usize) {
-    for p in pieces {
-        match p {
-            Piece::Reduce { outputs, .. } => outputs.retain(|b| b.member != member),
-            Piece::Copy { dsts, .. } => dsts.retain(|b| b.member != member),
-        }
-    }
-}

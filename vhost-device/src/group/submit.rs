@@ -11,9 +11,10 @@ use virtio_queue::DescriptorChain;
 
 use super::job::{Job, Outgoing, Running};
 use super::matching::mismatch_mask;
-use super::pieces::{forget_outputs, plan, split, Piece};
+use super::pieces::{plan, split, Piece};
 use super::shared::{Cause, Gate};
 use super::state::{lock, read, Arrival, Outcome, Slot, State, Waiting};
+use super::test_fault::TestFault;
 use super::timed::{completed_at, record_of, schedule, Due, FailLater, Injected, Schedule};
 use super::{remote, Completion, Group, SPLIT_THRESHOLD};
 use crate::chain::{self, Limits, Request};
@@ -319,33 +320,10 @@ impl Group {
         }
 
         let mut pieces = plan(&arrivals);
-        let fired = if pieces.is_empty() {
-            None
-        } else {
-            sh.faults.next()
-        };
-        let mut skip_write = None;
-        let mut panic_now = false;
-        if let Some((nth, f)) = fired {
-            if let Some(rank) = f.skip_write {
-                log::warn!(
-                    "test fault: collective {nth} (queue {}, seq {}) leaves rank {rank}'s \
-                     outputs unwritten",
-                    key.0,
-                    key.1
-                );
-                skip_write = Some(rank);
-                forget_outputs(&mut pieces, rank as usize);
-            }
-            if f.panic {
-                log::warn!(
-                    "test fault: collective {nth} (queue {}, seq {}) panics in a part",
-                    key.0,
-                    key.1
-                );
-                panic_now = true;
-            }
-        }
+        let TestFault {
+            skip_write,
+            panic: panic_now,
+        } = TestFault::arm(&sh.faults, key, &mut pieces);
         let total: usize = pieces.iter().map(Piece::len).sum();
         let reduce = reference.dtype.zip(reference.op);
         let opcode = reference.opcode;

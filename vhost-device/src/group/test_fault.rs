@@ -1,0 +1,56 @@
+//! What a test fault planned in `DMLC_TEST_FAULTS` ([`crate::fault`]) does
+//! to the collective it fires on: kept apart from the engine's path, which
+//! asks once per collective that moves data (one relaxed load when nothing
+//! is planned).
+
+use super::pieces::Piece;
+use crate::fault::FaultState;
+
+/// The faults armed for one collective.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct TestFault {
+    /// The member whose outputs are left unwritten.
+    pub(super) skip_write: Option<u32>,
+    /// A part of the data movement panics.
+    pub(super) panic: bool,
+}
+
+impl TestFault {
+    /// The faults the plan fires on the collective `key` about to move
+    /// `pieces` (none for a collective that moves no data); a skipped
+    /// write is taken out of `pieces` here. Each fired fault is logged.
+    pub(super) fn arm(faults: &FaultState, key: (u16, u64), pieces: &mut [Piece]) -> TestFault {
+        if pieces.is_empty() {
+            return TestFault::default();
+        }
+        let Some((nth, fired)) = faults.next() else {
+            return TestFault::default();
+        };
+        let (queue, seq) = key;
+        if let Some(rank) = fired.skip_write {
+            log::warn!(
+                "test fault: collective {nth} (queue {queue}, seq {seq}) leaves rank {rank}'s \
+                 outputs unwritten"
+            );
+            forget_outputs(pieces, rank as usize);
+        }
+        if fired.panic {
+            log::warn!("test fault: collective {nth} (queue {queue}, seq {seq}) panics in a part");
+        }
+        TestFault {
+            skip_write: fired.skip_write,
+            panic: fired.panic,
+        }
+    }
+}
+
+/// Drops member `member`'s outputs from every step (the skip-write test
+/// fault): its buffers are read as usual but never written.
+fn forget_outputs(pieces: &mut [Piece], member: usize) {
+    for p in pieces {
+        match p {
+            Piece::Reduce { outputs, .. } => outputs.retain(|b| b.member != member),
+            Piece::Copy { dsts, .. } => dsts.retain(|b| b.member != member),
+        }
+    }
+}
