@@ -300,31 +300,35 @@ impl Config {
                 ));
             }
         }
-        // The launcher's names and torchrun's: either, or both if they agree.
-        let either = |ours: &'static str, torchrun: &'static str| -> Result<Option<u32>> {
-            let a = var(ours).map(|v| parse_u32(ours, &v)).transpose()?;
-            let b = var(torchrun).map(|v| parse_u32(torchrun, &v)).transpose()?;
-            match (a, b) {
-                (Some(x), Some(y)) if x != y => {
-                    Err(bad(ours, &x.to_string(), format!("but {torchrun} is {y}")))
+        // The launcher's names and torchrun's: either, or both if they
+        // agree. The value comes with the name it was read from, for errors.
+        let either =
+            |ours: &'static str, torchrun: &'static str| -> Result<Option<(u32, &'static str)>> {
+                let a = var(ours).map(|v| parse_u32(ours, &v)).transpose()?;
+                let b = var(torchrun).map(|v| parse_u32(torchrun, &v)).transpose()?;
+                match (a, b) {
+                    (Some(x), Some(y)) if x != y => {
+                        Err(bad(ours, &x.to_string(), format!("but {torchrun} is {y}")))
+                    }
+                    _ => Ok(a.map(|x| (x, ours)).or(b.map(|y| (y, torchrun)))),
                 }
-                _ => Ok(a.or(b)),
-            }
-        };
-        let rank = either("DMLC_TASK_ID", "RANK")?;
-        let world_size = either("DMLC_NUM_WORKER", "WORLD_SIZE")?;
-        if world_size == Some(0) {
-            return Err(bad("DMLC_NUM_WORKER", "0", "a job has at least one worker"));
+            };
+        let rank_from = either("DMLC_TASK_ID", "RANK")?;
+        let world_from = either("DMLC_NUM_WORKER", "WORLD_SIZE")?;
+        if let Some((0, name)) = world_from {
+            return Err(bad(name, "0", "a job has at least one worker"));
         }
-        if let (Some(r), Some(w)) = (rank, world_size) {
+        if let (Some((r, rank_var)), Some((w, world_var))) = (rank_from, world_from) {
             if r >= w {
                 return Err(bad(
-                    "DMLC_TASK_ID",
+                    rank_var,
                     &r.to_string(),
-                    format!("not below DMLC_NUM_WORKER={w}"),
+                    format!("not below {world_var}={w}"),
                 ));
             }
         }
+        let rank = rank_from.map(|(r, _)| r);
+        let world_size = world_from.map(|(w, _)| w);
         let transport = match var("DMLC_TRANSPORT").as_deref() {
             None | Some("device") => TransportKind::Device,
             Some("tcp") => TransportKind::Tcp,
@@ -825,9 +829,7 @@ mod tests {
         assert!(err(&[("DMLC_DEVICE", "usb")]).contains("expected pci"));
         assert!(err(&[("DMLC_DEVICE", "kernel:")]).contains("kernel:/dev/dmlcN"));
         assert!(err(&[("DMLC_DMA_BYTES", "lots")]).contains("not a size"));
-        assert!(
-            err(&[("DMLC_POLL", "maybe")]).contains("expected 1 (poll), 0 (interrupts) or hybrid")
-        );
+        assert!(err(&[("DMLC_POLL", "maybe")]).contains("expected poll, interrupt or hybrid"));
         // torchrun's names, alone or agreeing with the launcher's.
         let c = cfg(&[("RANK", "2"), ("WORLD_SIZE", "3"), ("DMLC_NUM_WORKER", "3")]).unwrap();
         assert_eq!((c.rank, c.world_size), (Some(2), Some(3)));
@@ -837,7 +839,7 @@ mod tests {
         );
         assert_eq!(
             err(&[("RANK", "3"), ("WORLD_SIZE", "3")]),
-            "invalid DMLC_TASK_ID=\"3\": not below DMLC_NUM_WORKER=3"
+            "invalid RANK=\"3\": not below WORLD_SIZE=3"
         );
         // One socket per rank, named as the daemon names them.
         assert_eq!(
