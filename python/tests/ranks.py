@@ -41,6 +41,15 @@ NUMPY_TYPES = [
     np.uint64,
 ]
 COUNT = 37  # not a multiple of any vector width
+# DMLC_POLL's settings and the wait mode each names ("" = unset).
+WAIT_BY_DMLC_POLL = {
+    "": "hybrid",
+    "hybrid": "hybrid",
+    "poll": "poll",
+    "1": "poll",
+    "interrupt": "interrupt",
+    "0": "interrupt",
+}
 
 checks = 0
 
@@ -116,12 +125,12 @@ def numpy_collectives(dev: Device) -> None:
         ops = FLOAT_OPS if np.issubdtype(t, np.floating) else INT_OPS
         for op in ops:
             a = inputs(t, rank)
-            dev.allreduce(a, op)
+            dev.allreduce(a, op=op)
             want = expected(t, op, world)
             check(np.array_equal(a, want), f"allreduce {t.__name__} {op.name}: {a} != {want}")
             out = np.zeros_like(a)
             src = inputs(t, rank)
-            dev.allreduce(src, op, out=out)
+            dev.allreduce(src, out, op)
             check(
                 np.array_equal(out, want) and np.array_equal(src, inputs(t, rank)),
                 f"out-of-place allreduce {t.__name__} {op.name}",
@@ -162,7 +171,7 @@ def unstaged(dev: Device) -> None:
 
     a, b = alloc(8, np.int64), alloc(8, np.int64)
     a[:], b[:] = np.arange(8) + rank, -1
-    dev.allreduce(a, "max", out=b)
+    dev.allreduce(a, b, "max")
     check(list(b) == list(np.arange(8) + world - 1), f"out of place: {b}")
     check(list(a) == list(np.arange(8) + rank), f"out of place changed its input: {a}")
     a[:] = rank + 1
@@ -239,7 +248,7 @@ def torch_collectives(dev: Device) -> None:
         )
     # Several asynchronous collectives in flight, completed in order.
     ts = [torch.full((1000,), float(rank + k), dtype=torch.float32) for k in range(4)]
-    works = [dev.allreduce(t, "max", async_op=True) for t in ts]
+    works = [dev.allreduce(t, op="max", async_op=True) for t in ts]
     for k, w in enumerate(works):
         w.wait()
         check(torch.equal(ts[k], torch.full((1000,), float(world - 1 + k))), f"async {k}")
@@ -299,12 +308,17 @@ def from_env(socket: str) -> None:
         Device.from_env({**env, "DMLC_POLL": "sometimes"})
         check(False, "DMLC_POLL=sometimes opened a device")
     except ValueError as e:
-        check("expected 1 (poll), 0 (interrupts) or hybrid" in str(e), str(e))
+        check("expected poll, interrupt or hybrid" in str(e), str(e))
     try:
         Device.from_env({})
         check(False, "an empty environment opened a device")
     except ValueError as e:
         check("DMLC_SOCKET" in str(e), str(e))
+    # The wait mode each DMLC_POLL gives: the same table as the Rust
+    # reader's test (comm/src/rabit.rs, every_dmlc_poll_names_one_wait_mode).
+    for setting, mode in WAIT_BY_DMLC_POLL.items():
+        with Device.from_env({**env, "DMLC_POLL": setting} if setting else env) as dev:
+            check(dev.wait_mode == mode, f"DMLC_POLL={setting!r} gave {dev.wait_mode}")
 
 
 def ddp(backend: str, store_path: str) -> None:

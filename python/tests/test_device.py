@@ -3,6 +3,7 @@ and torch tensors, errors as exceptions, the environment."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import pickle
@@ -14,7 +15,7 @@ import pytest
 import dmlc
 from conftest import Backend, checks_passed, need, start_backend
 from dmlc import flight_recorder
-from dmlc.device import memory, parse_size, reduce_op
+from dmlc.device import allreduce_order, memory, reduce_op
 
 
 def test_numpy_collectives_match_the_rank_order_reference(backend: Backend) -> None:
@@ -39,7 +40,20 @@ def test_a_lost_member_raises_peer_lost_on_the_others(backend2: Backend) -> None
 
 
 def test_the_environment_opens_the_device(backend2: Backend) -> None:
-    assert checks_passed(backend2.run("env")) == [4, 4]
+    assert checks_passed(backend2.run("env")) == [10, 10]
+
+
+def test_collectives_take_data_out_op_root_and_the_old_allreduce_order_warns() -> None:
+    for name in ("allreduce", "reduce", "allgather", "reduce_scatter", "broadcast"):
+        params = list(inspect.signature(getattr(dmlc.Device, name)).parameters)
+        order = [p for p in ("data", "out", "op", "root") if p in params]
+        assert params[1 : 1 + len(order)] == order, (name, params)
+    marker = object()
+    assert allreduce_order(marker, "max", stacklevel=2) == (marker, "max")
+    with pytest.warns(DeprecationWarning, match=r"allreduce\(data, out, op\)"):
+        assert allreduce_order("max", dmlc.ReduceOp.SUM, stacklevel=2) == (None, "max")
+    with pytest.warns(DeprecationWarning):
+        assert allreduce_order(dmlc.ReduceOp.MIN, "sum", stacklevel=2) == (None, dmlc.ReduceOp.MIN)
 
 
 def test_arguments_are_checked_before_anything_is_sent() -> None:
@@ -50,9 +64,8 @@ def test_arguments_are_checked_before_anything_is_sent() -> None:
         memory(np.zeros(3, dtype=np.complex64))
     with pytest.raises(ValueError, match="C-contiguous"):
         memory(np.zeros((4, 4), dtype=np.float32).T)
-    assert parse_size("X", "64M") == 64 << 20 and parse_size("X", "4096") == 4096
-    with pytest.raises(ValueError, match="not a size"):
-        parse_size("X", "0x10")
+    with pytest.raises(ValueError, match="'poll', 'interrupt' or 'hybrid'"):
+        dmlc.Device._options("sometimes", None)  # type: ignore[arg-type]
     a = np.zeros(3, dtype=np.int32)
     assert memory(a) == (a.ctypes.data, 12, dmlc.Dtype.I32)
     with pytest.raises(ValueError, match="read-only"):

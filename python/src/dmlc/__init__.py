@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .device import Device, Dtype, ReduceOp, Work
+from .device import Device, Dtype, ReduceOp, Work, allreduce_order
 from .errors import (
     BadRequestError,
     BufferBusyError,
@@ -96,8 +96,9 @@ def world_size() -> int:
     return device().world_size
 
 
-def allreduce(data: Any, op: ReduceOp | str = ReduceOp.SUM, **kw: Any) -> Any:
-    return device().allreduce(data, op, **kw)
+def allreduce(data: Any, out: Any = None, op: ReduceOp | str = ReduceOp.SUM, **kw: Any) -> Any:
+    out, op = allreduce_order(out, op, stacklevel=3)
+    return device().allreduce(data, out, op, **kw)
 
 
 def broadcast(data: Any, root: int = 0, **kw: Any) -> Any:

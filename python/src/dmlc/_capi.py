@@ -58,7 +58,12 @@ ERR_ENVIRONMENT = 113
 ABI_VERSION = 1
 
 NO_PEER = 0xFFFFFFFF
-WAIT_HYBRID = 2  # dmlc_open_options.poll: DMLC_WAIT_HYBRID
+# dmlc_open_options.poll and dmlc_wait_mode(): DMLC_WAIT_*, by the names
+# every client gives the wait modes.
+WAIT_INTERRUPT = 0
+WAIT_POLL = 1
+WAIT_HYBRID = 2
+WAIT_CODES = {"interrupt": WAIT_INTERRUPT, "poll": WAIT_POLL, "hybrid": WAIT_HYBRID}
 FLAG_IN_PLACE = 1
 
 # Opcodes (dmlc_opcode).
@@ -201,6 +206,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "dmlc_open_kernel": (c_int, [c_char_p, POINTER(OpenOptions), POINTER(c_void_p)]),
         "dmlc_open_env": (c_int, [POINTER(c_char_p), POINTER(c_void_p)]),
         "dmlc_reaches_any_memory": (c_int, [dev]),
+        "dmlc_wait_mode": (c_int, [dev]),
         "dmlc_close": (None, [dev]),
         "dmlc_rank": (c_int32, [dev]),
         "dmlc_world_size": (c_int32, [dev]),

@@ -17,10 +17,12 @@ GIL while the C library waits).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import queue
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -79,9 +81,12 @@ _NUMPY_DTYPES: dict[np.dtype[Any], Dtype] = {
 CHUNK_BYTES = 16 << 20
 
 Op = Union[ReduceOp, str]
-# How a wait spends its time: True polls, False sleeps on the interrupt,
-# "hybrid" spins briefly first.
-Wait = Union[bool, Literal["hybrid"]]
+# How a wait spends its time, by the names every client uses (DMLC_POLL,
+# the C ABI's DMLC_WAIT_*): "poll" busy-polls, "interrupt" sleeps on the
+# interrupt at once, "hybrid" (the default) spins briefly first. True and
+# False are the older spellings of "poll" and "interrupt".
+WaitMode = Literal["poll", "interrupt", "hybrid"]
+Wait = Union[WaitMode, bool]
 
 
 def reduce_op(op: Op) -> ReduceOp:
@@ -93,6 +98,21 @@ def reduce_op(op: Op) -> ReduceOp:
     except KeyError:
         names = ", ".join(o.name.lower() for o in ReduceOp)
         raise ValueError(f"unknown reduce op {op!r}: expected one of {names}") from None
+
+
+def allreduce_order(out: Any, op: Op, *, stacklevel: int) -> tuple[Any, Op]:
+    """`(out, op)` of an allreduce, from a call in the older order
+    ``allreduce(data, op)`` too (with a DeprecationWarning at the caller
+    `stacklevel` frames up)."""
+    if not isinstance(out, (ReduceOp, str)):
+        return out, op
+    warnings.warn(
+        "allreduce(data, op) is deprecated: the order is allreduce(data, out, op) in every "
+        "collective; pass op=... by name",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+    return None, out
 
 
 def _torch() -> Any:
@@ -195,6 +215,19 @@ class Work:
         return self._future.exception()
 
 
+# Devices not yet closed, closed at exit: a daemon worker still running a
+# completion (torch's future callbacks, in C++) when the interpreter
+# finalizes is ended by pthread_exit, and unwinding that through C++ aborts
+# the process ("terminate called without an active exception").
+_open_devices: weakref.WeakSet[Device] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_devices() -> None:
+    for dev in list(_open_devices):
+        dev.close()
+
+
 class Device:
     """One member's handle on a virtio-dmlc device.
 
@@ -251,6 +284,19 @@ class Device:
         self._worker = threading.Thread(target=self._serve, name="dmlc-device", daemon=True)
         self._worker.start()
         self._closed = False
+        _open_devices.add(self)
+
+    @property
+    def wait_mode(self) -> WaitMode:
+        """How waits spend their time on this device: "poll", "interrupt" or
+        "hybrid" (a hybrid wait polls where there is no interrupt to sleep on)."""
+        code = self._lib_.dmlc_wait_mode(self._dev)
+        names: dict[int, WaitMode] = {
+            _capi.WAIT_POLL: "poll",
+            _capi.WAIT_INTERRUPT: "interrupt",
+            _capi.WAIT_HYBRID: "hybrid",
+        }
+        return names[code]
 
     @property
     def reaches_any_memory(self) -> bool:
@@ -271,12 +317,10 @@ class Device:
     def _options(cls, poll: Wait, dma_bytes: int | None) -> _capi.OpenOptions:
         opts = _capi.OpenOptions()
         cls.library().dmlc_open_options_init(ctypes.byref(opts))
-        if poll == "hybrid":
-            opts.poll = _capi.WAIT_HYBRID
-        elif isinstance(poll, bool):
-            opts.poll = int(poll)
-        else:
-            raise ValueError(f"poll={poll!r}: expected True, False or 'hybrid'")
+        name = ("poll" if poll else "interrupt") if isinstance(poll, bool) else poll
+        if name not in _capi.WAIT_CODES:
+            raise ValueError(f"poll={poll!r}: expected 'poll', 'interrupt' or 'hybrid'")
+        opts.poll = _capi.WAIT_CODES[name]
         if dma_bytes is not None:
             opts.dma_bytes = dma_bytes
         return opts
@@ -319,7 +363,8 @@ class Device:
         ``DMLC_SOCKET`` (a backend socket; or ``DMLC_SOCKET_PREFIX`` plus the
         rank), ``DMLC_DEVICE=pci[:ADDR]`` or ``DMLC_DEVICE=kernel[:NODE]``;
         ``DMLC_POLL=hybrid`` (the default) spins up to 200 us before it
-        sleeps, ``1`` polls, ``0`` sleeps on the interrupt at once;
+        sleeps, ``poll`` (or ``1``) polls, ``interrupt`` (or ``0``) sleeps on
+        the interrupt at once;
         ``DMLC_DMA_BYTES`` sizes the device memory. A rank given by the
         launcher (``DMLC_TASK_ID``, ``DMLC_NUM_WORKER``) or torchrun
         (``RANK``, ``WORLD_SIZE``) must match the device's. The C library
@@ -421,12 +466,16 @@ class Device:
     # ---- collectives --------------------------------------------------------
 
     def allreduce(
-        self, data: Any, op: Op = ReduceOp.SUM, *, out: Any = None, async_op: bool = False
+        self, data: Any, out: Any = None, op: Op = ReduceOp.SUM, *, async_op: bool = False
     ) -> Any:
         """Element-wise reduction over the members, in rank order.
 
         In place on `data` unless `out` (same shape and dtype) is given.
+        Arguments come in one order in every collective: the data, the
+        output, the op, the root (as in the C ABI). The older
+        ``allreduce(data, op)`` still works, with a DeprecationWarning.
         """
+        out, op = allreduce_order(out, op, stacklevel=3)
         rop = reduce_op(op)
 
         def run() -> Any:
@@ -720,13 +769,3 @@ def _raise_if(lib: ctypes.CDLL, rc: int) -> None:
     if rc != _capi.OK:
         msg = (lib.dmlc_last_error_message() or b"").decode(errors="replace")
         raise error_for(rc, msg or _strerror(lib, rc))
-
-
-def parse_size(name: str, value: str) -> int:
-    """A byte count such as 4096, 64K, 16M or 1G (powers of 1024), as rabit reads it."""
-    v = value.strip()
-    shift = {"k": 10, "m": 20, "g": 30}.get(v[-1:].lower(), 0)
-    digits = v[:-1] if shift else v
-    if not digits.isdigit() or int(digits) == 0:
-        raise ValueError(f"{name}={value!r} is not a size such as 16M")
-    return int(digits) << shift

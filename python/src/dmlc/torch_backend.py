@@ -101,8 +101,11 @@ class DeviceWork(dist.Work):
     def finish(self, error: BaseException | None) -> None:
         """Completes the Work (from the device's worker thread)."""
         self._error = error
-        self._done.set()
+        # The future's callbacks (C++) run before any waiter resumes: a
+        # caller that returns from wait() and exits finds no completion
+        # still running in the worker thread.
         self._start.set_result(None)
+        self._done.set()
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         limit = timeout if timeout > timedelta(0) else self._timeout
@@ -216,7 +219,7 @@ class BackendDmlc(dist._Backend):
         return self._work(
             "allreduce",
             tensors,
-            lambda: self.device.allreduce(c.tensor, c.op, async_op=True),
+            lambda: self.device.allreduce(c.tensor, op=c.op, async_op=True),
             c.back,
         )
 
@@ -228,7 +231,7 @@ class BackendDmlc(dist._Backend):
         return self._work(
             "allreduce_coalesced",
             tensors,
-            lambda: [self.device.allreduce(c.tensor, c.op, async_op=True) for c in carried],
+            lambda: [self.device.allreduce(c.tensor, op=c.op, async_op=True) for c in carried],
             self._then(*(c.back for c in carried)),
         )
 
