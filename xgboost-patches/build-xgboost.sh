@@ -134,7 +134,7 @@ build_xgboost() {
     syms=$(nm -D --defined-only "$lib")
     grep -q ' XGCommunicatorInit$' <<<"$syms" || die "$lib lacks XGCommunicatorInit"
     syms=$(strings "$lib")
-    grep -q 'dmlc_open_host_ex' <<<"$syms" || die "$lib lacks the virtio-dmlc collective"
+    grep -q 'dmlc_open_env' <<<"$syms" || die "$lib lacks the virtio-dmlc collective"
 
     mkdir -p "$work/python" "$work/bin"
     cp -r "$work/src/xgboost" "$work/python/"
