@@ -16,7 +16,9 @@
 # Only stable Rust is needed: cargo-fuzz's unstable compiler flags are
 # allowed with RUSTC_BOOTSTRAP=1, and the sanitizer runtimes ship with the
 # stable toolchain.
-set -euo pipefail
+
+# shellcheck source=SCRIPTDIR/../tests/lib/prologue.sh
+. "$(dirname "${BASH_SOURCE[0]}")/../tests/lib/prologue.sh" fuzz || exit 1
 
 CARGO_FUZZ_VERSION=0.13.2
 ALL_TARGETS=(request_header descriptor_chain)
@@ -29,9 +31,9 @@ targets=("$@")
 [ ${#targets[@]} -gt 0 ] || targets=("${ALL_TARGETS[@]}")
 sanitizer=${DMLC_FUZZ_SANITIZER:-address}
 jobs=${DMLC_FUZZ_JOBS:-1}
-cache=${DMLC_CACHE:-$HOME/.cache/virtio-dmlc}
-tooldir=$cache/cargo-fuzz-$CARGO_FUZZ_VERSION
+tooldir=$CACHE/cargo-fuzz-$CARGO_FUZZ_VERSION
 
+# Louder than the prologue's die: a fuzzing failure must stand out in CI logs.
 die() {
     echo >&2
     echo "!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!" >&2
@@ -56,7 +58,7 @@ fi
 export PATH="$tooldir/bin:$PATH"
 export RUSTC_BOOTSTRAP=1
 
-cd "$root"
+cd "$root" || exit
 triple=$(rustc -vV | sed -n 's/^host: //p')
 bindir=${CARGO_TARGET_DIR:-$here/target}/$triple/release
 

@@ -10,7 +10,9 @@
 # Output: progress on stderr; stdout's last two lines are
 #   DMLC_KMOD=/abs/path/virtio_dmlc.ko
 #   DMLC_KTEST=/abs/path/tools/dmlc-ktest
-set -euo pipefail
+
+# shellcheck source=SCRIPTDIR/../tests/lib/prologue.sh
+. "$(dirname "${BASH_SOURCE[0]}")/../tests/lib/prologue.sh" kernel-driver || exit 1
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 check=0
@@ -18,7 +20,7 @@ case "${1:-}" in
 "") ;;
 --check) check=1 ;;
 -h | --help)
-    sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"
+    script_header
     exit 0
     ;;
 *)
@@ -26,15 +28,11 @@ case "${1:-}" in
     exit 2
     ;;
 esac
-say() { echo "kernel-driver: $*" >&2; }
 
 need() {
     command -v "$1" >/dev/null 2>&1 && return
-    [ "$(id -u)" = 0 ] || {
-        say "error: $1 is missing; install package $2"
-        exit 1
-    }
-    say "installing $2 (for $1)"
+    [ "$(id -u)" = 0 ] || die "$1 is missing; install package $2"
+    log "installing $2 (for $1)"
     apt-get install -y --no-install-recommends "$2" >&2
 }
 need make make
@@ -46,28 +44,24 @@ flags=(--headers)
 out=$("$here/../tests/image/build-image.sh" "${flags[@]}")
 hdr=$(sed -n 's/^DMLC_KERNEL_HEADERS=//p' <<<"$out")
 checkpatch=$(sed -n 's/^DMLC_CHECKPATCH=//p' <<<"$out")
-[ -d "$hdr" ] || {
-    say "error: no kernel headers from build-image.sh"
-    exit 1
-}
+[ -d "$hdr" ] || die "no kernel headers from build-image.sh"
 
-say "building virtio_dmlc.ko against $hdr"
+log "building virtio_dmlc.ko against $hdr"
 sparse_args=()
 [ "$check" = 0 ] || sparse_args=(C=2)
-log=$(mktemp)
-trap 'rm -f "$log"' EXIT
-make -C "$hdr" M="$here" W=1 "${sparse_args[@]}" modules >"$log" 2>&1 || {
-    cat "$log" >&2
+make_log=$(mktemp)
+trap 'rm -f "$make_log"' EXIT
+make -C "$hdr" M="$here" W=1 "${sparse_args[@]}" modules >"$make_log" 2>&1 || {
+    cat "$make_log" >&2
     exit 1
 }
 # Kbuild reports W=1 and sparse findings as warnings: any of them fails.
-if grep -E 'warning:|error:' "$log" | grep -v 'Skipping BTF' >&2; then
-    say "error: the module build has warnings"
-    exit 1
+if grep -E 'warning:|error:' "$make_log" | grep -v 'Skipping BTF' >&2; then
+    die "the module build has warnings"
 fi
 gcc -O2 -Wall -Wextra -Werror -o "$here/tools/dmlc-ktest" "$here/tools/dmlc-ktest.c"
 if [ "$check" = 1 ]; then
-    say "checkpatch.pl --strict"
+    log "checkpatch.pl --strict"
     perl "$checkpatch" --no-tree --strict --terse -f \
         "$here/virtio_dmlc.c" "$here/include/uapi/virtio_dmlc.h" "$here/tools/dmlc-ktest.c" >&2
 fi

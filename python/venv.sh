@@ -7,19 +7,16 @@
 # dependencies, about 5.4 GB installed): a few minutes.
 #
 # Usage: python/venv.sh            (progress on stderr, the path on stdout)
-set -euo pipefail
-here=$(cd "$(dirname "$0")" && pwd)
-cache=${DMLC_CACHE:-$HOME/.cache/virtio-dmlc}
-python=${PYTHON:-python3}
-log() { printf 'venv: %s\n' "$*" >&2; }
 
-if ! command -v "$python" >/dev/null 2>&1; then
-  log "error: $python is not installed"
-  exit 1
-fi
+# shellcheck source=SCRIPTDIR/../tests/lib/prologue.sh
+. "$(dirname "${BASH_SOURCE[0]}")/../tests/lib/prologue.sh" venv || exit 1
+here=$(cd "$(dirname "$0")" && pwd)
+python=${PYTHON:-python3}
+
+command -v "$python" >/dev/null 2>&1 || die "$python is not installed"
 version=$("$python" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])')
 key=$( (cat "$here/requirements-test.txt"; echo "$version") | sha256sum | cut -c1-16)
-venv=$cache/python/$key/venv
+venv=$CACHE/python/$key/venv
 if [ -x "$venv/bin/python" ] && [ -f "$venv/.complete" ]; then
   log "cached: $venv"
   echo "$venv"

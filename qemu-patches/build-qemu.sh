@@ -19,7 +19,9 @@
 # The build is cached in $DMLC_CACHE/qemu/<version>-<hash>/ where the hash
 # covers the patch series and this script, so editing either rebuilds. A lock
 # ($DMLC_CACHE/.lock) serialises concurrent runs. See README.md.
-set -euo pipefail
+
+# shellcheck source=SCRIPTDIR/../tests/lib/prologue.sh
+. "$(dirname "${BASH_SOURCE[0]}")/../tests/lib/prologue.sh" build-qemu || exit 1
 
 readonly QEMU_VERSION=10.0.2
 readonly QEMU_TARBALL="qemu_${QEMU_VERSION}+ds.orig.tar.xz"
@@ -36,18 +38,9 @@ readonly BUILD_PACKAGES=(gcc make ninja-build pkg-config libglib2.0-dev libfdt-d
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 readonly HERE
-readonly CACHE=${DMLC_CACHE:-$HOME/.cache/virtio-dmlc}
 readonly JOBS=${DMLC_QEMU_JOBS:-$(nproc)}
 
-log() { echo "build-qemu: $*" >&2; }
-die() {
-    echo "build-qemu: error: $*" >&2
-    exit 1
-}
-
-usage() {
-    sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
-}
+usage() { script_header; }
 
 mode=build
 case "${1:-}" in
@@ -307,12 +300,7 @@ if [[ $mode == build && -n ${DMLC_QEMU:-} ]]; then
     exit 0
 fi
 
-mkdir -p "$CACHE"
-exec 9>"$CACHE/.lock"
-if ! flock -n 9; then
-    log "waiting for another build-qemu.sh run (lock $CACHE/.lock)"
-    flock 9
-fi
+cache_lock "$CACHE/.lock"
 
 command -v apt-get >/dev/null || die "needs a Debian system (apt-get)"
 fw=$(fetch_firmware)

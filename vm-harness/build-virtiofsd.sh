@@ -19,24 +19,17 @@
 # libseccomp-dev, installed with apt-get when missing (as root). A lock
 # ($DMLC_CACHE/virtiofsd/.lock) serialises concurrent runs. About 3 to 6
 # minutes on 2 cores the first time; then instant.
-set -euo pipefail
+
+# shellcheck source=SCRIPTDIR/../tests/lib/prologue.sh
+. "$(dirname "${BASH_SOURCE[0]}")/../tests/lib/prologue.sh" build-virtiofsd || exit 1
 
 readonly VERSION=1.14.0
 readonly BUILD_PACKAGES=(gcc libcap-ng-dev libseccomp-dev)
-readonly CACHE=${DMLC_CACHE:-$HOME/.cache/virtio-dmlc}
 readonly DIR="$CACHE/virtiofsd"
 readonly OUT="$DIR/$VERSION"
 readonly BIN="$OUT/bin/virtiofsd"
 
-log() { echo "build-virtiofsd: $*" >&2; }
-die() {
-    echo "build-virtiofsd: error: $*" >&2
-    exit 1
-}
-
-usage() {
-    sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
-}
+usage() { script_header; }
 
 mode=build
 case "${1:-}" in
@@ -79,12 +72,7 @@ if works "$BIN"; then
     exit 0
 fi
 
-mkdir -p "$DIR"
-exec 9>"$DIR/.lock"
-if ! flock -n 9; then
-    log "waiting for another build-virtiofsd.sh run (lock $DIR/.lock)"
-    flock 9
-fi
+cache_lock "$DIR/.lock"
 # Another run may have built it meanwhile.
 if works "$BIN"; then
     log "using cached $BIN"

@@ -21,7 +21,9 @@
 # The build is cached in $DMLC_CACHE/xgboost/<version>-<hash>/ where the hash
 # covers the patch series and this script, so editing either rebuilds. Needs
 # cmake, g++, make and libgtest-dev (installed with apt-get when missing, as root).
-set -euo pipefail
+
+# shellcheck source=SCRIPTDIR/../tests/lib/prologue.sh
+. "$(dirname "${BASH_SOURCE[0]}")/../tests/lib/prologue.sh" build-xgboost || exit 1
 
 readonly XGB_VERSION=3.2.0
 readonly XGB_SDIST="xgboost-$XGB_VERSION.tar.gz"
@@ -31,17 +33,9 @@ readonly BUILD_PACKAGES=(cmake g++ make libgtest-dev curl patch)
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 readonly HERE
-readonly CACHE=${DMLC_CACHE:-$HOME/.cache/virtio-dmlc}
 readonly JOBS=${DMLC_XGBOOST_JOBS:-$(nproc)}
 
-log() { echo "build-xgboost: $*" >&2; }
-die() {
-    echo "build-xgboost: error: $*" >&2
-    exit 1
-}
-usage() {
-    sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
-}
+usage() { script_header; }
 
 mode=build
 case "${1:-}" in
@@ -179,12 +173,7 @@ run_test() {
     return "$rc"
 }
 
-mkdir -p "$CACHE"
-exec 9>"$CACHE/.lock-xgboost"
-if ! flock -n 9; then
-    log "waiting for another build-xgboost.sh run (lock $CACHE/.lock-xgboost)"
-    flock 9
-fi
+cache_lock "$CACHE/.lock-xgboost"
 
 out="$CACHE/xgboost/$XGB_VERSION-$(cache_key)"
 if [[ -f $out/python/xgboost/lib/libxgboost.so && -x $out/bin/testxgboost_dmlc ]]; then
@@ -193,7 +182,7 @@ else
     ensure_packages "${BUILD_PACKAGES[@]}"
     build_xgboost "$out"
 fi
-exec 9>&-
+cache_unlock
 
 case $mode in
 env)

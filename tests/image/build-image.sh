@@ -37,22 +37,18 @@
 # The result is cached under a key over every input (packages, init, this
 # script, modules, extra files and their libraries): an unchanged rebuild
 # prints the same paths at once.
-set -euo pipefail
+
+# shellcheck source=SCRIPTDIR/../lib/prologue.sh
+. "$(dirname "${BASH_SOURCE[0]}")/../lib/prologue.sh" build-image || exit 1
 shopt -s inherit_errexit
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-cache=${DMLC_CACHE:-$HOME/.cache/virtio-dmlc}/image
+cache=$CACHE/image
 kernel_pkg=${DMLC_KERNEL_PKG:-linux-image-cloud-amd64}
 default_modules="virtio_pci virtio_net uio_pci_generic qemu_fw_cfg virtiofs overlay"
 
-say() { echo "build-image: $*" >&2; }
-die() {
-    say "error: $*"
-    exit 1
-}
-
 usage() {
-    sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}" >&2
+    script_header >&2
     exit "$1"
 }
 
@@ -101,7 +97,7 @@ done
 # host needs only apt, dpkg and coreutils-level tools.
 need() {
     command -v "$1" >/dev/null 2>&1 && return
-    say "installing $2 (for $1)"
+    log "installing $2 (for $1)"
     [ "$(id -u)" = 0 ] || die "$1 is missing; install package $2"
     apt-get install -y --no-install-recommends "$2" >&2 || die "cannot install $2"
 }
@@ -120,7 +116,7 @@ flock 9
 keyring=/usr/share/keyrings/debian-archive-keyring.gpg
 if [ ! -f "$keyring" ]; then
     [ "$(id -u)" = 0 ] || die "$keyring is missing; install debian-archive-keyring"
-    say "installing debian-archive-keyring"
+    log "installing debian-archive-keyring"
     apt-get install -y --no-install-recommends debian-archive-keyring >&2 ||
         die "cannot install debian-archive-keyring"
 fi
@@ -164,7 +160,7 @@ apt_opts=(
 lists_fresh=0
 apt_update() {
     [ "$lists_fresh" = 1 ] && return
-    say "apt-get update (private lists in $cache/apt)"
+    log "apt-get update (private lists in $cache/apt)"
     apt-get "${apt_opts[@]}" update >&2 || die "apt-get update failed"
     lists_fresh=1
 }
@@ -193,14 +189,14 @@ fetch() {
         readlink -f "$link"
         return
     fi
-    say "downloading $pkg"
+    log "downloading $pkg"
     deb=$(download "$pkg")
     if [ "$role" = kernel ] && [[ "$pkg" != linux-image-[0-9]* ]]; then
         # A metapackage: follow its dependency to the versioned kernel.
         local real
         real=$(dpkg-deb -f "$deb" Depends | grep -oE 'linux-image-[0-9][^ ,(]*' | head -n 1)
         [ -n "$real" ] || die "$pkg names no kernel package"
-        say "downloading $real"
+        log "downloading $real"
         deb=$(download "$real")
     fi
     ln -sfn "$(basename "$deb")" "$link"
@@ -314,13 +310,13 @@ if ! cmp -s "$vmlinuz" "$kernel_out" 2>/dev/null; then
 fi
 
 if [ -f "$initrd" ]; then
-    say "cached $initrd"
+    log "cached $initrd"
     touch "$initrd"
 else
-    say "kernel $kver; modules: ${ordered[*]##*/}"
+    log "kernel $kver; modules: ${ordered[*]##*/}"
     stage=$(mktemp -d "$cache/tmp/stage.XXXXXX")
     trap 'rm -rf "$stage"' EXIT
-    cd "$stage"
+    cd "$stage" || exit
     mkdir -p bin sbin usr/bin usr/sbin etc/dmlc proc sys dev run tmp root mnt lib/modules
     chmod 1777 tmp
     chmod 700 root
@@ -365,7 +361,7 @@ else
         fi
     done
     manifest >etc/dmlc/manifest
-    say "packing $(du -sh . | cut -f1) into $initrd"
+    log "packing $(du -sh . | cut -f1) into $initrd"
     find . -mindepth 1 | sed 's|^\./||' | sort | "$busybox" cpio -o -H newc -R 0:0 2>/dev/null |
         gzip -6 >"$initrd.tmp"
     mv "$initrd.tmp" "$initrd"
@@ -389,7 +385,7 @@ if [ "$headers" = 1 ]; then
     hkey=$(cat "$hdr_deb" "$common_deb" "$kbuild_deb" | sha256sum | cut -c1-16)
     hroot="$cache/headers-$hkey"
     if [ ! -f "$hroot/.done" ]; then
-        say "unpacking the headers of $kver"
+        log "unpacking the headers of $kver"
         rm -rf "$hroot"
         mkdir -p "$hroot"
         for d in "$hdr_deb" "$common_deb" "$kbuild_deb"; do dpkg-deb -x "$d" "$hroot"; done
@@ -404,7 +400,7 @@ if [ "$checkpatch" = 1 ]; then
     src_deb=$(fetch "source-$kbranch" "linux-source-$kbranch")
     sdir="$cache/checkpatch-$(sha256sum "$src_deb" | cut -c1-16)"
     if [ ! -f "$sdir/.done" ]; then
-        say "extracting checkpatch.pl from $(basename "$src_deb")"
+        log "extracting checkpatch.pl from $(basename "$src_deb")"
         rm -rf "$sdir"
         mkdir -p "$sdir"
         dpkg-deb --fsys-tarfile "$src_deb" | tar -xO "./usr/src/linux-source-$kbranch.tar.xz" |

@@ -3,7 +3,8 @@
 # not installed yet, with apt-get, as root; updates the package lists once
 # and retries when the install fails (stale lists). Sourced by the build
 # scripts that need packages (vm-harness/build-virtiofsd.sh,
-# xgboost-patches/build-xgboost.sh); uses their `log` and `die`.
+# xgboost-patches/build-xgboost.sh) after tests/lib/prologue.sh, whose `log`
+# and `die` it uses.
 
 ensure_packages_updated=0
 ensure_packages() {
