@@ -20,6 +20,7 @@ use virtio_dmlc::{
 };
 
 use crate::ffi_util::{self, guard_value, Codes, Fail};
+use dmlc_cli_support::error_text;
 use dmlc_comm::rabit::{self, Config, RabitError, TransportKind};
 use dmlc_driver::bounce::Bounce;
 use dmlc_driver::device::Wait;
@@ -171,16 +172,9 @@ impl Fail {
 
 impl From<Error> for Fail {
     fn from(e: Error) -> Self {
-        let mut msg = e.to_string();
-        let mut cause = std::error::Error::source(&e);
-        while let Some(c) = cause {
-            msg.push_str(": ");
-            msg.push_str(&c.to_string());
-            cause = c.source();
-        }
         Fail {
             status: status_of(&e),
-            msg,
+            msg: error_text(&e),
         }
     }
 }

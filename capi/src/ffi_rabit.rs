@@ -18,6 +18,7 @@ use std::ffi::{c_char, c_int, c_long, c_ulong, c_void, CStr, CString};
 use std::sync::Mutex;
 
 use crate::ffi_util::{self, guard_value, Codes, Fail};
+use dmlc_cli_support::error_text;
 use dmlc_comm::rabit::{self, Config, Op, Rabit, RabitError};
 use dmlc_comm::CommError;
 use dmlc_comm::TcpError;
@@ -131,20 +132,11 @@ impl From<RabitError> for Fail {
                 msg: "rabit is not initialized: call RabitInit first".into(),
             };
         }
-        let mut msg = e.to_string();
-        let mut cause = std::error::Error::source(&e);
-        while let Some(c) = cause {
-            let text = c.to_string();
-            // `#[error(transparent)]` layers repeat their cause's text.
-            if !msg.ends_with(&text) {
-                msg.push_str(": ");
-                msg.push_str(&text);
-            }
-            cause = c.source();
-        }
+        // error_text leaves out a cause whose text the message already
+        // ends with (a layer that prints its cause itself).
         Fail {
             status: status_of(&e),
-            msg,
+            msg: error_text(&e),
         }
     }
 }

@@ -266,20 +266,15 @@ fn parse_secs(var: &'static str, value: &str) -> Result<Duration> {
         .ok_or_else(|| bad(var, value, "not a number of seconds"))
 }
 
-/// `16M`, `1G`, `4096`, `512K` (powers of 1024).
+/// A size of at least one byte: `16M`, `1G`, `4096`, `512K`, `16MiB`
+/// (the grammar of [`dmlc_cli_support::parse_size`], powers of 1024).
 fn parse_bytes(var: &'static str, value: &str) -> Result<usize> {
-    let v = value.trim();
-    let (num, shift) = match v.as_bytes().last() {
-        Some(b'k' | b'K') => (&v[..v.len() - 1], 10),
-        Some(b'm' | b'M') => (&v[..v.len() - 1], 20),
-        Some(b'g' | b'G') => (&v[..v.len() - 1], 30),
-        _ => (v, 0),
-    };
-    num.parse::<usize>()
-        .ok()
-        .and_then(|n| n.checked_mul(1 << shift))
-        .filter(|&n| n > 0)
-        .ok_or_else(|| bad(var, value, "not a size such as 16M"))
+    let n = dmlc_cli_support::parse_size(value).map_err(|e| bad(var, value, e.reason()))?;
+    match usize::try_from(n) {
+        Ok(0) => Err(bad(var, value, "not a size of at least one byte")),
+        Ok(n) => Ok(n),
+        Err(_) => Err(bad(var, value, "too large a size for this machine")),
+    }
 }
 
 impl Config {
@@ -829,6 +824,11 @@ mod tests {
         assert!(err(&[("DMLC_DEVICE", "usb")]).contains("expected pci"));
         assert!(err(&[("DMLC_DEVICE", "kernel:")]).contains("kernel:/dev/dmlcN"));
         assert!(err(&[("DMLC_DMA_BYTES", "lots")]).contains("not a size"));
+        assert!(err(&[("DMLC_DMA_BYTES", "0")]).contains("at least one byte"));
+        assert_eq!(
+            cfg(&[("DMLC_DMA_BYTES", "16MiB")]).unwrap().open.dma_bytes,
+            16 << 20
+        );
         assert!(err(&[("DMLC_POLL", "maybe")]).contains("expected poll, interrupt or hybrid"));
         // torchrun's names, alone or agreeing with the launcher's.
         let c = cfg(&[("RANK", "2"), ("WORLD_SIZE", "3"), ("DMLC_NUM_WORKER", "3")]).unwrap();

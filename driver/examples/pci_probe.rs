@@ -36,6 +36,7 @@
 
 use std::time::{Duration, Instant};
 
+use dmlc_cli_support::error_text;
 use dmlc_driver::hugepage::HugepagePool;
 use dmlc_driver::pci::PciError;
 use dmlc_driver::{Device, Dtype, Error, Opcode, OpenOptions, ReduceOp, Request};
@@ -83,16 +84,6 @@ fn parse_args() -> Res<Args> {
         }
     }
     Ok(a)
-}
-
-fn report(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        s += &format!(": {c}");
-        cause = c.source();
-    }
-    s
 }
 
 fn options(a: &Args) -> Res<OpenOptions> {
@@ -272,7 +263,7 @@ fn recover(a: &Args, opts: &OpenOptions, first: Device) -> Res<()> {
                     (group_of(&d), d)
                 }
                 Err(e) => {
-                    println!("recover: reopen failed: {}", report(&e));
+                    println!("recover: reopen failed: {}", error_text(&e));
                     std::thread::sleep(Duration::from_millis(500));
                     continue;
                 }
@@ -320,7 +311,7 @@ fn recover(a: &Args, opts: &OpenOptions, first: Device) -> Res<()> {
                 }
             }
             Err(e) => {
-                println!("recover: device failed: {}", report(&e));
+                println!("recover: device failed: {}", error_text(&e));
                 drop(d);
             }
         }
@@ -453,7 +444,7 @@ fn run(a: &Args) -> Res<()> {
     let t = Instant::now();
     let dev = match dmlc_driver::pci::open(a.addr.as_deref(), &opts) {
         Err(e) if a.expect_in_use => {
-            let text = report(&e);
+            let text = error_text(&e);
             let in_use = std::error::Error::source(&e)
                 .and_then(|s| s.downcast_ref::<PciError>())
                 .is_some_and(|p| matches!(p, PciError::InUse { .. }));
@@ -464,7 +455,7 @@ fn run(a: &Args) -> Res<()> {
             println!("PCI-PROBE OK");
             return Ok(());
         }
-        Err(e) => return Err(report(&e).into()),
+        Err(e) => return Err(error_text(&e).into()),
         Ok(_) if a.expect_in_use => return Err("open succeeded, expected in use".into()),
         Ok(d) => d,
     };

@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use clap::error::ErrorKind;
 use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
+use dmlc_cli_support::{error_text, parse_size_with_default_unit};
 use dmlc_vm as vm;
 
 use job::{Job, Outcome, Program, Transport};
@@ -339,27 +340,16 @@ fn parse_dma(s: &str) -> Result<u32, String> {
     Ok(mib)
 }
 
-/// Parses a size: MiB by default, or with a K/M/G suffix (powers of 1024);
-/// a whole number of MiB.
+/// Parses a size in the shared grammar ([`parse_size_with_default_unit`]:
+/// a K, M or G suffix, powers of 1024) where a bare number counts MiB; a
+/// whole number of MiB.
 fn parse_mib(s: &str) -> Result<u32, String> {
-    let t = s.trim();
-    let (digits, unit) = match t.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
-        Some((i, _)) => t.split_at(i),
-        None => (t, "M"),
-    };
-    let n: u64 = digits
-        .parse()
-        .map_err(|_| format!("expected a size such as 512M or 1G, got {s:?}"))?;
-    let kib = match unit.to_ascii_uppercase().trim_end_matches(['B', 'I']) {
-        "K" => n,
-        "M" => n * 1024,
-        "G" => n * 1024 * 1024,
-        _ => return Err(format!("unknown unit in {s:?} (use K, M or G)")),
-    };
-    if kib % 1024 != 0 {
+    const MIB: u64 = 1 << 20;
+    let bytes = parse_size_with_default_unit(s, MIB).map_err(|e| e.to_string())?;
+    if bytes % MIB != 0 {
         return Err(format!("{s:?} is not a whole number of MiB"));
     }
-    u32::try_from(kib / 1024).map_err(|_| format!("{s:?} is too large"))
+    u32::try_from(bytes / MIB).map_err(|_| format!("{s:?} is too large"))
 }
 
 /// Parses `HOST:GUEST` (split at the last ':'; GUEST absolute; HOST must
@@ -771,13 +761,7 @@ fn main() -> ExitCode {
 
 /// Prints a job error with its causes; returns the exit status.
 fn job_error(e: &(dyn std::error::Error + 'static)) -> i32 {
-    let mut msg = format!("error: {e}");
-    let mut src = e.source();
-    while let Some(s) = src {
-        msg.push_str(&format!(": {s}"));
-        src = s.source();
-    }
-    progress(&msg);
+    progress(&format!("error: {}", error_text(e)));
     let interrupted = match e.downcast_ref::<job::JobError>() {
         Some(job::JobError::Prepare(p)) => Some(p),
         _ => e.downcast_ref::<prepare::PrepareError>(),
@@ -801,7 +785,11 @@ mod tests {
         assert_eq!(parse_memory("262144K"), Ok(256));
         assert!(parse_memory("64M").is_err());
         assert!(parse_memory("1.5G").is_err());
-        assert!(parse_memory("12X").is_err());
+        assert!(parse_memory("12X").unwrap_err().contains("unknown unit"));
+        assert!(parse_memory("512K")
+            .unwrap_err()
+            .contains("whole number of MiB"));
+        assert!(parse_memory("99999999999999G").is_err());
         assert!(parse_memory("").is_err());
         assert_eq!(parse_dma("64M"), Ok(64));
         assert_eq!(parse_dma("1G"), Ok(1024));

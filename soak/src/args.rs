@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use clap::Parser;
+use dmlc_cli_support::parse_size;
 use thiserror::Error;
 
 /// Descriptors of one small request: header, input, output, response.
@@ -234,26 +235,6 @@ pub fn parse_count(text: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("{text:?} is too large a count"))
 }
 
-/// A byte count with an optional K, M or G suffix (powers of 1024; `KiB`
-/// and a trailing `B` are accepted too).
-pub fn parse_size(text: &str) -> Result<u64, String> {
-    let bad = || format!("{text:?} is not a size: give bytes with an optional K, M or G suffix");
-    let t = text.trim();
-    let t = t
-        .strip_suffix("iB")
-        .or_else(|| t.strip_suffix('B'))
-        .unwrap_or(t);
-    let (digits, shift) = match t.chars().last() {
-        Some('k' | 'K') => (&t[..t.len() - 1], 10),
-        Some('m' | 'M') => (&t[..t.len() - 1], 20),
-        Some('g' | 'G') => (&t[..t.len() - 1], 30),
-        _ => (t, 0),
-    };
-    let v: u64 = digits.trim().parse().map_err(|_| bad())?;
-    v.checked_mul(1 << shift)
-        .ok_or_else(|| format!("{text:?} is too large a size"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -282,11 +263,17 @@ mod tests {
         assert_eq!(parse_count("25"), Ok(25));
         assert!(parse_count("ten").is_err());
         assert!(parse_count("1e30").is_err());
-        assert_eq!(parse_size("16M"), Ok(16 << 20));
-        assert_eq!(parse_size("16MiB"), Ok(16 << 20));
-        assert_eq!(parse_size("64B"), Ok(64));
-        assert_eq!(parse_size("4k"), Ok(4096));
-        assert!(parse_size("sixteen").is_err());
+        // Sizes are dmlc_cli_support::parse_size's grammar, tested there.
+        for (text, bytes) in [
+            ("16M", 16 << 20),
+            ("16MiB", 16 << 20),
+            ("64B", 64),
+            ("4k", 4096),
+        ] {
+            assert_eq!(args(&["--large-bytes", text]).large_bytes, bytes, "{text}");
+        }
+        let e = Args::try_parse_from(["dmlc-soak", "--large-bytes", "sixteen"]).unwrap_err();
+        assert!(e.to_string().contains("\"sixteen\" is not a size"), "{e}");
     }
 
     #[test]

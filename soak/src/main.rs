@@ -9,7 +9,6 @@ mod pattern;
 mod rank;
 mod report;
 
-use std::error::Error as _;
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::process::{ExitCode, ExitStatus};
@@ -17,6 +16,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use dmlc_cli_support::error_text;
 use serde::Serialize;
 use thiserror::Error;
 
@@ -49,13 +49,7 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
         Err(e) => {
-            let mut text = format!("error: {e}");
-            let mut source = e.source();
-            while let Some(cause) = source {
-                text.push_str(&format!(": {cause}"));
-                source = cause.source();
-            }
-            eprintln!("{text}");
+            eprintln!("error: {}", error_text(&e));
             ExitCode::from(if matches!(e, SoakError::Args(_)) {
                 2
             } else {

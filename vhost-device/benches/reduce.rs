@@ -92,16 +92,11 @@ fn stores_name(s: Stores) -> &'static str {
     }
 }
 
+/// A size in the shared grammar (`dmlc_cli_support::parse_size`: 4096,
+/// 64K, 16M, 1GiB, ...); a bad one ends the run.
 fn parse_size(s: &str) -> usize {
-    let (num, mul) = match s.as_bytes().last() {
-        Some(b'K' | b'k') => (&s[..s.len() - 1], 1 << 10),
-        Some(b'M' | b'm') => (&s[..s.len() - 1], 1 << 20),
-        Some(b'G' | b'g') => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
-    };
-    num.parse::<usize>()
-        .unwrap_or_else(|_| panic!("bad size {s:?}"))
-        * mul
+    let bytes = dmlc_cli_support::parse_size(s).unwrap_or_else(|e| panic!("{e}"));
+    usize::try_from(bytes).unwrap_or_else(|_| panic!("size {s:?} is too large here"))
 }
 
 fn parse_sizes(s: &str) -> Vec<usize> {

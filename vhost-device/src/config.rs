@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use clap::{Parser, ValueEnum};
+use dmlc_cli_support::parse_size;
 use thiserror::Error;
 
 use crate::fault::Faults;
@@ -37,10 +38,6 @@ pub enum ConfigError {
     NoMaxBytes,
     #[error("--max-segments must be at least 1")]
     NoMaxSegments,
-    #[error("{0:?} is not a size: give a number of bytes with an optional K, M or G suffix")]
-    BadSize(String),
-    #[error("{0:?} is too large a size")]
-    SizeOverflow(String),
     #[error("{0:?} is not an address: give IP:PORT, for example 127.0.0.1:9100")]
     BadAddr(String),
     #[error(
@@ -409,23 +406,6 @@ fn default_group_id() -> u64 {
     hasher.finish().max(1)
 }
 
-/// Parses a byte count with an optional K, M or G suffix (powers of 1024).
-pub fn parse_size(text: &str) -> Result<u64, ConfigError> {
-    let trimmed = text.trim();
-    let (digits, shift) = match trimmed.char_indices().last() {
-        Some((i, 'k' | 'K')) => (&trimmed[..i], 10),
-        Some((i, 'm' | 'M')) => (&trimmed[..i], 20),
-        Some((i, 'g' | 'G')) => (&trimmed[..i], 30),
-        _ => (trimmed, 0),
-    };
-    let value: u64 = digits
-        .parse()
-        .map_err(|_| ConfigError::BadSize(text.to_owned()))?;
-    value
-        .checked_mul(1 << shift)
-        .ok_or_else(|| ConfigError::SizeOverflow(text.to_owned()))
-}
-
 /// Parses a socket mode: octal digits (an optional `0o` prefix), at most
 /// 0777. Strict, so that a typo never opens the sockets wider than meant.
 pub fn parse_mode(text: &str) -> Result<u32, ConfigError> {
@@ -677,18 +657,23 @@ mod tests {
     }
 
     #[test]
-    fn sizes_parse_with_suffixes() {
-        assert_eq!(parse_size("4096"), Ok(4096));
-        assert_eq!(parse_size("4k"), Ok(4096));
-        assert_eq!(parse_size("3M"), Ok(3 << 20));
-        assert_eq!(parse_size("2G"), Ok(2 << 30));
-        assert!(matches!(parse_size("1T"), Err(ConfigError::BadSize(_))));
-        assert!(matches!(parse_size("G"), Err(ConfigError::BadSize(_))));
-        assert!(matches!(parse_size("-1"), Err(ConfigError::BadSize(_))));
-        assert!(matches!(
-            parse_size("18446744073709551615G"),
-            Err(ConfigError::SizeOverflow(_))
-        ));
+    fn sizes_take_the_shared_grammar() {
+        // The grammar itself is dmlc_cli_support::parse_size's, tested there.
+        for (text, bytes) in [
+            ("4096", 4096),
+            ("4k", 4096),
+            ("3MiB", 3 << 20),
+            ("2G", 2 << 30),
+        ] {
+            assert_eq!(args(&["--max-bytes", text]).max_bytes, bytes, "{text}");
+        }
+        for text in ["1T", "G", "-1", "18446744073709551615G"] {
+            // `=`: clap would take a separate "-1" for an option.
+            let flag = format!("--max-bytes={text}");
+            let argv = ["vhost-device-dmlc", "--socket-path", "/s", &flag];
+            let e = Args::try_parse_from(argv).unwrap_err().to_string();
+            assert!(e.contains(&format!("{text:?} is")), "{text}: {e}");
+        }
     }
 
     #[test]

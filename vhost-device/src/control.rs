@@ -123,7 +123,8 @@ pub fn answer(
             Ok(format!("rank {rank}: arrivals count {us} us late\n"))
         }
         ["load", file] => {
-            let t = Timing::load(Path::new(file), world).map_err(|e| crate::error_text(&e))?;
+            let t = Timing::load(Path::new(file), world)
+                .map_err(|e| dmlc_cli_support::error_text(&e))?;
             group.set_timing(t).map_err(String::from)?;
             Ok(format!("timing from {file}\n"))
         }

@@ -35,17 +35,5 @@ pub mod spare_cpu;
 pub mod timing;
 pub mod trace;
 
-/// An error and its causes: `outer: cause: root cause`.
-pub fn error_text(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
-}
-
 /// Guest memory as the backend sees it (no dirty-page bitmap).
 pub type GuestMem = vm_memory::GuestMemoryMmap<()>;

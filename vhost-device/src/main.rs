@@ -19,7 +19,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {}", vhost_device_dmlc::error_text(e.as_ref()));
+            eprintln!("error: {}", dmlc_cli_support::error_text(e.as_ref()));
             ExitCode::FAILURE
         }
     }

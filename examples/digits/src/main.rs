@@ -11,6 +11,7 @@ use std::time::Instant;
 use clap::{Parser, ValueEnum};
 use thiserror::Error;
 
+use dmlc_cli_support::error_text;
 use dmlc_comm::rabit::{self, Op, RabitError};
 use dmlc_example_digits::data::{self, DataError, DEFAULT_TEST_SIZE};
 use dmlc_example_digits::model::{Arch, DEFAULT_HIDDEN};
@@ -309,23 +310,13 @@ fn run<C: Collective + ?Sized>(
     Ok(report.passed())
 }
 
-/// Prints an error and its causes, one per line.
-fn print_error(e: &dyn std::error::Error) {
-    eprintln!("dmlc-train-digits: {e}");
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        eprintln!("  caused by: {c}");
-        cause = c.source();
-    }
-}
-
 fn main() -> ExitCode {
     let args = Args::parse();
     match job(&args) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(1),
         Err(e) => {
-            print_error(&e);
+            eprintln!("dmlc-train-digits: {}", error_text(&e));
             ExitCode::from(2)
         }
     }

@@ -14,6 +14,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use dmlc_cli_support::error_text;
 use dmlc_driver::device::{Device, OpenOptions, Wait};
 use dmlc_driver::error::Error;
 
@@ -325,7 +326,7 @@ pub fn main() -> ExitCode {
     match run(&cli) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("dmlc-guest: {}", report(&e));
+            eprintln!("dmlc-guest: {}", error_text(&e));
             ExitCode::FAILURE
         }
     }
@@ -367,18 +368,6 @@ fn run(cli: &Cli) -> Result<u8, CliError> {
             Ok(0)
         }
     }
-}
-
-/// An error and its causes on one line.
-fn report(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cause = c.source();
-    }
-    s
 }
 
 #[cfg(test)]

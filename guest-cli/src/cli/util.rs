@@ -2,28 +2,10 @@
 
 use virtio_dmlc::{Dtype, Opcode, ReduceOp};
 
-/// Parses a byte size with an optional K, M or G suffix (powers of 1024).
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let (num, mult) = match s.char_indices().last() {
-        Some((i, c)) if c.is_ascii_alphabetic() => {
-            let m = match c.to_ascii_uppercase() {
-                'K' => 1u64 << 10,
-                'M' => 1 << 20,
-                'G' => 1 << 30,
-                'B' => 1,
-                _ => return Err(format!("unknown size suffix in {s:?} (use K, M or G)")),
-            };
-            (&s[..i], m)
-        }
-        _ => (s, 1),
-    };
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a size (a number with an optional K, M or G)"))?;
-    n.checked_mul(mult)
-        .ok_or_else(|| format!("size {s:?} is too large"))
-}
+/// Byte sizes with an optional K, M or G suffix (powers of 1024): the
+/// workspace's one grammar, for every size option and the cache sizes in
+/// sysfs (`32768K\n`).
+pub use dmlc_cli_support::parse_size;
 
 /// Formats a byte count with a binary suffix when it is a round number.
 pub fn show_size(b: u64) -> String {
@@ -134,6 +116,8 @@ mod tests {
 
     #[test]
     fn sizes() {
+        // The grammar is tested in dmlc-cli-support; what this crate needs:
+        // the options' sizes and sysfs's cache sizes.
         assert_eq!(parse_size("4"), Ok(4));
         assert_eq!(parse_size("64M"), Ok(64 << 20));
         assert_eq!(parse_size("1k"), Ok(1024));
