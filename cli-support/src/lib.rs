@@ -3,7 +3,12 @@
 //!
 //! - [`error_text`]: an error and its causes as one line;
 //! - [`parse_size`] (and [`parse_size_with_default_unit`]): byte counts such
-//!   as `16M`, with [`SizeError`] when the text is not one.
+//!   as `16M`, with [`SizeError`] when the text is not one;
+//! - [`daemon`]: the backend daemon's socket names ([`daemon::socket_path`])
+//!   and the wait for a daemon just started to serve them
+//!   ([`daemon::Sockets`]).
+
+pub mod daemon;
 
 use std::error::Error;
 use std::fmt;

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
+use dmlc_cli_support::daemon::{socket_path, Sockets, WaitError};
 use dmlc_driver::{Device, DmaBuf, Dtype, Error, Opcode, OpenOptions, RawDesc, ReduceOp, Request};
 use virtio_dmlc::{bad, unsupported, VirtioDmlcReq};
 
@@ -24,25 +25,27 @@ struct Daemon {
 impl Daemon {
     fn start(bin: &Path, dir: &Path, extra: &[&str]) -> R<Daemon> {
         let base = dir.join("s");
-        let child = Command::new(bin)
+        let sockets = Sockets::before_start(&base, 2);
+        let mut child = Command::new(bin)
             .arg("--socket-path")
             .arg(&base)
             .args(["--socket-count", "2", "--log-level", "warn"])
             .args(extra)
             .spawn()?;
-        let sock = |i| base.with_file_name(format!("s{i}"));
-        let t = Instant::now();
-        while !(sock(0).exists() && sock(1).exists()) {
-            if t.elapsed() > Duration::from_secs(10) {
-                return Err("daemon did not create its sockets".into());
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        let waited = sockets.wait(Duration::from_secs(10), || match child.try_wait() {
+            Ok(None) => Ok(true),
+            Ok(Some(status)) => Err(format!("daemon exited at start ({status})")),
+            Err(e) => Err(format!("waiting for the daemon: {e}")),
+        });
+        match waited {
+            Ok(()) => Ok(Daemon { child, base }),
+            Err(WaitError::Stopped(why)) => Err(why.into()),
+            Err(WaitError::TimedOut(_)) => Err("daemon did not create its sockets".into()),
         }
-        Ok(Daemon { child, base })
     }
 
     fn socket(&self, rank: u32) -> PathBuf {
-        self.base.with_file_name(format!("s{rank}"))
+        socket_path(&self.base, rank)
     }
 
     fn open(&self, rank: u32, poll: bool) -> R<Device> {

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use base64::engine::{DecodePaddingMode, GeneralPurpose, GeneralPurposeConfig};
 use base64::{alphabet, Engine as _};
+use dmlc_cli_support::daemon::{socket_path, Sockets, WaitError};
 use dmlc_vm as vm;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -468,7 +469,7 @@ impl Job {
         let specs: Vec<vm::VmSpec> = (0..local)
             .map(|i| {
                 let mut spec = vm::VmSpec::new(self.command_line(&token))
-                    .dmlc_socket(format!("{}{i}", sock.display()));
+                    .dmlc_socket(socket_path(&sock, i as u32));
                 spec.mem_mib = self.memory_mib;
                 spec.hugepages = (self.dma_mib + DMA_SLACK_MIB) / 2;
                 spec.cpus = self.vcpus;
@@ -639,6 +640,7 @@ impl Backend {
             .process_group(0);
         // Dies with the launcher even if the launcher is SIGKILLed.
         term_with_parent(&mut cmd);
+        let sockets = Sockets::before_start(sock, n as u32);
         let child = cmd
             .spawn()
             .map_err(|e| JobError::BackendSpawn(bin.to_owned(), e))?;
@@ -647,26 +649,27 @@ impl Backend {
             log: log.to_owned(),
             exited: None,
         };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let socks: Vec<PathBuf> = (0..n)
-            .map(|i| PathBuf::from(format!("{}{i}", sock.display())))
-            .collect();
-        while !socks.iter().all(|s| s.exists()) {
+        let waited = sockets.wait(Duration::from_secs(10), || {
             if let Some(status) = backend.exited() {
                 return Err(JobError::BackendExited {
                     status,
                     log: backend.log_tail(),
                 });
             }
-            if Instant::now() >= deadline || signals::received().is_some() {
+            if let Some(sig) = signals::received() {
+                backend.stop();
+                return Err(PrepareError::Interrupted(sig).into());
+            }
+            Ok(true)
+        });
+        match waited {
+            Ok(()) => {}
+            Err(WaitError::Stopped(e)) => return Err(e),
+            Err(WaitError::TimedOut(_)) => {
                 let log = backend.log_tail();
                 backend.stop();
-                if let Some(sig) = signals::received() {
-                    return Err(PrepareError::Interrupted(sig).into());
-                }
                 return Err(JobError::BackendSlow { log });
             }
-            thread::sleep(Duration::from_millis(20));
         }
         Ok(backend)
     }

@@ -17,14 +17,7 @@ use std::process::Command;
 
 use dmlc_vm as vm;
 
-use dmlc_test_support::{missing_for_namespaces, under_ci};
-
-/// A binary: `$var`, else next to dmlc-qemu.
-fn bin(var: &str, name: &str) -> PathBuf {
-    std::env::var_os(var)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_BIN_EXE_dmlc-qemu")).with_file_name(name))
-}
+use dmlc_test_support::{env_or_workspace_file, missing_for_namespaces, under_ci, Built};
 
 /// What is missing to run the cases here, if anything.
 fn missing(backend: &Path, guest: &Path) -> Option<String> {
@@ -73,8 +66,12 @@ fn missing(backend: &Path, guest: &Path) -> Option<String> {
 }
 
 fn run(case: &str, local: usize) {
-    let backend = bin("DMLC_BACKEND_BIN", "vhost-device-dmlc");
-    let guest = bin("DMLC_GUEST_BIN", "dmlc-guest");
+    let backend = env_or_workspace_file(
+        "DMLC_BACKEND_BIN",
+        "vhost-device-dmlc",
+        Built::Bin("vhost-device-dmlc"),
+    );
+    let guest = env_or_workspace_file("DMLC_GUEST_BIN", "dmlc-guest", Built::Bin("dmlc-guest"));
     let test = format!("{case} with {local} VM(s) per host");
     if let Some(what) = missing(&backend, &guest) {
         assert!(

@@ -29,6 +29,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use dmlc_test_support::{env_or_workspace_file, Built};
 use dmlc_vm as vm;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -51,20 +52,6 @@ struct Env {
     backend: PathBuf,
     tmp: TempDir,
     _turn: MutexGuard<'static, ()>,
-}
-
-/// A binary of the workspace: `$var`, else next to dmlc-qemu.
-fn workspace_bin(var: &str, name: &str, package: &str) -> PathBuf {
-    let path = std::env::var_os(var)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_BIN_EXE_dmlc-qemu")).with_file_name(name));
-    assert!(
-        path.is_file(),
-        "{} is missing: build it first (`cargo build -p {package} --bins`, \
-         or set {var})",
-        path.display()
-    );
-    path
 }
 
 /// One VM test at a time (two cores), QEMU found or built, the backend.
@@ -94,7 +81,11 @@ fn setup(test: &str) -> Option<Env> {
             return None;
         }
     };
-    let backend = workspace_bin("DMLC_BACKEND_BIN", "vhost-device-dmlc", "vhost-device-dmlc");
+    let backend = env_or_workspace_file(
+        "DMLC_BACKEND_BIN",
+        "vhost-device-dmlc",
+        Built::Bin("vhost-device-dmlc"),
+    );
     let tmp = tempfile::Builder::new()
         .prefix(&format!("launcher-{test}-"))
         .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
@@ -271,10 +262,10 @@ fn rank_value<'a>(out: &'a str, rank: u32, prefix: &str) -> &'a str {
 #[test]
 fn digits_trains_on_two_vms_through_the_device() {
     let Some(env) = setup("digits") else { return };
-    let trainer = workspace_bin(
+    let trainer = env_or_workspace_file(
         "DMLC_TRAINER_BIN",
-        "dmlc-train-digits",
         "dmlc-example-digits",
+        Built::Bin("dmlc-train-digits"),
     );
     let fetch = vm::repo_root()
         .unwrap()
@@ -533,7 +524,8 @@ fn python_on_two_vms(env: &Env, name: &str, flags: &[&str], program: &[&str]) ->
         progress(&format!("SKIP {name}: {what}"));
         return None;
     };
-    let library = workspace_bin("DMLC_LIBRARY", "libdmlc_guest.so", "dmlc-capi");
+    let library =
+        env_or_workspace_file("DMLC_LIBRARY", "dmlc-capi", Built::Lib("libdmlc_guest.so"));
     let mut args = vec![
         "submit",
         "--num-workers",

@@ -3,12 +3,13 @@
 
 use std::fs;
 use std::io;
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+use dmlc_cli_support::daemon::{socket_path, Sockets, WaitError};
 use serde::Serialize;
 use tempfile::TempDir;
 use thiserror::Error;
@@ -74,7 +75,6 @@ pub fn temp_dir() -> Result<TempDir, DaemonError> {
 pub struct Daemon {
     child: Child,
     base: PathBuf,
-    ranks: u32,
 }
 
 /// How to start one daemon.
@@ -118,45 +118,33 @@ impl Daemon {
                 Ok(())
             });
         }
+        let sockets = Sockets::before_start(&base, spec.ranks);
         let child = cmd
             .spawn()
             .map_err(|e| DaemonError::Spawn(spec.binary.to_path_buf(), e))?;
-        let mut d = Daemon {
-            child,
-            base,
-            ranks: spec.ranks,
-        };
-        let deadline = Instant::now() + SOCKETS_TIMEOUT;
-        loop {
-            let ready = (0..d.ranks)
-                .all(|r| fs::metadata(d.socket(r)).is_ok_and(|m| m.file_type().is_socket()));
-            if ready {
-                return Ok(d);
-            }
-            let wait_err = |source| DaemonError::Wait {
-                group: spec.group.to_owned(),
+        let mut d = Daemon { child, base };
+        let group = || spec.group.to_owned();
+        let waited = sockets.wait(SOCKETS_TIMEOUT, || match d.child.try_wait() {
+            Ok(None) => Ok(true),
+            Ok(Some(status)) => Err(DaemonError::Exited {
+                group: group(),
+                status,
+            }),
+            Err(source) => Err(DaemonError::Wait {
+                group: group(),
                 source,
-            };
-            if let Some(status) = d.child.try_wait().map_err(wait_err)? {
-                return Err(DaemonError::Exited {
-                    group: spec.group.to_owned(),
-                    status,
-                });
-            }
-            if Instant::now() > deadline {
-                return Err(DaemonError::NoSockets {
-                    group: spec.group.to_owned(),
-                });
-            }
-            std::thread::sleep(Duration::from_millis(5));
+            }),
+        });
+        match waited {
+            Ok(()) => Ok(d),
+            Err(WaitError::Stopped(e)) => Err(e),
+            Err(WaitError::TimedOut(_)) => Err(DaemonError::NoSockets { group: group() }),
         }
     }
 
     /// Rank `rank`'s socket.
     pub fn socket(&self, rank: u32) -> PathBuf {
-        let mut s = self.base.clone().into_os_string();
-        s.push(rank.to_string());
-        PathBuf::from(s)
+        socket_path(&self.base, rank)
     }
 
     pub fn pid(&self) -> u32 {

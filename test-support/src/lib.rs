@@ -3,11 +3,10 @@
 //! output, wait with timeouts, and kill everything (printing its output)
 //! on failure. Test-only: crates use it as a dev-dependency.
 
-use std::collections::HashMap;
 use std::fs;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -16,6 +15,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 pub use tempfile::TempDir;
+
+use dmlc_cli_support::daemon::{socket_path, Sockets, WaitError};
 
 #[cfg(feature = "trace")]
 pub mod chrome_trace;
@@ -43,27 +44,64 @@ pub fn target_dir() -> PathBuf {
         .to_path_buf()
 }
 
-/// The binary `bin` of package `package`: in the integration tests of
-/// that package, the one cargo built for them (`CARGO_BIN_EXE_<bin>`, set
-/// at run time by cargo 1.94 and later); elsewhere, from this test run's
-/// target folder, built with cargo (same profile) if it is not there yet,
-/// so that `cargo test -p CRATE` works on its own. Built once per process.
-pub fn workspace_bin(package: &str, bin: &str) -> PathBuf {
-    static BUILT: Mutex<Vec<String>> = Mutex::new(Vec::new());
-    if let Some(own) = std::env::var_os(format!("CARGO_BIN_EXE_{bin}")) {
-        let own = PathBuf::from(own);
-        if own.is_file() {
-            return own;
+/// Something cargo builds in a workspace package, found in the target
+/// folder by [`workspace_file`].
+#[derive(Clone, Copy, Debug)]
+pub enum Built<'a> {
+    /// A binary target (`--bin NAME`), at `target/PROFILE/NAME`.
+    Bin(&'a str),
+    /// An example (`--example NAME`), at `target/PROFILE/examples/NAME`.
+    Example(&'a str),
+    /// The package's library (`--lib`) as the file `NAME` (e.g.
+    /// `libdmlc_guest.so`) at `target/PROFILE/NAME`.
+    Lib(&'a str),
+}
+
+impl<'a> Built<'a> {
+    fn path(self) -> PathBuf {
+        match self {
+            Built::Bin(n) | Built::Lib(n) => target_dir().join(n),
+            Built::Example(n) => target_dir().join("examples").join(n),
         }
     }
-    let path = target_dir().join(bin);
+
+    /// cargo build's arguments that select it.
+    fn cargo_args(self) -> Vec<&'a str> {
+        match self {
+            Built::Bin(n) => vec!["--bin", n],
+            Built::Example(n) => vec!["--example", n],
+            Built::Lib(_) => vec!["--lib"],
+        }
+    }
+}
+
+/// `what` of package `package`, from this test run's target folder, built
+/// with cargo (same profile) if it is not there yet, so that `cargo test -p
+/// CRATE` works on its own; a binary of the test's own package is the one
+/// cargo built for it (`CARGO_BIN_EXE_<bin>`, set at run time by cargo 1.94
+/// and later). Built once per process. This is the one way the tests find
+/// the workspace's programs; [`env_or_workspace_file`] lets a variable
+/// name another build (e.g. a release one).
+pub fn workspace_file(package: &str, what: Built) -> PathBuf {
+    static BUILT: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    if let Built::Bin(bin) = what {
+        if let Some(own) = std::env::var_os(format!("CARGO_BIN_EXE_{bin}")) {
+            let own = PathBuf::from(own);
+            if own.is_file() {
+                return own;
+            }
+        }
+    }
+    let path = what.path();
+    let key = format!("{package} {what:?}");
     let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
-    if built.iter().any(|b| b == bin) {
+    if built.contains(&key) {
         return path;
     }
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(&cargo);
-    cmd.args(["build", "--quiet", "-p", package, "--bin", bin]);
+    cmd.args(["build", "--quiet", "-p", package]);
+    cmd.args(what.cargo_args());
     if target_dir().file_name().is_some_and(|n| n == "release") {
         cmd.arg("--release");
     }
@@ -71,14 +109,38 @@ pub fn workspace_bin(package: &str, bin: &str) -> PathBuf {
     // first (tests/run.sh does).
     let status = cmd
         .status()
-        .unwrap_or_else(|e| panic!("cannot run {cargo} to build {bin}: {e}"));
+        .unwrap_or_else(|e| panic!("cannot run {cargo} to build {what:?}: {e}"));
     assert!(
         status.success() && path.is_file(),
-        "{bin} (package {package}) is needed by this test and could not be built: \
-         run `cargo build -p {package}` and look at its errors"
+        "{} ({what:?} of package {package}) is needed by this test and could not be built: \
+         run `cargo build -p {package}` and look at its errors",
+        path.display()
     );
-    built.push(bin.to_string());
+    built.push(key);
     path
+}
+
+/// The binary `bin` of package `package` (see [`workspace_file`]).
+pub fn workspace_bin(package: &str, bin: &str) -> PathBuf {
+    workspace_file(package, Built::Bin(bin))
+}
+
+/// The file that the environment variable `var` names, if it is set (it
+/// must exist), else [`workspace_file`]`(package, what)`.
+pub fn env_or_workspace_file(var: &str, package: &str, what: Built) -> PathBuf {
+    match std::env::var_os(var) {
+        Some(p) => {
+            let p = PathBuf::from(p);
+            assert!(
+                p.is_file(),
+                "{var}={} is not a file: build it, or unset {var} to use this \
+                 test run's {what:?} of package {package}",
+                p.display()
+            );
+            p
+        }
+        None => workspace_file(package, what),
+    }
 }
 
 /// The `dmlc-guest` CLI.
@@ -455,23 +517,6 @@ impl Backend {
 /// The file name of the sockets' `--socket-path` in a backend's folder.
 const SOCKET_NAME: &str = "dmlc.sock";
 
-fn socket_path(base: &Path, rank: u32) -> PathBuf {
-    let mut s = base.to_path_buf().into_os_string();
-    s.push(rank.to_string());
-    PathBuf::from(s)
-}
-
-/// Identifies a socket file: inode numbers are reused at once, so the
-/// change time (ns) tells a new socket from a stale one.
-type SocketId = (u64, i64, i64);
-
-fn socket_id(p: &Path) -> Option<SocketId> {
-    fs::symlink_metadata(p)
-        .ok()
-        .filter(|m| m.file_type().is_socket())
-        .map(|m| (m.ino(), m.ctime(), m.ctime_nsec()))
-}
-
 /// The value of `--log-level` in `args`, if they name one.
 fn log_level<'a>(args: &[&'a str]) -> Option<&'a str> {
     args.iter()
@@ -487,9 +532,7 @@ fn log_level<'a>(args: &[&'a str]) -> Option<&'a str> {
 /// daemon logs at `info` or more, it has said so (it has set the sockets'
 /// mode and group by then).
 fn spawn_backend(base: &Path, ranks: u32, extra: &[&str]) -> Proc {
-    let stale: HashMap<u32, SocketId> = (0..ranks)
-        .filter_map(|i| socket_id(&socket_path(base, i)).map(|id| (i, id)))
-        .collect();
+    let sockets = Sockets::before_start(base, ranks);
     let mut cmd = Command::new(backend_bin());
     cmd.arg("--socket-path")
         .arg(base)
@@ -511,23 +554,17 @@ fn spawn_backend(base: &Path, ranks: u32, extra: &[&str]) -> Proc {
     }
     let mut proc = Proc::spawn("backend", &mut cmd);
     let says_listening = !matches!(level, Some("warn" | "error" | "off"));
-    let ready =
-        |i: u32| socket_id(&socket_path(base, i)).is_some_and(|id| stale.get(&i) != Some(&id));
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !(0..ranks).all(ready)
-        || (says_listening && proc.wait_stderr("listening on", Duration::ZERO).is_none())
-    {
+    let waited = sockets.wait(Duration::from_secs(20), || {
         if let Some(st) = proc.wait_timeout(Duration::ZERO) {
-            panic!("backend exited early ({st}):\n{}", proc.dump());
+            return Err(st);
         }
-        assert!(
-            Instant::now() < deadline,
-            "backend sockets did not appear:\n{}",
-            proc.dump()
-        );
-        thread::sleep(Duration::from_millis(5));
+        Ok(!says_listening || proc.wait_stderr("listening on", Duration::ZERO).is_some())
+    });
+    match waited {
+        Ok(()) => proc,
+        Err(WaitError::Stopped(st)) => panic!("backend exited early ({st}):\n{}", proc.dump()),
+        Err(WaitError::TimedOut(_)) => panic!("backend sockets did not appear:\n{}", proc.dump()),
     }
-    proc
 }
 
 /// A loopback address with a port that was free a moment ago, for the

@@ -11,6 +11,9 @@ use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use dmlc_cli_support::daemon::{socket_path, Sockets, WaitError};
+use dmlc_cli_support::error_text;
+use dmlc_test_support::{env_or_workspace_file, under_ci, Built};
 use dmlc_vm::{Accel, Cluster, Error, Image, ImageOptions, Options, Outcome, Qemu, VmSpec};
 use tempfile::TempDir;
 
@@ -19,11 +22,6 @@ use tempfile::TempDir;
 /// before the subcommand it would take the subcommand's name for one.
 pub fn guest(args: &str) -> String {
     format!("dmlc-guest {args} --pci")
-}
-
-/// True when `CI` asks for tests that cannot run to fail rather than skip.
-fn under_ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "false" && v != "0")
 }
 
 /// Writes a line to the real stderr, past the test harness's capture, so
@@ -43,31 +41,6 @@ pub struct Env {
     _turn: MutexGuard<'static, ()>,
 }
 
-/// A binary of the workspace: `$var`, else the same profile directory as
-/// this test's own binary (target/PROFILE/deps/.. ).
-fn workspace_bin(var: &str, name: &str) -> PathBuf {
-    if let Some(p) = std::env::var_os(var) {
-        return PathBuf::from(p);
-    }
-    let exe = std::env::current_exe().expect("current_exe");
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("test binary lives in target/PROFILE/deps");
-    dir.join(name)
-}
-
-fn existing_bin(var: &str, name: &str, build: &str) -> PathBuf {
-    let path = workspace_bin(var, name);
-    assert!(
-        path.is_file(),
-        "{} is missing: build it first (`cargo build {build}`, or with \
-         `--release` and set {var}=target/release/{name})",
-        path.display()
-    );
-    path
-}
-
 /// Builds the guest image once per process: dmlc-guest and pci_probe (the
 /// PCI transport's probe, whose `--recover` loop reopens the device),
 /// stripped.
@@ -75,11 +48,12 @@ fn image() -> Image {
     static IMAGE: OnceLock<Image> = OnceLock::new();
     IMAGE
         .get_or_init(|| {
-            let guest = existing_bin("DMLC_GUEST_BIN", "dmlc-guest", "-p dmlc-guest --bins");
-            let probe = existing_bin(
+            let guest =
+                env_or_workspace_file("DMLC_GUEST_BIN", "dmlc-guest", Built::Bin("dmlc-guest"));
+            let probe = env_or_workspace_file(
                 "DMLC_PCI_PROBE_BIN",
-                "examples/pci_probe",
-                "-p dmlc-driver --example pci_probe",
+                "dmlc-driver",
+                Built::Example("pci_probe"),
             );
             let opts = ImageOptions { strip: true };
             let t = Instant::now();
@@ -119,7 +93,7 @@ pub fn setup(test: &str) -> Option<Env> {
         Err(e) => {
             unavailable(format!(
                 "no patched QEMU ({}; set DMLC_QEMU or run qemu-patches/build-qemu.sh)",
-                chain(&e)
+                error_text(&e)
             ));
             return None;
         }
@@ -131,15 +105,15 @@ pub fn setup(test: &str) -> Option<Env> {
     let accel = match Accel::from_env() {
         Ok(a) => a,
         Err(e @ Error::NoKvm(_)) => {
-            unavailable(chain(&e));
+            unavailable(error_text(&e));
             return None;
         }
-        Err(e) => panic!("{test}: {}", chain(&e)),
+        Err(e) => panic!("{test}: {}", error_text(&e)),
     };
-    let backend_bin = existing_bin(
+    let backend_bin = env_or_workspace_file(
         "DMLC_BACKEND_BIN",
         "vhost-device-dmlc",
-        "-p vhost-device-dmlc --bins",
+        Built::Bin("vhost-device-dmlc"),
     );
     let image = image();
     let opts = Options {
@@ -155,18 +129,6 @@ pub fn setup(test: &str) -> Option<Env> {
         backend_bin,
         _turn: turn,
     })
-}
-
-/// An error and its causes on one line.
-pub fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cause = c.source();
-    }
-    s
 }
 
 /// A fresh directory for one test's sockets, in the temp dir: short enough
@@ -231,6 +193,8 @@ impl Backend {
             .unwrap_or_else(|e| panic!("{}: {e}", self.log.display()));
         self.starts += 1;
         let _ = writeln!(log, "===== start {} of the backend", self.starts);
+        // Socket files of a killed start stay: only new ones count.
+        let sockets = Sockets::before_start(&self.base, self.count as u32);
         let child = Command::new(&self.bin)
             .args(&self.args)
             .stdin(Stdio::null())
@@ -240,32 +204,27 @@ impl Backend {
             .unwrap_or_else(|e| panic!("cannot run {}: {e}", self.bin.display()));
         self.child = Some(child);
         let listening = format!("{} members", self.count);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let started = self.section().contains(&listening)
-                && (0..self.count).all(|r| self.socket(r).exists());
-            if started {
-                break;
+        let waited = sockets.wait(Duration::from_secs(20), || {
+            if !self.alive() {
+                return Err(());
             }
-            assert!(
-                self.alive(),
-                "the backend exited at start:\n{}",
+            Ok(self.section().contains(&listening))
+        });
+        match waited {
+            Ok(()) => {}
+            Err(WaitError::Stopped(())) => {
+                panic!("the backend exited at start:\n{}", self.log_text())
+            }
+            Err(WaitError::TimedOut(limit)) => panic!(
+                "the backend did not listen within {limit:?}:\n{}",
                 self.log_text()
-            );
-            assert!(
-                Instant::now() < deadline,
-                "the backend did not listen within 20 s:\n{}",
-                self.log_text()
-            );
-            thread::sleep(Duration::from_millis(20));
+            ),
         }
     }
 
     /// Socket of rank `rank`.
     pub fn socket(&self, rank: usize) -> PathBuf {
-        let mut s = self.base.clone().into_os_string();
-        s.push(rank.to_string());
-        PathBuf::from(s)
+        socket_path(&self.base, rank as u32)
     }
 
     /// True while the daemon runs.
@@ -405,7 +364,7 @@ impl Vms {
     /// Starts the VMs (see [`Cluster::start`]).
     pub fn start(env: &Env, specs: &[VmSpec], opts: &Options) -> Vms {
         let cluster = Cluster::start(&env.qemu, &env.image, specs, opts)
-            .unwrap_or_else(|e| panic!("cannot start the VMs: {}", chain(&e)));
+            .unwrap_or_else(|e| panic!("cannot start the VMs: {}", error_text(&e)));
         Vms {
             cluster,
             dumped: false,
@@ -419,7 +378,7 @@ impl Vms {
             Ok(out) => out,
             Err(e) => {
                 self.dumped = true;
-                panic!("{what}: {}", chain(&e));
+                panic!("{what}: {}", error_text(&e));
             }
         }
     }

@@ -1,11 +1,11 @@
 //! Command-line options and the daemon's checked configuration.
 
-use std::ffi::OsString;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use clap::{Parser, ValueEnum};
+use dmlc_cli_support::daemon::socket_path;
 use dmlc_cli_support::parse_size;
 use thiserror::Error;
 
@@ -383,13 +383,6 @@ impl TryFrom<Args> for Config {
             mpi_piece: args.mpi_piece as usize,
         })
     }
-}
-
-/// `base` with the decimal `index` appended: `/tmp/d.sock` -> `/tmp/d.sock0`.
-pub fn socket_path(base: &std::path::Path, index: u32) -> PathBuf {
-    let mut name = OsString::from(base.as_os_str());
-    name.push(index.to_string());
-    PathBuf::from(name)
 }
 
 /// A group id that differs between runs: the process id and the time,

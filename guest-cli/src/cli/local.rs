@@ -11,7 +11,7 @@
 use std::ffi::OsString;
 use std::fs::{self, File};
 use std::io::{self, BufRead, BufReader, Read, Write};
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -20,6 +20,7 @@ use std::sync::{Arc, LazyLock};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
+use dmlc_cli_support::daemon::{Sockets, WaitError};
 use nix::sys::signal::{self, Signal};
 use nix::unistd::Pid;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
@@ -286,11 +287,7 @@ pub fn run(args: &LocalArgs, globals: &RankGlobals) -> Result<i32, LocalError> {
     }
     let logs = args.keep_logs.as_deref();
     let base = tmp.path().join("dmlc.sock");
-    let socket = |i: u32| {
-        let mut s = base.clone().into_os_string();
-        s.push(i.to_string());
-        PathBuf::from(s)
-    };
+    let sockets = Sockets::before_start(&base, args.ranks);
 
     let mut cmd = Command::new(&backend);
     cmd.arg("--socket-path")
@@ -314,38 +311,43 @@ pub fn run(args: &LocalArgs, globals: &RankGlobals) -> Result<i32, LocalError> {
     )?;
 
     // The backend binds every socket before serving; wait until all exist.
+    enum Stop {
+        Failed(LocalError),
+        Died(ExitStatus),
+        Signalled,
+    }
     let wait_limit = Duration::from_secs(20);
-    let deadline = Instant::now() + wait_limit;
-    loop {
-        let ready = (0..args.ranks).all(|i| {
-            fs::metadata(socket(i))
-                .map(|m| m.file_type().is_socket())
-                .unwrap_or(false)
-        });
-        if ready {
-            break;
+    let waited = sockets.wait(wait_limit, || {
+        if let Some(status) = backend_proc.poll().map_err(Stop::Failed)? {
+            return Err(Stop::Died(status));
         }
-        if let Some(status) = backend_proc.poll()? {
+        if SIGNALLED.load(Ordering::SeqCst) as i32 != 0 {
+            return Err(Stop::Signalled);
+        }
+        Ok(true)
+    });
+    match waited {
+        Ok(()) => {}
+        Err(WaitError::Stopped(Stop::Failed(e))) => return Err(e),
+        Err(WaitError::Stopped(Stop::Died(status))) => {
             backend_proc.finish();
             return Err(LocalError::BackendDied(status));
         }
-        if SIGNALLED.load(Ordering::SeqCst) as i32 != 0 {
+        Err(WaitError::Stopped(Stop::Signalled)) => {
             backend_proc.stop(Duration::from_secs(1));
             return Ok(130);
         }
-        if Instant::now() > deadline {
+        Err(WaitError::TimedOut(limit)) => {
             backend_proc.stop(Duration::from_secs(1));
-            return Err(LocalError::SocketsTimeout(wait_limit));
+            return Err(LocalError::SocketsTimeout(limit));
         }
-        thread::sleep(Duration::from_millis(5));
     }
-
     let mut ranks = Vec::new();
     for i in 0..args.ranks {
         let mut cmd = Command::new(&exe);
         cmd.args(&globals.args)
             .arg("--socket")
-            .arg(socket(i))
+            .arg(sockets.path(i))
             .args(&args.command)
             .env_remove("DMLC_SOCKET");
         let prefix = format!("[rank {i}] ");
