@@ -227,6 +227,13 @@ int dmlc_open_env(const char *const *env, dmlc_device **out);
  * transport, where dmlc_wrap_memory works), 0 if not; -1 if dev is NULL. */
 int dmlc_reaches_any_memory(const dmlc_device *dev);
 
+/* Bytes per request of the host forms (dmlc_*_host), the same on every
+ * member: longer data is cut into pieces of this size (allgather and
+ * reduce-scatter: this size over world_size per member). A client that
+ * sends device memory directly must cut at the same places for its requests
+ * to pair with those of a member using the host forms. 0 if dev is NULL. */
+uint64_t dmlc_host_chunk_bytes(const dmlc_device *dev);
+
 /* How waits spend their time on this device: DMLC_WAIT_INTERRUPT,
  * DMLC_WAIT_POLL or DMLC_WAIT_HYBRID (a hybrid wait on a transport with no
  * interrupt to sleep on polls); -1 if dev is NULL. */
@@ -350,6 +357,12 @@ const char *dmlc_strerror(int status);
 /* Detail of the last error on this thread (never NULL; "" if none). Valid
  * until the next failing call on the same thread. */
 const char *dmlc_last_error_message(void);
+
+/* The status, device detail (e.g. the mismatch field mask) and peer of the
+ * last failing call on this thread (status DMLC_OK and peer DMLC_NO_PEER if
+ * none failed); generation is 0. For the calls that return only a status,
+ * such as the host forms. out == NULL is a no-op. */
+void dmlc_last_error_completion(dmlc_completion *out);
 
 #ifdef __cplusplus
 }

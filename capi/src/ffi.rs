@@ -8,7 +8,7 @@
 //! thread-local string (`dmlc_last_error_message`), and catches panics so
 //! that none unwinds into C.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ffi::{c_char, c_int, c_void, CStr, CString, OsStr};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
@@ -159,6 +159,9 @@ pub struct DmlcCompletion {
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+    /// (status, detail, peer) of this thread's last failed call, for the
+    /// calls that return only a status (`dmlc_last_error_completion`).
+    static LAST_REPORT: Cell<(c_int, u32, u32)> = const { Cell::new((DMLC_OK, 0, NO_PEER)) };
 }
 
 impl Fail {
@@ -172,6 +175,10 @@ impl Fail {
 
 impl From<Error> for Fail {
     fn from(e: Error) -> Self {
+        // The device's detail and peer go only into the report: the
+        // status and message are what every call returns.
+        let (detail, peer) = detail_of(&e);
+        LAST_REPORT.with(|r| r.set((status_of(&e), detail, peer)));
         Fail {
             status: status_of(&e),
             msg: error_text(&e),
@@ -225,13 +232,42 @@ fn detail_of(e: &Error) -> (u32, u32) {
     }
 }
 
-/// Runs `f`, turning failures and panics into a status code.
+/// Runs `f`, turning failures and panics into a status code; a failure
+/// not made from a device error is reported without detail or peer.
 fn guard(f: impl FnOnce() -> Result<(), Fail>) -> c_int {
     let codes = Codes {
         ok: DMLC_OK,
         internal: DMLC_ERR_INTERNAL,
     };
-    ffi_util::guard(&LAST_ERROR, codes, f)
+    let before = LAST_REPORT.with(|r| r.replace((DMLC_OK, 0, NO_PEER)));
+    let status = ffi_util::guard(&LAST_ERROR, codes, f);
+    LAST_REPORT.with(|r| match status {
+        DMLC_OK => r.set(before),
+        s if r.get().0 != s => r.set((s, 0, NO_PEER)),
+        _ => {}
+    });
+    status
+}
+
+/// The status, device detail and peer of this thread's last failed call
+/// (`DMLC_OK` and `DMLC_NO_PEER` if none failed yet); `generation` is 0.
+/// For calls that return only a status, such as the host forms.
+///
+/// # Safety
+///
+/// `out` is NULL (nothing is written) or writable for one `dmlc_completion`.
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_last_error_completion(out: *mut DmlcCompletion) {
+    let (status, detail, peer) = LAST_REPORT.with(Cell::get);
+    // SAFETY: `out` is NULL or writable per the contract.
+    if let Some(o) = unsafe { out.as_mut() } {
+        *o = DmlcCompletion {
+            status,
+            detail,
+            peer,
+            generation: 0,
+        };
+    }
 }
 
 /// Borrows a device pointer from C.

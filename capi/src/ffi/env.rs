@@ -107,6 +107,29 @@ pub unsafe extern "C" fn dmlc_reaches_any_memory(dev: *const DmlcDevice) -> c_in
     }
 }
 
+/// Bytes per request of the host forms (`dmlc_*_host`), the same on every
+/// member of a group: data longer than this is cut into pieces of this
+/// size (allgather and reduce-scatter: of this size over `world_size`).
+/// A client that sends device memory directly cuts at the same places,
+/// so that its requests pair with those of a member that goes through the
+/// host forms. 0 if dev is NULL.
+///
+/// # Safety
+///
+/// `dev` is NULL or an open device.
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_host_chunk_bytes(dev: *const DmlcDevice) -> u64 {
+    // SAFETY: forwarded contract.
+    match unsafe { device(dev) } {
+        Ok(d) => d
+            .bounce
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .chunk_bytes() as u64,
+        Err(_) => 0,
+    }
+}
+
 /// How waits spend their time on `dev`: `DMLC_WAIT_INTERRUPT`,
 /// `DMLC_WAIT_POLL` or `DMLC_WAIT_HYBRID` (`Wait::code`); -1 if dev is NULL.
 ///

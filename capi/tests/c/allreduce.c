@@ -380,6 +380,34 @@ int main(int argc, char **argv)
         }
         CHECK(dmlc_reduce_host(dev, NULL, 1, DMLC_DTYPE_I32, DMLC_OP_SUM, 0) ==
                   DMLC_ERR_INVALID_ARGUMENT, "reduce_host NULL");
+        dmlc_completion why = {0, 0, 0, 7};
+        dmlc_last_error_completion(&why);
+        CHECK(why.status == DMLC_ERR_INVALID_ARGUMENT && why.detail == 0 &&
+                  why.peer == DMLC_NO_PEER && why.generation == 0,
+              "report of a local error: %d %u %u", why.status, why.detail, why.peer);
+        /* A host form returns only a status: the device's detail and peer
+         * of its failed request come from dmlc_last_error_completion. Each
+         * member gives another count: a mismatch, reported to both. */
+        if (n >= 2) {
+            int32_t m[2] = {1, 2};
+            CHECK(dmlc_allreduce_host(dev, NULL, m, rank == 0 ? 1 : 2, DMLC_DTYPE_I32,
+                                      DMLC_OP_SUM) == DMLC_ERR_MISMATCH,
+                  "allreduce_host with another count than the peer's");
+            dmlc_last_error_completion(&why);
+            CHECK(why.status == DMLC_ERR_MISMATCH && why.detail != 0 &&
+                      why.peer < (uint32_t)n,
+                  "report of a mismatch: %d %u %u", why.status, why.detail, why.peer);
+            /* A success leaves the report of the last failure. */
+            MUST(dmlc_barrier(dev));
+            dmlc_last_error_completion(&why);
+            CHECK(why.status == DMLC_ERR_MISMATCH, "report kept after a success");
+        }
+        dmlc_last_error_completion(NULL);
+        uint64_t chunk = dmlc_host_chunk_bytes(dev);
+        uint64_t want_chunk = cfg.max_bytes < (16u << 20) ? cfg.max_bytes : (16u << 20);
+        CHECK(chunk == want_chunk / 8 * 8, "host chunk %llu, max_bytes %llu",
+              (unsigned long long)chunk, (unsigned long long)cfg.max_bytes);
+        CHECK(dmlc_host_chunk_bytes(NULL) == 0, "host chunk of NULL");
     }
 
     /* Two requests in flight on queue 0, each in two input segments. */
