@@ -29,6 +29,10 @@ def test_torch_tensors_in_place_out_of_place_and_async(backend: Backend) -> None
     assert len(set(counts)) == 1 and counts[0] >= 20, counts
 
 
+def test_direct_and_staged_members_cut_large_collectives_alike(backend2: Backend) -> None:
+    assert checks_passed(backend2.run("mixed_cuts")) == [7, 7]
+
+
 def test_a_mismatch_names_the_field_and_the_peer(backend2: Backend) -> None:
     assert checks_passed(backend2.run("mismatch")) == [4, 4]
 

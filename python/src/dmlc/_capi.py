@@ -207,6 +207,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "dmlc_open_env": (c_int, [POINTER(c_char_p), POINTER(c_void_p)]),
         "dmlc_reaches_any_memory": (c_int, [dev]),
         "dmlc_wait_mode": (c_int, [dev]),
+        "dmlc_host_chunk_bytes": (c_uint64, [dev]),
         "dmlc_close": (None, [dev]),
         "dmlc_rank": (c_int32, [dev]),
         "dmlc_world_size": (c_int32, [dev]),
@@ -233,6 +234,13 @@ def _declare(lib: ctypes.CDLL) -> None:
         "dmlc_strerror": (c_char_p, [c_int]),
         "dmlc_version": (c_char_p, []),
         "dmlc_last_error_message": (c_char_p, []),
+        "dmlc_last_error_completion": (None, [POINTER(Completion)]),
+        # The collectives on ordinary memory (the library's bounce buffer).
+        "dmlc_allreduce_host": (c_int, [dev, c_void_p, c_void_p, c_uint64, c_int, c_int]),
+        "dmlc_broadcast_host": (c_int, [dev, c_void_p, c_uint64, c_int, c_uint32]),
+        "dmlc_reduce_host": (c_int, [dev, c_void_p, c_uint64, c_int, c_int, c_uint32]),
+        "dmlc_allgather_host": (c_int, [dev, c_void_p, c_void_p, c_uint64, c_int]),
+        "dmlc_reduce_scatter_host": (c_int, [dev, c_void_p, c_void_p, c_uint64, c_int, c_int]),
     }
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)

@@ -5,11 +5,12 @@ driver that is any of the process's memory (the module pins the pages of
 each request), so every collective on contiguous arrays or tensors goes to
 the device without a copy. Over the other transports an array or tensor
 made by :meth:`Device.empty` lives there and goes without a copy; a
-collective that touches anything else is copied into one staging buffer in
-that memory, run in place there, and copied back (one memmove each way,
-straight between the caller's memory and the staging buffer; counted in
-``staged_bytes``), as is one whose input and output overlap other than in
-the in-place form. Calls run in order on one worker thread per device, so blocking
+collective that touches anything else goes through the C library's host
+forms (``dmlc_*_host``: its bounce buffer, counted in ``staged_bytes``), as
+does one whose input and output overlap other than in the in-place form.
+Requests on device memory are cut where the host forms cut theirs
+(``dmlc_host_chunk_bytes``), so members that stage and members that do not
+send the same requests. Calls run in order on one worker thread per device, so blocking
 and asynchronous calls keep the order every member must issue them in, and
 an asynchronous call leaves the caller's thread free (ctypes releases the
 GIL while the C library waits).
@@ -76,9 +77,6 @@ _NUMPY_DTYPES: dict[np.dtype[Any], Dtype] = {
     np.dtype(np.int64): Dtype.I64,
     np.dtype(np.uint64): Dtype.U64,
 }
-
-# Largest piece of one request: the staging buffer stays small.
-CHUNK_BYTES = 16 << 20
 
 Op = Union[ReduceOp, str]
 # How a wait spends its time, by the names every client uses (DMLC_POLL,
@@ -247,9 +245,9 @@ class Device:
         # Wrappers of the caller's memory for the request in flight (input,
         # output): freed when it completes.
         self._wrapped: list[ctypes.c_void_p] = []
-        #: Bytes of the caller's data that went through the staging buffer
-        #: (each collective's input counted once): 0 while every collective
-        #: reaches the caller's memory directly.
+        #: Bytes of the caller's data that went through the C library's
+        #: bounce buffer (each collective's input counted once): 0 while
+        #: every collective reaches the caller's memory directly.
         self.staged_bytes = 0
         self._dev = ctypes.c_void_p(handle)
         cfg = _capi.Config()
@@ -258,10 +256,9 @@ class Device:
         self.world_size: int = cfg.world_size
         self.max_bytes: int = cfg.max_bytes
         self.group_id: int = cfg.group_id
-        self._chunk = max(8, min(CHUNK_BYTES, cfg.max_bytes) // 8 * 8)
-        self._staging = ctypes.c_void_p()
-        self._staging_len = 0
-        self._staging_addr = 0
+        # Where the host forms cut a collective into requests: the direct
+        # path cuts at the same places.
+        self._host_chunk: int = lib.dmlc_host_chunk_bytes(self._dev)
         # Buffers behind the arrays of empty(): address -> (length, buffer).
         self._owned: dict[int, tuple[int, ctypes.c_void_p]] = {}
         self._owned_lock = threading.Lock()
@@ -391,11 +388,7 @@ class Device:
         self._closed = True
         self._jobs.put(None)
         self._worker.join()
-        lib = self._lib_
-        if self._staging:
-            lib.dmlc_free(self._staging)
-            self._staging = ctypes.c_void_p()
-        lib.dmlc_close(self._dev)
+        self._lib_.dmlc_close(self._dev)
 
     def __enter__(self) -> Device:
         return self
@@ -481,17 +474,21 @@ class Device:
         def run() -> Any:
             src, n, dtype = memory(data)
             dst = src if out is None else self._same(out, n, dtype)
-            if n <= self.max_bytes and self._direct_pair(src, n, dst, n, dst == src):
-                self._run(_capi.ALLREDUCE, dtype, rop, 0, n, n, in_bytes=0 if dst == src else n)
+            in_place = dst == src
+            if self._direct_pair(src, n, dst, n, in_place):
+                self._run_pieces(_capi.ALLREDUCE, dtype, rop, 0, n, in_place)
                 return data if out is None else out
-            step = self._chunk // _SIZES[dtype] * _SIZES[dtype]
-            stage = self._stage(min(n, step))
             self.staged_bytes += n
-            for lo in range(0, n, step):
-                k = min(step, n - lo)
-                ctypes.memmove(stage, src + lo, k)
-                self._run(_capi.ALLREDUCE, dtype, rop, 0, k, k)
-                ctypes.memmove(dst + lo, stage, k)
+            if not in_place and src < dst + n and dst < src + n:
+                # Overlapping buffers (not the in-place form): the host form
+                # wants them apart, so the input goes to the output first.
+                ctypes.memmove(dst, src, n)
+                in_place = True
+            self._host(
+                self._lib_.dmlc_allreduce_host(
+                    self._dev, None if in_place else src, dst, n // _SIZES[dtype], dtype, rop
+                )
+            )
             return data if out is None else out
 
         return self._call(run, async_op)
@@ -502,18 +499,13 @@ class Device:
 
         def run() -> Any:
             buf, n, dtype = memory(data)
-            if n <= self.max_bytes and self._direct(buf, n, self._seg):
-                self._run(_capi.BROADCAST, dtype, ReduceOp.SUM, root, n, n)
+            if self._direct(buf, n, self._seg):
+                self._run_pieces(_capi.BROADCAST, dtype, ReduceOp.SUM, root, n, True)
                 return data
-            step = self._chunk // _SIZES[dtype] * _SIZES[dtype]
-            stage = self._stage(min(n, step))
             self.staged_bytes += n
-            for lo in range(0, n, step):
-                k = min(step, n - lo)
-                if self.rank == root:
-                    ctypes.memmove(stage, buf + lo, k)
-                self._run(_capi.BROADCAST, dtype, ReduceOp.SUM, root, k, k)
-                ctypes.memmove(buf + lo, stage, k)
+            self._host(
+                self._lib_.dmlc_broadcast_host(self._dev, buf, n // _SIZES[dtype], dtype, root)
+            )
             return data
 
         return self._call(run, async_op)
@@ -529,14 +521,12 @@ class Device:
             buf, n, dtype = memory(data)
             # In place, a non-root member's buffer is only read.
             if self._direct(buf, n, self._seg):
-                self._run(_capi.REDUCE, dtype, rop, root, n, n)
+                self._run_pieces(_capi.REDUCE, dtype, rop, root, n, True)
                 return data
-            stage = self._stage(n)
             self.staged_bytes += n
-            ctypes.memmove(stage, buf, n)
-            self._run(_capi.REDUCE, dtype, rop, root, n, n)
-            if self.rank == root:
-                ctypes.memmove(buf, stage, n)
+            self._host(
+                self._lib_.dmlc_reduce_host(self._dev, buf, n // _SIZES[dtype], dtype, rop, root)
+            )
             return data
 
         return self._call(run, async_op)
@@ -553,18 +543,21 @@ class Device:
                 )
             # `data` as block `rank` of `out` is the in-place form.
             in_place = src == dst + self.rank * n
-            if self._direct_pair(src, n, dst, total, in_place):
-                self._run(
-                    _capi.ALLGATHER, dtype, ReduceOp.SUM, 0, n, total, in_bytes=0 if in_place else n
+            if n <= self._block_piece(dtype) and self._direct_pair(src, n, dst, total, in_place):
+                self._run_direct(
+                    _capi.ALLGATHER, dtype, ReduceOp.SUM, n, total, 0 if in_place else n
                 )
                 return out
-            stage = self._stage(total)
             self.staged_bytes += total
-            # In place, the device reads this member's block at its rank's
-            # place and writes every block.
-            ctypes.memmove(stage + self.rank * n, src, n)
-            self._run(_capi.ALLGATHER, dtype, ReduceOp.SUM, 0, n, total)
-            ctypes.memmove(dst, stage, total)
+            send, kept = src, None
+            if src < dst + total and dst < src + n:
+                # The host form reads its input apart from the output.
+                kept = ctypes.create_string_buffer(n)
+                ctypes.memmove(kept, src, n)
+                send = ctypes.addressof(kept)
+            self._host(
+                self._lib_.dmlc_allgather_host(self._dev, send, dst, n // _SIZES[dtype], dtype)
+            )
             return out
 
         return self._call(run, async_op)
@@ -586,15 +579,26 @@ class Device:
             # buffer is `data`.
             in_place = dst == src + self.rank * n
             out_addr, out_bytes = (src, total) if in_place else (dst, n)
-            if self._direct_pair(src, total, out_addr, out_bytes, in_place):
-                in_bytes = 0 if in_place else total
-                self._run(_capi.REDUCE_SCATTER, dtype, rop, 0, n, out_bytes, in_bytes=in_bytes)
+            if n <= self._block_piece(dtype) and self._direct_pair(
+                src, total, out_addr, out_bytes, in_place
+            ):
+                self._run_direct(
+                    _capi.REDUCE_SCATTER, dtype, rop, n, out_bytes, 0 if in_place else total
+                )
                 return out
-            stage = self._stage(total)
             self.staged_bytes += total
-            ctypes.memmove(stage, src, total)
-            self._run(_capi.REDUCE_SCATTER, dtype, rop, 0, n, total)
-            ctypes.memmove(dst, stage + self.rank * n, n)
+            recv, result = dst, None
+            if dst < src + total and src < dst + n:
+                # The host form writes its output apart from the input.
+                result = ctypes.create_string_buffer(n)
+                recv = ctypes.addressof(result)
+            self._host(
+                self._lib_.dmlc_reduce_scatter_host(
+                    self._dev, src, recv, n // _SIZES[dtype], dtype, rop
+                )
+            )
+            if result is not None:
+                ctypes.memmove(dst, result, n)
             return out
 
         return self._call(run, async_op)
@@ -642,23 +646,23 @@ class Device:
             raise ValueError("out must have the input's size and dtype")
         return dst
 
-    def _stage(self, nbytes: int) -> int:
-        """The address of the staging buffer (device memory), grown to at
-        least `nbytes`. Only the worker thread uses it."""
-        if nbytes > self._staging_len:
+    def _block_piece(self, dtype: Dtype) -> int:
+        """The most bytes per member that the host forms of allgather and
+        reduce-scatter carry in one request: a larger block goes through
+        them, so that every member cuts it at the same places."""
+        size = _SIZES[dtype]
+        return max(1, self._host_chunk // self.world_size // size) * size
+
+    def _host(self, rc: int) -> None:
+        """Raises the error of a failed host form, with the device's detail
+        and peer of the request that failed."""
+        if rc != _capi.OK:
             lib = self._lib_
-            if self._staging:
-                lib.dmlc_free(self._staging)
-                self._staging = ctypes.c_void_p()
-                self._staging_len = 0
-            buf = ctypes.c_void_p()
-            self._check(lib.dmlc_alloc(self._dev, max(nbytes, 64), ctypes.byref(buf)))
-            self._staging = buf
-            self._staging_len = lib.dmlc_buffer_size(buf)
-            self._staging_addr = lib.dmlc_buffer_data(buf)
-        self._seg.buf = self._staging
-        self._seg.offset = 0
-        return self._staging_addr
+            msg = (lib.dmlc_last_error_message() or b"").decode(errors="replace")
+            why = _capi.Completion()
+            lib.dmlc_last_error_completion(ctypes.byref(why))
+            peer = None if why.peer == _capi.NO_PEER else why.peer
+            raise error_for(rc, msg or _strerror(lib, rc), why.detail, peer)
 
     def _direct(self, addr: int, nbytes: int, seg: _capi.Segment) -> bool:
         """Points `seg` at the caller's memory if the device can reach it:
@@ -711,45 +715,70 @@ class Device:
         *,
         in_bytes: int = 0,
     ) -> None:
-        """Runs one request on `nbytes` of device memory: the staging buffer
-        that the caller filled (after `_stage`), or the caller's own (after
-        `_direct`); none for a barrier. In place, the result is left there;
-        with `in_bytes`, the request is out of place and reads its input
-        from the segment `_direct_pair` set. `block_bytes` is the per-member
-        count in bytes."""
+        """Runs one request on `nbytes` of the caller's memory, which
+        `_direct` or `_direct_pair` pointed the segments at (none for a
+        barrier); the caller frees their wrappers. In place, the result is
+        left there; with `in_bytes`, the request is out of place and reads
+        its input from the segment `_direct_pair` set. `block_bytes` is the
+        per-member count in bytes."""
+        size = _SIZES[dtype]
+        if block_bytes % size:
+            raise ValueError(f"{block_bytes} bytes are not whole {dtype.name} elements")
+        req = self._req
+        req.opcode = opcode
+        req.dtype = dtype
+        req.op = op
+        req.root = root
+        req.count = block_bytes // size
+        req.flags = _capi.FLAG_IN_PLACE if nbytes and not in_bytes else 0
+        self._seg.len = nbytes
+        self._in_seg.len = in_bytes
+        lib = self._lib_
+        rc = lib.dmlc_submit(
+            self._dev,
+            0,
+            self._req_ref,
+            self._in_seg_ref if in_bytes else None,
+            1 if in_bytes else 0,
+            self._seg_ref if nbytes else None,
+            1 if nbytes else 0,
+            self._handle_ref,
+        )
+        self._check(rc)
+        done = self._done
+        rc = lib.dmlc_wait(self._dev, self._handle, -1, self._done_ref)
+        if rc != _capi.OK:
+            msg = (lib.dmlc_last_error_message() or b"").decode(errors="replace")
+            peer = None if done.peer == _capi.NO_PEER else done.peer
+            raise error_for(rc, msg or _strerror(lib, rc), done.detail, peer)
+
+    def _run_pieces(
+        self, opcode: int, dtype: Dtype, op: ReduceOp, root: int, nbytes: int, in_place: bool
+    ) -> None:
+        """An element-wise collective (allreduce, broadcast, reduce) on the
+        caller's memory that `_direct` or `_direct_pair` pointed the
+        segments at, in requests of the host forms' size."""
+        size = _SIZES[dtype]
+        step = max(1, self._host_chunk // size) * size
+        out_at, in_at = self._seg.offset, self._in_seg.offset
         try:
-            size = _SIZES[dtype]
-            if block_bytes % size:
-                raise ValueError(f"{block_bytes} bytes are not whole {dtype.name} elements")
-            req = self._req
-            req.opcode = opcode
-            req.dtype = dtype
-            req.op = op
-            req.root = root
-            req.count = block_bytes // size
-            req.flags = _capi.FLAG_IN_PLACE if nbytes and not in_bytes else 0
-            self._seg.len = nbytes
-            self._in_seg.len = in_bytes
-            lib = self._lib_
-            rc = lib.dmlc_submit(
-                self._dev,
-                0,
-                self._req_ref,
-                self._in_seg_ref if in_bytes else None,
-                1 if in_bytes else 0,
-                self._seg_ref if nbytes else None,
-                1 if nbytes else 0,
-                self._handle_ref,
-            )
-            self._check(rc)
-            done = self._done
-            rc = lib.dmlc_wait(self._dev, self._handle, -1, self._done_ref)
-            if rc != _capi.OK:
-                msg = (lib.dmlc_last_error_message() or b"").decode(errors="replace")
-                peer = None if done.peer == _capi.NO_PEER else done.peer
-                raise error_for(rc, msg or _strerror(lib, rc), done.detail, peer)
+            for lo in range(0, nbytes, step):
+                k = min(step, nbytes - lo)
+                self._seg.offset, self._in_seg.offset = out_at + lo, in_at + lo
+                self._run(opcode, dtype, op, root, k, k, in_bytes=0 if in_place else k)
         finally:
-            # The wrapper goes in any case: the driver keeps its own hold on
+            self._unwrap()
+
+    def _run_direct(
+        self, opcode: int, dtype: Dtype, op: ReduceOp, block: int, nbytes: int, in_bytes: int
+    ) -> None:
+        """One allgather or reduce-scatter request on the caller's memory
+        that `_direct_pair` pointed the segments at (`block` bytes per
+        member, `nbytes` of output, `in_bytes` of input: 0 in place)."""
+        try:
+            self._run(opcode, dtype, op, 0, block, nbytes, in_bytes=in_bytes)
+        finally:
+            # The wrappers go in any case: the driver keeps its own hold on
             # a request still pending after a wait that gave up on a device
             # that stopped answering (which then needs a reset, and the
             # module's reset unpins).
