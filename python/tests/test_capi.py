@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -41,6 +42,18 @@ def _header_values(tmp_path: Path) -> dict[str, int]:
     )
     out = subprocess.run([str(exe), "--constants"], check=True, capture_output=True, text=True)
     return {k: int(v) for k, v in (ln.rsplit(" ", 1) for ln in out.stdout.splitlines())}
+
+
+def test_every_bound_function_is_in_the_header_with_as_many_parameters() -> None:
+    header = (HEADER_DIR / "dmlc_guest.h").read_text()
+    for name, (_, argtypes) in _capi.signatures().items():
+        found = re.search(rf"\b{name}\(([^)]*)\);", header)
+        assert found, f"{name} is bound but not declared in dmlc_guest.h"
+        params = found.group(1).strip()
+        count = 0 if params in ("", "void") else params.count(",") + 1
+        assert count == len(argtypes), (
+            f"{name}: {count} parameters in the header, bound with {len(argtypes)}"
+        )
 
 
 def test_every_constant_and_struct_layout_matches_the_header(tmp_path: Path) -> None:

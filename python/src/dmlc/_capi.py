@@ -197,9 +197,10 @@ def _check_abi(lib: ctypes.CDLL, path: str) -> None:
         )
 
 
-def _declare(lib: ctypes.CDLL) -> None:
+def signatures() -> dict[str, tuple[object, list[object]]]:
+    """The C functions this binding calls: name -> (restype, argtypes)."""
     dev = c_void_p
-    sigs: dict[str, tuple[object, list[object]]] = {
+    return {
         "dmlc_open_options_init": (None, [POINTER(OpenOptions)]),
         "dmlc_open_host_ex": (c_int, [c_char_p, POINTER(OpenOptions), POINTER(c_void_p)]),
         "dmlc_open_pci": (c_int, [c_char_p, POINTER(OpenOptions), POINTER(c_void_p)]),
@@ -242,7 +243,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         "dmlc_allgather_host": (c_int, [dev, c_void_p, c_void_p, c_uint64, c_int]),
         "dmlc_reduce_scatter_host": (c_int, [dev, c_void_p, c_void_p, c_uint64, c_int, c_int]),
     }
-    for name, (restype, argtypes) in sigs.items():
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    for name, (restype, argtypes) in signatures().items():
         fn = getattr(lib, name)
         fn.restype = restype
         fn.argtypes = argtypes
