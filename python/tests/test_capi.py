@@ -117,3 +117,10 @@ def test_a_library_of_another_abi_is_refused_naming_both_versions(
     monkeypatch.setenv("DMLC_LIBRARY", str(older))
     with pytest.raises(ImportError, match="predates ABI versions"):
         _capi.load()
+    # The right version, built before a function the package calls.
+    (tmp_path / "same").mkdir()
+    body = f"uint32_t dmlc_abi_version(void) {{ return {_capi.ABI_VERSION}; }}\n"
+    same = _fake_library(tmp_path / "same", body)
+    monkeypatch.setenv("DMLC_LIBRARY", str(same))
+    with pytest.raises(ImportError, match=r"lacks dmlc_\w+, which this dmlc package calls"):
+        _capi.load()

@@ -173,7 +173,7 @@ def load() -> ctypes.CDLL:
             f"target/release/{LIBRARY_NAME}"
         ) from e
     _check_abi(lib, path)
-    _declare(lib)
+    _declare(lib, path)
     return lib
 
 
@@ -245,8 +245,16 @@ def signatures() -> dict[str, tuple[object, list[object]]]:
     }
 
 
-def _declare(lib: ctypes.CDLL) -> None:
+def _declare(lib: ctypes.CDLL, path: str) -> None:
     for name, (restype, argtypes) in signatures().items():
-        fn = getattr(lib, name)
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            # Same ABI version, but built before the function was added.
+            raise ImportError(
+                f"the virtio-dmlc C library {path} lacks {name}, which this dmlc package "
+                "calls: it is older than the package; rebuild it (`cargo build --release "
+                f"-p dmlc-capi`) or point {LIBRARY_ENV} at a newer one"
+            ) from None
         fn.restype = restype
         fn.argtypes = argtypes
