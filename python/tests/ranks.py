@@ -43,7 +43,7 @@ NUMPY_TYPES = [
 COUNT = 37  # not a multiple of any vector width
 # DMLC_POLL's settings and the wait mode each names ("" = unset).
 WAIT_BY_DMLC_POLL = {
-    "": "hybrid",
+    "": "poll",
     "hybrid": "hybrid",
     "poll": "poll",
     "1": "poll",

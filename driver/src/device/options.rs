@@ -10,8 +10,9 @@ use virtio_dmlc::{Dtype, Opcode, ReduceOp, VirtioDmlcReq, FLAG_IN_PLACE};
 /// How to open a device.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OpenOptions {
-    /// Busy-poll the used ring (true), or sleep until the device signals a
-    /// completion (false, the default, after the spin of `spin_cap`).
+    /// Busy-poll the used ring (true, the default: [`Wait::default`] says
+    /// why), or sleep until the device signals a completion (false, after
+    /// the spin of `spin_cap`).
     pub poll: bool,
     /// Descriptors per queue (a power of two; default 256).
     pub queue_size: u16,
@@ -24,8 +25,8 @@ pub struct OpenOptions {
     /// With `poll` false: busy-poll for a while before sleeping (the hybrid
     /// wait), at most this long: the whole bound while most recent waits
     /// ended within it, a twentieth of it while most did not. Zero: sleep
-    /// at once. The default, [`HYBRID_SPIN_CAP`], makes the hybrid wait the
-    /// default wait; on a transport that cannot sleep on an interrupt
+    /// at once. The default, [`HYBRID_SPIN_CAP`], makes `poll: false` the
+    /// hybrid wait; on a transport that cannot sleep on an interrupt
     /// ([`Transport::can_sleep`]) the hybrid wait polls.
     ///
     /// [`Transport::can_sleep`]: crate::transport::Transport::can_sleep
@@ -58,7 +59,7 @@ pub const WAIT_MARGIN: Duration = Duration::from_secs(60);
 impl Default for OpenOptions {
     fn default() -> Self {
         OpenOptions {
-            poll: false,
+            poll: Wait::default() == Wait::Poll,
             queue_size: 256,
             event_idx: true,
             dma_bytes: 256 << 20,
@@ -74,14 +75,21 @@ impl Default for OpenOptions {
 /// client names it by [`Wait::name`] (`DMLC_POLL`, the CLI's output, the
 /// Python package's `poll=`) and the C ABI numbers it by [`Wait::code`]
 /// (`DMLC_WAIT_*`).
+///
+/// The default is [`Wait::Poll`], chosen by the rule of issue 34 (the
+/// lowest DDP step in 2 TCG VMs, unless its 4 B p50 is over 1.5x the best):
+/// polling gave both the lowest step and the lowest latency
+/// (docs/benchmarks.md, "The same two commands on a quiet machine"). It
+/// keeps a CPU busy while a rank waits; `hybrid` gives most of that time
+/// back, and `dmlc-qemu` picks it where VMs outnumber the host's CPUs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Wait {
-    /// Busy-poll the used ring.
+    /// Busy-poll the used ring (the default).
+    #[default]
     Poll,
     /// Sleep on the interrupt at once.
     Interrupt,
-    /// Spin up to [`HYBRID_SPIN_CAP`], then sleep (the default).
-    #[default]
+    /// Spin up to [`HYBRID_SPIN_CAP`], then sleep.
     Hybrid,
 }
 

@@ -81,8 +81,9 @@ _NUMPY_DTYPES: dict[np.dtype[Any], Dtype] = {
 Op = Union[ReduceOp, str]
 # How a wait spends its time, by the names every client uses (DMLC_POLL,
 # the C ABI's DMLC_WAIT_*): "poll" busy-polls, "interrupt" sleeps on the
-# interrupt at once, "hybrid" (the default) spins briefly first. True and
-# False are the older spellings of "poll" and "interrupt".
+# interrupt at once, "hybrid" spins briefly first. None leaves the C
+# library's default (dmlc_open_options_init: "poll"). True and False are the
+# older spellings of "poll" and "interrupt".
 WaitMode = Literal["poll", "interrupt", "hybrid"]
 Wait = Union[WaitMode, bool]
 
@@ -311,19 +312,22 @@ class Device:
         return cls._lib
 
     @classmethod
-    def _options(cls, poll: Wait, dma_bytes: int | None) -> _capi.OpenOptions:
+    def _options(cls, poll: Wait | None, dma_bytes: int | None) -> _capi.OpenOptions:
         opts = _capi.OpenOptions()
         cls.library().dmlc_open_options_init(ctypes.byref(opts))
-        name = ("poll" if poll else "interrupt") if isinstance(poll, bool) else poll
-        if name not in _capi.WAIT_CODES:
-            raise ValueError(f"poll={poll!r}: expected 'poll', 'interrupt' or 'hybrid'")
-        opts.poll = _capi.WAIT_CODES[name]
+        if poll is not None:
+            name = ("poll" if poll else "interrupt") if isinstance(poll, bool) else poll
+            if name not in _capi.WAIT_CODES:
+                raise ValueError(f"poll={poll!r}: expected 'poll', 'interrupt' or 'hybrid'")
+            opts.poll = _capi.WAIT_CODES[name]
         if dma_bytes is not None:
             opts.dma_bytes = dma_bytes
         return opts
 
     @classmethod
-    def _open(cls, opener: str, where: bytes | None, poll: Wait, dma_bytes: int | None) -> Device:
+    def _open(
+        cls, opener: str, where: bytes | None, poll: Wait | None, dma_bytes: int | None
+    ) -> Device:
         """Calls the C ABI's ``opener(where, options, &device)``."""
         lib = cls.library()
         out = ctypes.c_void_p()
@@ -334,21 +338,25 @@ class Device:
 
     @classmethod
     def open_host(
-        cls, socket: str | os.PathLike[str], *, poll: Wait = "hybrid", dma_bytes: int | None = None
+        cls,
+        socket: str | os.PathLike[str],
+        *,
+        poll: Wait | None = None,
+        dma_bytes: int | None = None,
     ) -> Device:
         """The device served by the backend at `socket` (this process plays the VM)."""
         return cls._open("dmlc_open_host_ex", os.fsencode(socket), poll, dma_bytes)
 
     @classmethod
     def open_pci(
-        cls, addr: str | None = None, *, poll: Wait = "hybrid", dma_bytes: int | None = None
+        cls, addr: str | None = None, *, poll: Wait | None = None, dma_bytes: int | None = None
     ) -> Device:
         """The PCI device from inside a guest (root and hugepages needed)."""
         return cls._open("dmlc_open_pci", addr.encode() if addr else None, poll, dma_bytes)
 
     @classmethod
     def open_kernel(
-        cls, node: str | None = None, *, poll: Wait = "hybrid", dma_bytes: int | None = None
+        cls, node: str | None = None, *, poll: Wait | None = None, dma_bytes: int | None = None
     ) -> Device:
         """The device through the virtio_dmlc kernel module's node (no root needed)."""
         return cls._open("dmlc_open_kernel", os.fsencode(node) if node else None, poll, dma_bytes)
@@ -359,9 +367,9 @@ class Device:
 
         ``DMLC_SOCKET`` (a backend socket; or ``DMLC_SOCKET_PREFIX`` plus the
         rank), ``DMLC_DEVICE=pci[:ADDR]`` or ``DMLC_DEVICE=kernel[:NODE]``;
-        ``DMLC_POLL=hybrid`` (the default) spins up to 200 us before it
-        sleeps, ``poll`` (or ``1``) polls, ``interrupt`` (or ``0``) sleeps on
-        the interrupt at once;
+        ``DMLC_POLL=poll`` (or ``1``, the default) polls, ``hybrid`` spins up
+        to 200 us before it sleeps, ``interrupt`` (or ``0``) sleeps on the
+        interrupt at once;
         ``DMLC_DMA_BYTES`` sizes the device memory. A rank given by the
         launcher (``DMLC_TASK_ID``, ``DMLC_NUM_WORKER``) or torchrun
         (``RANK``, ``WORLD_SIZE``) must match the device's. The C library
