@@ -33,7 +33,9 @@ done
 for b in dmlc-qemu dmlc-guest vhost-device-dmlc; do
     [ -x "target/release/$b" ] || { echo "build target/release/$b first (see --help)" >&2; exit 1; }
 done
-eval "$(kernel-driver/build.sh | tail -n 2)"
+# shellcheck source=tests/lib/import-env.sh
+. tests/lib/import-env.sh
+import_env DMLC_KMOD DMLC_KTEST -- kernel-driver/build.sh
 outs=()
 trap 'rm -f "${outs[@]}"' EXIT
 for run in $(seq "$repeat"); do

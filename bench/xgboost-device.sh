@@ -29,11 +29,11 @@ done
 for b in dmlc-qemu vhost-device-dmlc libdmlc_guest.so; do
     [ -e "target/release/$b" ] || { echo "build target/release/$b first (see --help)" >&2; exit 1; }
 done
-eval "$(qemu-patches/build-qemu.sh --env)"
-export DMLC_QEMU DMLC_QEMU_FIRMWARE
-eval "$(vm-harness/build-virtiofsd.sh --env)"
-export DMLC_VIRTIOFSD
-eval "$(xgboost-patches/build-xgboost.sh --env)"
+# shellcheck source=tests/lib/import-env.sh
+. tests/lib/import-env.sh
+import_env DMLC_QEMU DMLC_QEMU_FIRMWARE -- qemu-patches/build-qemu.sh --env
+import_env DMLC_VIRTIOFSD -- vm-harness/build-virtiofsd.sh --env
+import_env DMLC_XGBOOST_PYTHONPATH DMLC_XGBOOST_GTEST -- xgboost-patches/build-xgboost.sh --env
 python=$(python/venv.sh)/bin/python
 summary=$(
     cat <<'PY'

@@ -35,10 +35,10 @@ done
 for b in dmlc-qemu vhost-device-dmlc; do
     [ -x "target/release/$b" ] || { echo "build target/release/$b first (see --help)" >&2; exit 1; }
 done
-eval "$(qemu-patches/build-qemu.sh --env)"
-export DMLC_QEMU DMLC_QEMU_FIRMWARE
-eval "$(vm-harness/build-virtiofsd.sh --env)"
-export DMLC_VIRTIOFSD
+# shellcheck source=tests/lib/import-env.sh
+. tests/lib/import-env.sh
+import_env DMLC_QEMU DMLC_QEMU_FIRMWARE -- qemu-patches/build-qemu.sh --env
+import_env DMLC_VIRTIOFSD -- vm-harness/build-virtiofsd.sh --env
 python=$(python/venv.sh)/bin/python
 # One table row from rank 0's JSON line.
 summary=$(

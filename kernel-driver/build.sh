@@ -65,5 +65,5 @@ if [ "$check" = 1 ]; then
     perl "$checkpatch" --no-tree --strict --terse -f \
         "$here/virtio_dmlc.c" "$here/include/uapi/virtio_dmlc.h" "$here/tools/dmlc-ktest.c" >&2
 fi
-echo "DMLC_KMOD=$here/virtio_dmlc.ko"
-echo "DMLC_KTEST=$here/tools/dmlc-ktest"
+printf 'DMLC_KMOD=%q\n' "$here/virtio_dmlc.ko"
+printf 'DMLC_KTEST=%q\n' "$here/tools/dmlc-ktest"

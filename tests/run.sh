@@ -60,6 +60,8 @@ summary() {
 trap summary EXIT
 
 need_cmd() { command -v "$1" >/dev/null 2>&1; }
+# shellcheck source=tests/lib/import-env.sh
+. tests/lib/import-env.sh
 
 step "checking tools"
 for tool in cargo rustc cc; do
@@ -75,6 +77,9 @@ fi
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
+step "tests/lib/import-env.sh: a failed build script fails the run"
+tests/lib/test-import-env.sh
+
 step "docs: the spec's conformance table (docs/check-conformance.sh)"
 docs/check-conformance.sh
 
@@ -86,8 +91,7 @@ cargo build --workspace --locked
 
 step "virtiofsd for guests with the host's userland (built once, then cached)"
 # vm-smoke (in the next stage) and the DDP system test boot such guests.
-eval "$(vm-harness/build-virtiofsd.sh --env)"
-export DMLC_VIRTIOFSD
+import_env DMLC_VIRTIOFSD -- vm-harness/build-virtiofsd.sh --env
 
 step "cargo test --workspace"
 cargo test --workspace --locked --no-fail-fast
@@ -156,9 +160,7 @@ step "fuzzing: 60 s per target (cargo-fuzz, cached after the first install)"
 fuzz/run.sh 60
 
 step "system tests: patched QEMU (built once, then cached)"
-if qemu_env=$(qemu-patches/build-qemu.sh --env); then
-  eval "$qemu_env"
-  export DMLC_QEMU DMLC_QEMU_FIRMWARE
+if import_env DMLC_QEMU DMLC_QEMU_FIRMWARE -- qemu-patches/build-qemu.sh --env; then
   echo "QEMU: $DMLC_QEMU"
 elif under_ci; then
   echo "error: cannot build the patched QEMU; the system tests cannot run" >&2
@@ -186,8 +188,7 @@ export DMLC_PYTHON=$venv/bin/python
 step "kernel driver: virtio_dmlc.ko against Debian's headers for the guest kernel (cached), W=1, sparse, checkpatch"
 # kernel-driver/build.sh fetches the headers (and checkpatch.pl from the
 # kernel's source package) once through tests/image/build-image.sh.
-eval "$(kernel-driver/build.sh --check | tail -n 2)"
-export DMLC_KMOD DMLC_KTEST
+import_env DMLC_KMOD DMLC_KTEST -- kernel-driver/build.sh --check
 
 step "XGBoost with the virtio-dmlc collective: patched build (cached) and its C++ test over the host transport"
 # xgboost-patches/build-xgboost.sh: XGBoost 3.2.0 from PyPI's sdist with the
@@ -195,8 +196,7 @@ step "XGBoost with the virtio-dmlc collective: patched build (cached) and its C+
 # about 10 minutes on 2 busy cores; cached, a second). The GTest runs against
 # a daemon with 2 sockets and the release C library; the VM test of the
 # device path (next stages but one) puts DMLC_XGBOOST_PYTHONPATH on PYTHONPATH.
-eval "$(xgboost-patches/build-xgboost.sh --env)"
-export DMLC_XGBOOST_PYTHONPATH
+import_env DMLC_XGBOOST_PYTHONPATH DMLC_XGBOOST_GTEST -- xgboost-patches/build-xgboost.sh --env
 xgboost-patches/build-xgboost.sh --test
 
 step "system tests: VMs (${DMLC_ACCEL:-tcg}), one test at a time"

@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 use dmlc_driver::transport::TransportError;
 use dmlc_driver::{BufSlice, Device, DmaBuf, Done, Dtype, Error, Handle, Opcode, OpenOptions};
 use dmlc_driver::{ReduceOp, Request};
-use dmlc_test_support::{free_local_addr, guest_bin, metric, serial, Backend, Proc};
+use dmlc_test_support::{
+    free_local_addr, guest_bin, metric, serial, wait_metric_at_least, Backend, Proc,
+};
 use virtio_dmlc::VIRTIO_DMLC_F_REQ_TIMEOUT;
 
 /// The daemon's default timeout where no timeout should fire: a test that
@@ -172,15 +174,7 @@ fn allreduce_all(devs: &[&Device], count: usize) -> u32 {
 /// allreduce requests in all (instead of sleeping and hoping that they
 /// arrived, which a loaded machine does not promise).
 fn wait_taken(addr: &str, n: f64) {
-    let requests = "dmlc_requests_total{opcode=\"allreduce\"}";
-    let deadline = Instant::now() + WAIT;
-    while metric(addr, requests) < n {
-        assert!(
-            Instant::now() < deadline,
-            "the daemon did not take {n} requests within {WAIT:?}"
-        );
-        thread::sleep(Duration::from_millis(2));
-    }
+    wait_metric_at_least(addr, "dmlc_requests_total{opcode=\"allreduce\"}", n, WAIT);
 }
 
 fn ms(d: Duration) -> f64 {
@@ -1053,7 +1047,9 @@ fn bench_wrong(out: &str, rank: u32) -> u64 {
 /// daemon: the N-th data-moving collective, 0-based) is caught by `bench`
 /// on that rank alone: its own line counts the wrong elements, the other
 /// rank's line says 0, and the run fails. The counts are each rank's own,
-/// not a sum through the device.
+/// not a sum through the device. A device that gives every rank the same
+/// wrong result (`drop-input:1:11`: reductions from collective 11 on leave
+/// out rank 1's input) is caught by both.
 #[test]
 fn bench_catches_a_device_that_skips_writing_one_output() {
     let _g = serial();
@@ -1119,6 +1115,11 @@ fn bench_catches_a_device_that_skips_writing_one_output() {
             p.dump()
         );
     }
+    let (st, p) = run(Some("drop-input:1:11".to_owned()));
+    let out = p.stdout();
+    let wrong = (bench_wrong(&out, 0), bench_wrong(&out, 1));
+    assert!(wrong.0 > 0 && wrong.1 > 0, "{wrong:?}:\n{}", p.dump());
+    assert!(!st.success(), "the run passed:\n{}", p.dump());
 }
 
 /// The driver's generation watch (spec 5.X.7.4) against the real daemon:

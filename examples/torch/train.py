@@ -17,7 +17,11 @@ backward without the exchange, measured first under no_sync, or with
 optimizer's update, and exchange (the rest: DDP's bucket copies and
 scaling, and the collectives that the backward did not hide), and on
 every rank the sha256 of its parameters, so that a caller can check that
-every rank holds the same model.
+every rank holds the same model. Ranks that agree can all be wrong alike:
+--reference also replays the same steps in this one process, without any
+collective (the mean loss over every rank's batch, which is what DDP's
+averaged gradient computes), and prints the largest difference between the
+two sets of parameters.
 """
 
 from __future__ import annotations
@@ -158,6 +162,12 @@ def main() -> None:
         "that compute and step come from the same stretch of time on a noisy machine "
         "(the parameters end the same either way)",
     )
+    p.add_argument(
+        "--reference",
+        action="store_true",
+        help="replay the steps in one process, with no collective, and print the largest "
+        "difference from DDP's parameters (a check that does not trust the backend)",
+    )
     p.add_argument("--json", type=Path, help="also write the results here ('-': print them)")
     a = p.parse_args()
 
@@ -172,9 +182,24 @@ def main() -> None:
     opt = torch.optim.SGD(net.parameters(), lr=a.lr)
     setup_s = time.perf_counter() - t0
 
-    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        lo = ((step * world + rank) * a.batch) % (len(x) - a.batch)
+    def batch(step: int, of: int = rank) -> tuple[torch.Tensor, torch.Tensor]:
+        lo = ((step * world + of) * a.batch) % (len(x) - a.batch)
         return x[lo : lo + a.batch], y[lo : lo + a.batch]
+
+    def single_process() -> torch.Tensor:
+        """The same steps in this process alone: the mean of every rank's
+        loss, whose gradient DDP's averaged gradients must equal."""
+        ref = model(a.hidden)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=a.lr)
+        for s in range(a.steps):
+            ref_opt.zero_grad()
+            losses = [
+                torch.nn.functional.cross_entropy(ref(bx), by)
+                for bx, by in (batch(s, r) for r in range(world))
+            ]
+            (sum(losses) / world).backward()
+            ref_opt.step()
+        return torch.cat([q.detach().reshape(-1) for q in ref.parameters()])
 
     compute: list[float] = []
 
@@ -209,6 +234,7 @@ def main() -> None:
         acc = (net(ex).argmax(1) == ey).float().mean().item()
     flat = torch.cat([q.detach().reshape(-1) for q in net.parameters()])
     digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+    reference_error = (flat - single_process()).abs().max().item() if a.reference else None
     staged = None
     if a.backend == "dmlc":
         from dmlc.torch_backend import device  # noqa: PLC0415
@@ -233,9 +259,12 @@ def main() -> None:
         "final_loss": round(loss.item(), 6),
         "accuracy": round(acc, 4),
         "params_sha256": digest,
+        "reference_error": reference_error,
         "staged_bytes": staged,
     }
     print(f"rank {rank}: params sha256 {digest}")
+    if reference_error is not None:
+        print(f"rank {rank}: max |params - single process| {reference_error:.3e}")
     if staged is not None:
         # Over the kernel driver nothing is staged; over the others, every bucket.
         print(f"rank {rank}: dmlc staged {staged} bytes")

@@ -2,10 +2,11 @@
 //! over real vhost-user sockets.
 
 use std::process::Command;
-use std::thread;
 use std::time::{Duration, Instant};
 
-use dmlc_test_support::{guest_bin, run_guest, serial, temp_dir, Backend, Proc};
+use dmlc_test_support::{
+    free_local_addr, guest_bin, run_guest, serial, temp_dir, wait_metric_at_least, Backend, Proc,
+};
 
 const LIMIT: Duration = Duration::from_secs(300);
 
@@ -143,7 +144,19 @@ fn mismatched_collectives_fail_on_every_rank_naming_the_field() {
 #[test]
 fn killed_rank_is_reported_as_peer_lost_and_can_rejoin() {
     let _g = serial();
-    let mut backend = Backend::start("kill", 2, &["--log-level", "warn", "--timeout-ms", "20000"]);
+    let addr = free_local_addr();
+    let mut backend = Backend::start(
+        "kill",
+        2,
+        &[
+            "--log-level",
+            "warn",
+            "--timeout-ms",
+            "20000",
+            "--metrics-addr",
+            &addr,
+        ],
+    );
     let sockets = [backend.socket(0), backend.socket(1)];
     let guest = |name: &str, rank: usize, args: &[&str]| {
         let mut cmd = Command::new(guest_bin());
@@ -171,8 +184,14 @@ fn killed_rank_is_reported_as_peer_lost_and_can_rejoin() {
     assert!(r0
         .wait_stdout("iter 2 ok", Duration::from_secs(10))
         .is_some());
-    // Let rank 0 post the 4th request and block on it.
-    thread::sleep(Duration::from_millis(300));
+    // Rank 0 blocks on its 4th request once the daemon has taken it (3
+    // from each rank before it).
+    wait_metric_at_least(
+        &addr,
+        "dmlc_requests_total{opcode=\"allreduce\"}",
+        7.0,
+        Duration::from_secs(30),
+    );
     assert!(r0.wait_timeout(Duration::ZERO).is_none(), "{}", r0.dump());
     let killed = Instant::now();
     r1.kill9();

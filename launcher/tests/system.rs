@@ -5,9 +5,12 @@
 //!   and the test itself compares the fingerprints the ranks print and
 //!   checks the accuracy;
 //! - DDP, unmodified, on the host's userland (`--host-root`) in 2 VMs
-//!   through the device, both ranks ending with the same parameters: over
+//!   through the device, both ranks ending with the same parameters as a
+//!   single-process replay of the same steps (`train.py --reference`): over
 //!   the userspace driver (buckets staged) and over the kernel driver
-//!   (`--kernel-driver`, nothing staged);
+//!   (`--kernel-driver`, nothing staged); and a backend that gives both
+//!   ranks the same wrong gradients (the `drop-input` test fault) fails
+//!   that check although the ranks agree;
 //! - stock XGBoost across 2 VMs over TCP (`--tracker rabit`, the host's
 //!   userland): both ranks print the same model hash and a sane accuracy;
 //! - a failed worker, Ctrl-C, a timeout and a VM whose QEMU fails each
@@ -398,9 +401,10 @@ fn digits_trains_on_two_vms_through_the_device() {
 #[test]
 fn ddp_trains_unmodified_on_two_vms_through_the_device() {
     let Some(env) = setup("ddp") else { return };
-    let Some(out) = ddp_on_two_vms(&env, "ddp", &[]) else {
+    let Some(out) = ddp_on_two_vms(&env, "ddp", &[], None) else {
         return;
     };
+    assert_matches_the_single_process(&out);
     for r in 0..2 {
         let staged: u64 = rank_value(&out, r, &format!("rank {r}: dmlc staged"))
             .parse()
@@ -424,9 +428,10 @@ fn ddp_trains_unmodified_on_two_vms_through_the_kernel_driver() {
     let Some(kmod) = kernel_module("ddp-kernel") else {
         return;
     };
-    let Some(out) = ddp_on_two_vms(&env, "ddp-kernel", &["--kernel-driver", &kmod]) else {
+    let Some(out) = ddp_on_two_vms(&env, "ddp-kernel", &["--kernel-driver", &kmod], None) else {
         return;
     };
+    assert_matches_the_single_process(&out);
     let params: u64 = rank_value(&out, 0, "dmlc: 2 ranks,")
         .parse()
         .expect("a parameter count");
@@ -439,6 +444,54 @@ fn ddp_trains_unmodified_on_two_vms_through_the_kernel_driver() {
             0,
             "rank {r}: staged over the kernel driver (one step's gradient is {} bytes):\n{out}",
             4 * params
+        );
+    }
+}
+
+/// The check above cannot be fooled by ranks that agree: with the backend
+/// leaving rank 1's input out of every reduction (`DMLC_TEST_FAULTS=
+/// drop-input:1:0`), both ranks get rank 0's gradient alone, end with the
+/// same parameters, and are far from the single-process replay.
+#[test]
+fn ddp_with_the_same_wrong_gradients_on_every_rank_fails_the_reference_check() {
+    let Some(env) = setup("ddp-wrong") else {
+        return;
+    };
+    let Some(out) = ddp_on_two_vms(&env, "ddp-wrong", &[], Some("drop-input:1:0")) else {
+        return;
+    };
+    for (r, err) in reference_errors(&out).into_iter().enumerate() {
+        assert!(
+            err > 100.0 * MAX_REFERENCE_ERROR,
+            "rank {r}: a device that drops rank 1's gradients left the parameters within \
+             {err:e} of the single process:\n{out}"
+        );
+    }
+}
+
+/// How far DDP's parameters may be from `train.py --reference`'s replay in
+/// one process. The two run the same float32 operations in the same order
+/// (DDP scales each rank's gradient by 1/2 and sums; autograd of the mean
+/// of the two losses does the same), so the host gives exactly 0 with gloo
+/// and dmlc alike; the bound leaves room for another summation order. A
+/// device that drops rank 1's gradient from every step moved them by
+/// 4.0e-3 on the host (5 steps, --hidden 64).
+const MAX_REFERENCE_ERROR: f64 = 1e-5;
+
+/// Each rank's largest difference from the single-process replay.
+fn reference_errors(out: &str) -> [f64; 2] {
+    [0, 1].map(|r| {
+        rank_value(out, r, &format!("rank {r}: max |params - single process|"))
+            .parse()
+            .expect("a number")
+    })
+}
+
+fn assert_matches_the_single_process(out: &str) {
+    for (r, err) in reference_errors(out).into_iter().enumerate() {
+        assert!(
+            err <= MAX_REFERENCE_ERROR,
+            "rank {r}: parameters {err:e} away from the single-process replay:\n{out}"
         );
     }
 }
@@ -463,6 +516,7 @@ fn python_collectives_go_unstaged_through_the_kernel_driver() {
         name,
         &flags,
         &[ranks.to_str().unwrap(), "unstaged", "-"],
+        None,
     ) else {
         return;
     };
@@ -487,9 +541,10 @@ fn kernel_module(name: &str) -> Option<String> {
     Some(kmod.to_str().expect("a UTF-8 path").to_owned())
 }
 
-/// examples/torch/train.py with backend dmlc on 2 VMs; its output, after
+/// examples/torch/train.py with backend dmlc and `--reference` on 2 VMs,
+/// the backend given `faults` as DMLC_TEST_FAULTS; its output, after
 /// checking that both ranks ended with the same parameters (None: SKIP).
-fn ddp_on_two_vms(env: &Env, name: &str, flags: &[&str]) -> Option<String> {
+fn ddp_on_two_vms(env: &Env, name: &str, flags: &[&str], faults: Option<&str>) -> Option<String> {
     let train = vm::repo_root().unwrap().join("examples/torch/train.py");
     let program = [
         train.to_str().unwrap(),
@@ -499,8 +554,9 @@ fn ddp_on_two_vms(env: &Env, name: &str, flags: &[&str]) -> Option<String> {
         "64",
         "--steps",
         "5",
+        "--reference",
     ];
-    let out = python_on_two_vms(env, name, flags, &program)?;
+    let out = python_on_two_vms(env, name, flags, &program, faults)?;
     let d0 = rank_value(&out, 0, "rank 0: params sha256");
     let d1 = rank_value(&out, 1, "rank 1: params sha256");
     assert_eq!(
@@ -514,7 +570,13 @@ fn ddp_on_two_vms(env: &Env, name: &str, flags: &[&str]) -> Option<String> {
 /// `dmlc-qemu submit --host-root` of a Python program (DMLC_PYTHON, with
 /// the dmlc package) on 2 VMs; its output once the job succeeded and left
 /// nothing behind (None: SKIP).
-fn python_on_two_vms(env: &Env, name: &str, flags: &[&str], program: &[&str]) -> Option<String> {
+fn python_on_two_vms(
+    env: &Env,
+    name: &str,
+    flags: &[&str],
+    program: &[&str],
+    faults: Option<&str>,
+) -> Option<String> {
     let Some(python) = std::env::var_os("DMLC_PYTHON") else {
         let what = "DMLC_PYTHON is not set (a Python with torch and the dmlc package: \
                     python/venv.sh, then pip install ./python)";
@@ -542,6 +604,10 @@ fn python_on_two_vms(env: &Env, name: &str, flags: &[&str], program: &[&str]) ->
     let mut cmd = env.command(&args);
     cmd.env("DMLC_LIBRARY", &library)
         .current_dir(vm::repo_root().unwrap());
+    match faults {
+        Some(f) => cmd.env("DMLC_TEST_FAULTS", f),
+        None => cmd.env_remove("DMLC_TEST_FAULTS"),
+    };
     let (code, out, err, took) = Running::start(cmd).finish(Duration::from_secs(560));
     assert_eq!(code, Some(0), "{name}: dmlc-qemu failed:\n{out}\n{err}");
     progress(&format!("{name}: 2 VMs in {took:.0?}"));

@@ -11,6 +11,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -155,8 +156,13 @@ def numpy_collectives(dev: Device) -> None:
     dev.reduce_scatter(big, mine)
     want = sum((inputs(np.float32, q, 5) + rank for q in range(world)), np.zeros(5, np.float32))
     check(np.array_equal(mine, want.astype(np.float32)), "reduce_scatter f32")
+    # The barrier: each rank leaves a mark before it and must find every
+    # rank's mark after it (the backend's socket folder is new per test).
+    marks = Path(os.environ["DMLC_SOCKET"]).parent
+    (marks / f"barrier-mark-{rank}").touch()
     dev.barrier()
-    check(True, "barrier")
+    missing = [r for r in range(world) if not (marks / f"barrier-mark-{r}").exists()]
+    check(not missing, f"barrier: the marks of ranks {missing} are missing after it")
 
 
 def unstaged(dev: Device) -> None:
@@ -296,7 +302,8 @@ def from_env(socket: str) -> None:
     env["RANK"] = str(dev.rank)
     dev.barrier()
     dev.close()
-    check(True, "from_env")
+    # The socket's number is the member's rank (the daemon's naming rule).
+    check(socket.endswith(f"sock{dev.rank}"), f"from_env opened rank {dev.rank} at {socket}")
     # The hybrid wait (spin, then sleep) gives the same results.
     with Device.from_env({**env, "DMLC_POLL": "hybrid"}) as dev:
         x = np.arange(1000, dtype=np.float32)

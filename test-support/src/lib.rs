@@ -600,6 +600,25 @@ pub fn metric(addr: &str, name: &str) -> f64 {
         .unwrap_or_else(|| panic!("no metric {name} in:\n{text}"))
 }
 
+/// Waits until the metric line `name` served at `addr` reaches at least
+/// `n` (for example `dmlc_requests_total{opcode="allreduce"}`: requests the
+/// daemon has taken), instead of sleeping and hoping the event happened,
+/// which a loaded machine does not promise; fails the test after `limit`.
+pub fn wait_metric_at_least(addr: &str, name: &str, n: f64, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    loop {
+        let v = metric(addr, name);
+        if v >= n {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{name} stayed at {v}, below {n}, for {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
 /// Runs `cmd` to completion within `limit` (fails the test if it takes
 /// longer); returns the process (exited) for inspection.
 pub fn run(name: &str, cmd: &mut Command, limit: Duration) -> Proc {

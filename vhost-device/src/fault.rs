@@ -16,6 +16,11 @@
 //! - `skip-write:R:N`: the N-th collective that moves data completes with
 //!   OK for every member, but rank R's output buffers are left unwritten
 //!   (the device "forgets" one write).
+//! - `drop-input:R:N`: from the N-th collective that moves data on, every
+//!   reduction leaves out rank R's input and completes with OK: every
+//!   member gets the same wrong result (with R = 1 of 2, rank 0's input),
+//!   which ranks comparing their results with each other cannot see.
+//!   Copies (broadcast, allgather) are left alone.
 //!
 //! Collectives that move no data (barriers, zero counts, mismatches) are
 //! not counted.
@@ -32,12 +37,18 @@ pub enum Fault {
     PanicReduce { nth: u64 },
     /// Collective `nth` leaves rank `rank`'s outputs unwritten.
     SkipWrite { rank: u32, nth: u64 },
+    /// Reductions of collective `from` and every later one leave out rank
+    /// `rank`'s input.
+    DropInput { rank: u32, from: u64 },
 }
 
 impl Fault {
-    fn nth(self) -> u64 {
+    /// The last collective number the fault fires on (`u64::MAX`: every
+    /// one from its first).
+    fn last(self) -> u64 {
         match self {
             Fault::PanicReduce { nth } | Fault::SkipWrite { nth, .. } => nth,
+            Fault::DropInput { .. } => u64::MAX,
         }
     }
 }
@@ -47,6 +58,7 @@ impl std::fmt::Display for Fault {
         match self {
             Fault::PanicReduce { nth } => write!(f, "panic-reduce:{nth}"),
             Fault::SkipWrite { rank, nth } => write!(f, "skip-write:{rank}:{nth}"),
+            Fault::DropInput { rank, from } => write!(f, "drop-input:{rank}:{from}"),
         }
     }
 }
@@ -62,12 +74,12 @@ pub struct Faults {
 pub enum FaultSpecError {
     #[error(
         "{FAULTS_ENV}: empty item in {spec:?}; expected comma-separated \
-         panic-reduce:N or skip-write:RANK:N"
+         panic-reduce:N, skip-write:RANK:N or drop-input:RANK:N"
     )]
     EmptyItem { spec: String },
     #[error(
         "{FAULTS_ENV}: unknown fault {name:?} in {item:?}; the faults are \
-         panic-reduce:N and skip-write:RANK:N"
+         panic-reduce:N, skip-write:RANK:N and drop-input:RANK:N"
     )]
     UnknownFault { item: String, name: String },
     #[error("{FAULTS_ENV}: {item:?} takes {want}, separated by ':'")]
@@ -149,7 +161,7 @@ fn parse_item(spec: &str, item: &str) -> Result<Fault, FaultSpecError> {
                 want: "one number (panic-reduce:N)",
             }),
         },
-        "skip-write" => match fields[1..] {
+        "skip-write" | "drop-input" => match fields[1..] {
             [r, n] => {
                 let rank = number("RANK", r)?;
                 let rank = u32::try_from(rank).map_err(|_| FaultSpecError::Number {
@@ -157,14 +169,20 @@ fn parse_item(spec: &str, item: &str) -> Result<Fault, FaultSpecError> {
                     field: "RANK",
                     value: r.into(),
                 })?;
-                Ok(Fault::SkipWrite {
-                    rank,
-                    nth: number("N", n)?,
+                let nth = number("N", n)?;
+                Ok(if fields[0] == "skip-write" {
+                    Fault::SkipWrite { rank, nth }
+                } else {
+                    Fault::DropInput { rank, from: nth }
                 })
             }
             _ => Err(FaultSpecError::Arity {
                 item: item.into(),
-                want: "a rank and a number (skip-write:RANK:N)",
+                want: if fields[0] == "skip-write" {
+                    "a rank and a number (skip-write:RANK:N)"
+                } else {
+                    "a rank and a number (drop-input:RANK:N)"
+                },
             }),
         },
         name => Err(FaultSpecError::UnknownFault {
@@ -196,6 +214,8 @@ pub(crate) struct Fired {
     pub panic: bool,
     /// Leave this rank's outputs unwritten.
     pub skip_write: Option<u32>,
+    /// Leave this rank's input out of every reduction.
+    pub drop_input: Option<u32>,
 }
 
 /// A plan being carried out: counts the collectives that move data while
@@ -207,13 +227,13 @@ pub(crate) struct FaultState {
     armed: AtomicBool,
     /// Data-moving collectives started so far (counted while armed).
     started: AtomicU64,
-    /// The largest planned collective number.
+    /// The largest collective number a planned fault fires on.
     last: u64,
 }
 
 impl FaultState {
     pub fn new(plan: Faults) -> FaultState {
-        let last = plan.items.iter().map(|f| f.nth()).max().unwrap_or(0);
+        let last = plan.items.iter().map(|f| f.last()).max().unwrap_or(0);
         FaultState {
             armed: AtomicBool::new(!plan.is_none()),
             started: AtomicU64::new(0),
@@ -244,6 +264,7 @@ impl FaultState {
             match *f {
                 Fault::PanicReduce { nth: n } if n == nth => fired.panic = true,
                 Fault::SkipWrite { rank, nth: n } if n == nth => fired.skip_write = Some(rank),
+                Fault::DropInput { rank, from } if nth >= from => fired.drop_input = Some(rank),
                 _ => {}
             }
         }
@@ -275,6 +296,14 @@ mod tests {
                 },
             ]))
         );
+        assert_eq!(
+            Faults::parse("drop-input:1:3"),
+            Ok(Faults::of(&[Fault::DropInput { rank: 1, from: 3 }]))
+        );
+        assert_eq!(
+            Faults::parse("drop-input:1:3").unwrap().items()[0].to_string(),
+            "drop-input:1:3"
+        );
         let f = Faults::parse("skip-write:2:7").unwrap();
         assert_eq!(f.items()[0].to_string(), "skip-write:2:7");
         assert!(!f.is_none());
@@ -282,7 +311,7 @@ mod tests {
 
     #[test]
     fn malformed_plans_are_refused_with_the_item_named() {
-        let cases: [(&str, &str); 10] = [
+        let cases: [(&str, &str); 11] = [
             ("panic-reduce", "takes one number"),
             ("panic-reduce:1:2", "takes one number"),
             ("panic-reduce:-1", "N \"-1\" in \"panic-reduce:-1\""),
@@ -290,6 +319,10 @@ mod tests {
             ("skip-write:1", "takes a rank and a number"),
             ("skip-write:4294967296:1", "RANK \"4294967296\""),
             ("skip-write:a:1", "RANK \"a\""),
+            (
+                "drop-input:1",
+                "takes a rank and a number (drop-input:RANK:N)",
+            ),
             ("panic-reduce:1,,skip-write:0:1", "empty item"),
             ("panic-reduce:1,", "empty item"),
             ("explode:3", "unknown fault \"explode\""),
@@ -298,6 +331,21 @@ mod tests {
             let e = Faults::parse(spec).expect_err(spec).to_string();
             assert!(e.contains(want), "{spec}: {e}");
             assert!(e.starts_with(FAULTS_ENV), "{spec}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_dropped_input_fires_on_every_collective_from_its_first() {
+        let s = FaultState::new(Faults::parse("drop-input:1:2,panic-reduce:3").unwrap());
+        let fired: Vec<Option<(u64, Fired)>> = (0..6).map(|_| s.next()).collect();
+        assert_eq!(fired[..2], [None, None]);
+        for (nth, f) in fired.iter().enumerate().skip(2) {
+            let want = Fired {
+                panic: nth == 3,
+                skip_write: None,
+                drop_input: Some(1),
+            };
+            assert_eq!(*f, Some((nth as u64, want)), "collective {nth}");
         }
     }
 
@@ -314,7 +362,8 @@ mod tests {
                 2,
                 Fired {
                     panic: true,
-                    skip_write: Some(1)
+                    skip_write: Some(1),
+                    drop_input: None,
                 }
             ))
         );
@@ -325,7 +374,8 @@ mod tests {
                 4,
                 Fired {
                     panic: true,
-                    skip_write: None
+                    skip_write: None,
+                    drop_input: None,
                 }
             ))
         );

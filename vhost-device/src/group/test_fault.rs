@@ -18,7 +18,8 @@ pub(super) struct TestFault {
 impl TestFault {
     /// The faults the plan fires on the collective `key` about to move
     /// `pieces` (none for a collective that moves no data); a skipped
-    /// write is taken out of `pieces` here. Each fired fault is logged.
+    /// write or a dropped input is taken out of `pieces` here. Each fired
+    /// fault is logged.
     pub(super) fn arm(faults: &FaultState, key: (u16, u64), pieces: &mut [Piece]) -> TestFault {
         if pieces.is_empty() {
             return TestFault::default();
@@ -33,6 +34,14 @@ impl TestFault {
                  outputs unwritten"
             );
             forget_outputs(pieces, rank as usize);
+        }
+        if let Some(rank) = fired.drop_input {
+            if leave_out_input(pieces, rank as usize) {
+                log::warn!(
+                    "test fault: collective {nth} (queue {queue}, seq {seq}) reduces without \
+                     rank {rank}'s input"
+                );
+            }
         }
         if fired.panic {
             log::warn!("test fault: collective {nth} (queue {queue}, seq {seq}) panics in a part");
@@ -53,4 +62,21 @@ fn forget_outputs(pieces: &mut [Piece], member: usize) {
             Piece::Copy { dsts, .. } => dsts.retain(|b| b.member != member),
         }
     }
+}
+
+/// Drops member `member`'s input from every reduction that has another
+/// one (the drop-input test fault): every output gets the same result, one
+/// that lacks its contribution. True if a reduction changed.
+fn leave_out_input(pieces: &mut [Piece], member: usize) -> bool {
+    let mut changed = false;
+    for p in pieces {
+        if let Piece::Reduce { inputs, .. } = p {
+            if inputs.len() > 1 {
+                let before = inputs.len();
+                inputs.retain(|b| b.member != member);
+                changed |= inputs.len() != before;
+            }
+        }
+    }
+    changed
 }
