@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device vs Open MPI on this host, in one run (see docs/benchmarks.md,
+# Device vs Open MPI on this host, in one run (see docs/benchmarks-journal.md,
 # section "Device vs Open MPI (host transport)").
 #
 #   bench/compare.sh [--ranks 2,4] [--maxbytes 64M] [--iters 20] [--warmup 5]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One group across hosts against Open MPI over the same links, in one run
-# (see docs/benchmarks.md, "Across hosts", and docs/multi-host.md).
+# (see docs/benchmarks-journal.md, "Across hosts", and docs/multi-host.md).
 #
 #   bench/multihost.sh [--hosts H] [--members L] [--sizes "1M 4M 16M 64M"]
 #                      [--iters I] [--warmup W] [--repeat K] [--wait MODE]

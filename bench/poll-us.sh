@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Backend busy-polling (--poll-us) against none, on the host transport, in
-# one run (see docs/benchmarks.md, "Backend polling").
+# one run (see docs/benchmarks-journal.md, "Backend polling").
 #
 #   bench/poll-us.sh [--ranks N] [--repeat K] [--iters I] [--polls "0 50 200"]
 #                    [--backend PATH]

@@ -6,8 +6,9 @@
 #
 # What counts as a figure:
 #   - a Markdown table any of whose body cells holds a measured quantity: a
-#     number with a decimal point and a unit of time, rate or size (12.5 ms,
-#     1.51 GB/s, 3.2 MiB), a ratio (2.68x) or a percentage (17.5%);
+#     number with a decimal point and a unit of time or rate (12.5 ms,
+#     1.51 GB/s), a ratio (2.68x) or a percentage (17.5%), or a cell that
+#     is a bare decimal number whose unit is in the header (144.24);
 #   - in README.md, also a line of prose with such a quantity (the
 #     headline figures).
 # Each needs, in its section above it (after the previous heading or
@@ -17,7 +18,8 @@
 #
 # and each raw file must exist, begin with the header bench/record.sh
 # writes, name the same command (`# raw output of: COMMAND`), and name a
-# commit of this repository (`# commit: DESCRIBE`) that is not `-dirty`.
+# commit of this repository (`# commit: DESCRIBE`) that is not `-dirty`
+# (in a shallow clone a commit it cannot see is a warning, not a failure).
 #
 # Checked: every Markdown file git tracks, except docs/bench/ (the raw
 # files) and docs/benchmarks-journal.md (the dated history, whose figures
@@ -35,6 +37,8 @@ from pathlib import Path
 EXEMPT = ("docs/bench/", "docs/benchmarks-journal.md")
 UNIT = r"(?:ns|us|µs|ms|s|min|h|[KMGT]i?B/s|[KMGT]?B/s|x|%)"
 MEASURE = re.compile(r"(?<![\w.])\d+\.\d+\s?" + UNIT + r"(?![\w/])")
+# A cell that is a bare decimal number (its unit in the header), e.g. 144.24.
+BARE = re.compile(r"^-?\d+\.\d+$")
 MARKER = re.compile(r"<!--\s*raw:\s*(\S+)\s+cmd:\s*(.*?)\s*-->")
 HEADING = re.compile(r"^#{1,6}\s")
 
@@ -48,6 +52,13 @@ files = subprocess.run(
 ).stdout.split()
 files = [f for f in files if not f.startswith(EXEMPT)]
 commits: dict[str, bool] = {}
+warnings: set[str] = set()
+SHALLOW = (
+    subprocess.run(
+        ["git", "rev-parse", "--is-shallow-repository"], capture_output=True, text=True
+    ).stdout.strip()
+    == "true"
+)
 
 
 def is_commit(rev: str) -> bool:
@@ -77,6 +88,9 @@ def raw_problem(path: str, cmd: str) -> str | None:
         return f"{path} was made from a tree with uncommitted changes ({describe})"
     rev = describe.rsplit("-g", 1)[-1] if "-g" in describe else describe
     if not is_commit(rev):
+        if SHALLOW:
+            warnings.add(f"{path}: commit {describe} not in this shallow clone; not confirmed")
+            return None
         return f"{path} names commit {describe}, which this repository does not have"
     return None
 
@@ -110,7 +124,9 @@ for name in files:
             while i < len(lines) and lines[i].startswith("|"):
                 i += 1
             body = lines[start + 2 : i]
+            cells = [c.strip() for row in body for c in row.strip().strip("|").split("|")]
             hits = [m.group(0) for row in body for m in MEASURE.finditer(row)]
+            hits += [c for c in cells if BARE.match(c)]
             if hits:
                 found += 1
                 what = f"{name}:{start + 1}: a table with {hits[0]}"
@@ -139,6 +155,8 @@ for name in files:
                     print(what, "<-", ", ".join(path for _, path, _ in section) or "(none)")
         i += 1
 
+for w in sorted(warnings):
+    print(f"warning: {w}", file=sys.stderr)
 for f in failures:
     print(f, file=sys.stderr)
 if failures:

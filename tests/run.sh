@@ -83,6 +83,10 @@ tests/lib/test-import-env.sh
 step "docs: the spec's conformance table (docs/check-conformance.sh)"
 docs/check-conformance.sh
 
+step "docs: every figure traced to a raw output from a committed tree (docs/check-figures.sh)"
+docs/test-check-figures.sh
+docs/check-figures.sh
+
 step "cargo clippy -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 

@@ -33,7 +33,7 @@ use crate::store::{self, CopyFn, Stores, StreamLines};
 /// accumulator in L1 next to the input lines streaming through it: on
 /// cache-resident data it was the fastest of 4 to 32 KiB or within 5% of
 /// it, where 32 KiB was up to 43% slower; from DRAM no size stood out
-/// (docs/benchmarks.md).
+/// (docs/benchmarks-journal.md).
 pub const CHUNK_BYTES: usize = 8 << 10;
 
 /// Arithmetic of an accumulator type.
@@ -503,7 +503,7 @@ unsafe fn finish_body<E: Elem, O: Op<E::Acc>>(
 /// starts on a line boundary. The sizes come from quick runs of the reduction
 /// micro-benchmark that were not kept (16 or 32 elements fastest with
 /// ordinary stores, 64 to 128 with streaming ones); the figures in
-/// docs/benchmarks.md ("The last pass writes the outputs") use them.
+/// docs/benchmarks-journal.md ("The last pass writes the outputs") use them.
 const CACHED_BLOCK: usize = 32;
 /// Elements of one block with streaming stores.
 const STREAM_BLOCK: usize = 128;
@@ -515,7 +515,7 @@ const BLOCK_ELEMS: usize = STREAM_BLOCK;
 /// boundaries, and guest memory is made of 4 KiB pages scattered in
 /// physical memory, so without a hint every page of every input starts
 /// with a miss. In the reduction micro-benchmark (N = 2 and 4 from 4 MiB,
-/// docs/benchmarks.md "Inputs asked for one page ahead") this took the
+/// docs/benchmarks-journal.md "Inputs asked for one page ahead") this took the
 /// reduction from 0.81 to 1.06 of the streaming copy of the same traffic
 /// to 0.93 to 1.11. In quick runs that were not kept, 2 and 8 KiB ahead did
 /// no better, and ordinary stores at 1 and 4 MiB did not gain from it, so

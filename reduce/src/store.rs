@@ -8,7 +8,7 @@
 //! in cache. That pays when the output does not fit in cache anyway, and
 //! costs when the next reader would have found it there; [`STREAM_FROM`]
 //! is where the reduction micro-benchmark found the change to pay on the
-//! machine it was measured on (docs/benchmarks.md).
+//! machine it was measured on (docs/benchmarks-journal.md).
 //!
 //! Streaming stores are weakly ordered: another thread may see them after
 //! later ordinary stores of the writer. A thread that wrote with
@@ -37,12 +37,12 @@ pub enum Stores {
 /// size; on buffers that stay cached (an 8 MiB pool) ordinary ones were 4
 /// to 6% faster, in a 16 MiB pool streaming ones 9 to 21% faster, which
 /// first put the threshold at 2 MiB. End to end (`bench/backend-ab.sh`,
-/// docs/benchmarks.md "Streaming stores from 8 MiB"), where each member
+/// docs/benchmarks-journal.md "Streaming stores from 8 MiB"), where each member
 /// has just written its output (as a program has a gradient bucket), 2
 /// ranks at 1 and 2 MiB were 1.4x to 1.6x faster with ordinary stores
 /// and 4 MiB and up the same, which moved it to 8 MiB. Once the last pass
 /// wrote the outputs itself (`Kernel::through`) and prefetched its inputs,
-/// the same A/B (docs/benchmarks.md "Streaming stores from 2 MiB again")
+/// the same A/B (docs/benchmarks-journal.md "Streaming stores from 2 MiB again")
 /// found streaming from 2 MiB of output as fast at 1 MiB per rank and
 /// faster at 2 MiB per rank, so it starts at 2 MiB again.
 pub const STREAM_FROM: usize = 2 << 20;
@@ -122,7 +122,7 @@ pub(crate) const STREAM_MIN: usize = usize::MAX;
 /// A streaming copy of at least `WAYS` pages' worth of lines writes `WAYS`
 /// stretches of it in turn, a line of each, as glibc's large copy and the
 /// memcpy probe (bench/memcpy_bw.c -m nt) do with pages: on the machine of
-/// docs/benchmarks.md that made the probe's copy faster than one stretch
+/// docs/benchmarks-journal.md that made the probe's copy faster than one stretch
 /// after another.
 #[cfg(target_arch = "x86_64")]
 const WAYS: usize = 4;

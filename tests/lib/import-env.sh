@@ -25,7 +25,7 @@ import_env() {
     echo "import_env: '$*' failed (exit $rc)" >&2
     return 1
   fi
-  local line name known
+  local line name known n
   while IFS= read -r line; do
     [[ $line =~ ^([A-Z][A-Z0-9_]*)= ]] || continue
     name=${BASH_REMATCH[1]}

@@ -79,7 +79,7 @@ impl Default for OpenOptions {
 /// The default is [`Wait::Poll`], chosen by the rule of issue 34 (the
 /// lowest DDP step in 2 TCG VMs, unless its 4 B p50 is over 1.5x the best):
 /// polling gave both the lowest step and the lowest latency
-/// (docs/benchmarks.md, "The same two commands on a quiet machine"). It
+/// (docs/benchmarks-journal.md, "The same two commands on a quiet machine"). It
 /// keeps a CPU busy while a rank waits; `hybrid` gives most of that time
 /// back, and `dmlc-qemu` picks it where VMs outnumber the host's CPUs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -24,7 +24,7 @@ const WATCH_AFTER: Duration = Duration::from_millis(1);
 /// a TCG guest costs the vCPU a few hundred microseconds. With a look
 /// every 5 ms, a TCG rank sleeping on interrupts for a peer 50 ms late was
 /// on its vCPU 10.4% of the wait, with the back-off 7.8% (medians,
-/// docs/benchmarks.md). A restarted backend (the one thing the look finds)
+/// docs/benchmarks-journal.md). A restarted backend (the one thing the look finds)
 /// is rare, and is still found within this bound.
 const WATCH_EVERY: Duration = Duration::from_millis(5);
 /// The longest time between two looks at the config space in one wait.
