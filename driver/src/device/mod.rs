@@ -32,6 +32,7 @@ mod open;
 mod options;
 mod post;
 mod queue;
+mod spin;
 mod wait;
 
 #[cfg(test)]

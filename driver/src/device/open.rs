@@ -21,8 +21,8 @@ use crate::kernel::KernelFile;
 use crate::transport::Transport;
 use crate::virtqueue::{SplitQueue, MAX_QUEUE_SIZE};
 
-use super::options::HIT_ONE;
 use super::queue::{Queue, QueueState, SLOT_SIZE};
+use super::spin::HybridSpin;
 use super::{OpenOptions, Wait};
 
 /// One member's handle on the device.
@@ -35,10 +35,8 @@ pub struct Device {
     pub(super) config: VirtioDmlcConfig,
     pub(super) features: u64,
     pub(super) poll: bool,
-    /// The hybrid wait's bound (zero: none) and the share of recent waits
-    /// that ended within it, in [`HIT_ONE`]ths.
-    pub(super) spin_cap: Duration,
-    pub(super) spin_hits: AtomicU64,
+    /// The hybrid wait's bound (zero: none) and what it has learned.
+    pub(super) spin: HybridSpin,
     /// The slice conveniences' bounce buffer, made at first use.
     pub(super) bounce: Mutex<Option<Bounce>>,
     /// Generation and group id as last read from the config space.
@@ -139,8 +137,7 @@ impl Device {
             config,
             features,
             poll,
-            spin_cap,
-            spin_hits: AtomicU64::new(HIT_ONE),
+            spin: HybridSpin::new(spin_cap),
             bounce: Mutex::new(None),
             known_generation: AtomicU32::new(config.generation.get()),
             known_group: AtomicU64::new(config.group_id.get()),
@@ -169,12 +166,11 @@ impl Device {
             mem,
             config,
             poll: opts.poll,
-            spin_cap: if opts.poll {
+            spin: HybridSpin::new(if opts.poll {
                 Duration::ZERO
             } else {
                 opts.spin_cap
-            },
-            spin_hits: AtomicU64::new(HIT_ONE),
+            }),
             bounce: Mutex::new(None),
             known_generation: AtomicU32::new(config.generation.get()),
             known_group: AtomicU64::new(config.group_id.get()),
@@ -228,7 +224,7 @@ impl Device {
     pub fn wait_mode(&self) -> Wait {
         OpenOptions {
             poll: self.poll,
-            spin_cap: self.spin_cap,
+            spin_cap: self.spin.cap(),
             ..OpenOptions::default()
         }
         .wait_kind()

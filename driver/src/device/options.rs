@@ -24,7 +24,8 @@ pub struct OpenOptions {
     pub max_queues: u16,
     /// With `poll` false: busy-poll for a while before sleeping (the hybrid
     /// wait), at most this long: the whole bound while most recent waits
-    /// ended within it, a twentieth of it while most did not. Zero: sleep
+    /// ended within it, a twentieth of it while most did not (with a probe
+    /// of the whole bound now and then; see `device/spin.rs`). Zero: sleep
     /// at once. The default, [`HYBRID_SPIN_CAP`], makes `poll: false` the
     /// hybrid wait; on a transport that cannot sleep on an interrupt
     /// ([`Transport::can_sleep`]) the hybrid wait polls.
@@ -41,10 +42,6 @@ pub struct OpenOptions {
 /// several times a TCG round trip (about 30 us), and little next to a wait
 /// for a late peer (milliseconds).
 pub const HYBRID_SPIN_CAP: Duration = Duration::from_micros(200);
-
-/// All of the recent waits, in the hybrid wait's share of waits that ended
-/// within its bound (fixed point).
-pub(super) const HIT_ONE: u64 = 1 << 10;
 
 /// The longest collective timeout the driver assumes for a request that
 /// leaves it to the device's default (`timeout_ms == 0`, or the timeout

@@ -3,13 +3,11 @@
 //! sleep on the interrupt; bounded by the request's own timeout), and the
 //! looks at the config space that notice a restarted device.
 
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 
 use super::open::Engine;
-use super::options::HIT_ONE;
 use super::queue::{completion_result, in_flight_of, Posted, Queue, QueueState};
 use super::{Device, Done, Handle, ASSUMED_DEFAULT_TIMEOUT};
 
@@ -175,15 +173,16 @@ impl Device {
         let mut next_watch = started + WATCH_AFTER;
         let mut watch_every = WATCH_EVERY;
         let mut spins = 0u32;
-        let hybrid = !self.spin_cap.is_zero();
-        let spin_until = started + self.spin_budget();
+        let hybrid = self.spin.is_hybrid();
+        let budget = self.spin.budget_for_next_wait();
+        let spin_until = started + budget;
         loop {
             let mut st = q.lock();
             st.harvest()?;
             if let Some(r) = ready(&mut st)? {
                 q.release(st);
                 if hybrid {
-                    self.learn_wait(started.elapsed());
+                    self.spin.learn(budget, started.elapsed());
                 }
                 return Ok(r);
             }
@@ -276,26 +275,5 @@ impl Device {
             Ok(Some(r)) => Ok(r),
             _ => Err(err),
         }
-    }
-
-    /// How long the hybrid wait spins before it sleeps: the whole bound
-    /// while most recent waits ended within it (spinning then saves the
-    /// interrupt on nearly every wait, the slow tail of a TCG round trip
-    /// included), a twentieth of it while most did not (a late peer: the
-    /// wait sleeps nearly at once); zero without the hybrid wait.
-    pub(super) fn spin_budget(&self) -> Duration {
-        if self.spin_hits.load(Ordering::Relaxed) >= HIT_ONE / 2 {
-            self.spin_cap
-        } else {
-            self.spin_cap / 20
-        }
-    }
-
-    /// Folds one wait into the share of waits that ended within the bound:
-    /// an average that weighs the last eight waits most.
-    pub(super) fn learn_wait(&self, took: Duration) {
-        let hit = if took <= self.spin_cap { HIT_ONE } else { 0 };
-        let old = self.spin_hits.load(Ordering::Relaxed);
-        self.spin_hits.store((old * 7 + hit) / 8, Ordering::Relaxed);
     }
 }
