@@ -333,8 +333,8 @@ impl Rig {
             assert!(Instant::now() < deadline, "requests not taken");
             std::thread::sleep(Duration::from_millis(2));
         }
-        // Counted just before being filed, on the same thread.
-        std::thread::sleep(Duration::from_millis(20));
+        // The daemon counts a request under its state lock, so a loss
+        // (which takes that lock) comes after the filing.
         pending
     }
 

@@ -124,10 +124,10 @@ impl Group {
         let Some((req, gate)) = self.admit(rank, queue, mem, chain, done) else {
             return;
         };
-        sh.metrics.request(req.opcode);
         if req.opcode == Opcode::Nop {
             // Answered at once for this member alone (spec 5.X.6.3): no
             // sequence number, no timeout, no timing model.
+            sh.metrics.request(req.opcode);
             sh.answer_now(rank, gate.epoch, queue, mem, &req, done, Outcome::OK);
             return;
         }
@@ -145,6 +145,9 @@ impl Group {
             _held: sh.metrics.hold(),
         };
         let mut st = lock(&sh.state);
+        // Counted under the state lock: whoever reads the count and then
+        // takes the lock (a loss, a reset) finds the request filed.
+        sh.metrics.request(arrival.req.opcode);
         let m = &mut st.members[rank as usize];
         if m.gate != gate {
             // Lost while parsing: this chain belongs to a ring that is gone.
