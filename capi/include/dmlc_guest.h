@@ -155,7 +155,7 @@ typedef struct dmlc_config {
 #define DMLC_WAIT_HYBRID 2    /* spin up to 200 us while recent waits ended within it, then sleep */
 
 typedef struct dmlc_open_options {
-    int poll;            /* DMLC_WAIT_POLL (default), DMLC_WAIT_HYBRID or DMLC_WAIT_INTERRUPT */
+    int poll;            /* DMLC_WAIT_HYBRID (default), DMLC_WAIT_POLL or DMLC_WAIT_INTERRUPT */
     uint16_t queue_size; /* descriptors per queue (power of two) */
     int event_idx;       /* nonzero: negotiate VIRTIO_RING_F_EVENT_IDX */
     uint64_t dma_bytes;  /* device-visible memory to reserve for buffers */
@@ -190,7 +190,7 @@ typedef struct dmlc_completion {
 
 /* ---- Opening and closing ---- */
 
-/* Fills *opts with the defaults (busy-poll, queue size 256, event idx, 256 MiB). */
+/* Fills *opts with the defaults (hybrid wait, queue size 256, event idx, 256 MiB). */
 void dmlc_open_options_init(dmlc_open_options *opts);
 
 /* Opens the device served by the vhost-user backend at `socket` (the host
@@ -215,8 +215,8 @@ int dmlc_open_kernel(const char *node, const dmlc_open_options *opts, dmlc_devic
 /* Opens the device the job's environment names, the way every client does
  * (the rabit API, the Python package, its torch backend): DMLC_SOCKET (a
  * backend socket), DMLC_SOCKET_PREFIX (plus the rank), DMLC_DEVICE=pci[:ADDR]
- * or kernel[:NODE]; DMLC_POLL (poll or 1, the default, busy-polls; hybrid
- * spins, then sleeps; interrupt or 0 sleeps at once), DMLC_DMA_BYTES ("256M"); a rank and size from the launcher
+ * or kernel[:NODE]; DMLC_POLL (hybrid, the default, spins, then sleeps;
+ * poll or 1 busy-polls; interrupt or 0 sleeps at once), DMLC_DMA_BYTES ("256M"); a rank and size from the launcher
  * (DMLC_TASK_ID, DMLC_NUM_WORKER) or torchrun (RANK, WORLD_SIZE) must be the
  * device's. `env` is NULL for the process environment, or a NULL-terminated
  * array of "NAME=VALUE" strings. Settings that cannot work give

@@ -42,8 +42,8 @@
  *   DMLC_SOCKET       path of a backend socket (host transport: this
  *                     process plays the VM)
  *   DMLC_DMA_BYTES    device-visible memory to set aside, e.g. 16M
- *   DMLC_POLL         poll (or 1, the default) busy-polls, hybrid spins up
- *                     to 200 us and then sleeps, interrupt (or 0) sleeps at once
+ *   DMLC_POLL         hybrid (the default) spins up to 200 us and then sleeps,
+ *                     poll (or 1) busy-polls, interrupt (or 0) sleeps at once
  *   DMLC_TCP_PEERS    tcp only: ip:port,... of every worker in rank order
  *   DMLC_TCP_CONNECT_TIMEOUT_S, DMLC_TCP_IO_TIMEOUT_S   tcp only
  * With neither DMLC_DEVICE nor DMLC_SOCKET and at most one worker, the

@@ -108,7 +108,7 @@ pub struct DmlcConfig {
     pub group_id: u64,
 }
 
-/// `dmlc_open_options.poll` for the hybrid wait: spin up to
+/// `dmlc_open_options.poll` for the hybrid wait (the default): spin up to
 /// `HYBRID_SPIN_CAP` while recent waits mostly ended within it, then sleep
 /// on the interrupt. 0 sleeps at once; any other value busy-polls.
 pub const DMLC_WAIT_HYBRID: c_int = Wait::Hybrid.code();
@@ -1190,9 +1190,9 @@ mod tests {
         assert_eq!(with(-1), (true, Duration::ZERO));
         let cap = dmlc_driver::device::HYBRID_SPIN_CAP;
         assert_eq!(with(DMLC_WAIT_HYBRID), (false, cap));
-        // The defaults name the driver's default wait (polling).
+        // The defaults name the driver's default wait (the hybrid one).
         assert_eq!(default_options().poll, Wait::default().code());
-        assert_eq!(default_options().poll, Wait::Poll.code());
+        assert_eq!(default_options().poll, DMLC_WAIT_HYBRID);
     }
 
     /// The options `dmlc_open_options_init` gives.

@@ -59,7 +59,7 @@
 //! | `DMLC_SOCKET` | path of a backend socket: this process plays the VM (host transport) |
 //! | `DMLC_SOCKET_PREFIX` | the backend's socket prefix: socket `PREFIX<rank>` (the daemon's naming) |
 //! | `DMLC_DMA_BYTES` | device-visible memory to set aside, e.g. `16M` (default 256M; in a VM it comes from hugepages) |
-//! | `DMLC_POLL` | a [`Wait`] by name: `poll` (or `1`, the default) busy-polls for completions, `hybrid` spins up to 200 us (while recent waits mostly ended within that) and then sleeps on interrupts, `interrupt` (or `0`) sleeps at once |
+//! | `DMLC_POLL` | a [`Wait`] by name: `hybrid` (the default) spins up to 200 us (while recent waits mostly ended within that) and then sleeps on interrupts, `poll` (or `1`) busy-polls for completions, `interrupt` (or `0`) sleeps at once |
 //! | `DMLC_TCP_PEERS` | TCP only: `ip:port,...` of every worker in rank order |
 //! | `DMLC_TCP_CONNECT_TIMEOUT_S` | TCP only: how long to wait for slow peers (default 60) |
 //! | `DMLC_TCP_IO_TIMEOUT_S` | TCP only: how long a collective waits for a silent peer (default 120, 0 = forever) |
@@ -862,7 +862,7 @@ mod tests {
     #[test]
     fn every_dmlc_poll_names_one_wait_mode() {
         let table = [
-            (None, Wait::Poll),
+            (None, Wait::Hybrid),
             (Some("hybrid"), Wait::Hybrid),
             (Some("poll"), Wait::Poll),
             (Some("1"), Wait::Poll),

@@ -36,7 +36,7 @@ static const char *const status_name[] = {
 static int fd = -1;
 static struct dmlc_info info;
 static unsigned int checks;
-static uint32_t spin_us = 1000000;	/* poll: the userspace driver's default */
+static uint32_t spin_us = 1000000;	/* 1 s: in effect, poll */
 
 static void die(const char *fmt, const char *what)
 {
@@ -513,7 +513,7 @@ static void print_usage(int code)
 		"  bench     4 B, 1 MiB and 64 MiB allreduce times (rank 0 prints)\n"
 		"  hold      submit an allreduce nobody joins, then wait to be killed\n"
 		"  --spin-us busy-poll this long before sleeping on the interrupt\n"
-		"            (default 1000000: poll, as the userspace driver does)\n");
+		"            (default 1000000: in effect, poll)\n");
 	exit(code);
 }
 

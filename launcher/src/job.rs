@@ -196,11 +196,6 @@ pub struct Job {
     pub place: Option<Place>,
 }
 
-/// The CPUs this process may run on.
-fn host_cpus() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
-}
-
 /// What [`Job::run_reporting`] calls when the monitor has decided the end:
 /// how the job ended, each local rank's status, when the first worker
 /// failed.
@@ -420,22 +415,8 @@ impl Job {
                 env.push(("DMLC_DEVICE".to_owned(), "kernel".to_owned()));
             }
         }
-        if let Some(wait) = self.wait_when_unset(host_cpus()) {
-            env.push(("DMLC_POLL".to_owned(), wait.to_owned()));
-        }
         env.extend(self.env.iter().cloned());
         env
-    }
-
-    /// The wait the workers get from the launcher when `--env` names none:
-    /// none (the driver's default, polling) while this host has a CPU for
-    /// every vCPU of its VMs, and `hybrid` when the vCPUs outnumber the
-    /// CPUs, where a polling rank takes the CPU that the peer it waits for
-    /// needs (launcher/README.md, "Waiting for completions").
-    pub fn wait_when_unset(&self, host_cpus: usize) -> Option<&'static str> {
-        let chosen = self.env.iter().any(|(k, _)| k == "DMLC_POLL");
-        let vcpus = self.local_workers() * self.vcpus as usize;
-        (!chosen && vcpus > host_cpus).then_some("hybrid")
     }
 
     /// Runs the job: prepares QEMU and the image, starts the backend and
@@ -523,12 +504,6 @@ impl Job {
             // $TMPDIR, as the launcher's own directory.
             tmp_dir: None,
         };
-        if let Some(wait) = self.wait_when_unset(host_cpus()) {
-            crate::progress(&format!(
-                "{local} VMs' vCPUs outnumber this host's CPUs: the workers wait \
-                 with DMLC_POLL={wait} instead of polling (--env DMLC_POLL=poll to poll)"
-            ));
-        }
         crate::progress(&format!(
             "booting {} VM{} ({}, {} vCPU, {} MiB each; transport {}{})",
             local,
@@ -1306,24 +1281,6 @@ mod tests {
         assert!(cmd.starts_with("/usr/local/bin/train\ns=$?\nfor f in /root/r.json; do"));
         assert!(cmd.contains("echo \"DMLC-FETCH tok BEGIN $f\"; base64 \"$f\""));
         assert!(cmd.ends_with("\nexit $s"));
-    }
-
-    #[test]
-    fn workers_poll_unless_their_vcpus_outnumber_the_cpus() {
-        let mut j = job(); // 3 VMs of 1 vCPU
-        assert_eq!(j.wait_when_unset(4), None);
-        assert_eq!(j.wait_when_unset(3), None);
-        assert_eq!(j.wait_when_unset(2), Some("hybrid"));
-        j.vcpus = 2;
-        assert_eq!(j.wait_when_unset(4), Some("hybrid"));
-        // Across 3 hosts, each runs one VM.
-        j.vcpus = 1;
-        j.place = Some(Place { host: 0, hosts: 3 });
-        assert_eq!(j.wait_when_unset(1), None);
-        // A wait the user chose is kept.
-        j.place = None;
-        j.env.push(("DMLC_POLL".to_owned(), "poll".to_owned()));
-        assert_eq!(j.wait_when_unset(2), None);
     }
 
     #[test]

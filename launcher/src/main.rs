@@ -298,7 +298,8 @@ struct DemoArgs {
     machine: MachineArgs,
 
     /// Extra environment variables for every worker of both runs (e.g.
-    /// DMLC_POLL=hybrid: the driver spins, then sleeps, instead of polling).
+    /// DMLC_POLL=poll: the driver busy-polls instead of its default hybrid
+    /// wait).
     #[arg(long, value_name = "K=V", num_args = 1.., value_parser = parse_env)]
     env: Vec<(String, String)>,
 

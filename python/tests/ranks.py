@@ -44,7 +44,7 @@ NUMPY_TYPES = [
 COUNT = 37  # not a multiple of any vector width
 # DMLC_POLL's settings and the wait mode each names ("" = unset).
 WAIT_BY_DMLC_POLL = {
-    "": "poll",
+    "": "hybrid",
     "hybrid": "hybrid",
     "poll": "poll",
     "1": "poll",
@@ -302,6 +302,17 @@ def from_env(socket: str) -> None:
     env["RANK"] = str(dev.rank)
     dev.barrier()
     dev.close()
+    # Closing resets the member, which fails any collective its peers have
+    # posted since (as a lost member): so no rank posts on a new device
+    # until every rank has closed this one. Files in the socket's folder
+    # (new per test) carry that, since there is no device to sync on.
+    folder = Path(socket).parent
+    (folder / f"closed-{dev.rank}").touch()
+    deadline = time.monotonic() + 60
+    while not all((folder / f"closed-{r}").exists() for r in range(dev.world_size)):
+        if time.monotonic() > deadline:
+            sys.exit("from_env: the other ranks did not close their first device in 60 s")
+        time.sleep(0.005)
     # The socket's number is the member's rank (the daemon's naming rule).
     check(socket.endswith(f"sock{dev.rank}"), f"from_env opened rank {dev.rank} at {socket}")
     # The hybrid wait (spin, then sleep) gives the same results.

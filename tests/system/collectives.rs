@@ -1,5 +1,5 @@
 //! Every collective, checked bitwise in every guest: `dmlc-guest selftest
-//! --quick` on 2 VMs polling for completions (the driver's default) and on
+//! --quick` on 2 VMs polling for completions (`--poll`) and on
 //! 4 VMs sleeping on interrupts (uio_pci_generic), all sharing one backend.
 //! Interrupts also keep 4 guests from spinning on 2 host cores: there the
 //! polling run takes about 3 times as long.

@@ -222,7 +222,7 @@ int main(int argc, char **argv)
 
     dmlc_open_options opts;
     dmlc_open_options_init(&opts);
-    CHECK(opts.poll == DMLC_WAIT_POLL && opts.queue_size > 0 && opts.dma_bytes > 0, "defaults");
+    CHECK(opts.poll == DMLC_WAIT_HYBRID && opts.queue_size > 0 && opts.dma_bytes > 0, "defaults");
     opts.poll = poll;
     opts.dma_bytes = 64u << 20;
     dmlc_device *dev = NULL;

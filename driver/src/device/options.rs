@@ -10,8 +10,8 @@ use virtio_dmlc::{Dtype, Opcode, ReduceOp, VirtioDmlcReq, FLAG_IN_PLACE};
 /// How to open a device.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OpenOptions {
-    /// Busy-poll the used ring (true, the default: [`Wait::default`] says
-    /// why), or sleep until the device signals a completion (false, after
+    /// Busy-poll the used ring (true), or sleep until the device signals a
+    /// completion (false, the default: [`Wait::default`] says why; after
     /// the spin of `spin_cap`).
     pub poll: bool,
     /// Descriptors per queue (a power of two; default 256).
@@ -73,20 +73,20 @@ impl Default for OpenOptions {
 /// Python package's `poll=`) and the C ABI numbers it by [`Wait::code`]
 /// (`DMLC_WAIT_*`).
 ///
-/// The default is [`Wait::Poll`], chosen by the rule of issue 34 (the
+/// The default is [`Wait::Hybrid`], chosen by the rule of issue 34 (the
 /// lowest DDP step in 2 TCG VMs, unless its 4 B p50 is over 1.5x the best):
-/// polling gave both the lowest step and the lowest latency
-/// (docs/benchmarks-journal.md, "The same two commands on a quiet machine"). It
-/// keeps a CPU busy while a rank waits; `hybrid` gives most of that time
-/// back, and `dmlc-qemu` picks it where VMs outnumber the host's CPUs.
+/// it gave the lowest DDP step, with a 4 B p50 within 1.1x of polling's
+/// (docs/benchmarks.md, "The driver's waits in 2 TCG VMs, and the
+/// default"). It spins briefly and then gives the CPU back, so it also
+/// suits VMs that outnumber the host's CPUs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Wait {
-    /// Busy-poll the used ring (the default).
-    #[default]
+    /// Busy-poll the used ring.
     Poll,
     /// Sleep on the interrupt at once.
     Interrupt,
-    /// Spin up to [`HYBRID_SPIN_CAP`], then sleep.
+    /// Spin up to [`HYBRID_SPIN_CAP`], then sleep (the default).
+    #[default]
     Hybrid,
 }
 

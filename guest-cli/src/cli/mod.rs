@@ -50,15 +50,16 @@ struct Globals {
     /// or /dev/dmlc0 when no path is given [default when DMLC_DEVICE=kernel].
     #[arg(long, global = true, value_name = "NODE", num_args = 0..=1, require_equals = true, default_missing_value = "/dev/dmlc0", conflicts_with_all = ["socket", "pci"])]
     kernel: Option<PathBuf>,
-    /// Busy-poll the used ring for completions (the default): lowest
-    /// latency, one core busy for the whole wait.
+    /// Busy-poll the used ring for completions: lowest latency, one core
+    /// busy for the whole wait.
     #[arg(long, global = true)]
     poll: bool,
     /// Sleep until the device signals a completion (call eventfd; on PCI
     /// /dev/uioN) instead of polling.
     #[arg(long, global = true)]
     interrupt: bool,
-    /// Busy-poll for a while, then sleep until the device signals: spins
+    /// Busy-poll for a while, then sleep until the device signals (the
+    /// default): spins
     /// up to 200 us while recent waits mostly ended within
     /// that, 10 us while they did not; polls where there is no interrupt
     /// to sleep on (PCI without uio_pci_generic).

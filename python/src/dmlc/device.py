@@ -82,7 +82,7 @@ Op = Union[ReduceOp, str]
 # How a wait spends its time, by the names every client uses (DMLC_POLL,
 # the C ABI's DMLC_WAIT_*): "poll" busy-polls, "interrupt" sleeps on the
 # interrupt at once, "hybrid" spins briefly first. None leaves the C
-# library's default (dmlc_open_options_init: "poll"). True and False are the
+# library's default (dmlc_open_options_init: "hybrid"). True and False are the
 # older spellings of "poll" and "interrupt".
 WaitMode = Literal["poll", "interrupt", "hybrid"]
 Wait = Union[WaitMode, bool]
@@ -367,9 +367,9 @@ class Device:
 
         ``DMLC_SOCKET`` (a backend socket; or ``DMLC_SOCKET_PREFIX`` plus the
         rank), ``DMLC_DEVICE=pci[:ADDR]`` or ``DMLC_DEVICE=kernel[:NODE]``;
-        ``DMLC_POLL=poll`` (or ``1``, the default) polls, ``hybrid`` spins up
-        to 200 us before it sleeps, ``interrupt`` (or ``0``) sleeps on the
-        interrupt at once;
+        ``DMLC_POLL=hybrid`` (the default) spins up to 200 us before it
+        sleeps, ``poll`` (or ``1``) polls, ``interrupt`` (or ``0``) sleeps on
+        the interrupt at once;
         ``DMLC_DMA_BYTES`` sizes the device memory. A rank given by the
         launcher (``DMLC_TASK_ID``, ``DMLC_NUM_WORKER``) or torchrun
         (``RANK``, ``WORLD_SIZE``) must match the device's. The C library
