@@ -122,7 +122,8 @@ Models (--model):
   mlp      64 inputs, two hidden ReLU layers of 1024, 10 classes: 1,126,410
            parameters, so every step allreduces a 4.5 MB gradient; 2 samples
            per worker a step, so that the exchange is a large part of the step
-           (the default; both runs took 2 to 5 minutes on 2 busy host cores)
+           (the default; the two runs together take under a minute once QEMU
+           and the guest image are cached: docs/benchmarks.md, section The demo)
   softmax  softmax regression, 650 parameters (a 2.6 KB gradient), the whole
            training set every step: the emulated compute dominates
 
