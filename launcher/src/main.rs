@@ -157,7 +157,7 @@ struct MachineArgs {
     /// QEMU's CPU model for every VM (its -cpu), e.g. `max` to give TCG
     /// guests AVX2 [default: `host` under kvm; under tcg QEMU's own
     /// qemu64, or with --host-root `max` without AVX, AVX2, FMA and F16C,
-    /// which TCG emulates about 10x slower than SSE].
+    /// which TCG emulates 6x to 14x slower than SSE].
     #[arg(long, value_name = "MODEL")]
     cpu: Option<String>,
 
