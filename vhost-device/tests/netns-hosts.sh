@@ -64,9 +64,11 @@ netns_agent() {
     # Every "host" has the same hostname and /dev/shm, and Open MPI's
     # shared-memory transport names its files by hostname and local rank:
     # each host gets a folder of its own (the ranks of two hosts crashed
-    # on each other's segments without it).
-    echo 'mkdir -p "/dev/shm/$ns"'
-    echo 'exec ip netns exec "$ns" env OMPI_MCA_btl_vader_backing_directory="/dev/shm/$ns" sh -c "$*"'
+    # on each other's segments without it). The same goes for Open MPI's
+    # session folder (/tmp/ompi.HOSTNAME.UID/jf.JOB): two orteds of one job
+    # raced to make it, and one failed with "File exists" (CI, stop 45).
+    echo 'mkdir -p "/dev/shm/$ns/session"'
+    echo 'exec ip netns exec "$ns" env OMPI_MCA_btl_vader_backing_directory="/dev/shm/$ns" OMPI_MCA_orte_tmpdir_base="/dev/shm/$ns/session" sh -c "$*"'
   } >"$file"
   chmod +x "$file"
 }
