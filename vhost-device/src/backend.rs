@@ -1099,9 +1099,9 @@ mod tests {
     }
 
     /// The device offers VIRTIO_F_VERSION_1, none of the device-specific
-    /// bits that spec 5.X.3 reserves (1 to 23), and not the ring features
-    /// it must not offer: ACCESS_PLATFORM (33), RING_PACKED (34) and
-    /// IN_ORDER (35).
+    /// bits 1 to 23 (spec 5.X.3: 1 to 3 are designed but not implemented
+    /// yet, the rest reserved), and not the ring features it must not
+    /// offer: ACCESS_PLATFORM (33), RING_PACKED (34) and IN_ORDER (35).
     #[test]
     fn offered_features_are_the_specs() {
         let offered = DEVICE_FEATURES;
