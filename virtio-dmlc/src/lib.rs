@@ -438,6 +438,8 @@ pub fn buffer_elems(
     })
 }
 
+pub mod comm;
+
 #[cfg(test)]
 mod tests {
     use super::*;
