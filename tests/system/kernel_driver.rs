@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use dmlc_vm::{Image, ImageOptions, Options, VmSpec};
 
-use crate::common::{progress, setup, vm, Backend, Env, Vms};
+use crate::common::{console, progress, setup, vm, wait_console, Backend, Env, Vms};
 
 /// Loads the module and binds the device (the image keeps it unbound).
 const LOAD: &str = "guest-load.sh";
@@ -155,16 +155,37 @@ fn kernel_driver_process_killed_mid_collective_leaves_nothing_pinned() {
     let Some(env) = kernel_setup(test) else {
         return;
     };
-    let backend = Backend::start(&env, "kdrvkill", 2, &[]);
-    // Rank 1 submits an allreduce that rank 0 does not join yet and is
-    // killed in it; its last close resets the device. Then both ranks run
-    // the quick self-test (rank 0 starts late, so its first barrier cannot
-    // pair with the held allreduce).
-    let victim = "dmlc-ktest hold & pid=$!; sleep 3; kill -9 $pid; wait $pid; echo killed; \
-         dmlc-ktest info; dmlc-ktest selftest --quick"
-        .to_owned();
-    let peer = "sleep 20; dmlc-ktest selftest --quick".to_owned();
-    let out = run_group(&env, &backend, &[peer, victim], "killed mid-collective");
+    // Rank 0 comes late: its selftest starts while rank 1's runs.
+    let backend = Backend::start(&env, "kdrvkill", 2, &["--timeout-ms", "120000"]);
+    // Rank 1 submits an allreduce that rank 0 does not join and is killed
+    // in it, once it has said the request is in (no guess of how long that
+    // takes); its last close resets the device. Rank 0's VM starts only
+    // after the kill, so its first barrier cannot pair with the held
+    // allreduce; then both ranks run the quick self-test.
+    // (Braces: the module loads first, and $pid is dmlc-ktest's own.)
+    let victim = "{ dmlc-ktest hold > /tmp/hold.log & pid=$!; \
+         while kill -0 $pid && ! grep -q 'holding collective' /tmp/hold.log; do sleep 0.1; done; \
+         cat /tmp/hold.log; kill -9 $pid; wait $pid; echo killed; \
+         dmlc-ktest info; dmlc-ktest selftest --quick; }";
+    let opts = Options {
+        timeout: Duration::from_secs(300),
+        ..env.opts.clone()
+    };
+    let t = Instant::now();
+    let mut rank1 = Vms::start(&env, &[kernel_vm(victim.to_owned(), &backend, 1)], &opts);
+    assert!(
+        wait_console(&rank1, 0, Duration::from_secs(150), |c| c
+            .lines()
+            .any(|l| l.trim() == "killed")),
+        "rank 1 did not get to the kill:\n{}",
+        console(&rank1, 0)
+    );
+    let peer = "dmlc-ktest selftest --quick".to_owned();
+    let mut rank0 = Vms::start(&env, &[kernel_vm(peer, &backend, 0)], &opts);
+    let mut out = rank0.wait_ok("rank 0 after the kill");
+    out.extend(rank1.wait_ok("rank 1, killed mid-collective"));
+    progress(&format!("killed mid-collective: {:.1?}", t.elapsed()));
+    let out: Vec<String> = out.into_iter().map(|o| o.output).collect();
     let v = &out[1];
     assert!(
         v.contains("holding collective 1"),
