@@ -85,7 +85,7 @@ pub fn qemu() -> Result<vm::Qemu, PrepareError> {
         let script = vm::repo_root()?.join("qemu-patches/build-qemu.sh");
         let t = Instant::now();
         crate::progress(&format!(
-            "preparing QEMU ({}; only the first run builds it, 7 to 17 minutes on 2 cores)",
+            "preparing QEMU ({}; only the first run builds it, about 4 minutes on 2 cores)",
             script.display()
         ));
         run_script(&script, &[])?;
