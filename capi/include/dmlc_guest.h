@@ -52,7 +52,7 @@ uint32_t dmlc_abi_version(void);
 const char *dmlc_version(void);
 
 /* ---- Status codes -------------------------------------------------------
- * 0..7 are the device's response statuses (VirtioDmlcResp.status);
+ * 0..8 are the device's response statuses (VirtioDmlcResp.status);
  * 100 and up are the driver's own errors. */
 typedef enum dmlc_status {
     DMLC_OK = 0,                   /* completed; outputs hold the result */
@@ -63,6 +63,7 @@ typedef enum dmlc_status {
     DMLC_ERR_UNSUPPORTED = 5,      /* opcode, dtype or op not supported */
     DMLC_ERR_TOO_BIG = 6,          /* above max_bytes or max_segments */
     DMLC_ERR_RESET = 7,            /* the group was reset meanwhile */
+    DMLC_ERR_TRUNCATE = 8,         /* a message was larger than its receive */
 
     DMLC_ERR_INVALID_ARGUMENT = 100, /* NULL pointer, bad queue, buffer too small, ... */
     DMLC_ERR_NO_STATUS = 101,        /* device returned the request without a status */

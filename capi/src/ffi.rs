@@ -1075,6 +1075,7 @@ pub extern "C" fn dmlc_strerror(status: c_int) -> *const c_char {
         5 => c"unsupported by the device",
         6 => c"request too big",
         7 => c"group reset",
+        8 => c"message larger than its receive",
         DMLC_ERR_INVALID_ARGUMENT => c"invalid argument",
         DMLC_ERR_NO_STATUS => c"device returned no status",
         DMLC_ERR_UNKNOWN_STATUS => c"unknown device status",

@@ -858,7 +858,7 @@ impl VhostUserBackend for MemberBackend {
     }
 
     fn features(&self) -> u64 {
-        DEVICE_FEATURES
+        DEVICE_FEATURES | self.group.comm_features()
     }
 
     fn acked_features(&self, features: u64) {
@@ -1098,15 +1098,19 @@ mod tests {
         MemberBackend::new(cfg, group.clone(), mem)
     }
 
-    /// The device offers VIRTIO_F_VERSION_1, none of the device-specific
-    /// bits 1 to 23 (spec 5.X.3: 1 to 3 are designed but not implemented
-    /// yet, the rest reserved), and not the ring features it must not
-    /// offer: ACCESS_PLATFORM (33), RING_PACKED (34) and IN_ORDER (35).
+    /// The device offers VIRTIO_F_VERSION_1; of the device-specific bits
+    /// 1 to 23 (spec 5.X.3), bits 1 (communicators) and 2 (send and
+    /// receive) on one host and none across hosts (bit 3 is designed but
+    /// not served yet, the rest reserved); and not the ring features it
+    /// must not offer: ACCESS_PLATFORM (33), RING_PACKED (34) and IN_ORDER
+    /// (35).
     #[test]
     fn offered_features_are_the_specs() {
-        let offered = DEVICE_FEATURES;
+        let offered = DEVICE_FEATURES
+            | 1 << virtio_dmlc::comm::VIRTIO_DMLC_F_COMM
+            | 1 << virtio_dmlc::comm::VIRTIO_DMLC_F_P2P;
         assert_ne!(offered & (1 << virtio_dmlc::VIRTIO_F_VERSION_1), 0);
-        for reserved in 1..=23 {
+        for reserved in 3..=23 {
             assert_eq!(offered & (1 << reserved), 0, "bit {reserved}");
         }
         for forbidden in [33, 34, 35] {
@@ -1127,7 +1131,7 @@ mod tests {
     fn config_writes_are_ignored() {
         let w = World::new(config(2));
         let b = backend(1, 256, &w.group, AtomicMem::new(GuestMem::new()));
-        let size = std::mem::size_of::<virtio_dmlc::VirtioDmlcConfig>() as u32;
+        let size = std::mem::size_of::<virtio_dmlc::comm::VirtioDmlcConfigComm>() as u32;
         let before = b.get_config(0, size);
         assert_eq!(before.len(), size as usize);
         for offset in [0, 0x04, 0x24, 0x28] {

@@ -12,6 +12,12 @@
 
 use std::ptr::NonNull;
 
+use std::sync::Arc;
+
+use virtio_dmlc::comm::{
+    self, CommOpcode, VirtioDmlcReqComm, ANY_SOURCE, REQ_COMM_HEADER_SIZE, RESP_COMM_SIZE,
+    VIRTIO_DMLC_F_COMM,
+};
 use virtio_dmlc::{
     bad, buffer_elems, too_big, unsupported, Dtype, Opcode, ReduceOp, Status, VirtioDmlcReq,
     FLAGS_KNOWN, FLAG_IN_PLACE, REQ_HEADER_SIZE, RESP_SIZE,
@@ -32,6 +38,127 @@ pub struct Limits {
     pub rank: u32,
     pub max_segments: u32,
     pub max_bytes: u64,
+    /// Device feature bits the member's driver negotiated. With
+    /// `VIRTIO_DMLC_F_COMM` its headers and responses have the sizes of
+    /// spec 5.X.6.13.1, and the opcodes of the other bits it negotiated
+    /// (and the device offers, [`SERVED_COMM_FEATURES`]) are known.
+    pub features: u64,
+}
+
+/// The feature bits of spec 5.X.6.13 that this backend serves: bit 1
+/// (communicators) and bit 2 (send and receive); bit 3 (all-to-all,
+/// gather and scatter) is not served yet.
+pub const SERVED_COMM_FEATURES: u64 =
+    1 << VIRTIO_DMLC_F_COMM | 1 << virtio_dmlc::comm::VIRTIO_DMLC_F_P2P;
+
+/// What a request does: an opcode of 5.X.6.1, or one of feature bits 1
+/// to 3 (5.X.6.13.2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Code {
+    Base(Opcode),
+    Comm(CommOpcode),
+}
+
+impl Code {
+    /// The opcode of 5.X.6.1, if it is one.
+    pub fn base(self) -> Option<Opcode> {
+        match self {
+            Code::Base(o) => Some(o),
+            Code::Comm(_) => None,
+        }
+    }
+
+    /// The wire value.
+    pub fn raw(self) -> u16 {
+        match self {
+            Code::Base(o) => o.raw(),
+            Code::Comm(o) => o.raw(),
+        }
+    }
+
+    /// The opcode's name, as in the spec.
+    pub fn name(self) -> &'static str {
+        match self {
+            Code::Base(o) => o.name(),
+            Code::Comm(o) => o.name(),
+        }
+    }
+
+    /// True if its buffers hold elements of a dtype.
+    pub fn moves_data(self) -> bool {
+        match self {
+            Code::Base(o) => o.moves_data(),
+            Code::Comm(o) => !matches!(
+                o,
+                CommOpcode::CommSplit | CommOpcode::CommCreate | CommOpcode::CommFree
+            ),
+        }
+    }
+}
+
+impl From<Opcode> for Code {
+    fn from(o: Opcode) -> Self {
+        Code::Base(o)
+    }
+}
+
+impl std::fmt::Display for Code {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A communicator as the checks see it (spec 5.X.6.13.3).
+#[derive(Clone, Debug)]
+pub struct CommView {
+    pub id: u32,
+    /// The member's rank in it.
+    pub rank: u32,
+    pub size: u32,
+    /// Its members' ranks in the group, in its rank order; `None` for
+    /// communicator 0 (the group itself).
+    pub members: Option<Arc<[u32]>>,
+}
+
+impl CommView {
+    /// Communicator 0 as member `rank` of a group of `size` sees it.
+    pub fn world(rank: u32, size: u32) -> Self {
+        CommView {
+            id: comm::COMM_WORLD,
+            rank,
+            size,
+            members: None,
+        }
+    }
+
+    /// The group rank of its rank `r`.
+    pub fn world_rank(&self, r: u32) -> u32 {
+        match &self.members {
+            Some(m) => m[r as usize],
+            None => r,
+        }
+    }
+
+    /// Its rank of group rank `w`, if `w` is a member.
+    pub fn rank_of(&self, w: u32) -> Option<u32> {
+        match &self.members {
+            Some(m) => m.iter().position(|&x| x == w).map(|p| p as u32),
+            None => (w < self.size).then_some(w),
+        }
+    }
+}
+
+/// The fields of a request with feature bit 1 beyond those of 5.X.6.1.
+#[derive(Clone, Debug)]
+pub struct CommFields {
+    /// The communicator the request names.
+    pub view: CommView,
+    /// Send: destination; receive: source or `ANY_SOURCE`; comm_split: color.
+    pub peer: u32,
+    /// comm_split: the key.
+    pub key: u32,
+    /// The table (5.X.6.13.5), as read from the header descriptor.
+    pub table: Vec<u8>,
 }
 
 /// Why a chain was rejected.
@@ -76,7 +203,9 @@ pub struct Rejected {
     /// length when a response is written.
     pub writable_len: u32,
     /// The opcode, if the header could be read and the opcode is known.
-    pub opcode: Option<Opcode>,
+    pub code: Option<Code>,
+    /// The response has the 40-byte layout of feature bit 1.
+    pub comm_response: bool,
     #[source]
     pub error: ChainError,
 }
@@ -88,8 +217,10 @@ pub struct Request {
     pub head: u16,
     /// The header as read from guest memory (once).
     pub header: VirtioDmlcReq,
-    pub opcode: Opcode,
-    /// `None` for barrier (which ignores it).
+    pub code: Code,
+    /// With feature bit 1: the communicator and the fields that come with it.
+    pub comm: Option<CommFields>,
+    /// `None` for opcodes that move no data (barrier, comm_split, ...).
     pub dtype: Option<Dtype>,
     /// `None` for opcodes without a reduction.
     pub op: Option<ReduceOp>,
@@ -113,6 +244,12 @@ pub struct Request {
 }
 
 impl Request {
+    /// The communicator the request names (communicator 0 without feature
+    /// bit 1): its members translate the ranks of the response.
+    pub fn comm_id(&self) -> u32 {
+        self.comm.as_ref().map_or(comm::COMM_WORLD, |c| c.view.id)
+    }
+
     /// Bytes of one element (0 for barrier).
     pub fn elem_size(&self) -> usize {
         self.dtype.map_or(0, Dtype::size)
@@ -214,10 +351,24 @@ struct Data {
     segs: std::ops::Range<usize>,
 }
 
-/// Parses and checks the chain of member `limits.rank`.
+/// Parses and checks the chain of member `limits.rank`, which names only
+/// communicator 0 (or whose driver did not negotiate feature bit 1).
 pub fn parse(chain: DescriptorChain<&GuestMem>, limits: &Limits) -> Result<Request, Rejected> {
+    parse_in(chain, limits, &|_| None)
+}
+
+/// Parses and checks the chain of member `limits.rank`; `comms` finds the
+/// communicators other than 0 that the member belongs to (`None`: unknown,
+/// freed, or not one of its communicators).
+pub fn parse_in(
+    chain: DescriptorChain<&GuestMem>,
+    limits: &Limits,
+    comms: &dyn Fn(u32) -> Option<CommView>,
+) -> Result<Request, Rejected> {
     let head = chain.head_index();
     let mem: &GuestMem = chain.memory();
+    let with_comm = limits.features & (1 << VIRTIO_DMLC_F_COMM) != 0;
+    let resp_size = if with_comm { RESP_COMM_SIZE } else { RESP_SIZE };
     let mut descs: Vec<Descriptor> = Vec::new();
     for d in chain.clone() {
         descs.push(d);
@@ -240,18 +391,20 @@ pub fn parse(chain: DescriptorChain<&GuestMem>, limits: &Limits) -> Result<Reque
         head,
         response: None,
         writable_len: u32::try_from(writable_len).unwrap_or(u32::MAX),
-        opcode: None,
+        code: None,
+        comm_response: with_comm,
         error: ChainError::NoResponse,
     };
 
-    // The response: the last descriptor, writable, exactly RESP_SIZE bytes,
-    // inside guest memory. Without it there is no way to report anything.
+    // The response: the last descriptor, writable, exactly the response's
+    // size, inside guest memory. Without it there is no way to report
+    // anything.
     let Some(last) = descs.last() else {
         return Err(reject);
     };
     if !last.is_write_only()
-        || last.len() as usize != RESP_SIZE
-        || !range_in_memory(mem, last.addr(), RESP_SIZE as u64)
+        || last.len() as usize != resp_size
+        || !range_in_memory(mem, last.addr(), resp_size as u64)
     {
         return Err(reject);
     }
@@ -262,13 +415,19 @@ pub fn parse(chain: DescriptorChain<&GuestMem>, limits: &Limits) -> Result<Reque
     };
     if broken {
         // The descriptors seen may repeat (a loop): count only the response.
-        reject.writable_len = RESP_SIZE as u32;
+        reject.writable_len = resp_size as u32;
         return fail(reject, ChainError::BadRequest(bad::CHAIN));
     }
 
-    // The header: the first descriptor, readable, exactly REQ_HEADER_SIZE bytes.
+    // The header: the first descriptor, readable, exactly the header's
+    // size (with feature bit 1: the fixed part and its table).
     let first = descs[0];
-    if descs.len() < 2 || first.is_write_only() || first.len() as usize != REQ_HEADER_SIZE {
+    let fixed = if with_comm {
+        REQ_COMM_HEADER_SIZE
+    } else {
+        REQ_HEADER_SIZE
+    };
+    if descs.len() < 2 || first.is_write_only() || (first.len() as usize) < fixed {
         return fail(reject, ChainError::BadRequest(bad::HEADER));
     }
 
@@ -283,13 +442,25 @@ pub fn parse(chain: DescriptorChain<&GuestMem>, limits: &Limits) -> Result<Reque
         }
     }
 
-    let mut buf = [0u8; REQ_HEADER_SIZE];
-    if mem.read_slice(&mut buf, first.addr()).is_err() {
+    let mut buf = [0u8; REQ_COMM_HEADER_SIZE];
+    if mem.read_slice(&mut buf[..fixed], first.addr()).is_err() {
         return fail(reject, ChainError::BadRequest(bad::ADDRESS));
     }
-    let Ok(header) = VirtioDmlcReq::read_from_bytes(&buf[..]) else {
+    let Ok(header) = VirtioDmlcReq::read_from_bytes(&buf[..REQ_HEADER_SIZE]) else {
         return fail(reject, ChainError::BadRequest(bad::HEADER));
     };
+    let comm_header = if with_comm {
+        let Ok(h) = VirtioDmlcReqComm::read_from_bytes(&buf[..]) else {
+            return fail(reject, ChainError::BadRequest(bad::HEADER));
+        };
+        Some(h)
+    } else {
+        None
+    };
+    let table_bytes = comm_header.map_or(0, |h| h.table_bytes.get() as usize);
+    if first.len() as usize != fixed.saturating_add(table_bytes) {
+        return fail(reject, ChainError::BadRequest(bad::HEADER));
+    }
 
     let mut segs: Vec<HostSeg> = Vec::with_capacity(middle.len());
     let mut data: Vec<Data> = Vec::with_capacity(middle.len());
@@ -305,15 +476,23 @@ pub fn parse(chain: DescriptorChain<&GuestMem>, limits: &Limits) -> Result<Reque
         });
     }
 
-    // Opcode, dtype and op known; op defined for dtype.
-    let Some(opcode) = Opcode::from_raw(header.opcode.get()) else {
-        return fail(reject, ChainError::Unsupported(unsupported::OPCODE));
+    // Opcode known (those of feature bits 2 and 3 only when negotiated and
+    // served), dtype and op known; op defined for dtype.
+    let raw = header.opcode.get();
+    let code = match (Opcode::from_raw(raw), CommOpcode::from_raw(raw)) {
+        (Some(o), _) => Code::Base(o),
+        (None, Some(o))
+            if with_comm && limits.features & SERVED_COMM_FEATURES & (1 << o.feature()) != 0 =>
+        {
+            Code::Comm(o)
+        }
+        _ => return fail(reject, ChainError::Unsupported(unsupported::OPCODE)),
     };
-    reject.opcode = Some(opcode);
-    let uses_dtype = opcode.moves_data();
+    reject.code = Some(code);
+    let uses_dtype = code.moves_data();
     let uses_op = matches!(
-        opcode,
-        Opcode::Allreduce | Opcode::Reduce | Opcode::ReduceScatter
+        code,
+        Code::Base(Opcode::Allreduce | Opcode::Reduce | Opcode::ReduceScatter)
     );
     let dtype = if uses_dtype {
         match Dtype::from_raw(header.dtype) {
@@ -337,31 +516,109 @@ pub fn parse(chain: DescriptorChain<&GuestMem>, limits: &Limits) -> Result<Reque
         }
     }
 
-    // Flags and root.
+    // The communicator: it sizes everything below.
+    let comm = match comm_header {
+        Some(h) => {
+            let id = h.comm.get();
+            let view = if id == comm::COMM_WORLD {
+                Some(CommView::world(limits.rank, limits.world_size))
+            } else {
+                comms(id)
+            };
+            let Some(view) = view else {
+                return fail(reject, ChainError::BadRequest(comm::BAD_COMM));
+            };
+            if id == comm::COMM_WORLD && code == Code::Comm(CommOpcode::CommFree) {
+                return fail(reject, ChainError::BadRequest(comm::BAD_COMM));
+            }
+            // No opcode needs more (alltoallv: 16 bytes a rank): a larger
+            // table is refused before anything is allocated for it.
+            if table_bytes as u64 > 16 * u64::from(limits.world_size) {
+                return fail(reject, ChainError::BadRequest(comm::BAD_TABLE));
+            }
+            let mut table = vec![0u8; table_bytes];
+            let table_at = first.addr().checked_add(fixed as u64);
+            if table_at.is_none_or(|at| mem.read_slice(&mut table, at).is_err()) {
+                return fail(reject, ChainError::BadRequest(bad::ADDRESS));
+            }
+            Some(CommFields {
+                view,
+                peer: h.peer.get(),
+                key: h.key.get(),
+                table,
+            })
+        }
+        None => None,
+    };
+    let (size, me) = comm.as_ref().map_or((limits.world_size, limits.rank), |c| {
+        (c.view.size, c.view.rank)
+    });
+
+    // Flags, root and peer.
     let flags = header.flags.get();
     if flags & !FLAGS_KNOWN != 0 {
         return fail(reject, ChainError::BadRequest(bad::FLAGS));
     }
     let in_place = flags & FLAG_IN_PLACE != 0;
     let root = header.root.get();
-    let has_root = matches!(opcode, Opcode::Broadcast | Opcode::Reduce);
-    if (has_root && root >= limits.world_size) || (!has_root && root != 0) {
+    let has_root = matches!(
+        code,
+        Code::Base(Opcode::Broadcast | Opcode::Reduce)
+            | Code::Comm(
+                CommOpcode::Gather
+                    | CommOpcode::Gatherv
+                    | CommOpcode::Scatter
+                    | CommOpcode::Scatterv
+            )
+    );
+    if (has_root && root >= size) || (!has_root && root != 0) {
         return fail(reject, ChainError::BadRequest(bad::ROOT));
+    }
+    if let (Code::Comm(o @ (CommOpcode::Send | CommOpcode::Recv)), Some(c)) = (code, &comm) {
+        let any = o == CommOpcode::Recv && c.peer == ANY_SOURCE;
+        if !any && (c.peer == me || c.peer >= size) {
+            return fail(reject, ChainError::BadRequest(comm::BAD_PEER));
+        }
     }
     let count = header.count.get();
 
     // Sizes the header asks for, in bytes, without overflow.
     let esize = dtype.map_or(1, Dtype::size) as u64;
-    let Some(elems) = buffer_elems(
-        opcode,
-        limits.world_size,
-        limits.rank,
-        root,
-        count,
-        in_place,
-    ) else {
-        return fail(reject, ChainError::BadRequest(bad::OVERFLOW));
+    let elems = match (code, &comm) {
+        (Code::Base(o), _) => buffer_elems(o, size, me, root, count, in_place)
+            .ok_or(ChainError::BadRequest(bad::OVERFLOW)),
+        (Code::Comm(CommOpcode::CommCreate), Some(c)) => {
+            let list = create_list(&c.table);
+            match list.and_then(|l| comm::check_create_list(&l, size, me).ok()) {
+                Some(_) => Ok(virtio_dmlc::BufferElems {
+                    input: 0,
+                    output: 0,
+                    in_place_input: None,
+                }),
+                None => Err(ChainError::BadRequest(comm::BAD_TABLE)),
+            }
+        }
+        (Code::Comm(o), Some(c)) => {
+            let table: Vec<u64> = if c.table.len().is_multiple_of(8) {
+                comm::counts(&c.table).collect()
+            } else {
+                // Not a table of counts: refused as one of the wrong size.
+                vec![0; c.table.len() / 8 + 1]
+            };
+            comm::block_elems(o, size, me, root, count, &table, in_place)
+                .map_err(ChainError::BadRequest)
+        }
+        (Code::Comm(_), None) => unreachable!("opcodes of bits 1 to 3 need bit 1"),
     };
+    let elems = match elems {
+        Ok(e) => e,
+        Err(e) => return fail(reject, e),
+    };
+    if let (Code::Base(_), Some(c)) = (code, &comm) {
+        if !c.table.is_empty() {
+            return fail(reject, ChainError::BadRequest(comm::BAD_TABLE));
+        }
+    }
     let bytes = |n: u64| n.checked_mul(esize);
     let (Some(want_in), Some(want_out)) = (bytes(elems.input), bytes(elems.output)) else {
         return fail(reject, ChainError::BadRequest(bad::OVERFLOW));
@@ -383,7 +640,7 @@ pub fn parse(chain: DescriptorChain<&GuestMem>, limits: &Limits) -> Result<Reque
     }
 
     // Lengths.
-    if !opcode.moves_data() && (count != 0 || !data.is_empty()) {
+    if !code.moves_data() && (count != 0 || !data.is_empty()) {
         return fail(reject, ChainError::BadRequest(bad::BARRIER_DATA));
     }
     let have_in: u64 = data
@@ -429,7 +686,8 @@ pub fn parse(chain: DescriptorChain<&GuestMem>, limits: &Limits) -> Result<Reque
     Ok(Request {
         head,
         header,
-        opcode,
+        code,
+        comm,
         dtype,
         op,
         root,
@@ -441,6 +699,17 @@ pub fn parse(chain: DescriptorChain<&GuestMem>, limits: &Limits) -> Result<Reque
         bounces,
         writable_len: reject.writable_len,
         response: last.addr(),
+    })
+}
+
+/// A comm_create table read as its `le32` ranks, or `None` when its length
+/// is not a multiple of 4.
+pub fn create_list(table: &[u8]) -> Option<Vec<u32>> {
+    table.len().is_multiple_of(4).then(|| {
+        table
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
     })
 }
 
@@ -655,10 +924,11 @@ mod tests {
             rank: 0,
             max_segments: 8,
             max_bytes: 4096,
+            features: 0,
         };
         let req = parse(chain, &limits).unwrap();
         assert_eq!(req.head, 0);
-        assert_eq!(req.opcode, Opcode::Allreduce);
+        assert_eq!(req.code, super::Code::Base(Opcode::Allreduce));
         assert_eq!(req.dtype, Some(Dtype::F32));
         assert_eq!(req.op, Some(ReduceOp::Sum));
         assert_eq!((req.inputs.len(), req.outputs.len()), (1, 1));
@@ -685,6 +955,7 @@ mod tests {
             rank: 0,
             max_segments: 8,
             max_bytes: 4096,
+            features: 0,
         };
         let req = parse(m.pop(0, 10), &limits).unwrap();
         assert_eq!(req.head, 10);
@@ -709,6 +980,7 @@ mod tests {
             rank: 0,
             max_segments: 8,
             max_bytes: 4096,
+            features: 0,
         };
         let req = parse(m.pop(0, 50), &limits).unwrap();
         // 13 bytes before the boundary: one whole element, a cut one, two

@@ -166,6 +166,13 @@ pub struct Args {
     #[arg(long, value_name = "N", default_value_t = 1024)]
     pub max_segments: u32,
 
+    /// Most communicators alive at once, the whole group included (config
+    /// space's max_comms, spec 5.X.6.13); comm_split and comm_create fail
+    /// with TOO_BIG beyond it. At least 2.
+    #[arg(long, value_name = "N", default_value_t = 64,
+          value_parser = clap::value_parser!(u32).range(2..))]
+    pub max_comms: u32,
+
     /// Group identifier that every member reads from config space; decimal
     /// or 0x-prefixed hex [default: derived from the process id and the
     /// time].
@@ -362,6 +369,7 @@ impl TryFrom<Args> for Config {
                 num_queues: args.queues as u16,
                 max_segments: args.max_segments,
                 max_bytes: args.max_bytes,
+                max_comms: args.max_comms,
                 timeout: Duration::from_millis(args.timeout_ms),
                 reduce_threads,
                 group_id: args.group_id.unwrap_or_else(default_group_id),

@@ -14,7 +14,9 @@
 //! Members: a member is active from [`Group::member_ready`] until
 //! [`Group::member_lost`]; chains of an inactive member are dropped. A loss
 //! (or [`Group::reset`]) starts a new generation: pending collectives fail
-//! on the other members, and every sequence counter restarts at 0.
+//! on the other members, and every sequence counter restarts at 0 (a loss
+//! spares the communicators that do not contain the lost member: their
+//! requests and counters are kept, spec 5.X.6.13.3).
 //!
 //! Locks: one mutex guards the matching state and is never held while data
 //! moves or a completion runs. Each member also has a gate (a read-write
@@ -51,6 +53,12 @@
 //!   their slots, running or failing on purpose a filled collective;
 //! - `state.rs`: the matching state under the state lock (`State`, slots,
 //!   arrivals, outcomes);
+//! - `comms.rs`: communicators other than 0 (spec 5.X.6.13.3): ids,
+//!   members, their sequence numbers, revocation by a loss;
+//! - `p2p.rs`: sends and receives waiting for their other end, and what a
+//!   matched pair does;
+//! - `comm_ops.rs`: filing a send or receive and running its pair;
+//!   completing comm_split, comm_create and comm_free;
 //! - `shared.rs`: what every thread shares (`Shared`), delivering
 //!   completions, generation changes (`Shared::bump`);
 //! - `job.rs`: a running collective (`Job`), the reduction threads,
@@ -66,21 +74,26 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 #[cfg(test)]
 use std::sync::atomic::AtomicUsize;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, PoisonError, RwLock};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
+use virtio_dmlc::comm::{CommOpcode, VirtioDmlcConfigComm};
 use virtio_dmlc::{Dtype, Opcode, ReduceOp, VirtioDmlcConfig, VIRTIO_DMLC_F_REQ_TIMEOUT};
 
+use crate::chain::SERVED_COMM_FEATURES;
 use crate::fault::{FaultState, Faults};
 use crate::metrics::Metrics;
 use crate::timing::Timing;
 use crate::trace::Recorder;
 
+mod comm_ops;
+mod comms;
 mod job;
 mod matching;
+mod p2p;
 mod pieces;
 mod shared;
 mod state;
@@ -131,6 +144,8 @@ pub struct GroupConfig {
     /// ([`Group::set_timing`], the control socket): the timing machinery
     /// runs even without a model.
     pub live_control: bool,
+    /// Most live communicators, 0 included (spec 5.X.6.13.1, `max_comms`).
+    pub max_comms: u32,
     /// One group across several hosts ([`remote`]): `world_size` members
     /// here, host-major global ranks, filled slots run by the inter-host
     /// stage. `None`: the group is this host's members alone.
@@ -212,6 +227,8 @@ impl Group {
                 outgoing: BTreeMap::new(),
                 members,
                 slots: HashMap::new(),
+                comms: comms::Comms::new(config.max_comms),
+                p2p: p2p::P2p::default(),
                 timer_target: None,
                 next_run: 0,
                 running: BTreeSet::new(),
@@ -223,6 +240,7 @@ impl Group {
             timer_cv: Condvar::new(),
             quiet_cv: Condvar::new(),
             gates: (0..world).map(|_| RwLock::new(gate)).collect(),
+            features: (0..world).map(|_| AtomicU64::new(0)).collect(),
             generation: AtomicU32::new(1),
             resp_generation: AtomicU32::new(1),
             faults: FaultState::new(config.faults.clone()),
@@ -307,10 +325,12 @@ impl Group {
         })
     }
 
-    /// The config space that member `rank` reads.
-    pub fn config_space(&self, rank: u32) -> VirtioDmlcConfig {
+    /// The config space that member `rank` reads, with the fields of
+    /// feature bit 1 (spec 5.X.6.13.1), which a driver without it does not
+    /// read.
+    pub fn config_space(&self, rank: u32) -> VirtioDmlcConfigComm {
         let sh = &self.shared;
-        VirtioDmlcConfig {
+        let base = VirtioDmlcConfig {
             rank: sh.global(rank).into(),
             world_size: sh.global_world().into(),
             num_queues: u32::from(sh.num_queues).into(),
@@ -318,10 +338,35 @@ impl Group {
             max_bytes: sh.cfg.max_bytes.into(),
             dtypes: Dtype::all_mask().into(),
             ops: ReduceOp::all_mask().into(),
-            opcodes: Opcode::all_mask().into(),
+            opcodes: (Opcode::all_mask() | self.comm_opcodes()).into(),
             generation: sh.generation.load(Ordering::Acquire).into(),
             group_id: sh.cfg.group_id.into(),
+        };
+        VirtioDmlcConfigComm {
+            base,
+            max_comms: lock(&sh.state).comms.max().into(),
+            reserved: 0.into(),
         }
+    }
+
+    /// The feature bits of spec 5.X.6.13 the group offers: those this
+    /// backend serves ([`SERVED_COMM_FEATURES`]), none across hosts (spec
+    /// DEV-COMM-8: the inter-host stage runs only the opcodes of 5.X.6.1).
+    pub fn comm_features(&self) -> u64 {
+        if self.shared.cfg.remote.is_some() {
+            0
+        } else {
+            SERVED_COMM_FEATURES
+        }
+    }
+
+    /// The `opcodes` bits of the opcodes those features bring.
+    fn comm_opcodes(&self) -> u32 {
+        let offered = self.comm_features();
+        CommOpcode::ALL
+            .iter()
+            .filter(|o| offered & (1 << o.feature()) != 0)
+            .fold(0, |m, o| m | 1 << o.raw())
     }
 
     /// Reduction threads still running (for tests).
@@ -412,6 +457,8 @@ impl Group {
             "published_generation": generation_of(st.published),
             "members": members,
             "waiting_collectives": waiting,
+            "waiting_sends_and_receives": st.p2p.len(),
+            "communicators": st.comms.live_count() + 1,
             "running_collectives": st.running.len(),
             "requests_pending": sh.metrics.pending(),
             "held_completions": held,
@@ -435,11 +482,18 @@ impl Group {
     }
 
     /// Records the features member `rank`'s driver acknowledged: with
-    /// `VIRTIO_DMLC_F_REQ_TIMEOUT`, its requests' `timeout_ms` is honoured.
+    /// `VIRTIO_DMLC_F_REQ_TIMEOUT`, its requests' `timeout_ms` is honoured;
+    /// with `VIRTIO_DMLC_F_COMM`, its requests and responses have the
+    /// layout of spec 5.X.6.13.1.
     pub fn set_member_features(&self, rank: u32, acked: u64) {
         if rank >= self.shared.world {
             return;
         }
+        // Bits 1 to 3 count only where offered: a driver that acknowledges
+        // one it was not offered keeps the layout of 5.X.6.1.
+        let comm_bits = 0b111 << virtio_dmlc::comm::VIRTIO_DMLC_F_COMM;
+        let acked = acked & (!comm_bits | self.comm_features());
+        self.shared.features[rank as usize].store(acked, Ordering::Release);
         let mut st = lock(&self.shared.state);
         st.members[rank as usize].req_timeout = acked & (1 << VIRTIO_DMLC_F_REQ_TIMEOUT) != 0;
     }

@@ -10,7 +10,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use virtio_dmlc::comm::CommOpcode;
 use virtio_dmlc::{Opcode, Status};
+
+use crate::chain::Code;
 
 /// Upper bounds (seconds) of the straggler skew histogram buckets.
 pub const SKEW_BUCKETS: [f64; 16] = [
@@ -18,8 +21,17 @@ pub const SKEW_BUCKETS: [f64; 16] = [
     60.0,
 ];
 
-const OPCODES: usize = Opcode::ALL.len();
-const STATUSES: usize = 8;
+/// The opcodes of 5.X.6.1 (0 to 6) and of feature bits 1 to 3 (7 to 17).
+const OPCODES: usize = Opcode::ALL.len() + CommOpcode::ALL.len();
+const STATUSES: usize = Status::ALL.len();
+
+/// Every opcode the counters know, by wire value.
+fn codes() -> impl Iterator<Item = Code> {
+    Opcode::ALL
+        .iter()
+        .map(|&o| Code::Base(o))
+        .chain(CommOpcode::ALL.iter().map(|&o| Code::Comm(o)))
+}
 
 /// Counters of one group.
 #[derive(Debug, Default)]
@@ -123,13 +135,13 @@ impl Metrics {
     }
 
     /// A valid-looking request of `opcode` was taken from a ring.
-    pub fn request(&self, opcode: Opcode) {
-        self.requests[usize::from(opcode.raw())].fetch_add(1, Ordering::Relaxed);
+    pub fn request(&self, opcode: impl Into<Code>) {
+        self.requests[usize::from(opcode.into().raw())].fetch_add(1, Ordering::Relaxed);
     }
 
     /// A collective of `opcode` completed with status OK.
-    pub fn collective_done(&self, opcode: Opcode) {
-        self.collectives[usize::from(opcode.raw())].fetch_add(1, Ordering::Relaxed);
+    pub fn collective_done(&self, opcode: impl Into<Code>) {
+        self.collectives[usize::from(opcode.into().raw())].fetch_add(1, Ordering::Relaxed);
     }
 
     /// `bytes` of reduction result were produced.
@@ -305,7 +317,7 @@ impl Metrics {
             "Requests taken from the virtqueues, by opcode.",
             "counter",
         );
-        for op in Opcode::ALL {
+        for op in codes() {
             let v = load(&self.requests[usize::from(op.raw())]);
             let _ = writeln!(out, "dmlc_requests_total{{opcode=\"{op}\"}} {v}");
         }
@@ -316,7 +328,7 @@ impl Metrics {
             "Collectives completed with status ok, by opcode.",
             "counter",
         );
-        for op in Opcode::ALL {
+        for op in codes() {
             let v = load(&self.collectives[usize::from(op.raw())]);
             let _ = writeln!(out, "dmlc_collectives_total{{opcode=\"{op}\"}} {v}");
         }

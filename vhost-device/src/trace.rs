@@ -28,7 +28,9 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Value};
-use virtio_dmlc::{Dtype, Opcode, ReduceOp, Status, NO_PEER};
+use virtio_dmlc::{Dtype, ReduceOp, Status, NO_PEER};
+
+use crate::chain::Code;
 
 /// Records kept when `--trace-capacity` is not given.
 pub const DEFAULT_CAPACITY: usize = 65536;
@@ -59,7 +61,9 @@ pub struct Record {
     pub seq: u64,
     /// The generation its responses carried.
     pub generation: u32,
-    pub opcode: Opcode,
+    /// The communicator (0: the group; spec 5.X.6.13).
+    pub comm: u32,
+    pub opcode: Code,
     pub dtype: Option<Dtype>,
     pub op: Option<ReduceOp>,
     pub count: u64,
@@ -141,6 +145,7 @@ impl Recorder {
                 "queue": r.queue,
                 "seq": r.seq,
                 "generation": r.generation,
+                "comm": r.comm,
                 "opcode": name,
                 "dtype": r.dtype.map(|d| d.to_string()),
                 "op": r.op.map(|o| o.to_string()),

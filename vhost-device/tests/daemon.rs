@@ -212,7 +212,11 @@ fn each_socket_reads_its_own_rank_from_config_space() {
     );
     for rank in 0..2 {
         let mut m = Member::connect(&daemon.socket(rank));
-        assert_eq!(m.features, expected_features());
+        // Offered besides: communicators and send/receive (bits 1 and 2),
+        // which the other tests here do not acknowledge.
+        let comm =
+            1 << virtio_dmlc::comm::VIRTIO_DMLC_F_COMM | 1 << virtio_dmlc::comm::VIRTIO_DMLC_F_P2P;
+        assert_eq!(m.features, expected_features() | comm);
         assert!(m.protocol.contains(
             VhostUserProtocolFeatures::CONFIG
                 | VhostUserProtocolFeatures::MQ
@@ -227,18 +231,26 @@ fn each_socket_reads_its_own_rank_from_config_space() {
         assert_eq!(c.max_bytes.get(), 2 << 20);
         assert_eq!(c.group_id.get(), 0x5eed);
         assert_eq!(c.dtypes.get(), virtio_dmlc::Dtype::all_mask());
-        assert_eq!(c.opcodes.get(), virtio_dmlc::Opcode::all_mask());
+        // Those of 5.X.6.1, then send, recv, comm_split, comm_create and
+        // comm_free (bits 1 and 2).
+        let comm_opcodes = 0b11 << 7 | 0b111 << 15;
+        assert_eq!(
+            c.opcodes.get(),
+            virtio_dmlc::Opcode::all_mask() | comm_opcodes
+        );
         assert!(c.generation.get() >= 1);
 
         // A partial read at an offset: world_size alone.
         let bytes = m.config_bytes(4, 4).unwrap();
         assert_eq!(bytes, 2u32.to_le_bytes());
-        // Past the structure reads as zero. (A read that starts past it
-        // is refused with an empty reply, which the vhost crate's frontend
-        // waits on forever, so it is not tried here.)
-        let bytes = m.config_bytes(44, 8).unwrap();
+        // Then max_comms (feature bit 1; the default 64), and past the
+        // structure reads as zero. (A read that starts past it is refused
+        // with an empty reply, which the vhost crate's frontend waits on
+        // forever, so it is not tried here.)
+        let bytes = m.config_bytes(44, 20).unwrap();
         assert_eq!(&bytes[..4], &c.group_id.get().to_le_bytes()[4..]);
-        assert_eq!(&bytes[4..], &[0; 4]);
+        assert_eq!(&bytes[4..8], &64u32.to_le_bytes());
+        assert_eq!(&bytes[8..], &[0; 12]);
     }
 }
 

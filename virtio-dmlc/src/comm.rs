@@ -75,7 +75,7 @@ pub struct VirtioDmlcRespComm {
     /// communicator (for a received message: its sender).
     pub base: VirtioDmlcResp,
     /// Send and receive: the message's size in bytes, or with
-    /// [`STATUS_TRUNCATE`] the other end's size; otherwise 0.
+    /// [`crate::Status::Truncate`] the other end's size; otherwise 0.
     pub length: U64,
     /// comm_split and comm_create: the new communicator, 0 if none.
     pub comm: U32,
@@ -140,8 +140,6 @@ impl CommOpcode {
     }
 }
 
-/// Status: a send was larger than the receive it matched.
-pub const STATUS_TRUNCATE: u32 = 8;
 /// `BAD_REQUEST` detail: unknown, freed or foreign communicator, or
 /// freeing communicator 0.
 pub const BAD_COMM: u32 = 14;

@@ -292,6 +292,10 @@ numbered! {
         /// The group was reset (generation changed) before this collective
         /// completed, for a reason other than a lost member.
         Reset = 7, STATUS_RESET, "reset";
+        /// A send was larger than the receive it matched (feature bit 2,
+        /// spec 5.X.6.13.4); the response's `length` names the other end's
+        /// size.
+        Truncate = 8, STATUS_TRUNCATE, "truncate";
     }
 }
 

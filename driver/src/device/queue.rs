@@ -379,7 +379,9 @@ pub(crate) fn completion_result(c: &Completion) -> Result<Done> {
         Some(Status::Unsupported) => Err(Error::Unsupported { detail }),
         Some(Status::TooBig) => Err(Error::TooBig { detail }),
         Some(Status::Reset) => Err(Error::Reset),
-        None => Err(Error::UnknownStatus {
+        // Only a driver that negotiated send and receive (feature bit 2,
+        // which this one does not) can be answered with it.
+        Some(Status::Truncate) | None => Err(Error::UnknownStatus {
             status: r.status.get(),
         }),
     }

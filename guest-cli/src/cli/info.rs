@@ -1,6 +1,7 @@
 //! `dmlc-guest info`: the device's configuration, decoded.
 
 use dmlc_driver::device::Device;
+use virtio_dmlc::comm::{CommOpcode, VIRTIO_DMLC_F_BLOCKS, VIRTIO_DMLC_F_COMM, VIRTIO_DMLC_F_P2P};
 use virtio_dmlc::{Dtype, Opcode, ReduceOp, VIRTIO_DMLC_F_REQ_TIMEOUT, VIRTIO_RING_F_EVENT_IDX};
 
 use super::util::{mask_names, show_size};
@@ -12,6 +13,9 @@ pub fn run(dev: &Device, setup: &Setup) {
     let mut features = Vec::new();
     for (bit, name) in [
         (VIRTIO_DMLC_F_REQ_TIMEOUT, "REQ_TIMEOUT"),
+        (VIRTIO_DMLC_F_COMM, "COMM"),
+        (VIRTIO_DMLC_F_P2P, "P2P"),
+        (VIRTIO_DMLC_F_BLOCKS, "BLOCKS"),
         (VIRTIO_RING_F_EVENT_IDX, "EVENT_IDX"),
     ] {
         if feature(bit) {
@@ -50,10 +54,15 @@ pub fn run(dev: &Device, setup: &Setup) {
         "ops           {}",
         mask_names(c.ops.get(), ReduceOp::ALL, |o| u32::from(o.raw()))
     );
-    println!(
-        "opcodes       {}",
-        mask_names(c.opcodes.get(), Opcode::ALL, |o| u32::from(o.raw()))
-    );
+    let opcodes = c.opcodes.get();
+    let base = opcodes & Opcode::all_mask();
+    let mut names = mask_names(base, Opcode::ALL, |o| u32::from(o.raw()));
+    if opcodes != base {
+        // Those of feature bits 1 to 3 (spec 5.X.6.13), and any unknown.
+        let more = mask_names(opcodes & !base, CommOpcode::ALL, |o| u32::from(o.raw()));
+        names = format!("{names} {more}");
+    }
+    println!("opcodes       {names}");
     println!("generation    {}", c.generation.get());
     println!("group id      {:#018x}", c.group_id.get());
     println!(

@@ -7,6 +7,9 @@ use std::time::{Duration, Instant};
 use virtio_bindings::bindings::virtio_ring::{
     VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE,
 };
+use virtio_dmlc::comm::{
+    VirtioDmlcReqComm, VirtioDmlcRespComm, REQ_COMM_HEADER_SIZE, RESP_COMM_SIZE,
+};
 use virtio_dmlc::{VirtioDmlcReq, VirtioDmlcResp, REQ_HEADER_SIZE, RESP_SIZE};
 use virtio_queue::desc::{split::Descriptor, RawDescriptor};
 use virtio_queue::mock::MockSplitQueue;
@@ -206,6 +209,23 @@ impl Member {
         Desc::r(a, REQ_HEADER_SIZE as u32)
     }
 
+    /// Writes a header of feature bit 1 and its table into fresh memory
+    /// and returns its descriptor.
+    pub fn comm_header(&mut self, h: &VirtioDmlcReqComm, table: &[u8]) -> Desc {
+        let len = REQ_COMM_HEADER_SIZE + table.len();
+        let a = self.alloc(len);
+        self.write(a, h.as_bytes());
+        self.write(a + REQ_COMM_HEADER_SIZE as u64, table);
+        Desc::r(a, len as u32)
+    }
+
+    /// A response descriptor of feature bit 1 (40 bytes), filled with 0xee.
+    pub fn comm_response(&mut self) -> Desc {
+        let a = self.alloc(RESP_COMM_SIZE);
+        self.write(a, &[0xee; RESP_COMM_SIZE]);
+        Desc::w(a, RESP_COMM_SIZE as u32)
+    }
+
     /// A response descriptor over fresh memory filled with 0xee.
     pub fn response(&mut self) -> Desc {
         let a = self.alloc(RESP_SIZE);
@@ -380,6 +400,7 @@ pub(crate) fn config(world: u32) -> GroupConfig {
         world_size: world,
         num_queues: 4,
         max_segments: 64,
+        max_comms: 8,
         max_bytes: 64 << 20,
         timeout: Duration::from_secs(60),
         reduce_threads: 0,
@@ -471,6 +492,18 @@ impl World {
         (
             done.written,
             VirtioDmlcResp::read_from_bytes(&bytes).unwrap(),
+        )
+    }
+
+    /// As [`World::wait`], for a response of feature bit 1.
+    pub fn wait_comm(&self, p: &Pending) -> (u32, VirtioDmlcRespComm) {
+        let done = self
+            .wait_for(p, Duration::from_secs(10))
+            .unwrap_or_else(|| panic!("no completion for {p:?}"));
+        let bytes = self.members[p.rank as usize].read(p.resp, RESP_COMM_SIZE);
+        (
+            done.written,
+            VirtioDmlcRespComm::read_from_bytes(&bytes).unwrap(),
         )
     }
 

@@ -10,12 +10,13 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Instant;
 
-use virtio_dmlc::{Dtype, Opcode, ReduceOp, Status, NO_PEER};
+use virtio_dmlc::{Dtype, ReduceOp, Status, NO_PEER};
 
 use super::pieces::{BufAt, Piece};
 use super::shared::{Cause, Shared};
 use super::state::{lock, Arrival, Outcome, State};
 use super::timed::{completed_at, record_of, Due, Schedule};
+use crate::chain::Code;
 use crate::datapath::{self, SegRef};
 
 pub(super) fn worker_loop(rx: &Mutex<mpsc::Receiver<Arc<Job>>>) {
@@ -51,11 +52,14 @@ pub(super) struct Job {
     pub(super) shared: Arc<Shared>,
     /// Its slot: queue and sequence number.
     pub(super) key: (u16, u64),
-    pub(super) opcode: Opcode,
+    pub(super) opcode: Code,
     pub(super) reduce: Option<(Dtype, ReduceOp)>,
     /// In rank order, all members.
     pub(super) arrivals: Vec<Arrival>,
     pub(super) pieces: Vec<Piece>,
+    /// By arrival, the outcome of a completion without failure (send and
+    /// receive: lengths and sender); empty: `Outcome::OK` for every one.
+    pub(super) ok: Vec<Outcome>,
     /// Byte ranges when split; empty when run inline.
     pub(super) parts: Vec<(usize, usize, usize)>,
     pub(super) next: AtomicUsize,
@@ -377,7 +381,9 @@ impl Job {
     /// a timing model.
     fn deliver_all(&self, moved_to: Option<Instant>, late: bool) {
         let sh = &self.shared;
-        let done_at = sh.deliver_together(&self.arrivals, Outcome::OK);
+        let done_at = sh.deliver_together(&self.arrivals, |i| {
+            self.ok.get(i).copied().unwrap_or(Outcome::OK)
+        });
         self.running.delivered();
         self.record(&done_at, moved_to, late);
     }

@@ -87,7 +87,12 @@ pub(super) fn plan(arrivals: &[Arrival]) -> Vec<Piece> {
     }
     let inputs = |extra: usize| (0..n).map(|i| input_of(arrivals, i, extra)).collect();
     let all_outputs = |base: usize| (0..n).map(|i| output_of(i, base)).collect();
-    match req.opcode {
+    // The opcodes of feature bits 1 to 3 plan their own steps (send and
+    // receive: `p2p.rs`) or move no data.
+    let Some(opcode) = req.code.base() else {
+        return Vec::new();
+    };
+    match opcode {
         Opcode::Allreduce => vec![Piece::Reduce {
             inputs: inputs(0),
             outputs: all_outputs(0),

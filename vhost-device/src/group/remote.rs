@@ -51,6 +51,7 @@ use virtio_dmlc::{unsupported, Dtype, Opcode, ReduceOp, Status, VirtioDmlcReq, N
 use zerocopy::{FromBytes, IntoBytes};
 
 use super::{header_mismatch, lock, Arrival, Cause, Outcome, Running, Shared, Waiting};
+use crate::chain::Code;
 use crate::datapath::{self, HostSeg, SegRef};
 
 /// Bytes of one host's entry in a step: kind, peer, mismatch mask,
@@ -208,15 +209,17 @@ pub(super) enum Step {
 
 /// The opcodes the inter-host stage runs; the others fail with
 /// UNSUPPORTED on every host.
-pub fn supported(op: Opcode) -> bool {
+pub fn supported(code: Code) -> bool {
     matches!(
-        op,
-        Opcode::Allreduce
-            | Opcode::Reduce
-            | Opcode::ReduceScatter
-            | Opcode::Broadcast
-            | Opcode::Allgather
-            | Opcode::Barrier
+        code,
+        Code::Base(
+            Opcode::Allreduce
+                | Opcode::Reduce
+                | Opcode::ReduceScatter
+                | Opcode::Broadcast
+                | Opcode::Allgather
+                | Opcode::Barrier
+        )
     )
 }
 
@@ -549,10 +552,10 @@ fn collective(
         return Ok(());
     }
     let req = &arrivals[0].req;
-    if !supported(req.opcode) {
+    if !supported(req.code) {
         log::warn!(
             "{} is not supported across hosts yet: it fails with UNSUPPORTED",
-            req.opcode
+            req.code
         );
         running.end();
         fail_all(
@@ -565,10 +568,10 @@ fn collective(
     let agreed = Instant::now();
     match data_stage(ex, sh, &arrivals, &running, hosts, deadline) {
         Ok(()) => {
-            sh.metrics.collective_done(req.opcode);
+            sh.metrics.collective_done(req.code);
             log::debug!(
                 "{} of {} bytes: entries agreed in {:?}, data in {:?}",
-                req.opcode,
+                req.code,
                 req.count_bytes(),
                 agreed - filled,
                 agreed.elapsed()
@@ -640,8 +643,8 @@ impl<'a> Reduction<'a> {
         op: ReduceOp,
     ) -> Self {
         let req = &arrivals[0].req;
-        let written = match req.opcode {
-            Opcode::Allreduce => arrivals.len() * req.count_bytes(),
+        let written = match req.code {
+            Code::Base(Opcode::Allreduce) => arrivals.len() * req.count_bytes(),
             _ => req.count_bytes(),
         };
         Reduction {
@@ -726,8 +729,8 @@ impl Pieces for Reduction<'_> {
             }
         };
         let req = &self.arrivals[0].req;
-        match req.opcode {
-            Opcode::ReduceScatter => {
+        match req.code {
+            Code::Base(Opcode::ReduceScatter) => {
                 // Member g receives bytes g*b .. (g+1)*b of the result.
                 let b = req.count_bytes();
                 for a in self.arrivals {
@@ -748,7 +751,7 @@ impl Pieces for Reduction<'_> {
                     reduce(lo - at, &[out], hi - lo);
                 }
             }
-            Opcode::Reduce => {
+            Code::Base(Opcode::Reduce) => {
                 let root = req.root as usize;
                 if let Some(a) = self
                     .arrivals
@@ -801,12 +804,12 @@ fn data_stage(
     // a reduction has written them), and where member `a` (global rank g)
     // finds its share.
     let result: Option<Vec<u8>>;
-    match req.opcode {
-        Opcode::Barrier => {
+    match req.code {
+        Code::Base(Opcode::Barrier) => {
             result = None;
             running.end();
         }
-        Opcode::Broadcast => {
+        Code::Base(Opcode::Broadcast) => {
             let root = req.root as usize;
             let mut buf = vec![0u8; b];
             if root / local == host {
@@ -826,7 +829,7 @@ fn data_stage(
             ex.broadcast(&mut buf, (root / local) as u32, deadline)?;
             result = Some(buf);
         }
-        Opcode::Allgather => {
+        Code::Base(Opcode::Allgather) => {
             let mut mine = vec![0u8; local * b];
             for (l, a) in arrivals.iter().enumerate() {
                 let segs = host_seg(&mut mine[l * b..(l + 1) * b]);
@@ -848,7 +851,7 @@ fn data_stage(
             let (Some(dtype), Some(op)) = (req.dtype, req.op) else {
                 return Ok(());
             };
-            let len = if req.opcode == Opcode::ReduceScatter {
+            let len = if req.code == Code::Base(Opcode::ReduceScatter) {
                 world * b
             } else {
                 b

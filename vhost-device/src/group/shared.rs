@@ -4,24 +4,47 @@
 
 #[cfg(test)]
 use std::sync::atomic::AtomicUsize;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::Instant;
 
+use virtio_dmlc::comm::VirtioDmlcRespComm;
 use virtio_dmlc::{Status, VirtioDmlcResp, NO_PEER};
 use vm_memory::{Bytes, GuestAddress};
 use zerocopy::IntoBytes;
 
+use super::comms::peer_in;
 use super::job::Outgoing;
-use super::state::{generation_of, lock, read, Arrival, Outcome, Slot, State};
+use super::state::{generation_of, lock, read, Arrival, Outcome, Slot, SlotKey, State};
 use super::timers::Later;
 use super::{remote, Completion, GroupConfig};
-use crate::chain::Request;
+use crate::chain::{CommView, Request};
 use crate::fault::FaultState;
 use crate::metrics::Metrics;
 use crate::timing::Timing;
 use crate::trace::Recorder;
 use crate::GuestMem;
+
+/// The layout of a response: that of 5.X.6.1, or that of feature bit 1
+/// with the communicator whose ranks it names (`None`: a request refused
+/// before its communicator was known; ranks are the group's).
+#[derive(Clone, Copy)]
+pub(super) enum Shape<'a> {
+    Base,
+    Comm(Option<&'a CommView>),
+}
+
+impl<'a> Shape<'a> {
+    pub(super) fn of(req: &'a Request) -> Self {
+        match &req.comm {
+            Some(c) => Shape::Comm(Some(&c.view)),
+            None => Shape::Base,
+        }
+    }
+}
+
+/// A response to write: where, what, with which generation, in which layout.
+pub(super) type Response<'a> = (&'a GuestMem, GuestAddress, Outcome, u32, Shape<'a>);
 
 /// Whether a member's requests may be completed: `epoch` changes every
 /// time the member is lost, and `accepting` is false from a loss until the
@@ -46,6 +69,8 @@ pub(super) struct Shared {
     /// Per member; see [`Gate`]. Mirrored in `State::members` for checks
     /// made under the state lock.
     pub(super) gates: Vec<RwLock<Gate>>,
+    /// Per member: the feature bits its driver acknowledged.
+    pub(super) features: Vec<AtomicU64>,
     /// The generation config space shows (`State::published`), for
     /// lock-free reads.
     pub(super) generation: AtomicU32,
@@ -99,7 +124,7 @@ impl Shared {
             a.queue,
             a.req.head,
             &a.done,
-            Some((&a.mem, a.req.response, out, generation)),
+            Some((&a.mem, a.req.response, out, generation, Shape::of(&a.req))),
             a.req.writable_len,
         )
     }
@@ -153,16 +178,39 @@ impl Shared {
                 let connected = st.members.iter().filter(|m| m.connected).count();
                 sh.metrics.set_members_connected(connected as u32);
             }
-            for (_, slot) in st.slots.drain() {
-                if let Slot::Waiting(w) = slot {
-                    for a in w.arrivals.into_iter().flatten() {
-                        if lost.is_some_and(|(rank, _)| a.rank == rank) {
-                            sh.metrics.dropped();
-                        } else {
-                            failed.push(a);
-                        }
-                    }
+            // A loss fails what is pending on the communicators that
+            // contain the lost member (0 among them) and revokes those
+            // other than 0; anything else fails everything pending and
+            // ends every communicator but 0 (spec 5.X.6.13.3).
+            let State {
+                comms, slots, p2p, ..
+            } = &mut *st;
+            let affected = |comm: u32| lost.is_none_or(|(rank, _)| comms.contains(comm, rank));
+            let keys: Vec<SlotKey> = slots
+                .keys()
+                .copied()
+                .filter(|k| affected(k.comm()))
+                .collect();
+            let waits = p2p.take_if(|w| affected(w.comm));
+            let mut dropped_or_failed = |a: Arrival| {
+                if lost.is_some_and(|(rank, _)| a.rank == rank) {
+                    sh.metrics.dropped();
+                } else {
+                    failed.push(a);
                 }
+            };
+            for k in keys {
+                if let Some(Slot::Waiting(w)) = slots.remove(&k) {
+                    w.arrivals
+                        .into_iter()
+                        .flatten()
+                        .for_each(&mut dropped_or_failed);
+                }
+            }
+            waits.into_iter().for_each(|w| dropped_or_failed(w.arrival));
+            match lost {
+                Some((rank, _)) => comms.lose(rank),
+                None => comms.reset(),
             }
             if let (Some(link), Some((rank, _))) = (&sh.cfg.remote, lost) {
                 // Under the state lock, after every collective of the old
@@ -223,7 +271,7 @@ impl Shared {
         out: Outcome,
     ) -> bool {
         let generation = self.resp_generation.load(Ordering::Acquire);
-        let response = Some((mem, req.response, out, generation));
+        let response = Some((mem, req.response, out, generation, Shape::of(req)));
         self.finish(
             rank,
             epoch,
@@ -247,7 +295,7 @@ impl Shared {
         queue: u16,
         head: u16,
         done: &Arc<dyn Completion>,
-        response: Option<(&GuestMem, GuestAddress, Outcome, u32)>,
+        response: Option<Response<'_>>,
         writable_len: u32,
     ) -> bool {
         let gate = read(&self.gates[rank as usize]);
@@ -271,19 +319,26 @@ impl Shared {
     pub(super) fn deliver_together(
         &self,
         arrivals: &[Arrival],
-        out: Outcome,
+        out: impl Fn(usize) -> Outcome,
     ) -> Vec<Option<Instant>> {
         let generation = self.resp_generation.load(Ordering::Acquire);
         let mut to_notify = Vec::with_capacity(arrivals.len());
         let delivered: Vec<bool> = arrivals
             .iter()
-            .map(|a| {
+            .enumerate()
+            .map(|(i, a)| {
                 let gate = read(&self.gates[a.rank as usize]);
                 if gate.epoch != a.epoch || !gate.accepting {
                     self.metrics.dropped();
                     return false;
                 }
-                let response = Some((&*a.mem, a.req.response, out, generation));
+                let response = Some((
+                    &*a.mem,
+                    a.req.response,
+                    out(i),
+                    generation,
+                    Shape::of(&a.req),
+                ));
                 if self.respond(
                     a.rank,
                     a.queue,
@@ -320,7 +375,7 @@ impl Shared {
             return false;
         }
         write();
-        let response = Some((&*a.mem, a.req.response, out, generation));
+        let response = Some((&*a.mem, a.req.response, out, generation, Shape::of(&a.req)));
         let notify = self.respond(
             a.rank,
             a.queue,
@@ -361,15 +416,19 @@ impl Shared {
         queue: u16,
         head: u16,
         done: &Arc<dyn Completion>,
-        response: Option<(&GuestMem, GuestAddress, Outcome, u32)>,
+        response: Option<Response<'_>>,
         writable_len: u32,
     ) -> bool {
         let written = match response {
-            Some((mem, addr, out, generation)) => {
-                let resp = VirtioDmlcResp {
+            Some((mem, addr, out, generation, shape)) => {
+                let view = match shape {
+                    Shape::Base => None,
+                    Shape::Comm(v) => Some(v),
+                };
+                let base = VirtioDmlcResp {
                     status: out.status.raw().into(),
                     detail: out.detail.into(),
-                    peer: out.peer.into(),
+                    peer: peer_in(view.flatten(), out.peer).into(),
                     generation: generation.into(),
                 };
                 if out.status != Status::Ok {
@@ -378,7 +437,20 @@ impl Shared {
                 if out.injected {
                     self.metrics.injected_error(out.status);
                 }
-                match mem.write_slice(resp.as_bytes(), addr) {
+                let (id, comm_rank, size) = out.made.unwrap_or((0, 0, 0));
+                let with_comm = VirtioDmlcRespComm {
+                    base,
+                    length: out.length.into(),
+                    comm: id.into(),
+                    comm_rank: comm_rank.into(),
+                    comm_size: size.into(),
+                    peer_world: out.peer.into(),
+                };
+                let bytes = match view {
+                    None => base.as_bytes(),
+                    Some(_) => with_comm.as_bytes(),
+                };
+                match mem.write_slice(bytes, addr) {
                     Ok(()) => writable_len,
                     Err(e) => {
                         // Checked at parse time; only a changed mapping gets here.

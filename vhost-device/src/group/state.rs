@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 
 use virtio_dmlc::{Status, NO_PEER};
 
+use super::comms::Comms;
+use super::p2p::P2p;
 use super::shared::Gate;
 use super::Completion;
 use crate::chain::Request;
@@ -40,7 +42,11 @@ pub(super) struct State {
     /// number of batches ([`Outgoing`](super::job::Outgoing)).
     pub(super) outgoing: BTreeMap<u64, usize>,
     pub(super) members: Vec<Member>,
-    pub(super) slots: HashMap<(u16, u64), Slot>,
+    pub(super) slots: HashMap<SlotKey, Slot>,
+    /// Communicators other than 0.
+    pub(super) comms: Comms,
+    /// Sends and receives waiting for their other end.
+    pub(super) p2p: P2p,
     /// The deadline the timer thread sleeps until, if any.
     pub(super) timer_target: Option<Instant>,
     /// Number of the next collective to run; they run in this order.
@@ -59,6 +65,36 @@ pub(super) struct State {
     pub(super) timing: Option<Arc<Timing>>,
 }
 
+/// Where the requests of one collective meet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) enum SlotKey {
+    /// Collective `seq` of communicator `comm` on `queue` (5.X.6.6, per
+    /// communicator as 5.X.6.13.3 says).
+    Coll { comm: u32, queue: u16, seq: u64 },
+    /// The `order`-th comm_create of each listed member with this parent
+    /// communicator and tag.
+    Create { parent: u32, tag: u64, order: u64 },
+}
+
+impl SlotKey {
+    /// Queue and sequence number, as records and the timing model name a
+    /// collective (a comm_create: queue 0 and its order).
+    pub(super) fn short(self) -> (u16, u64) {
+        match self {
+            SlotKey::Coll { queue, seq, .. } => (queue, seq),
+            SlotKey::Create { order, .. } => (0, order),
+        }
+    }
+
+    /// The communicator whose members' requests meet here.
+    pub(super) fn comm(self) -> u32 {
+        match self {
+            SlotKey::Coll { comm, .. } => comm,
+            SlotKey::Create { parent, .. } => parent,
+        }
+    }
+}
+
 pub(super) enum Slot {
     Waiting(Waiting),
     /// The collective timed out; members in `missing` that arrive late
@@ -67,11 +103,57 @@ pub(super) enum Slot {
 }
 
 pub(super) struct Waiting {
-    /// Indexed by rank.
+    /// Indexed by rank in the communicator (a comm_create: in its parent).
     pub(super) arrivals: Vec<Option<Arrival>>,
     pub(super) present: u32,
+    /// Group ranks of the communicator's members, by their rank in it
+    /// (`None`: communicator 0).
+    pub(super) members: Option<Arc<[u32]>>,
+    /// A comm_create: the ranks (in the parent) its first caller listed,
+    /// in the new communicator's order; it is complete once they are all
+    /// present.
+    pub(super) listed: Option<Vec<u32>>,
     pub(super) first: Instant,
     pub(super) deadline: Instant,
+}
+
+impl Waiting {
+    /// An empty slot for a communicator of `size` whose members are
+    /// `members` (`None`: communicator 0).
+    pub(super) fn new(size: u32, members: Option<Arc<[u32]>>, now: Instant) -> Self {
+        Waiting {
+            arrivals: (0..size).map(|_| None).collect(),
+            present: 0,
+            members,
+            listed: None,
+            first: now,
+            deadline: now,
+        }
+    }
+
+    /// Every member it waits for has arrived.
+    pub(super) fn complete(&self) -> bool {
+        match &self.listed {
+            Some(l) => l.iter().all(|&r| self.arrivals[r as usize].is_some()),
+            None => self.present as usize == self.arrivals.len(),
+        }
+    }
+
+    /// By rank in the communicator: who it still waits for.
+    pub(super) fn missing(&self) -> Vec<bool> {
+        self.arrivals
+            .iter()
+            .enumerate()
+            .map(|(i, a)| {
+                a.is_none() && self.listed.as_ref().is_none_or(|l| l.contains(&(i as u32)))
+            })
+            .collect()
+    }
+
+    /// The group rank of its rank `r`.
+    pub(super) fn world_rank(&self, r: usize) -> u32 {
+        self.members.as_ref().map_or(r as u32, |m| m[r])
+    }
 }
 
 pub(super) struct TimedOut {
@@ -100,7 +182,14 @@ pub(super) struct Arrival {
 pub(super) struct Outcome {
     pub(super) status: Status,
     pub(super) detail: u32,
+    /// A group rank (or `NO_PEER`); a response of feature bit 1 carries
+    /// it as a rank of the request's communicator and as `peer_world`.
     pub(super) peer: u32,
+    /// Feature bit 1: the response's `length` (send and receive).
+    pub(super) length: u64,
+    /// Feature bit 1: the new communicator's id, the member's rank in it
+    /// and its size (comm_split, comm_create).
+    pub(super) made: Option<(u32, u32, u32)>,
     /// The daemon failed it on purpose (`--timing` `[[fail]]`): counted in
     /// the injected errors as well, before the completion is visible.
     pub(super) injected: bool,
@@ -111,6 +200,8 @@ impl Outcome {
         status: Status::Ok,
         detail: 0,
         peer: NO_PEER,
+        length: 0,
+        made: None,
         injected: false,
     };
 
@@ -119,6 +210,8 @@ impl Outcome {
             status,
             detail,
             peer,
+            length: 0,
+            made: None,
             injected: false,
         }
     }

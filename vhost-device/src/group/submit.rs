@@ -6,18 +6,20 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use virtio_dmlc::comm::{CommOpcode, BAD_COMM, COMM_WORLD};
 use virtio_dmlc::{Opcode, Status, NO_PEER};
 use virtio_queue::DescriptorChain;
 
+use super::comms::Found;
 use super::job::{Job, Outgoing, Running};
 use super::matching::mismatch_mask;
 use super::pieces::{plan, split, Piece};
-use super::shared::{Cause, Gate};
-use super::state::{lock, read, Arrival, Outcome, Slot, State, Waiting};
+use super::shared::{Cause, Gate, Shape};
+use super::state::{lock, read, Arrival, Outcome, Slot, SlotKey, State, Waiting};
 use super::test_fault::TestFault;
 use super::timed::{completed_at, record_of, schedule, Due, FailLater, Injected, Schedule};
 use super::{remote, Completion, Group, SPLIT_THRESHOLD};
-use crate::chain::{self, Limits, Request};
+use crate::chain::{self, create_list, Code, CommView, Limits, Request};
 use crate::timing::FailRule;
 use crate::GuestMem;
 
@@ -38,7 +40,7 @@ impl Group {
         let Some((req, gate)) = self.admit(rank, queue, mem, chain, done) else {
             return;
         };
-        sh.metrics.request(req.opcode);
+        sh.metrics.request(req.code);
         let reset = Outcome::fail(Status::Reset, 0, NO_PEER);
         sh.answer_now(rank, gate.epoch, queue, mem, &req, done, reset);
     }
@@ -72,19 +74,29 @@ impl Group {
             rank: sh.global(rank),
             max_segments: sh.cfg.max_segments,
             max_bytes: sh.cfg.max_bytes,
+            features: sh.features[rank as usize].load(Ordering::Acquire),
         };
-        let req = match chain::parse(chain, &limits) {
+        // Communicators other than 0 are looked up under the state lock;
+        // the one a request names is checked again when it is filed.
+        let comms = |id: u32| lock(&sh.state).comms.view(id, rank);
+        let req = match chain::parse_in(chain, &limits, &comms) {
             Ok(req) => req,
             Err(rej) => {
-                if let Some(op) = rej.opcode {
+                if let Some(op) = rej.code {
                     sh.metrics.request(op);
                 }
+                let shape = if rej.comm_response {
+                    Shape::Comm(None)
+                } else {
+                    Shape::Base
+                };
                 let response = match (rej.error.status_detail(), rej.response) {
                     (Some((status, detail)), Some(addr)) => Some((
                         &**mem,
                         addr,
                         Outcome::fail(status, detail, NO_PEER),
                         sh.resp_generation.load(Ordering::Acquire),
+                        shape,
                     )),
                     _ => None,
                 };
@@ -124,10 +136,10 @@ impl Group {
         let Some((req, gate)) = self.admit(rank, queue, mem, chain, done) else {
             return;
         };
-        if req.opcode == Opcode::Nop {
+        if req.code == Code::Base(Opcode::Nop) {
             // Answered at once for this member alone (spec 5.X.6.3): no
             // sequence number, no timeout, no timing model.
-            sh.metrics.request(req.opcode);
+            sh.metrics.request(req.code);
             sh.answer_now(rank, gate.epoch, queue, mem, &req, done, Outcome::OK);
             return;
         }
@@ -147,7 +159,7 @@ impl Group {
         let mut st = lock(&sh.state);
         // Counted under the state lock: whoever reads the count and then
         // takes the lock (a loss, a reset) finds the request filed.
-        sh.metrics.request(arrival.req.opcode);
+        sh.metrics.request(arrival.req.code);
         let m = &mut st.members[rank as usize];
         if m.gate != gate {
             // Lost while parsing: this chain belongs to a ring that is gone.
@@ -164,13 +176,61 @@ impl Group {
             .checked_add(timeout)
             .or_else(|| now.checked_add(Duration::from_secs(1 << 30)))
             .unwrap_or(now);
-        let seq = m.seqs[usize::from(queue)];
-        m.seqs[usize::from(queue)] = seq + 1;
-        let key = (queue, seq);
+        let view = match &arrival.req.comm {
+            Some(c) => c.view.clone(),
+            None => CommView::world(rank, sh.world),
+        };
+        if view.id != COMM_WORLD {
+            // Freed or revoked since the request was parsed (spec
+            // 5.X.6.13.3): answered now, with no sequence number.
+            let out = match st.comms.find(view.id) {
+                Found::Live => None,
+                Found::Unknown => Some(Outcome::fail(Status::BadRequest, BAD_COMM, NO_PEER)),
+                Found::Revoked(_) if arrival.req.code == Code::Comm(CommOpcode::CommFree) => {
+                    st.comms.free_revoked(view.id, rank);
+                    Some(Outcome::OK)
+                }
+                Found::Revoked(lost) => Some(Outcome::fail(Status::PeerLost, 0, lost)),
+            };
+            if let Some(out) = out {
+                drop(st);
+                sh.answer_now(rank, gate.epoch, queue, mem, &arrival.req, done, out);
+                return;
+            }
+        }
+        let key = match arrival.req.code {
+            Code::Comm(CommOpcode::Send | CommOpcode::Recv) => {
+                return self.file_p2p(st, arrival, view, deadline);
+            }
+            Code::Comm(CommOpcode::CommCreate) => {
+                let tag = arrival.req.header.tag.get();
+                let order = st.comms.next_create(rank, view.id, tag);
+                SlotKey::Create {
+                    parent: view.id,
+                    tag,
+                    order,
+                }
+            }
+            _ => {
+                let seq = if view.id == COMM_WORLD {
+                    let m = &mut st.members[rank as usize];
+                    let seq = m.seqs[usize::from(queue)];
+                    m.seqs[usize::from(queue)] = seq + 1;
+                    seq
+                } else {
+                    st.comms.next_seq(view.id, view.rank, queue)
+                };
+                SlotKey::Coll {
+                    comm: view.id,
+                    queue,
+                    seq,
+                }
+            }
+        };
         let State {
             timing, members, ..
         } = &mut *st;
-        if let Some(t) = timing {
+        if let (Some(t), COMM_WORLD) = (timing, view.id) {
             // Under the state lock, in the member's order of arrivals on
             // this queue: the same requests get the same delays.
             let m = &mut members[rank as usize];
@@ -186,8 +246,9 @@ impl Group {
         let mut waiting = match st.slots.remove(&key) {
             Some(Slot::TimedOut(mut t)) => {
                 let peer = t.peer;
-                if t.missing[rank as usize] {
-                    t.missing[rank as usize] = false;
+                let at = view.rank as usize;
+                if t.missing[at] {
+                    t.missing[at] = false;
                     t.left -= 1;
                 }
                 if t.left > 0 {
@@ -202,7 +263,7 @@ impl Group {
                 if let Some(rec) = &sh.recorder {
                     let generation = sh.resp_generation.load(Ordering::Acquire);
                     let mut r = record_of(
-                        key,
+                        key.short(),
                         generation,
                         std::slice::from_ref(&arrival),
                         sh.world,
@@ -214,19 +275,24 @@ impl Group {
                 return;
             }
             Some(Slot::Waiting(w)) => w,
-            None => Waiting {
-                arrivals: (0..sh.world).map(|_| None).collect(),
-                present: 0,
-                first: now,
-                deadline,
-            },
+            None => {
+                let mut w = Waiting::new(view.size, view.members.clone(), now);
+                w.deadline = deadline;
+                if let (SlotKey::Create { .. }, Some(c)) = (key, &arrival.req.comm) {
+                    // The first caller's list is the reference (its own
+                    // was checked at parse time).
+                    w.listed = Some(create_list(&c.table).unwrap_or_default());
+                }
+                w
+            }
         };
         waiting.deadline = waiting.deadline.min(deadline);
-        if waiting.arrivals[rank as usize].is_none() {
+        let at = view.rank as usize;
+        if waiting.arrivals[at].is_none() {
             waiting.present += 1;
         }
-        waiting.arrivals[rank as usize] = Some(arrival);
-        if waiting.present < sh.world {
+        waiting.arrivals[at] = Some(arrival);
+        if !waiting.complete() {
             let deadline = waiting.deadline;
             st.slots.insert(key, Slot::Waiting(waiting));
             if st.timer_target.is_none_or(|t| deadline < t) {
@@ -238,6 +304,9 @@ impl Group {
         // Counted as running under the state lock, so that a loss after
         // this point waits for it.
         let running = Running::start(&self.shared, &mut st);
+        if let SlotKey::Create { .. } = key {
+            return self.finish_create(st, key, waiting, running);
+        }
         if let Some(link) = &sh.cfg.remote {
             // Handed over under the state lock: the inter-host stage takes
             // this host's collectives in the order their slots filled.
@@ -263,17 +332,25 @@ impl Group {
             }
             return;
         }
+        // The timing model prices the group's own collectives only.
         let sched = st
             .timing
             .clone()
-            .map(|t| schedule(&t, &mut st, key, &waiting));
+            .filter(|_| {
+                key.comm() == COMM_WORLD
+                    && waiting.arrivals[0]
+                        .as_ref()
+                        .is_some_and(|a| a.req.code.base().is_some())
+            })
+            .map(|t| schedule(&t, &mut st, key.short(), &waiting));
         drop(st);
         self.run(key, waiting, running, sched);
     }
 
     /// Runs collective `key`, whose members have all arrived.
-    fn run(&self, key: (u16, u64), w: Waiting, running: Running, sched: Option<Schedule>) {
+    fn run(&self, slot: SlotKey, w: Waiting, running: Running, sched: Option<Schedule>) {
         let sh = &self.shared;
+        let key = slot.short();
         let arrivals: Vec<Arrival> = w.arrivals.into_iter().flatten().collect();
         // Effective arrivals: an injected delay counts as its member's.
         let counted = |a: &Arrival| a.at + a.delay;
@@ -311,7 +388,7 @@ impl Group {
             // No data moves.
             running.end();
             let out = Outcome::fail(Status::Mismatch, mask, peer);
-            let done_at = sh.deliver_together(&arrivals, out);
+            let done_at = sh.deliver_together(&arrivals, |_| out);
             running.delivered();
             if let Some(rec) = &sh.recorder {
                 let generation = sh.resp_generation.load(Ordering::Acquire);
@@ -322,22 +399,26 @@ impl Group {
             return;
         }
 
+        if let Code::Comm(op @ (CommOpcode::CommSplit | CommOpcode::CommFree)) = reference.code {
+            return self.finish_comm_op(slot, op, arrivals, running, w.members);
+        }
+
         let mut pieces = plan(&arrivals);
         let TestFault {
             skip_write,
             panic: panic_now,
         } = TestFault::arm(&sh.faults, key, &mut pieces);
-        let total: usize = pieces.iter().map(Piece::len).sum();
         let reduce = reference.dtype.zip(reference.op);
-        let opcode = reference.opcode;
+        let opcode = reference.code;
         let n_arrivals = arrivals.len();
-        let mut job = Job {
+        let job = Job {
             shared: sh.clone(),
             key,
             opcode,
             reduce,
             arrivals,
             pieces,
+            ok: Vec::new(),
             parts: Vec::new(),
             next: AtomicUsize::new(0),
             left: AtomicUsize::new(0),
@@ -353,6 +434,14 @@ impl Group {
             }),
             sched,
         };
+        self.launch(job, panic_now);
+    }
+
+    /// Moves a job's data: inline, or split over the reduction threads
+    /// when it is large; whichever thread ends last completes it.
+    pub(super) fn launch(&self, mut job: Job, panic_now: bool) {
+        let sh = &self.shared;
+        let total: usize = job.pieces.iter().map(Piece::len).sum();
         // Bounced elements are loaded before any data moves (a panic here
         // fails the collective like one in a part).
         job.guarded(|| {

@@ -775,7 +775,7 @@ fn member_lost_fails_waiting_peers_promptly_and_restarts_sequences() {
         waiting.push(w.submit(r, 0, &d));
     }
     assert_eq!(w.completions(), 0);
-    assert_eq!(w.group.config_space(0).generation.get(), 1);
+    assert_eq!(w.group.config_space(0).base.generation.get(), 1);
 
     let t = Instant::now();
     w.group.member_lost(2);
@@ -786,7 +786,7 @@ fn member_lost_fails_waiting_peers_promptly_and_restarts_sequences() {
     }
     // Far from the 60 s timeout (a bound a loaded machine keeps).
     assert!(t.elapsed() < config(n).timeout / 2, "not prompt");
-    assert_eq!(w.group.config_space(1).generation.get(), 2);
+    assert_eq!(w.group.config_space(1).base.generation.get(), 2);
     assert_eq!(w.group.metrics().errors(Status::PeerLost), 3);
 
     // The lost member's own request is dropped, and so are its chains until
@@ -1038,7 +1038,9 @@ fn big_collectives_split_over_threads_match_inline() {
 #[test]
 fn config_space_reports_group() {
     let w = World::new(config(3));
-    let c = w.group.config_space(2);
+    let space = w.group.config_space(2);
+    assert_eq!(space.max_comms.get(), 8);
+    let c = space.base;
     assert_eq!(c.rank.get(), 2);
     assert_eq!(c.world_size.get(), 3);
     assert_eq!(c.num_queues.get(), 4);
@@ -1046,7 +1048,9 @@ fn config_space_reports_group() {
     assert_eq!(c.max_bytes.get(), 64 << 20);
     assert_eq!(c.dtypes.get(), 0x3ff);
     assert_eq!(c.ops.get(), 0xff);
-    assert_eq!(c.opcodes.get(), 0x7f);
+    // The opcodes of 5.X.6.1, then send, recv (bit 2) and comm_split,
+    // comm_create, comm_free (bit 1); bit 3's are not served yet.
+    assert_eq!(c.opcodes.get(), 0x7f | 0b11 << 7 | 0b111 << 15);
     assert_eq!(c.generation.get(), 1);
     assert_eq!(c.group_id.get(), 0x1234);
 }
@@ -2023,13 +2027,13 @@ fn every_member_sees_the_same_config_but_its_own_rank() {
         }
         let spaces: Vec<_> = (0..n).map(|r| w.group.config_space(r)).collect();
         for (r, c) in spaces.iter().enumerate() {
-            assert_eq!(c.rank.get(), r as u32);
+            assert_eq!(c.base.rank.get(), r as u32);
             let mut same = *c;
-            same.rank = spaces[0].rank;
+            same.base.rank = spaces[0].base.rank;
             assert_eq!(same, spaces[0], "rank {r}");
         }
         let want = if lost.is_some() { 2 } else { 1 };
-        assert_eq!(spaces[0].generation.get(), want);
+        assert_eq!(spaces[0].base.generation.get(), want);
     }
 }
 
@@ -2056,6 +2060,7 @@ fn a_header_rewritten_after_arrival_has_no_effect() {
     assert_eq!(w.wait(&p0).1, ok_resp(1));
 }
 
+mod comms;
 mod timed;
 
 /// `split` cuts every piece into page-aligned ranges that cover it in

@@ -13,6 +13,7 @@ use super::job::{Job, Running};
 use super::matching::mismatch_mask;
 use super::shared::Shared;
 use super::state::{Arrival, Outcome, State, Waiting};
+use crate::chain::Code;
 use crate::timing::{FailRule, Timing};
 use crate::trace::{MemberRecord, Record};
 
@@ -94,7 +95,7 @@ pub(super) fn schedule(t: &Timing, st: &mut State, key: (u16, u64), w: &Waiting)
     }
     let start = last.max(busy);
     let (opcode, block, root) = (
-        reference.opcode,
+        reference.code.base().unwrap_or(Opcode::Barrier),
         reference.count_bytes() as u64,
         reference.root,
     );
@@ -179,7 +180,8 @@ pub(super) fn record_of(
         queue: key.0,
         seq: key.1,
         generation,
-        opcode: reference.map_or(Opcode::Barrier, |r| r.opcode),
+        comm: reference.map_or(0, |r| r.comm_id()),
+        opcode: reference.map_or(Code::Base(Opcode::Barrier), |r| r.code),
         dtype: reference.and_then(|r| r.dtype),
         op: reference.and_then(|r| r.op),
         count: reference.map_or(0, |r| r.count),

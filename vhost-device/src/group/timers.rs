@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use virtio_dmlc::Status;
 
 use super::job::Outgoing;
+use super::p2p::timed_out;
 use super::remote;
 use super::shared::Shared;
 use super::state::{lock, Arrival, Outcome, Slot, TimedOut};
@@ -153,14 +154,21 @@ pub(super) fn timer_loop(sh: &Arc<Shared>) {
                 }
             }
         }
+        let mut p2p_failed = st.p2p.take_if(|w| w.deadline <= now);
+        if let Some(d) = st.p2p.next_deadline() {
+            if next.is_none_or(|n| d < n) {
+                next = Some(d);
+            }
+        }
         let mut failed = Vec::new();
         for key in expired {
             let Some(Slot::Waiting(w)) = st.slots.remove(&key) else {
                 continue;
             };
-            let missing: Vec<bool> = w.arrivals.iter().map(Option::is_none).collect();
-            let peer = sh.global(missing.iter().position(|m| *m).unwrap_or(0) as u32);
-            let left = sh.world - w.present;
+            let missing = w.missing();
+            let first_missing = missing.iter().position(|m| *m).unwrap_or(0);
+            let peer = sh.global(w.world_rank(first_missing));
+            let left = missing.iter().filter(|m| **m).count() as u32;
             if let Some(link) = &sh.cfg.remote {
                 // This host's step for the slot: TIMEOUT on every host.
                 let _ = link.tx.send(remote::Work(remote::Step::TimedOut {
@@ -183,10 +191,15 @@ pub(super) fn timer_loop(sh: &Arc<Shared>) {
             failed.push((key, arrivals, out));
         }
         st.timer_target = next;
-        if !failed.is_empty() {
+        if !failed.is_empty() || !p2p_failed.is_empty() {
             let era = st.era;
             let batch = Outgoing::register(sh, &mut st, era);
             drop(st);
+            // A send or receive that times out leaves no trace (spec
+            // 5.X.6.13.4).
+            for w in p2p_failed.drain(..) {
+                sh.deliver(&w.arrival, timed_out(&w));
+            }
             for (key, arrivals, out) in &failed {
                 let mut done_at = Vec::new();
                 for a in arrivals {
@@ -197,7 +210,7 @@ pub(super) fn timer_loop(sh: &Arc<Shared>) {
                 }
                 if let Some(rec) = &sh.recorder {
                     let generation = sh.resp_generation.load(Ordering::Acquire);
-                    let mut r = record_of(*key, generation, arrivals, sh.world, *out);
+                    let mut r = record_of(key.short(), generation, arrivals, sh.world, *out);
                     completed_at(&mut r, arrivals, &done_at);
                     rec.push(r);
                 }

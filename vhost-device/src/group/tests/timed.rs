@@ -312,7 +312,7 @@ fn an_injected_peer_lost_gives_what_a_real_one_gives() {
         }
     }
     assert_eq!(w.wait(&waiting).1, resp(Status::PeerLost, 0, 2, 2));
-    assert_eq!(w.group.config_space(0).generation.get(), 2);
+    assert_eq!(w.group.config_space(0).base.generation.get(), 2);
     let m = w.group.metrics();
     assert_eq!(m.injected_errors(Status::PeerLost), 3);
     assert_eq!(m.injected_errors(Status::Reset), 1);
