@@ -46,10 +46,11 @@ pub struct Limits {
 }
 
 /// The feature bits of spec 5.X.6.13 that this backend serves: bit 1
-/// (communicators) and bit 2 (send and receive); bit 3 (all-to-all,
-/// gather and scatter) is not served yet.
-pub const SERVED_COMM_FEATURES: u64 =
-    1 << VIRTIO_DMLC_F_COMM | 1 << virtio_dmlc::comm::VIRTIO_DMLC_F_P2P;
+/// (communicators), bit 2 (send and receive) and bit 3 (all-to-all,
+/// gather and scatter).
+pub const SERVED_COMM_FEATURES: u64 = 1 << VIRTIO_DMLC_F_COMM
+    | 1 << virtio_dmlc::comm::VIRTIO_DMLC_F_P2P
+    | 1 << virtio_dmlc::comm::VIRTIO_DMLC_F_BLOCKS;
 
 /// What a request does: an opcode of 5.X.6.1, or one of feature bits 1
 /// to 3 (5.X.6.13.2).
@@ -653,7 +654,13 @@ pub fn parse_in(
         .filter(|d| d.writable)
         .map(|d| u64::from(d.len))
         .sum();
-    if in_place && have_in != 0 {
+    // Where the flag has no effect (a gather's or scatter's non-root,
+    // 5.X.6.13.2), the member's input is where it would be without it.
+    let in_place_applies = match code {
+        Code::Base(_) => in_place,
+        Code::Comm(_) => elems.in_place_input.is_some(),
+    };
+    if in_place_applies && have_in != 0 {
         return fail(reject, ChainError::BadRequest(bad::IN_PLACE_INPUT));
     }
     if data.iter().any(|d| !u64::from(d.len).is_multiple_of(esize)) {

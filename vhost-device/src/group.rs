@@ -57,6 +57,8 @@
 //!   members, their sequence numbers, revocation by a loss;
 //! - `p2p.rs`: sends and receives waiting for their other end, and what a
 //!   matched pair does;
+//! - `blocks.rs`: all-to-all, gather and scatter: their tables' agreement
+//!   and their copies;
 //! - `comm_ops.rs`: filing a send or receive and running its pair;
 //!   completing comm_split, comm_create and comm_free;
 //! - `shared.rs`: what every thread shares (`Shared`), delivering
@@ -89,6 +91,7 @@ use crate::metrics::Metrics;
 use crate::timing::Timing;
 use crate::trace::Recorder;
 
+mod blocks;
 mod comm_ops;
 mod comms;
 mod job;

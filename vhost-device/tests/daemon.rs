@@ -231,9 +231,8 @@ fn each_socket_reads_its_own_rank_from_config_space() {
         assert_eq!(c.max_bytes.get(), 2 << 20);
         assert_eq!(c.group_id.get(), 0x5eed);
         assert_eq!(c.dtypes.get(), virtio_dmlc::Dtype::all_mask());
-        // Those of 5.X.6.1, then send, recv, comm_split, comm_create and
-        // comm_free (bits 1 and 2).
-        let comm_opcodes = 0b11 << 7 | 0b111 << 15;
+        // Those of 5.X.6.1 (0 to 6), then those of bits 1 to 3 (7 to 17).
+        let comm_opcodes = 0x3_ff80;
         assert_eq!(
             c.opcodes.get(),
             virtio_dmlc::Opcode::all_mask() | comm_opcodes

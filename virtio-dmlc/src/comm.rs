@@ -1,11 +1,10 @@
 //! Communicators, send and receive, all-to-all, gather and scatter: the ABI
 //! of spec 5.X.6.13 (feature bits 1 to 3).
 //!
-//! This is the design the backend and the drivers are being built to; no
-//! device offers these bits yet. Their opcodes therefore live in
-//! [`CommOpcode`], apart from [`crate::Opcode`], whose `ALL` every
-//! self-test, fuzz model and benchmark walks: they join it when the backend
-//! serves them.
+//! Their opcodes live in [`CommOpcode`], apart from [`crate::Opcode`],
+//! whose `ALL` every self-test, fuzz model and benchmark of the
+//! collectives of 5.X.6.1 walks: a request of one of them has another
+//! header and response, and exists only where the bits were negotiated.
 
 use zerocopy::little_endian::{U32, U64};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};

@@ -6,10 +6,11 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use virtio_dmlc::comm::{CommOpcode, BAD_COMM, COMM_WORLD};
+use virtio_dmlc::comm::{CommOpcode, BAD_COMM, COMM_WORLD, MISMATCH_TABLE};
 use virtio_dmlc::{Opcode, Status, NO_PEER};
 use virtio_queue::DescriptorChain;
 
+use super::blocks;
 use super::comms::Found;
 use super::job::{Job, Outgoing, Running};
 use super::matching::mismatch_mask;
@@ -403,7 +404,26 @@ impl Group {
             return self.finish_comm_op(slot, op, arrivals, running, w.members);
         }
 
-        let mut pieces = plan(&arrivals);
+        let mut pieces = match reference.code {
+            Code::Comm(op) => match blocks::plan(&arrivals, op) {
+                Ok(p) => p,
+                Err(at) => {
+                    // The tables disagree: no data moves.
+                    running.end();
+                    let out = Outcome::fail(Status::Mismatch, MISMATCH_TABLE, arrivals[at].rank);
+                    let done_at = sh.deliver_together(&arrivals, |_| out);
+                    running.delivered();
+                    if let Some(rec) = &sh.recorder {
+                        let generation = sh.resp_generation.load(Ordering::Acquire);
+                        let mut r = record_of(key, generation, &arrivals, sh.world, out);
+                        completed_at(&mut r, &arrivals, &done_at);
+                        rec.push(r);
+                    }
+                    return;
+                }
+            },
+            Code::Base(_) => plan(&arrivals),
+        };
         let TestFault {
             skip_write,
             panic: panic_now,

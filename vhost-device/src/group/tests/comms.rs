@@ -17,13 +17,13 @@ use virtio_dmlc::{
 
 use super::*;
 
-const FEATURES: u64 =
+pub(super) const FEATURES: u64 =
     1 << VIRTIO_DMLC_F_COMM | 1 << VIRTIO_DMLC_F_P2P | 1 << VIRTIO_DMLC_F_REQ_TIMEOUT;
-const F32: u8 = Dtype::F32 as u8;
-const SUM: u8 = ReduceOp::Sum as u8;
+pub(super) const F32: u8 = Dtype::F32 as u8;
+pub(super) const SUM: u8 = ReduceOp::Sum as u8;
 
 /// `n` members whose drivers negotiated bits 1 and 2.
-fn comm_world(n: u32) -> World {
+pub(super) fn comm_world(n: u32) -> World {
     let w = World::new(config(n));
     for r in 0..n {
         w.group.set_member_features(r, FEATURES);
@@ -33,7 +33,7 @@ fn comm_world(n: u32) -> World {
 
 /// A header of feature bit 1.
 #[allow(clippy::too_many_arguments)]
-fn creq(
+pub(super) fn creq(
     opcode: u16,
     comm: u32,
     peer: u32,
@@ -52,14 +52,14 @@ fn creq(
     }
 }
 
-struct Posted {
-    p: Pending,
-    out: Option<Desc>,
+pub(super) struct Posted {
+    pub(super) p: Pending,
+    pub(super) out: Option<Desc>,
 }
 
 /// Submits member `r`'s request `h` (with `table`) on queue `q`, with
 /// `input` as its input and `out_len` bytes of output filled with 0x5a.
-fn post(
+pub(super) fn post(
     w: &mut World,
     r: u32,
     q: u16,
@@ -68,15 +68,28 @@ fn post(
     input: &[u8],
     out_len: usize,
 ) -> Posted {
+    post_onto(w, r, q, h, table, input, &vec![0x5a; out_len])
+}
+
+/// As [`post`], with the output buffer holding `out` before the request.
+pub(super) fn post_onto(
+    w: &mut World,
+    r: u32,
+    q: u16,
+    h: &VirtioDmlcReqComm,
+    table: &[u8],
+    input: &[u8],
+    out: &[u8],
+) -> Posted {
     let m = &mut w.members[r as usize];
     let mut d = vec![m.comm_header(h, table)];
     if !input.is_empty() {
         d.extend(m.segments(input, &[], false));
     }
-    let out = (out_len > 0).then(|| {
-        let a = m.alloc(out_len);
-        m.write(a, &vec![0x5a; out_len]);
-        Desc::w(a, out_len as u32)
+    let out = (!out.is_empty()).then(|| {
+        let a = m.alloc(out.len());
+        m.write(a, out);
+        Desc::w(a, out.len() as u32)
     });
     d.extend(out);
     d.push(m.comm_response());
@@ -86,11 +99,11 @@ fn post(
     }
 }
 
-fn f32s(v: &[f32]) -> Vec<u8> {
+pub(super) fn f32s(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-fn read_f32s(w: &World, r: u32, d: Desc) -> Vec<f32> {
+pub(super) fn read_f32s(w: &World, r: u32, d: Desc) -> Vec<f32> {
     w.members[r as usize]
         .read(d.addr, d.len as usize)
         .chunks_exact(4)
@@ -98,7 +111,7 @@ fn read_f32s(w: &World, r: u32, d: Desc) -> Vec<f32> {
         .collect()
 }
 
-fn status(r: &VirtioDmlcRespComm) -> (Status, u32) {
+pub(super) fn status(r: &VirtioDmlcRespComm) -> (Status, u32) {
     (
         Status::from_raw(r.base.status.get()).unwrap(),
         r.base.detail.get(),
@@ -107,7 +120,12 @@ fn status(r: &VirtioDmlcRespComm) -> (Status, u32) {
 
 /// Splits communicator `comm` of `ranks` (group ranks, in its rank order)
 /// with `(color, key)` per member; returns each member's response.
-fn split(w: &mut World, comm: u32, ranks: &[u32], given: &[(u32, u32)]) -> Vec<VirtioDmlcRespComm> {
+pub(super) fn split(
+    w: &mut World,
+    comm: u32,
+    ranks: &[u32],
+    given: &[(u32, u32)],
+) -> Vec<VirtioDmlcRespComm> {
     let posted: Vec<Posted> = ranks
         .iter()
         .zip(given)
@@ -481,7 +499,7 @@ fn requests_are_refused_with_the_detail_that_names_the_fault() {
         refused(&mut w, 0, h, &[], &[], 0),
         (Status::BadRequest, BAD_IN_PLACE_OPCODE)
     );
-    // All-to-all: bit 3, not served.
+    // All-to-all: bit 3, which these members did not negotiate.
     let a2a = creq(CommOpcode::Alltoall.raw(), 0, 0, 0, 1, 0, 0, &[]);
     assert_eq!(
         refused(&mut w, 0, a2a, &[], &f32s(&[1.0, 2.0]), 8),
