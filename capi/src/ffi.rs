@@ -993,6 +993,8 @@ pub unsafe extern "C" fn dmlc_submit(
             tag: r.tag,
             in_place: r.flags & FLAG_IN_PLACE != 0,
             timeout_ms: r.timeout_ms,
+            // The C ABI has no communicators yet.
+            comm: 0,
         };
         // SAFETY: forwarded contract.
         let ins = unsafe { slices(d, inputs, n_inputs, "input") }?;

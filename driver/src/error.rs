@@ -38,6 +38,12 @@ pub enum Error {
     /// The group was reset before the collective completed.
     #[error("collective failed: the group was reset")]
     Reset,
+    /// A message was larger than the receive it matched (spec 5.X.6.13.4):
+    /// nothing moved. `length` is the other end's size in bytes (on the
+    /// receive: the message's; on the send: the receive's room), `peer` the
+    /// other end's rank in the communicator.
+    #[error("message truncated: the other end ({}) has {length} bytes", Rank(*peer))]
+    Truncated { length: u64, peer: u32 },
     /// The device returned the chain without a status (used length 0): it
     /// could not find the response descriptor.
     #[error("device returned the request without a status (no valid response descriptor)")]
@@ -202,6 +208,7 @@ fn too_big_text(detail: u32) -> &'static str {
     match detail {
         too_big::BYTES => "more bytes than the device's max_bytes",
         too_big::SEGMENTS => "more segments than the device's max_segments",
+        virtio_dmlc::comm::TOO_BIG_COMMS => "the device's max_comms communicators are alive",
         _ => "unknown reason",
     }
 }

@@ -579,5 +579,7 @@ fn outcome(c: &KCompletion) -> Result<Done> {
         len: c.written.max(RESP_SIZE as u32),
         resp,
         has_resp: true,
+        // The kernel driver's responses are those of 5.X.6.1.
+        reply: Default::default(),
     })
 }

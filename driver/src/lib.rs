@@ -33,6 +33,9 @@ pub mod hugepage;
 #[cfg(feature = "pci")]
 pub mod pci;
 
-pub use device::{BufSlice, Device, DmaBuf, Done, Element, Handle, OpenOptions, RawDesc, Request};
+pub use device::{
+    counts_table, BufSlice, CommInfo, CommRequest, Device, DmaBuf, Done, Element, Handle,
+    OpenOptions, RawDesc, Received, Reply, Request,
+};
 pub use error::{Error, Result};
 pub use virtio_dmlc::{Dtype, Opcode, ReduceOp};

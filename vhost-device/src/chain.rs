@@ -443,8 +443,13 @@ pub fn parse_in(
         }
     }
 
+    // The whole header descriptor (with feature bit 1: the table too) is
+    // checked here with the other addresses, before any of its fields is
+    // used (spec 5.X.6.7.3, step 2).
     let mut buf = [0u8; REQ_COMM_HEADER_SIZE];
-    if mem.read_slice(&mut buf[..fixed], first.addr()).is_err() {
+    if !range_in_memory(mem, first.addr(), u64::from(first.len()))
+        || mem.read_slice(&mut buf[..fixed], first.addr()).is_err()
+    {
         return fail(reject, ChainError::BadRequest(bad::ADDRESS));
     }
     let Ok(header) = VirtioDmlcReq::read_from_bytes(&buf[..REQ_HEADER_SIZE]) else {
@@ -583,7 +588,13 @@ pub fn parse_in(
     }
     let count = header.count.get();
 
-    // Sizes the header asks for, in bytes, without overflow.
+    // Sizes the header asks for, in bytes, without overflow (a table of
+    // the wrong size first: it gives the sizes of the v forms).
+    if let (Code::Base(_), Some(c)) = (code, &comm) {
+        if !c.table.is_empty() {
+            return fail(reject, ChainError::BadRequest(comm::BAD_TABLE));
+        }
+    }
     let esize = dtype.map_or(1, Dtype::size) as u64;
     let elems = match (code, &comm) {
         (Code::Base(o), _) => buffer_elems(o, size, me, root, count, in_place)
@@ -615,11 +626,6 @@ pub fn parse_in(
         Ok(e) => e,
         Err(e) => return fail(reject, e),
     };
-    if let (Code::Base(_), Some(c)) = (code, &comm) {
-        if !c.table.is_empty() {
-            return fail(reject, ChainError::BadRequest(comm::BAD_TABLE));
-        }
-    }
     let bytes = |n: u64| n.checked_mul(esize);
     let (Some(want_in), Some(want_out)) = (bytes(elems.input), bytes(elems.output)) else {
         return fail(reject, ChainError::BadRequest(bad::OVERFLOW));

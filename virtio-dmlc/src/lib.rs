@@ -344,6 +344,10 @@ pub mod bad {
             CHAIN => "broken descriptor chain",
             BARRIER_DATA => "barrier with data",
             IN_PLACE_INPUT => "in-place request with input segments",
+            crate::comm::BAD_COMM => "unknown, freed or foreign communicator",
+            crate::comm::BAD_PEER => "peer is the member itself or not a rank of the communicator",
+            crate::comm::BAD_TABLE => "table of the wrong size, or a bad list of ranks",
+            crate::comm::BAD_IN_PLACE_OPCODE => "in place on an opcode without an in-place form",
             _ => "unknown reason",
         }
     }
@@ -360,7 +364,7 @@ pub mod mismatch {
 
     /// Names of the fields set in `mask`, in bit order.
     pub fn fields(mask: u32) -> impl Iterator<Item = &'static str> {
-        const NAMES: [&str; 6] = ["opcode", "dtype", "op", "count", "root", "tag"];
+        const NAMES: [&str; 7] = ["opcode", "dtype", "op", "count", "root", "tag", "table"];
         NAMES
             .into_iter()
             .enumerate()

@@ -49,8 +49,10 @@ impl Device {
                 return unsupported(unsupported::OP_FOR_DTYPE);
             }
         }
-        // Step 5: flags (a `Request` cannot set reserved ones) and root.
-        let world = c.world_size.get();
+        // Step 5: flags (a `Request` cannot set reserved ones) and root,
+        // in the request's communicator.
+        let place = self.comm_info(req.comm)?;
+        let world = place.size;
         let root_ok = if has_root(req.opcode) {
             req.root < world
         } else {
@@ -64,7 +66,7 @@ impl Device {
         let elems = virtio_dmlc::buffer_elems(
             req.opcode,
             world,
-            c.rank.get(),
+            place.rank,
             req.root,
             req.count,
             req.in_place,
@@ -118,10 +120,11 @@ impl Device {
 
     /// Element counts this member must supply for `req`.
     pub fn buffer_elems(&self, req: &Request) -> Result<BufferElems> {
+        let place = self.comm_info(req.comm)?;
         virtio_dmlc::buffer_elems(
             req.opcode,
-            self.world_size(),
-            self.rank(),
+            place.size,
+            place.rank,
             req.root,
             req.count,
             req.in_place,

@@ -20,7 +20,8 @@
 //! (the [`Device`] struct: open, accessors, close), `check.rs` (the local
 //! check), `post.rs` (submit, call), `wait.rs` (waiting), `queue.rs` (the
 //! queue engine under each queue's lock), `collectives.rs` (the blocking
-//! collectives and slice conveniences); the tests (`tests.rs`) run over a
+//! collectives and slice conveniences), `comms.rs` (communicators, send and
+//! receive, all-to-all, gather and scatter: spec 5.X.6.13); the tests (`tests.rs`) run over a
 //! fake transport (`fake.rs`).
 //!
 //! [`Error::QueueFull`]: crate::Error::QueueFull
@@ -28,6 +29,7 @@
 mod buffer;
 mod check;
 mod collectives;
+mod comms;
 mod open;
 mod options;
 mod post;
@@ -44,9 +46,10 @@ pub use virtio_dmlc::{Dtype, Opcode, ReduceOp};
 
 pub(crate) use buffer::Lease;
 pub use buffer::{BufSlice, DmaBuf, Element};
+pub use comms::{counts_table, CommInfo, CommRequest, Received};
 pub use open::Device;
 pub use options::{
     OpenOptions, Request, UnknownWait, Wait, ASSUMED_DEFAULT_TIMEOUT, HYBRID_SPIN_CAP, WAIT_MARGIN,
 };
 pub(crate) use queue::{completion_result, Completion};
-pub use queue::{Done, Handle, RawDesc};
+pub use queue::{Done, Handle, RawDesc, Reply};

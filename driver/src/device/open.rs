@@ -8,6 +8,9 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
+use virtio_dmlc::comm::{
+    VirtioDmlcConfigComm, VIRTIO_DMLC_F_BLOCKS, VIRTIO_DMLC_F_COMM, VIRTIO_DMLC_F_P2P,
+};
 use virtio_dmlc::{
     VirtioDmlcConfig, CONFIG_SIZE, VIRTIO_DMLC_F_REQ_TIMEOUT, VIRTIO_F_VERSION_1,
     VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
@@ -21,6 +24,7 @@ use crate::kernel::KernelFile;
 use crate::transport::Transport;
 use crate::virtqueue::{SplitQueue, MAX_QUEUE_SIZE};
 
+use super::comms::Comms;
 use super::queue::{Queue, QueueState, SLOT_SIZE};
 use super::spin::HybridSpin;
 use super::{OpenOptions, Wait};
@@ -34,6 +38,9 @@ pub struct Device {
     pub(super) mem: Arc<dyn DmaMemory>,
     pub(super) config: VirtioDmlcConfig,
     pub(super) features: u64,
+    /// Communicators (feature bit 1, spec 5.X.6.13) this member belongs to,
+    /// other than 0; `None` if the bit was not negotiated.
+    pub(super) comms: Option<Mutex<Comms>>,
     pub(super) poll: bool,
     /// The hybrid wait's bound (zero: none) and what it has learned.
     pub(super) spin: HybridSpin,
@@ -80,9 +87,23 @@ impl Device {
         if opts.event_idx {
             want |= bit(VIRTIO_RING_F_EVENT_IDX);
         }
+        // Communicators, send and receive, all-to-all, gather and scatter
+        // (spec 5.X.6.13), when offered; bits 2 and 3 only with bit 1.
+        let comm_bits =
+            bit(VIRTIO_DMLC_F_COMM) | bit(VIRTIO_DMLC_F_P2P) | bit(VIRTIO_DMLC_F_BLOCKS);
+        if transport.device_features() & bit(VIRTIO_DMLC_F_COMM) != 0 {
+            want |= comm_bits;
+        }
         let features = transport.device_features() & want;
         transport.negotiate(features)?;
         let config = read_config(&*transport)?;
+        let comms = if features & bit(VIRTIO_DMLC_F_COMM) != 0 {
+            let mut raw = [0u8; 4];
+            transport.read_config(MAX_COMMS_OFFSET, &mut raw)?;
+            Some(Mutex::new(Comms::new(u32::from_le_bytes(raw))))
+        } else {
+            None
+        };
         let (rank, world) = (config.rank.get(), config.world_size.get());
         if world == 0 || rank >= world {
             return Err(Error::BadConfig(format!(
@@ -136,6 +157,7 @@ impl Device {
             mem,
             config,
             features,
+            comms,
             poll,
             spin: HybridSpin::new(spin_cap),
             bounce: Mutex::new(None),
@@ -161,6 +183,8 @@ impl Device {
         }
         Ok(Device {
             features: transport.device_features(),
+            // The kernel driver's ioctls carry the headers of 5.X.6.1 only.
+            comms: None,
             transport,
             engine: Engine::Kernel(kernel),
             mem,
@@ -310,6 +334,9 @@ fn read_config(transport: &dyn Transport) -> Result<VirtioDmlcConfig> {
     transport.read_config(0, &mut raw)?;
     Ok(VirtioDmlcConfig::read_from_bytes(&raw).unwrap_or_default())
 }
+
+/// Offset of `max_comms` in the config space (feature bit 1).
+const MAX_COMMS_OFFSET: usize = std::mem::offset_of!(VirtioDmlcConfigComm, max_comms);
 
 /// Offset of `generation` (followed by `group_id`) in the config space.
 const GENERATION_OFFSET: usize = std::mem::offset_of!(VirtioDmlcConfig, generation);

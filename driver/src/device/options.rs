@@ -185,6 +185,11 @@ pub struct Request {
     /// Collective timeout in ms, 0 = device default (honoured if the device
     /// offers `VIRTIO_DMLC_F_REQ_TIMEOUT`).
     pub timeout_ms: u32,
+    /// The communicator (spec 5.X.6.13): 0, the whole group, or one made by
+    /// [`Device::comm_split`](super::Device::comm_split) or
+    /// [`Device::comm_create`](super::Device::comm_create); `root` and the
+    /// buffer sizes are then in its ranks and size.
+    pub comm: u32,
 }
 
 impl Request {
@@ -199,6 +204,7 @@ impl Request {
             tag: 0,
             in_place: false,
             timeout_ms: 0,
+            comm: 0,
         }
     }
 

@@ -5,13 +5,14 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use virtio_dmlc::comm::VirtioDmlcReqComm;
 use virtio_dmlc::{VirtioDmlcReq, VIRTIO_DMLC_F_REQ_TIMEOUT, VIRTIO_RING_F_INDIRECT_DESC};
 
 use crate::error::{Error, Result};
 
 use super::collectives::standard_chain;
 use super::open::{bit, Engine};
-use super::queue::{post_locked, PostCtx, Posted, QueueState};
+use super::queue::{post_locked, Header, PostCtx, Posted, QueueState};
 use super::{BufSlice, Device, Done, Handle, RawDesc, Request, ASSUMED_DEFAULT_TIMEOUT};
 
 impl Device {
@@ -26,7 +27,8 @@ impl Device {
     ) -> Result<Handle> {
         self.check(req, input, output)?;
         let chain = standard_chain(input, output);
-        self.post(queue, &req.header(), &chain, false, None)
+        let header = self.header_of(req.header(), req.comm, &[]);
+        self.post(queue, &header, &chain, false, None)
     }
 
     /// Posts `chain` with `header` in the header slot, unchecked; returns
@@ -44,7 +46,31 @@ impl Device {
                     .into(),
             ));
         }
-        self.post(queue, header, chain, false, None)
+        self.post(queue, &self.header_of(*header, 0, &[]), chain, false, None)
+    }
+
+    /// The header this device's requests carry: with feature bit 1, the
+    /// 48-byte one naming communicator `comm` (peer, key and table 0 and
+    /// empty; see [`Device::comm_header`]).
+    pub(super) fn header_of<'a>(
+        &self,
+        base: VirtioDmlcReq,
+        comm: u32,
+        table: &'a [u8],
+    ) -> Header<'a> {
+        if self.comms.is_none() {
+            return Header::Base(base);
+        }
+        Header::Comm(
+            VirtioDmlcReqComm {
+                base,
+                comm: comm.into(),
+                peer: 0.into(),
+                key: 0.into(),
+                table_bytes: (table.len() as u32).into(),
+            },
+            table,
+        )
     }
 
     /// Posts, waiting for room if the queue is full, then waits for the
@@ -58,25 +84,37 @@ impl Device {
         timeout: Option<Duration>,
     ) -> Result<Done> {
         self.check(req, input, output)?;
-        let deadline = timeout.map(|t| Instant::now() + t);
         let chain = standard_chain(input, output);
-        if let Engine::Kernel(k) = &self.engine {
+        let header = self.header_of(req.header(), req.comm, &[]);
+        self.call_chain(queue, &header, &chain, timeout)
+    }
+
+    /// Posts `chain` under `header`, waiting for room, then waits for the
+    /// result; `timeout` bounds both. The caller has checked the request.
+    pub(super) fn call_chain(
+        &self,
+        queue: u16,
+        header: &Header<'_>,
+        chain: &[RawDesc],
+        timeout: Option<Duration>,
+    ) -> Result<Done> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        if let (Engine::Kernel(k), Header::Base(header)) = (&self.engine, header) {
             // One system call: submit and wait, within the wait's bound.
-            let header = req.header();
-            let bound = Instant::now() + self.wait_bound(&header);
+            let bound = Instant::now() + self.wait_bound(header);
             let limit = deadline.map_or(bound, |d| d.min(bound));
-            let leases = self.leases(&chain)?;
-            let (_, done) = k.submit(queue, &header, &chain, leases, Some(Some(limit)))?;
+            let leases = self.leases(chain)?;
+            let (_, done) = k.submit(queue, header, chain, leases, Some(Some(limit)))?;
             return match done.expect("a waiting submit reports its outcome") {
                 Err(Error::WaitTimeout) if deadline.is_none_or(|d| d > bound) => {
                     Err(Error::Unanswered {
-                        after: self.wait_bound(&header),
+                        after: self.wait_bound(header),
                     })
                 }
                 r => r,
             };
         }
-        let h = self.post(queue, &req.header(), &chain, true, deadline)?;
+        let h = self.post(queue, header, chain, true, deadline)?;
         self.wait_deadline(h, deadline)
     }
 
@@ -92,25 +130,31 @@ impl Device {
         timeout + self.wait_margin
     }
 
-    fn post(
+    pub(super) fn post(
         &self,
         queue: u16,
-        header: &VirtioDmlcReq,
+        header: &Header<'_>,
         chain: &[RawDesc],
         block: bool,
         deadline: Option<Instant>,
     ) -> Result<Handle> {
         if let Engine::Kernel(k) = &self.engine {
+            let Header::Base(header) = header else {
+                return Err(Error::Unsupported {
+                    detail: virtio_dmlc::unsupported::OPCODE,
+                });
+            };
             let leases = self.leases(chain)?;
             return Ok(k.submit(queue, header, chain, leases, None)?.0);
         }
         let q = self.queue(queue)?;
         let leases = self.leases(chain)?;
         let mut keep = Some(leases);
-        let after = self.wait_bound(header);
+        let after = self.wait_bound(header.base());
         let ctx = PostCtx {
             mem: &self.mem,
             indirect: self.features & bit(VIRTIO_RING_F_INDIRECT_DESC) != 0,
+            comm: self.comms.is_some(),
             posted: Posted {
                 generation: self.known_generation.load(Ordering::Relaxed),
                 group: self.known_group.load(Ordering::Relaxed),

@@ -9,7 +9,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use virtio_dmlc::{Status, VirtioDmlcReq, VirtioDmlcResp, REQ_HEADER_SIZE, RESP_SIZE};
+use virtio_dmlc::comm::{VirtioDmlcReqComm, VirtioDmlcRespComm, RESP_COMM_SIZE};
+use virtio_dmlc::{Status, VirtioDmlcReq, VirtioDmlcResp, RESP_SIZE};
 use zerocopy::{FromBytes, IntoBytes};
 
 use crate::dma::{DmaAlloc, DmaMemory};
@@ -22,9 +23,11 @@ use super::BufSlice;
 /// One element of a chain posted by [`Device::submit_raw`](super::Device::submit_raw).
 #[derive(Clone, Debug)]
 pub enum RawDesc {
-    /// The request's header slot (32 bytes, device-readable).
+    /// The request's header (device-readable): 32 bytes, or with feature
+    /// bit 1 (spec 5.X.6.13.1) 48 bytes and the request's table.
     Header,
-    /// The request's response slot (16 bytes, device-writable).
+    /// The request's response slot (device-writable): 16 bytes, or 40
+    /// with feature bit 1.
     Response,
     /// A device-readable buffer.
     Read(BufSlice),
@@ -67,11 +70,50 @@ pub struct Done {
     pub generation: u32,
     /// Bytes the device wrote into the chain (outputs plus the response).
     pub written: u32,
+    /// What a response of feature bit 1 adds (all 0 without it).
+    pub reply: Reply,
 }
 
-/// Per-request slot in device memory: header at 0, response at 32.
-pub(super) const SLOT_SIZE: usize = 64;
-const RESP_OFFSET: usize = 32;
+/// The fields a response of feature bit 1 adds (spec 5.X.6.13.1).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Reply {
+    /// Send and receive: the message's size in bytes.
+    pub length: u64,
+    /// comm_split and comm_create: the new communicator (0: none), this
+    /// member's rank in it and its size.
+    pub comm: u32,
+    pub comm_rank: u32,
+    pub comm_size: u32,
+    /// A receive: the sender's rank in the communicator.
+    pub peer: u32,
+    /// `peer` as a rank of the group.
+    pub peer_world: u32,
+}
+
+/// The header a chain starts with.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Header<'a> {
+    /// 32 bytes (spec 5.X.6.1).
+    Base(VirtioDmlcReq),
+    /// With feature bit 1: 48 bytes and the table, in one descriptor.
+    Comm(VirtioDmlcReqComm, &'a [u8]),
+}
+
+impl Header<'_> {
+    /// The 32-byte part, which every layout starts with.
+    pub(crate) fn base(&self) -> &VirtioDmlcReq {
+        match self {
+            Header::Base(h) => h,
+            Header::Comm(h, _) => &h.base,
+        }
+    }
+}
+
+/// Per-request slot in device memory: header at 0 (32 or 48 bytes; a
+/// header with a table gets its own allocation), response at 64 (16 or 40
+/// bytes).
+pub(super) const SLOT_SIZE: usize = 128;
+const RESP_OFFSET: usize = 64;
 /// Written into the response before posting; no device status has it.
 const NO_STATUS: u32 = u32::MAX;
 /// Longest single descriptor: a multiple of every element size.
@@ -97,7 +139,11 @@ pub(super) struct InFlight {
     _leases: Vec<Lease>,
     /// The indirect descriptor table, if the chain needed one.
     _table: Option<DmaAlloc>,
+    /// A header with a table, which does not fit the slot.
+    _header: Option<DmaAlloc>,
     has_resp: bool,
+    /// Its response has the layout of feature bit 1.
+    comm_resp: bool,
     pub(super) posted: Posted,
     /// A wait for this request gives up at this moment, `after` (its
     /// timeout plus [`WAIT_MARGIN`]) after posting: nothing waits forever
@@ -113,6 +159,8 @@ pub(super) struct PostCtx<'a> {
     pub(super) mem: &'a Arc<dyn DmaMemory>,
     /// `VIRTIO_RING_F_INDIRECT_DESC` was negotiated.
     pub(super) indirect: bool,
+    /// `VIRTIO_DMLC_F_COMM` was negotiated: 40-byte responses.
+    pub(super) comm: bool,
     pub(super) posted: Posted,
     pub(super) after: Duration,
 }
@@ -128,6 +176,8 @@ pub(crate) struct Completion {
     pub(crate) len: u32,
     pub(crate) resp: VirtioDmlcResp,
     pub(crate) has_resp: bool,
+    /// The rest of a response of feature bit 1.
+    pub(crate) reply: Reply,
 }
 
 pub(super) struct QueueState {
@@ -164,23 +214,38 @@ impl QueueState {
                     id: u32::from(used.id),
                 }));
             };
-            let mut raw = [0u8; RESP_SIZE];
-            // SAFETY: the response slot holds RESP_SIZE bytes; the device is
-            // done with it (the used entry was published after its writes).
+            let mut raw = [0u8; RESP_COMM_SIZE];
+            // SAFETY: the response slot holds RESP_COMM_SIZE bytes (the
+            // slot is SLOT_SIZE long); the device is done with it (the used
+            // entry was published after its writes).
             unsafe {
                 std::ptr::copy_nonoverlapping(
                     self.slot_ptr(used.id, RESP_OFFSET),
                     raw.as_mut_ptr(),
-                    RESP_SIZE,
+                    RESP_COMM_SIZE,
                 )
             };
-            let resp = VirtioDmlcResp::read_from_bytes(&raw).unwrap_or_default();
+            let resp = VirtioDmlcResp::read_from_bytes(&raw[..RESP_SIZE]).unwrap_or_default();
+            let reply = if req.comm_resp {
+                let r = VirtioDmlcRespComm::read_from_bytes(&raw).unwrap_or_default();
+                Reply {
+                    length: r.length.get(),
+                    comm: r.comm.get(),
+                    comm_rank: r.comm_rank.get(),
+                    comm_size: r.comm_size.get(),
+                    peer: r.base.peer.get(),
+                    peer_world: r.peer_world.get(),
+                }
+            } else {
+                Reply::default()
+            };
             self.done.insert(
                 req.serial,
                 Completion {
                     len: used.len,
                     resp,
                     has_resp: req.has_resp,
+                    reply,
                 },
             );
         }
@@ -241,7 +306,7 @@ pub(super) fn for_each_piece(
 pub(super) fn post_locked(
     st: &mut QueueState,
     queue: u16,
-    header: &VirtioDmlcReq,
+    header: &Header<'_>,
     chain: &[RawDesc],
     keep: &mut Option<Vec<Lease>>,
     ctx: &PostCtx<'_>,
@@ -282,13 +347,51 @@ pub(super) fn post_locked(
         None
     };
     let head = st.vq.next_head();
+    // A header with a table gets its own allocation: the slot has room for
+    // the fixed part only.
+    let (header_bytes, header_table): (&[u8], &[u8]) = match header {
+        Header::Base(h) => (h.as_bytes(), &[]),
+        Header::Comm(h, t) => (h.as_bytes(), t),
+    };
+    let header_len = header_bytes.len() + header_table.len();
+    let own_header = if header_table.is_empty() {
+        None
+    } else {
+        // Aligned to its own size (up to a page), so that it does not
+        // cross a boundary where device memory stops being contiguous; a
+        // larger one is checked.
+        let align = header_len.next_power_of_two().clamp(DESC_SIZE, 4096);
+        let a = DmaAlloc::new(ctx.mem, header_len, align)?;
+        let mut pieces = 0;
+        a.device_ranges(0, header_len, &mut |_, _| pieces += 1);
+        if pieces != 1 {
+            return Err(Error::InvalidArgument(format!(
+                "a header with a table of {} bytes does not fit in contiguous device memory",
+                header_table.len()
+            )));
+        }
+        // SAFETY: the allocation is new, `header_len` bytes long, and the
+        // device reads it only once the chain is published below.
+        unsafe {
+            std::ptr::copy_nonoverlapping(header_bytes.as_ptr(), a.as_ptr(), header_bytes.len());
+            std::ptr::copy_nonoverlapping(
+                header_table.as_ptr(),
+                a.as_ptr().add(header_bytes.len()),
+                header_table.len(),
+            );
+        }
+        Some(a)
+    };
+    let resp_len = if ctx.comm { RESP_COMM_SIZE } else { RESP_SIZE };
+    debug_assert!(header_bytes.len() <= RESP_OFFSET && RESP_OFFSET + resp_len <= SLOT_SIZE);
+    debug_assert!(matches!(header, Header::Comm(..)) == ctx.comm);
     // SAFETY: the slot of a free head is ours: the device only reads it once
-    // the chain is published below.
+    // the chain is published below; header and response fit in it.
     unsafe {
         std::ptr::copy_nonoverlapping(
-            header.as_bytes().as_ptr(),
+            header_bytes.as_ptr(),
             st.slot_ptr(head, 0),
-            REQ_HEADER_SIZE,
+            header_bytes.len(),
         );
         let resp = VirtioDmlcResp {
             status: NO_STATUS.into(),
@@ -308,15 +411,17 @@ pub(super) fn post_locked(
     for d in chain {
         match d {
             RawDesc::Header => segs.push(Segment {
-                addr: slot_addr,
-                len: REQ_HEADER_SIZE as u32,
+                addr: own_header.as_ref().map_or(slot_addr, DmaAlloc::paddr),
+                // Below SLOT_SIZE, or 48 plus a table of at most 16 bytes a
+                // rank (checked by the caller).
+                len: header_len as u32,
                 writable: false,
             }),
             RawDesc::Response => {
                 has_resp = true;
                 segs.push(Segment {
                     addr: slot_addr + RESP_OFFSET as u64,
-                    len: RESP_SIZE as u32,
+                    len: resp_len as u32,
                     writable: true,
                 })
             }
@@ -345,7 +450,9 @@ pub(super) fn post_locked(
         serial,
         _leases: keep.take().unwrap_or_default(),
         _table: table,
+        _header: own_header,
         has_resp,
+        comm_resp: ctx.comm,
         posted: ctx.posted,
         bound: Instant::now() + ctx.after,
         after: ctx.after,
@@ -371,6 +478,7 @@ pub(crate) fn completion_result(c: &Completion) -> Result<Done> {
         Some(Status::Ok) => Ok(Done {
             generation: r.generation.get(),
             written: c.len,
+            reply: c.reply,
         }),
         Some(Status::BadRequest) => Err(Error::bad_request(detail)),
         Some(Status::Mismatch) => Err(Error::mismatch(detail, peer)),
@@ -379,9 +487,11 @@ pub(crate) fn completion_result(c: &Completion) -> Result<Done> {
         Some(Status::Unsupported) => Err(Error::Unsupported { detail }),
         Some(Status::TooBig) => Err(Error::TooBig { detail }),
         Some(Status::Reset) => Err(Error::Reset),
-        // Only a driver that negotiated send and receive (feature bit 2,
-        // which this one does not) can be answered with it.
-        Some(Status::Truncate) | None => Err(Error::UnknownStatus {
+        Some(Status::Truncate) => Err(Error::Truncated {
+            length: c.reply.length,
+            peer,
+        }),
+        None => Err(Error::UnknownStatus {
             status: r.status.get(),
         }),
     }

@@ -471,6 +471,7 @@ fn sweep(
                 tag: size,
                 in_place: false,
                 timeout_ms: 0,
+                comm: 0,
             },
             elems,
             ip_elems,

@@ -190,6 +190,7 @@ fn mismatch(dev: &Device, field: &str) -> Result<(), CliError> {
         tag: 7,
         in_place: false,
         timeout_ms: 0,
+        comm: 0,
     };
     match field {
         "opcode" if odd => {
@@ -381,6 +382,7 @@ fn multiqueue(dev: &Device, inflight: usize, iters: u64, count: u64) -> Result<(
                 tag: k,
                 in_place: false,
                 timeout_ms: 0,
+                comm: 0,
             };
             let h = dev
                 .submit(q, &req, &[inputs[slot].all()], &[outputs[slot].all()])

@@ -379,6 +379,7 @@ fn run_case(
         tag: case_no,
         in_place: case.in_place,
         timeout_ms: 0,
+        comm: 0,
     };
     let h = dev
         .submit(queue, &req, &in_segs, &out_segs)

@@ -17,8 +17,10 @@ pub(super) struct Comm {
     pub(super) members: Arc<[u32]>,
     /// The lost member (group rank) that revoked it, if one did.
     pub(super) revoked: Option<u32>,
-    /// After a revocation: the survivors that freed it alone.
-    pub(super) freed: Vec<bool>,
+    /// By rank in it: the members that freed it alone after a revocation,
+    /// or that were lost (a member that comes back is in communicator 0
+    /// only). Once all are, nobody can name it any more and it goes.
+    pub(super) gone: Vec<bool>,
     /// Next sequence number, by (member's rank in it, queue).
     seqs: HashMap<(u32, u16), u64>,
 }
@@ -29,7 +31,7 @@ impl Comm {
         Comm {
             members: members.into(),
             revoked: None,
-            freed: vec![false; n],
+            gone: vec![false; n],
             seqs: HashMap::new(),
         }
     }
@@ -82,10 +84,14 @@ impl Comms {
     }
 
     /// Communicator `id` as group rank `me` sees it, if it is live (or
-    /// revoked) and `me` belongs to it.
+    /// revoked) and `me` belongs to it (and has not freed it, nor been
+    /// lost since it was made).
     pub(super) fn view(&self, id: u32, me: u32) -> Option<CommView> {
         let c = self.live.get(&id)?;
         let rank = c.members.iter().position(|&m| m == me)?;
+        if c.gone[rank] {
+            return None;
+        }
         Some(CommView {
             id,
             rank: rank as u32,
@@ -94,7 +100,11 @@ impl Comms {
         })
     }
 
-    pub(super) fn find(&self, id: u32) -> Found {
+    /// What a request of group rank `me` on communicator `id` finds.
+    pub(super) fn find(&self, id: u32, me: u32) -> Found {
+        if self.view(id, me).is_none() {
+            return Found::Unknown;
+        }
         match self.live.get(&id) {
             None => Found::Unknown,
             Some(c) => match c.revoked {
@@ -150,21 +160,15 @@ impl Comms {
     }
 
     /// A survivor frees revoked communicator `id` alone; it goes once
-    /// every survivor has.
+    /// every member has freed it or been lost.
     pub(super) fn free_revoked(&mut self, id: u32, me: u32) {
         let Some(c) = self.live.get_mut(&id) else {
             return;
         };
-        let lost = c.revoked;
         if let Some(p) = c.members.iter().position(|&m| m == me) {
-            c.freed[p] = true;
+            c.gone[p] = true;
         }
-        let all = c
-            .members
-            .iter()
-            .zip(&c.freed)
-            .all(|(&m, &f)| f || Some(m) == lost);
-        if all {
+        if c.gone.iter().all(|&g| g) {
             self.remove(id);
         }
     }
@@ -175,13 +179,24 @@ impl Comms {
     }
 
     /// Group rank `lost` was lost: every communicator that contains it is
-    /// revoked, and comm_create orders on communicator 0 and on those
-    /// restart. The others keep everything.
+    /// revoked and no longer names it, and comm_create orders on
+    /// communicator 0 and on those restart. The others keep everything. A
+    /// communicator none of whose members can name it any more goes.
     pub(super) fn lose(&mut self, lost: u32) {
         for c in self.live.values_mut() {
-            if c.revoked.is_none() && c.contains(lost) {
-                c.revoked = Some(lost);
+            if let Some(p) = c.members.iter().position(|&m| m == lost) {
+                c.revoked.get_or_insert(lost);
+                c.gone[p] = true;
             }
+        }
+        let ended: Vec<u32> = self
+            .live
+            .iter()
+            .filter(|(_, c)| c.gone.iter().all(|&g| g))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in ended {
+            self.remove(id);
         }
         let live = &self.live;
         self.create_order.retain(|&(_, parent, _), _| {
@@ -257,13 +272,19 @@ mod tests {
         c.remove(a);
         let d = c.add(vec![1, 2]);
         assert!(d != a && d != b);
+        let alone = c.add(vec![1]);
         c.lose(1);
-        assert!(matches!(c.find(d), Found::Revoked(1)));
-        assert!(matches!(c.find(b), Found::Live));
-        assert!(matches!(c.find(a), Found::Unknown));
+        assert!(matches!(c.find(d, 2), Found::Revoked(1)));
+        // The lost member, back, is in communicator 0 only.
+        assert!(matches!(c.find(d, 1), Found::Unknown));
+        assert!(matches!(c.find(b, 2), Found::Live));
+        assert!(matches!(c.find(a, 0), Found::Unknown));
+        // Nobody can name it any more: gone, its room given back.
+        assert!(matches!(c.find(alone, 1), Found::Unknown));
+        assert_eq!(c.live_count(), 2);
         // Freed by the one survivor: gone.
         c.free_revoked(d, 2);
-        assert!(matches!(c.find(d), Found::Unknown));
+        assert!(matches!(c.find(d, 2), Found::Unknown));
         assert_eq!(c.view(b, 3).map(|v| (v.rank, v.size)), Some((1, 2)));
         assert!(c.view(b, 1).is_none());
     }

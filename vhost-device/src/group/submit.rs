@@ -184,7 +184,7 @@ impl Group {
         if view.id != COMM_WORLD {
             // Freed or revoked since the request was parsed (spec
             // 5.X.6.13.3): answered now, with no sequence number.
-            let out = match st.comms.find(view.id) {
+            let out = match st.comms.find(view.id, rank) {
                 Found::Live => None,
                 Found::Unknown => Some(Outcome::fail(Status::BadRequest, BAD_COMM, NO_PEER)),
                 Found::Revoked(_) if arrival.req.code == Code::Comm(CommOpcode::CommFree) => {

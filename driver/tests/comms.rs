@@ -1,0 +1,198 @@
+//! Communicators, send and receive, all-to-all, gather and scatter (spec
+//! 5.X.6.13) through the driver over the host transport, against the real
+//! daemon: every member a `Device` of this process on its own thread, as
+//! separate VMs would be. Each rank checks its own results against values
+//! it computes itself from the formula every rank's input follows.
+
+use std::thread;
+
+use dmlc_driver::{CommRequest, Device, Dtype, Error, Opcode, OpenOptions, ReduceOp, Request};
+use dmlc_test_support::Backend;
+use virtio_dmlc::comm::{
+    CommOpcode, ANY_SOURCE, VIRTIO_DMLC_F_BLOCKS, VIRTIO_DMLC_F_COMM, VIRTIO_DMLC_F_P2P,
+};
+
+/// Element `k` that rank `i` gives rank `j`: every value says where it
+/// came from.
+fn val(i: u32, j: u32, k: u64) -> f32 {
+    (1000 * i + 100 * j) as f32 + k as f32
+}
+
+fn open(backend: &Backend, rank: u32) -> Device {
+    dmlc_driver::host::open(&backend.socket(rank), &OpenOptions::default())
+        .unwrap_or_else(|e| panic!("cannot open rank {rank}: {e}"))
+}
+
+/// Runs `f(device)` on every rank at once, each on its own thread.
+fn on_every_rank(n: u32, tag: &str, f: impl Fn(&Device) + Sync) {
+    let backend = Backend::start(tag, n, &["--timeout-ms", "20000"]);
+    thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|r| {
+                let (backend, f) = (&backend, &f);
+                s.spawn(move || f(&open(backend, r)))
+            })
+            .collect();
+        for h in handles {
+            h.join().expect("a rank failed");
+        }
+    });
+}
+
+/// A buffer of `n` f32 elements, each `f(k)`.
+fn filled(dev: &Device, n: u64, f: impl Fn(u64) -> f32) -> dmlc_driver::DmaBuf {
+    let mut b = dev.alloc((n as usize * 4).max(4)).expect("alloc");
+    for (k, x) in b.as_elems_mut::<f32>().iter_mut().enumerate() {
+        *x = f(k as u64);
+    }
+    b
+}
+
+fn elems(b: &dmlc_driver::DmaBuf, n: u64) -> Vec<f32> {
+    b.as_elems::<f32>()[..n as usize].to_vec()
+}
+
+#[test]
+fn split_send_receive_and_block_collectives_on_four_ranks() {
+    let n = 4;
+    on_every_rank(n, "comms-all", |dev| {
+        let r = dev.rank();
+        for bit in [VIRTIO_DMLC_F_COMM, VIRTIO_DMLC_F_P2P, VIRTIO_DMLC_F_BLOCKS] {
+            assert!(dev.has_comm_feature(bit), "bit {bit} negotiated");
+        }
+        assert_eq!(dev.max_comms(), Some(64));
+
+        // Even and odd ranks, ordered by rank.
+        let mine = dev
+            .comm_split(0, Some(r % 2), r)
+            .unwrap()
+            .expect("a communicator");
+        assert_eq!((mine.rank, mine.size), (r / 2, 2));
+        let partner = r ^ 2;
+        // An allreduce on it: the sum of the two members' values only.
+        let input = filled(dev, 3, |k| val(r, 0, k));
+        let output = dev.alloc(12).unwrap();
+        let req = Request {
+            comm: mine.id,
+            ..Request::new(Opcode::Allreduce, Dtype::F32, ReduceOp::Sum, 3)
+        };
+        dev.run(&req, Some(&input), Some(&output)).unwrap();
+        let want: Vec<f32> = (0..3).map(|k| val(r, 0, k) + val(partner, 0, k)).collect();
+        assert_eq!(elems(&output, 3), want);
+
+        // A ring on the group: even ranks send first, odd ranks receive
+        // first (blocking calls), from any source.
+        let to = (r + 1) % n;
+        let from = (r + n - 1) % n;
+        let msg = filled(dev, 5, |k| val(r, to, k));
+        let room = dev.alloc(8 * 4).unwrap();
+        let send = || dev.send(0, to, 7, Dtype::F32, &msg, 5).unwrap();
+        let recv = || dev.recv(0, ANY_SOURCE, 7, Dtype::F32, &room, 8).unwrap();
+        let got = if r % 2 == 0 {
+            send();
+            recv()
+        } else {
+            let got = recv();
+            send();
+            got
+        };
+        assert_eq!((got.length, got.peer), (20, from));
+        let want: Vec<f32> = (0..5).map(|k| val(from, r, k)).collect();
+        assert_eq!(elems(&room, 5), want);
+
+        // All-to-all on the group: block j of rank i goes to rank j.
+        let c = 2;
+        let input = filled(dev, n as u64 * c, |k| val(r, (k / c) as u32, k % c));
+        let output = dev.alloc((n as u64 * c * 4) as usize).unwrap();
+        let req = CommRequest::new(CommOpcode::Alltoall, Dtype::F32, 0, c);
+        dev.run_blocks(&req, Some(&input), Some(&output)).unwrap();
+        let want: Vec<f32> = (0..n)
+            .flat_map(|i| (0..c).map(move |k| val(i, r, k)))
+            .collect();
+        assert_eq!(elems(&output, n as u64 * c), want);
+
+        // Gather to rank 2 and scatter from rank 1, on the group.
+        let input = filled(dev, c, |k| val(r, 2, k));
+        let out = dev.alloc((n as u64 * c * 4) as usize).unwrap();
+        let req = CommRequest {
+            root: 2,
+            ..CommRequest::new(CommOpcode::Gather, Dtype::F32, 0, c)
+        };
+        dev.run_blocks(&req, Some(&input), Some(&out)).unwrap();
+        if r == 2 {
+            let want: Vec<f32> = (0..n)
+                .flat_map(|i| (0..c).map(move |k| val(i, 2, k)))
+                .collect();
+            assert_eq!(elems(&out, n as u64 * c), want);
+        }
+        let all = filled(dev, n as u64 * c, |k| val(1, (k / c) as u32, k % c));
+        let out = dev.alloc((c * 4) as usize).unwrap();
+        let req = CommRequest {
+            root: 1,
+            ..CommRequest::new(CommOpcode::Scatter, Dtype::F32, 0, c)
+        };
+        dev.run_blocks(&req, (r == 1).then_some(&all), Some(&out))
+            .unwrap();
+        assert_eq!(
+            elems(&out, c),
+            (0..c).map(|k| val(1, r, k)).collect::<Vec<_>>()
+        );
+
+        // Counts per pair on the split communicator: rank a sends a + 2b + 1
+        // elements to rank b (ranks of the communicator).
+        let (a, size) = (mine.rank, mine.size);
+        let count = |i: u32, j: u32| u64::from(i + 2 * j + 1);
+        let group_of = |x: u32| if x == a { r } else { partner };
+        let mut table: Vec<u64> = (0..size).map(|j| count(a, j)).collect();
+        table.extend((0..size).map(|i| count(i, a)));
+        let sends: u64 = (0..size).map(|j| count(a, j)).sum();
+        let recvs: u64 = (0..size).map(|i| count(i, a)).sum();
+        let mut input = dev.alloc((sends * 4) as usize).unwrap();
+        let mut at = 0;
+        for j in 0..size {
+            for k in 0..count(a, j) {
+                input.as_elems_mut::<f32>()[at] = val(r, group_of(j), k);
+                at += 1;
+            }
+        }
+        let output = dev.alloc((recvs * 4) as usize).unwrap();
+        let req = CommRequest {
+            table: dmlc_driver::counts_table(&table),
+            ..CommRequest::new(CommOpcode::Alltoallv, Dtype::F32, mine.id, 0)
+        };
+        dev.run_blocks(&req, Some(&input), Some(&output)).unwrap();
+        let want: Vec<f32> = (0..size)
+            .flat_map(|i| (0..count(i, a)).map(move |k| val(group_of(i), r, k)))
+            .collect();
+        assert_eq!(elems(&output, recvs), want);
+
+        // comm_create by ranks 3 and 1 only, in that order.
+        if r % 2 == 1 {
+            let made = dev.comm_create(0, &[3, 1], 5).unwrap();
+            assert_eq!((made.rank, made.size), (if r == 3 { 0 } else { 1 }, 2));
+            dev.comm_free(made.id).unwrap();
+        }
+        dev.comm_free(mine.id).unwrap();
+        assert!(matches!(
+            dev.comm_info(mine.id),
+            Err(Error::BadRequest { .. })
+        ));
+    });
+}
+
+#[test]
+fn a_message_larger_than_its_receive_is_truncated_on_both_ends() {
+    on_every_rank(2, "comms-trunc", |dev| {
+        let buf = filled(dev, 4, |k| k as f32);
+        match dev.rank() {
+            0 => match dev.send(0, 1, 3, Dtype::F32, &buf, 4) {
+                Err(Error::Truncated { length, peer }) => assert_eq!((length, peer), (8, 1)),
+                other => panic!("send: {other:?}"),
+            },
+            _ => match dev.recv(0, 0, 3, Dtype::F32, &buf, 2) {
+                Err(Error::Truncated { length, peer }) => assert_eq!((length, peer), (16, 0)),
+                other => panic!("receive: {other:?}"),
+            },
+        }
+    });
+}
