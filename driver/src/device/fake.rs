@@ -183,6 +183,11 @@ fn device_loop(mut rings: Vec<FakeRing>, calls: Vec<Arc<EventFd>>, shared: Arc<S
 }
 
 impl FakeTransport {
+    /// Offers `bits` besides what it offers anyway.
+    pub(super) fn offer(&mut self, bits: u64) {
+        self.offered |= bits;
+    }
+
     pub(super) fn new(config: VirtioDmlcConfig, mem: Arc<MemfdMemory>) -> Self {
         FakeTransport {
             config,

@@ -902,3 +902,22 @@ fn every_wait_is_bounded() {
         ));
     }
 }
+
+/// Spec DRV-COMM-1: send and receive (bit 2) and the block collectives
+/// (bit 3) are accepted only with communicators (bit 1). A device that
+/// offers them without bit 1 gets neither, and keeps the layout of 5.X.6.1.
+#[test]
+fn bits_2_and_3_are_not_accepted_without_bit_1() {
+    use virtio_dmlc::comm::{VIRTIO_DMLC_F_BLOCKS, VIRTIO_DMLC_F_COMM, VIRTIO_DMLC_F_P2P};
+    let mem = Arc::new(MemfdMemory::new(8 << 20, crate::virtqueue::tests::GUEST_BASE).unwrap());
+    let mut t = FakeTransport::new(world_of_one(), Arc::clone(&mem));
+    t.offer(bit(VIRTIO_DMLC_F_P2P) | bit(VIRTIO_DMLC_F_BLOCKS));
+    let dev = Device::open(Box::new(t), mem, &opts(true)).unwrap();
+    let comm_bits = bit(VIRTIO_DMLC_F_COMM) | bit(VIRTIO_DMLC_F_P2P) | bit(VIRTIO_DMLC_F_BLOCKS);
+    assert_eq!(dev.features() & comm_bits, 0);
+    assert_eq!(dev.max_comms(), None);
+    // Requests keep the 32-byte header the fake understands.
+    let buf = dev.alloc(16).unwrap();
+    dev.allreduce_in_place(Dtype::F32, ReduceOp::Sum, &buf, 4)
+        .unwrap();
+}

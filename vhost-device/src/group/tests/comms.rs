@@ -647,3 +647,46 @@ fn across_hosts_the_bits_are_not_offered_nor_taken_if_acknowledged() {
         resp(Status::Unsupported, unsupported::OPCODE, NO_PEER, 1)
     );
 }
+
+#[test]
+fn the_flight_recorder_names_the_new_opcodes_and_their_communicator() {
+    let mut cfg = config(2);
+    cfg.trace_capacity = 16;
+    let mut w = World::new(cfg);
+    for r in 0..2 {
+        w.group.set_member_features(r, FEATURES);
+    }
+    let resps = split(&mut w, 0, &[0, 1], &[(5, 0), (5, 0)]);
+    let c = resps[0].comm.get();
+    let s = post(
+        &mut w,
+        0,
+        0,
+        &creq(CommOpcode::Send.raw(), c, 1, 0, 1, 4, 0, &[]),
+        &[],
+        &f32s(&[1.0]),
+        0,
+    );
+    let r = post(
+        &mut w,
+        1,
+        0,
+        &creq(CommOpcode::Recv.raw(), c, 0, 0, 1, 4, 0, &[]),
+        &[],
+        &[],
+        4,
+    );
+    w.wait_comm(&s.p);
+    w.wait_comm(&r.p);
+    let records = w.group.recorder().expect("a recorder").records();
+    let seen: Vec<(String, u32)> = records
+        .iter()
+        .map(|r| (r.opcode.to_string(), r.comm))
+        .collect();
+    assert_eq!(
+        seen,
+        vec![("comm_split".to_string(), 0), ("send".to_string(), c)]
+    );
+    // Both ends of the message are in its record.
+    assert!(records[1].members.iter().all(|m| m.arrived.is_some()));
+}
