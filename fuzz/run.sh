@@ -5,7 +5,8 @@
 #
 # Usage: fuzz/run.sh [SECONDS_PER_TARGET] [TARGET...]
 #   SECONDS_PER_TARGET  default 60 (the CI run); 600 for the documented long run
-#   TARGET              default: every target (request_header descriptor_chain)
+#   TARGET              default: every target (request_header descriptor_chain
+#                       comm_header)
 # Environment:
 #   DMLC_CACHE            cache root (default ~/.cache/virtio-dmlc); cargo-fuzz is
 #                         installed into $DMLC_CACHE/cargo-fuzz-<version>
@@ -21,7 +22,7 @@
 . "$(dirname "${BASH_SOURCE[0]}")/../tests/lib/prologue.sh" fuzz || exit 1
 
 CARGO_FUZZ_VERSION=0.13.2
-ALL_TARGETS=(request_header descriptor_chain)
+ALL_TARGETS=(request_header descriptor_chain comm_header)
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(dirname "$here")

@@ -3,7 +3,9 @@
  *
  * The virtio-dmlc device performs collectives (allreduce, broadcast, reduce,
  * allgather, reduce-scatter, barrier) among the members of a group, reading
- * and writing the members' buffers directly. This library drives the device
+ * and writing the members' buffers directly; with feature bits 1 to 3 also
+ * on communicators (subsets of the group), with send and receive,
+ * all-to-all, gather and scatter (see "Communicators" below). This library drives the device
  * from userspace. Link with -ldmlc_guest (libdmlc_guest.so or .a, built by
  * `cargo build -p dmlc-capi`; the static library also needs -lpthread -ldl
  * -lm).
@@ -14,7 +16,8 @@
  *  - Every pointer argument is checked: NULL where not allowed gives
  *    DMLC_ERR_INVALID_ARGUMENT. No function aborts the process.
  *  - Collectives are matched across members by order: the k-th collective
- *    issued on a queue by every member forms one collective. All members must
+ *    issued on a queue by every member forms one collective (per
+ *    communicator: see "Communicators" below). All members must
  *    issue the same sequence (same opcode, dtype, op, count, root, tag).
  *  - Data passed to the blocking collectives lives in dmlc_buffer objects:
  *    device-visible memory that the device reads and writes in place, with no
@@ -41,7 +44,11 @@ extern "C" {
  * The ABI of this header: raised whenever a function, struct, constant or
  * status changes meaning. A program (or a binding such as the Python
  * package) checks dmlc_abi_version() == DMLC_ABI_VERSION when it loads the
- * library, and refuses a library of another ABI. */
+ * library, and refuses a library of another ABI. Additions that leave
+ * every existing call as it was do not raise it (a program of the same ABI
+ * built before them runs unchanged): communicators, send and receive,
+ * all-to-all, gather and scatter (dmlc_comm_*, dmlc_send, ...) came so;
+ * DMLC_ERR_TRUNCATE and DMLC_MISMATCH_TABLE arise only from them. */
 #define DMLC_ABI_VERSION 1u
 
 /* The library's ABI version (DMLC_ABI_VERSION of the header it was built
@@ -52,7 +59,8 @@ uint32_t dmlc_abi_version(void);
 const char *dmlc_version(void);
 
 /* ---- Status codes -------------------------------------------------------
- * 0..8 are the device's response statuses (VirtioDmlcResp.status);
+ * 0..8 are the device's response statuses (VirtioDmlcResp.status; 8 only
+ * from send and receive);
  * 100 and up are the driver's own errors. */
 typedef enum dmlc_status {
     DMLC_OK = 0,                   /* completed; outputs hold the result */
@@ -63,7 +71,8 @@ typedef enum dmlc_status {
     DMLC_ERR_UNSUPPORTED = 5,      /* opcode, dtype or op not supported */
     DMLC_ERR_TOO_BIG = 6,          /* above max_bytes or max_segments */
     DMLC_ERR_RESET = 7,            /* the group was reset meanwhile */
-    DMLC_ERR_TRUNCATE = 8,         /* a message was larger than its receive */
+    DMLC_ERR_TRUNCATE = 8,         /* a message was larger than its receive (above
+                                    * max_bytes: of another size; see dmlc_recv) */
 
     DMLC_ERR_INVALID_ARGUMENT = 100, /* NULL pointer, bad queue, buffer too small, ... */
     DMLC_ERR_NO_STATUS = 101,        /* device returned the request without a status */
@@ -118,13 +127,47 @@ typedef enum dmlc_opcode {
     DMLC_OPCODE_ALLGATHER = 3,
     DMLC_OPCODE_REDUCE_SCATTER = 4,
     DMLC_OPCODE_BARRIER = 5,
-    DMLC_OPCODE_NOP = 6 /* answered at once for this member alone */
+    DMLC_OPCODE_NOP = 6, /* answered at once for this member alone */
+    /* Feature bits 1 to 3 (spec 5.X.6.13.2; see "Communicators" below): only
+     * through dmlc_comm_call and the functions of that section. */
+    DMLC_OPCODE_SEND = 7,
+    DMLC_OPCODE_RECV = 8,
+    DMLC_OPCODE_ALLTOALL = 9,
+    DMLC_OPCODE_ALLTOALLV = 10,
+    DMLC_OPCODE_GATHER = 11,
+    DMLC_OPCODE_GATHERV = 12,
+    DMLC_OPCODE_SCATTER = 13,
+    DMLC_OPCODE_SCATTERV = 14,
+    DMLC_OPCODE_COMM_SPLIT = 15,
+    DMLC_OPCODE_COMM_CREATE = 16,
+    DMLC_OPCODE_COMM_FREE = 17
 } dmlc_opcode;
 
 /* VirtioDmlcReq.flags: in place (no input segments; see each collective). */
 #define DMLC_FLAG_IN_PLACE 1u
 /* dmlc_completion.peer when no member is concerned. */
 #define DMLC_NO_PEER 0xffffffffu
+
+/* Communicators (spec 5.X.6.13). The whole group, in rank order. */
+#define DMLC_COMM_WORLD 0u
+/* dmlc_recv's peer: a message from whichever member sends first. */
+#define DMLC_ANY_SOURCE 0xffffffffu
+/* dmlc_comm_split's color: this member joins no new communicator. */
+#define DMLC_UNDEFINED 0xffffffffu
+/* dmlc_comm_features bits: the device's feature bits 1 to 3. */
+#define DMLC_FEATURE_COMM (1u << 1)   /* communicators (comm_split, comm_create, comm_free) */
+#define DMLC_FEATURE_P2P (1u << 2)    /* send and receive */
+#define DMLC_FEATURE_BLOCKS (1u << 3) /* all-to-all, gather, scatter and their v forms */
+/* The device's details of these requests' failures (dmlc_completion.detail). */
+#define DMLC_BAD_COMM 14u            /* BAD_REQUEST: unknown, freed or foreign communicator,
+                                      * or freeing communicator 0 */
+#define DMLC_BAD_PEER 15u            /* BAD_REQUEST: a send's or receive's peer is this
+                                      * member or not a rank of the communicator */
+#define DMLC_BAD_TABLE 16u           /* BAD_REQUEST: a table of the wrong size, or a bad
+                                      * comm_create list */
+#define DMLC_BAD_IN_PLACE_OPCODE 17u /* BAD_REQUEST: in place on send, recv or alltoall(v) */
+#define DMLC_MISMATCH_TABLE 0x40u    /* MISMATCH mask bit: the members' tables disagree */
+#define DMLC_TOO_BIG_COMMS 3u        /* TOO_BIG: the device's max_comms communicators live */
 
 /* ---- Objects ---- */
 
@@ -230,7 +273,8 @@ int dmlc_reaches_any_memory(const dmlc_device *dev);
 
 /* Bytes per request of the host forms (dmlc_*_host), the same on every
  * member: longer data is cut into pieces of this size (allgather and
- * reduce-scatter: this size over world_size per member). A client that
+ * reduce-scatter: this size over world_size per member; the forms on
+ * ordinary memory of "Communicators" below: as that section says). A client that
  * sends device memory directly must cut at the same places for its requests
  * to pair with those of a member using the host forms. 0 if dev is NULL. */
 uint64_t dmlc_host_chunk_bytes(const dmlc_device *dev);
@@ -350,6 +394,215 @@ int dmlc_submit(dmlc_device *dev, uint16_t queue, const dmlc_request *req, const
  * dmlc_wait again), otherwise it is consumed. `out` may be NULL. */
 int dmlc_wait(dmlc_device *dev, dmlc_handle *handle, int64_t timeout_ms, dmlc_completion *out);
 
+/* ---- Communicators, send and receive, all-to-all, gather and scatter ----
+ * Spec 5.X.6.13, feature bits 1 to 3 of the device (dmlc_comm_features):
+ * offered by the reference daemon to the members of a group on one host,
+ * not across hosts (--mpi) and not over the kernel transport.
+ *
+ * A communicator is an ordered subset of the group's members with an id;
+ * DMLC_COMM_WORLD (0) is the whole group. Every function here names one
+ * explicitly (there is no "current communicator": a device is shared by
+ * threads, and the k-th collective of a queue is matched per communicator,
+ * so hidden state would make the matching depend on which thread set it
+ * last). Ranks and roots are ranks of the named communicator, counts and
+ * buffer sizes use its size. The collectives of a communicator are matched
+ * by order among the requests that name it (its own sequence numbers);
+ * those of different communicators are independent. Members outside a
+ * communicator take no part in its collectives.
+ *
+ * Three ways to run a request on a communicator:
+ *  - dmlc_comm_call: any opcode, on device buffers (dmlc_segment, no copy),
+ *    blocking; dmlc_submit_comm: the collectives of dmlc_request (opcodes 0
+ *    to 6) on device buffers, non-blocking (dmlc_wait).
+ *  - On ordinary memory through a staging buffer (one copy in, one out):
+ *    dmlc_send, dmlc_recv, dmlc_alltoall, ... below (these operations have
+ *    only this form and dmlc_comm_call, hence no _host suffix), and
+ *    dmlc_*_host_comm / dmlc_barrier_comm for the collectives (on
+ *    DMLC_COMM_WORLD these are the dmlc_*_host functions themselves).
+ *  - dmlc_comm_split, dmlc_comm_create, dmlc_comm_free for communicators.
+ *
+ * Where the forms on ordinary memory cut data into several requests, every
+ * member cuts at the same places, so a member using them pairs with one
+ * that sends device buffers cut the same way:
+ *  - send and receive: a message larger than the device's max_bytes is
+ *    several messages of P = max_bytes rounded down to whole elements, the
+ *    last shorter, sent in order with the same tag (spec 5.X.6.13.4,
+ *    DRV-COMM-2). A receive of more than P bytes must give room equal to
+ *    the message's size (as torch's send and recv do): with another room
+ *    the first piece of another size fails with DMLC_ERR_TRUNCATE on the
+ *    receive (and the send, if it was larger), or the receive waits for a
+ *    piece that never comes and fails with DMLC_ERR_TIMEOUT. Each piece
+ *    needs min(message, P) bytes of device-visible memory
+ *    (dmlc_open_options.dma_bytes; the daemon's default max_bytes is 1 GiB).
+ *  - the collectives and alltoall, gather and scatter: as the host forms cut
+ *    the group's (dmlc_host_chunk_bytes; the block collectives that many
+ *    bytes per request over the communicator's size per block).
+ *  - the v forms (alltoallv, gatherv, scatterv): not cut, one request each
+ *    (a member knows only its own counts, so the members could not agree on
+ *    pieces): each member's input and output must fit max_bytes
+ *    (DMLC_ERR_TOO_BIG before anything is sent otherwise; the others then
+ *    wait until their timeout).
+ * Send and receive are synchronous: dmlc_send returns once a receive took
+ * the message, so two members that each send to the other first wait for
+ * each other until the timeout. Sends and receives of one thread run one
+ * at a time; use threads (or the device's queues through dmlc_comm_call)
+ * to have several pending. The functions on ordinary memory use queue 0. */
+
+/* A communicator as this member knows it. */
+typedef struct dmlc_comm_info {
+    uint32_t id;   /* 0: the group (or, from dmlc_comm_split, none) */
+    uint32_t rank; /* this member's rank in it */
+    uint32_t size; /* its number of members */
+} dmlc_comm_info;
+
+/* A request of any opcode for dmlc_comm_call: the fields of dmlc_request,
+ * then those of the device's 48-byte header (virtio_dmlc_req_comm). */
+typedef struct dmlc_comm_request {
+    uint16_t opcode;      /* dmlc_opcode, 0 to 17 */
+    uint8_t dtype;        /* dmlc_dtype (ignored by barrier and comm_*) */
+    uint8_t op;           /* dmlc_op (allreduce, reduce, reduce-scatter) */
+    uint32_t root;        /* broadcast, reduce, gather(v), scatter(v); 0 otherwise */
+    uint64_t count;       /* elements, as the spec's tables of buffer sizes say */
+    uint64_t tag;
+    uint32_t flags;       /* DMLC_FLAG_* */
+    uint32_t timeout_ms;  /* 0: device default */
+    uint32_t comm;        /* the communicator */
+    uint32_t peer;        /* send: destination; recv: source or DMLC_ANY_SOURCE;
+                           * comm_split: color or DMLC_UNDEFINED; otherwise 0 */
+    uint32_t key;         /* comm_split: the key ordering the new communicator */
+    uint32_t table_bytes; /* bytes at table */
+    const void *table;    /* as the device reads it (spec 5.X.6.13.5): le64 counts
+                           * (alltoallv: send[N] then recv[N]; gatherv, scatterv:
+                           * the root's N), or comm_create's le32 ranks; NULL if 0 */
+} dmlc_comm_request;
+
+/* What dmlc_comm_call reports: dmlc_completion's fields, then those of the
+ * device's 40-byte response (virtio_dmlc_resp_comm). */
+typedef struct dmlc_comm_completion {
+    int status;          /* same as dmlc_comm_call's return value */
+    uint32_t detail;
+    uint32_t peer;       /* recv: the sender; a failure: the rank concerned */
+    uint32_t generation;
+    uint64_t length;     /* send, recv: the message's bytes; on DMLC_ERR_TRUNCATE
+                          * the other end's size (send: the receive's room) */
+    uint32_t comm;       /* comm_split, comm_create: the new communicator (0: none) */
+    uint32_t comm_rank;  /* this member's rank in it */
+    uint32_t comm_size;  /* its size */
+    uint32_t peer_world; /* peer as a rank of the group (DMLC_NO_PEER if none or,
+                          * for a failure on a communicator other than 0, unknown) */
+} dmlc_comm_completion;
+
+/* DMLC_FEATURE_* bits of the features the device offered and this library
+ * negotiated (0: none, a device of 5.X.6.1 only); -1 if dev is NULL. */
+int dmlc_comm_features(const dmlc_device *dev);
+
+/* Most communicators alive at once, the group's included (the device's
+ * max_comms); 0 without communicators, -1 if dev is NULL. */
+int32_t dmlc_max_comms(const dmlc_device *dev);
+
+/* Communicator `comm` as this member knows it (made by dmlc_comm_split or
+ * dmlc_comm_create and not freed): DMLC_ERR_BAD_REQUEST (DMLC_BAD_COMM)
+ * otherwise. *out is zeroed first. */
+int dmlc_get_comm_info(const dmlc_device *dev, uint32_t comm, dmlc_comm_info *out);
+
+/* Collective over `comm`: every color other than DMLC_UNDEFINED makes a new
+ * communicator of the members that gave it, ranked by key, then by rank in
+ * `comm`. *out is the new communicator, or all 0 for DMLC_UNDEFINED. */
+int dmlc_comm_split(dmlc_device *dev, uint32_t comm, uint32_t color, uint32_t key,
+                    dmlc_comm_info *out);
+
+/* A new communicator of ranks[0..n) of `comm` (distinct, this member among
+ * them), in its rank order, called by those members only (the others of
+ * `comm` need not know). `tag` tells creations of one `comm` apart; those
+ * with the same tag are matched in order. */
+int dmlc_comm_create(dmlc_device *dev, uint32_t comm, const uint32_t *ranks, size_t n,
+                     uint64_t tag, dmlc_comm_info *out);
+
+/* Collective over `comm`: its id stops being valid. Not DMLC_COMM_WORLD. */
+int dmlc_comm_free(dmlc_device *dev, uint32_t comm);
+
+/* dmlc_submit on communicator `comm` (opcodes 0 to 6, root a rank of it). */
+int dmlc_submit_comm(dmlc_device *dev, uint16_t queue, uint32_t comm, const dmlc_request *req,
+                     const dmlc_segment *inputs, size_t n_inputs, const dmlc_segment *outputs,
+                     size_t n_outputs, dmlc_handle **handle);
+
+/* Posts any request on `queue` with the given segments (device buffers, no
+ * copy; lengths as the spec's tables say) and waits for it; the wait ends,
+ * at the latest, with DMLC_ERR_UNANSWERED after the request's timeout plus a
+ * margin. `out` may be NULL. */
+int dmlc_comm_call(dmlc_device *dev, uint16_t queue, const dmlc_comm_request *req,
+                   const dmlc_segment *inputs, size_t n_inputs, const dmlc_segment *outputs,
+                   size_t n_outputs, dmlc_comm_completion *out);
+
+/* Sends `count` elements at buf to rank `peer` of `comm`, matched by `tag`
+ * (in order per sender, receiver and tag); returns once the receiver has
+ * them. DMLC_ERR_TRUNCATE: the receive's room was smaller (nothing of that
+ * piece moved); dmlc_last_error_length() gives the room. */
+int dmlc_send(dmlc_device *dev, uint32_t comm, uint32_t peer, uint64_t tag, int dtype,
+              const void *buf, uint64_t count);
+
+/* Receives one message from rank `peer` of `comm` (or DMLC_ANY_SOURCE) with
+ * `tag` into buf, room for `count` elements; a shorter message leaves the
+ * rest of buf as it was. *length (bytes) and *source (the sender's rank in
+ * `comm`) are set on DMLC_OK and on DMLC_ERR_TRUNCATE (the message's size as
+ * far as known: larger than the room), 0 and DMLC_NO_PEER otherwise; either
+ * may be NULL. */
+int dmlc_recv(dmlc_device *dev, uint32_t comm, uint32_t peer, uint64_t tag, int dtype, void *buf,
+              uint64_t count, uint64_t *length, uint32_t *source);
+
+/* recv[j*count + i] = send_j[r*count + i]: block j of every member's send
+ * (size * count elements, size the communicator's) goes to member j, whose
+ * recv holds every member's block in rank order. No overlap. */
+int dmlc_alltoall(dmlc_device *dev, uint32_t comm, const void *send, void *recv, uint64_t count,
+                  int dtype);
+
+/* As dmlc_alltoall with sendcounts[j] elements to member j and
+ * recvcounts[i] from member i (size entries each; member i's sendcounts[j]
+ * must equal member j's recvcounts[i]), blocks one after the other in rank
+ * order. One request. */
+int dmlc_alltoallv(dmlc_device *dev, uint32_t comm, const void *send, void *recv,
+                   const uint64_t *sendcounts, const uint64_t *recvcounts, int dtype);
+
+/* The root's recv (size * count elements) gets every member's send (count
+ * elements) in rank order; recv is used on the root only. In place at the
+ * root: send NULL, its input already in block `root` of recv. */
+int dmlc_gather(dmlc_device *dev, uint32_t comm, const void *send, void *recv, uint64_t count,
+                int dtype, uint32_t root);
+
+/* As dmlc_gather, each member giving its own count; the root's recvcounts
+ * (size entries; entry j member j's count) place the blocks. recv and
+ * recvcounts are used on the root only. One request. */
+int dmlc_gatherv(dmlc_device *dev, uint32_t comm, const void *send, void *recv, uint64_t count,
+                 const uint64_t *recvcounts, int dtype, uint32_t root);
+
+/* Every member's recv (count elements) gets its block of the root's send
+ * (size * count elements, used on the root only). At the root recv may be
+ * NULL (its block stays in send). */
+int dmlc_scatter(dmlc_device *dev, uint32_t comm, const void *send, void *recv, uint64_t count,
+                 int dtype, uint32_t root);
+
+/* As dmlc_scatter, each member receiving its own count; the root's
+ * sendcounts (size entries) place the blocks in send. send and sendcounts
+ * are used on the root only. One request. */
+int dmlc_scatterv(dmlc_device *dev, uint32_t comm, const void *send, void *recv,
+                  const uint64_t *sendcounts, uint64_t count, int dtype, uint32_t root);
+
+/* The collectives on ordinary memory on communicator `comm`, as the
+ * dmlc_*_host functions (which they are on DMLC_COMM_WORLD); sizes and
+ * roots are the communicator's. */
+int dmlc_allreduce_host_comm(dmlc_device *dev, uint32_t comm, const void *send, void *recv,
+                             uint64_t count, int dtype, int op);
+int dmlc_broadcast_host_comm(dmlc_device *dev, uint32_t comm, void *data, uint64_t count,
+                             int dtype, uint32_t root);
+int dmlc_reduce_host_comm(dmlc_device *dev, uint32_t comm, void *data, uint64_t count, int dtype,
+                          int op, uint32_t root);
+int dmlc_allgather_host_comm(dmlc_device *dev, uint32_t comm, const void *send, void *recv,
+                             uint64_t sendcount, int dtype);
+int dmlc_reduce_scatter_host_comm(dmlc_device *dev, uint32_t comm, const void *send, void *recv,
+                                  uint64_t recvcount, int dtype, int op);
+/* Returns once every member of `comm` has called it. */
+int dmlc_barrier_comm(dmlc_device *dev, uint32_t comm);
+
 /* ---- Errors ---- */
 
 /* Static text naming a status (never NULL). */
@@ -364,6 +617,11 @@ const char *dmlc_last_error_message(void);
  * none failed); generation is 0. For the calls that return only a status,
  * such as the host forms. out == NULL is a no-op. */
 void dmlc_last_error_completion(dmlc_completion *out);
+
+/* The length of the last failing call's DMLC_ERR_TRUNCATE on this thread, in
+ * bytes: for dmlc_send the receive's room, for dmlc_recv the message's size
+ * (as far as known); 0 if that call failed otherwise or none failed. */
+uint64_t dmlc_last_error_length(void);
 
 #ifdef __cplusplus
 }

@@ -27,10 +27,15 @@ use dmlc_driver::device::Wait;
 use dmlc_driver::Error;
 use dmlc_driver::{BufSlice, Device, DmaBuf, Handle, OpenOptions, Request};
 
-// Opening from a job's environment, and the collectives on ordinary
-// memory, each in its own file.
+// Opening from a job's environment, the collectives on ordinary memory,
+// communicators and the requests of spec 5.X.6.13 on device buffers, and
+// those on ordinary memory, each in its own file.
+mod comm;
+mod comm_host;
 mod env;
 mod host;
+pub use comm::*;
+pub use comm_host::*;
 pub use env::{dmlc_open_env, dmlc_reaches_any_memory};
 pub use host::{
     dmlc_allgather_host, dmlc_allreduce_host, dmlc_broadcast_host, dmlc_reduce_host,
@@ -39,6 +44,9 @@ pub use host::{
 
 /// `DMLC_ABI_VERSION` of dmlc_guest.h: raised with every change of a
 /// function, struct, constant or status (tests/c checks the two agree).
+/// 2: communicators, send and receive, all-to-all, gather and scatter
+/// (spec 5.X.6.13), `DMLC_ERR_TRUNCATE` reported, the mismatch mask's
+/// table bit.
 pub const DMLC_ABI_VERSION: u32 = 1;
 
 /// The ABI version this library was built with.
@@ -76,6 +84,13 @@ pub struct DmlcDevice {
     dev: Arc<Device>,
     /// Bounce buffer of `dmlc_allreduce_host`.
     bounce: Mutex<Bounce>,
+    /// Staging buffer of the operations of spec 5.X.6.13 on ordinary
+    /// memory and of the collectives on other communicators than 0.
+    stage: Mutex<comm_host::Stage>,
+    /// The bounce buffer's chunk size (`dmlc_host_chunk_bytes`).
+    chunk: usize,
+    /// The device's `max_bytes`, read once (it never changes in a group).
+    max_bytes: u64,
 }
 
 /// A device-visible buffer (`dmlc_buffer`).
@@ -159,10 +174,14 @@ pub struct DmlcCompletion {
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
-    /// (status, detail, peer) of this thread's last failed call, for the
-    /// calls that return only a status (`dmlc_last_error_completion`).
-    static LAST_REPORT: Cell<(c_int, u32, u32)> = const { Cell::new((DMLC_OK, 0, NO_PEER)) };
+    /// (status, detail, peer, length) of this thread's last failed call,
+    /// for the calls that return only a status
+    /// (`dmlc_last_error_completion`, `dmlc_last_error_length`).
+    static LAST_REPORT: Cell<Report> = const { Cell::new((DMLC_OK, 0, NO_PEER, 0)) };
 }
+
+/// (status, detail, peer, length) of a failed call.
+type Report = (c_int, u32, u32, u64);
 
 impl Fail {
     fn invalid(msg: impl Into<String>) -> Self {
@@ -178,7 +197,11 @@ impl From<Error> for Fail {
         // The device's detail and peer go only into the report: the
         // status and message are what every call returns.
         let (detail, peer) = detail_of(&e);
-        LAST_REPORT.with(|r| r.set((status_of(&e), detail, peer)));
+        let length = match e {
+            Error::Truncated { length, .. } => length,
+            _ => 0,
+        };
+        LAST_REPORT.with(|r| r.set((status_of(&e), detail, peer, length)));
         Fail {
             status: status_of(&e),
             msg: error_text(&e),
@@ -197,6 +220,7 @@ fn status_of(e: &Error) -> c_int {
         Error::Unsupported { .. } => virtio_dmlc::STATUS_UNSUPPORTED as c_int,
         Error::TooBig { .. } => virtio_dmlc::STATUS_TOO_BIG as c_int,
         Error::Reset => virtio_dmlc::STATUS_RESET as c_int,
+        Error::Truncated { .. } => virtio_dmlc::STATUS_TRUNCATE as c_int,
         Error::NoStatus => DMLC_ERR_NO_STATUS,
         Error::UnknownStatus { .. } => DMLC_ERR_UNKNOWN_STATUS,
         Error::WaitTimeout => DMLC_ERR_WAIT_TIMEOUT,
@@ -221,13 +245,15 @@ fn detail_of(e: &Error) -> (u32, u32) {
         | Error::TooBig { detail } => (*detail, NO_PEER),
         Error::Mismatch { fields, peer } => {
             let names: Vec<&str> = fields.split(", ").collect();
-            let mask = (0..6)
+            let mask = (0..7)
                 .map(|b| 1u32 << b)
                 .filter(|&bit| mismatch::fields(bit).any(|n| names.contains(&n)))
                 .fold(0, |m, b| m | b);
             (mask, *peer)
         }
-        Error::PeerLost { peer } | Error::Timeout { peer } => (0, *peer),
+        Error::PeerLost { peer } | Error::Timeout { peer } | Error::Truncated { peer, .. } => {
+            (0, *peer)
+        }
         _ => (0, NO_PEER),
     }
 }
@@ -239,11 +265,11 @@ fn guard(f: impl FnOnce() -> Result<(), Fail>) -> c_int {
         ok: DMLC_OK,
         internal: DMLC_ERR_INTERNAL,
     };
-    let before = LAST_REPORT.with(|r| r.replace((DMLC_OK, 0, NO_PEER)));
+    let before = LAST_REPORT.with(|r| r.replace((DMLC_OK, 0, NO_PEER, 0)));
     let status = ffi_util::guard(&LAST_ERROR, codes, f);
     LAST_REPORT.with(|r| match status {
         DMLC_OK => r.set(before),
-        s if r.get().0 != s => r.set((s, 0, NO_PEER)),
+        s if r.get().0 != s => r.set((s, 0, NO_PEER, 0)),
         _ => {}
     });
     status
@@ -258,7 +284,7 @@ fn guard(f: impl FnOnce() -> Result<(), Fail>) -> c_int {
 /// `out` is NULL (nothing is written) or writable for one `dmlc_completion`.
 #[no_mangle]
 pub unsafe extern "C" fn dmlc_last_error_completion(out: *mut DmlcCompletion) {
-    let (status, detail, peer) = LAST_REPORT.with(Cell::get);
+    let (status, detail, peer, _) = LAST_REPORT.with(Cell::get);
     // SAFETY: `out` is NULL or writable per the contract.
     if let Some(o) = unsafe { out.as_mut() } {
         *o = DmlcCompletion {
@@ -268,6 +294,14 @@ pub unsafe extern "C" fn dmlc_last_error_completion(out: *mut DmlcCompletion) {
             generation: 0,
         };
     }
+}
+
+/// The length of this thread's last failed call's `DMLC_ERR_TRUNCATE`, in
+/// bytes (a send: the receive's room; a receive: the message's size); 0
+/// if that call failed otherwise or none failed.
+#[no_mangle]
+pub extern "C" fn dmlc_last_error_length() -> u64 {
+    LAST_REPORT.with(Cell::get).3
 }
 
 /// Borrows a device pointer from C.
@@ -482,8 +516,12 @@ unsafe fn open_options(opts: *const DmlcOpenOptions) -> Result<OpenOptions, Fail
 }
 
 fn boxed_device(dev: Device) -> *mut DmlcDevice {
+    let bounce = Bounce::new(&dev);
     Box::into_raw(Box::new(DmlcDevice {
-        bounce: Mutex::new(Bounce::new(&dev)),
+        chunk: bounce.chunk_bytes(),
+        max_bytes: dev.config().max_bytes.get(),
+        bounce: Mutex::new(bounce),
+        stage: Mutex::new(comm_host::Stage::default()),
         dev: Arc::new(dev),
     }))
 }
@@ -947,6 +985,37 @@ pub unsafe extern "C" fn dmlc_submit(
     n_outputs: usize,
     handle: *mut *mut DmlcHandle,
 ) -> c_int {
+    // SAFETY: forwarded contract.
+    unsafe {
+        submit_on(
+            dev,
+            queue,
+            0,
+            req,
+            (inputs, n_inputs),
+            (outputs, n_outputs),
+            handle,
+        )
+    }
+}
+
+/// C segments: the pointer and their number.
+type Segs = (*const DmlcSegment, usize);
+
+/// `dmlc_submit` on communicator `comm`.
+///
+/// # Safety
+///
+/// As [`dmlc_submit`].
+pub(crate) unsafe fn submit_on(
+    dev: *mut DmlcDevice,
+    queue: u16,
+    comm: u32,
+    req: *const DmlcRequest,
+    inputs: Segs,
+    outputs: Segs,
+    handle: *mut *mut DmlcHandle,
+) -> c_int {
     guard(|| {
         if handle.is_null() {
             return Err(Fail::invalid("handle is NULL"));
@@ -957,49 +1026,11 @@ pub unsafe extern "C" fn dmlc_submit(
         let d = unsafe { device(dev) }?;
         // SAFETY: `req` is NULL or readable per the contract.
         let r = unsafe { req.as_ref() }.ok_or_else(|| Fail::invalid("request is NULL"))?;
-        let unsup = |detail, what: &str, raw: u32| Fail {
-            status: virtio_dmlc::STATUS_UNSUPPORTED as c_int,
-            msg: format!("unsupported by the device: unknown {what} {raw} (detail {detail})"),
-        };
-        let opcode = Opcode::from_raw(r.opcode)
-            .ok_or_else(|| unsup(unsupported::OPCODE, "opcode", r.opcode.into()))?;
-        let barrier = opcode == Opcode::Barrier;
-        // Barrier ignores dtype and op; any valid stand-in will do.
-        let dtype = match Dtype::from_raw(r.dtype) {
-            Some(d) => d,
-            None if barrier => Dtype::U8,
-            None => return Err(unsup(unsupported::DTYPE, "dtype", r.dtype.into())),
-        };
-        let op = match ReduceOp::from_raw(r.op) {
-            Some(o) => o,
-            None if !matches!(
-                opcode,
-                Opcode::Allreduce | Opcode::Reduce | Opcode::ReduceScatter
-            ) =>
-            {
-                ReduceOp::Sum
-            }
-            None => return Err(unsup(unsupported::OP, "op", r.op.into())),
-        };
-        if r.flags & !FLAGS_KNOWN != 0 {
-            return Err(Error::bad_request(bad::FLAGS).into());
-        }
-        let request = Request {
-            opcode,
-            dtype,
-            op,
-            root: r.root,
-            count: r.count,
-            tag: r.tag,
-            in_place: r.flags & FLAG_IN_PLACE != 0,
-            timeout_ms: r.timeout_ms,
-            // The C ABI has no communicators yet.
-            comm: 0,
-        };
+        let request = request_of(r, comm)?;
         // SAFETY: forwarded contract.
-        let ins = unsafe { slices(d, inputs, n_inputs, "input") }?;
+        let ins = unsafe { slices(d, inputs.0, inputs.1, "input") }?;
         // SAFETY: forwarded contract.
-        let outs = unsafe { slices(d, outputs, n_outputs, "output") }?;
+        let outs = unsafe { slices(d, outputs.0, outputs.1, "output") }?;
         let h = d.dev.submit(queue, &request, &ins, &outs)?;
         let boxed = Box::new(DmlcHandle {
             dev: Arc::clone(&d.dev),
@@ -1008,6 +1039,52 @@ pub unsafe extern "C" fn dmlc_submit(
         // SAFETY: `handle` is non-NULL and writable per the contract.
         unsafe { handle.write(Box::into_raw(boxed)) };
         Ok(())
+    })
+}
+
+/// A failure for an unknown `what` (opcode, dtype, op) of value `raw`.
+fn unknown(detail: u32, what: &str, raw: u32) -> Fail {
+    Fail {
+        status: virtio_dmlc::STATUS_UNSUPPORTED as c_int,
+        msg: format!("unsupported by the device: unknown {what} {raw} (detail {detail})"),
+    }
+}
+
+/// The driver's request of a C `dmlc_request` (opcodes 0 to 6) on
+/// communicator `comm`: unknown values refused as the device would.
+pub(crate) fn request_of(r: &DmlcRequest, comm: u32) -> Result<Request, Fail> {
+    let opcode = Opcode::from_raw(r.opcode)
+        .ok_or_else(|| unknown(unsupported::OPCODE, "opcode", r.opcode.into()))?;
+    // Barrier ignores dtype and op; any valid stand-in will do.
+    let dtype = match Dtype::from_raw(r.dtype) {
+        Some(d) => d,
+        None if opcode == Opcode::Barrier => Dtype::U8,
+        None => return Err(unknown(unsupported::DTYPE, "dtype", r.dtype.into())),
+    };
+    let op = match ReduceOp::from_raw(r.op) {
+        Some(o) => o,
+        None if !matches!(
+            opcode,
+            Opcode::Allreduce | Opcode::Reduce | Opcode::ReduceScatter
+        ) =>
+        {
+            ReduceOp::Sum
+        }
+        None => return Err(unknown(unsupported::OP, "op", r.op.into())),
+    };
+    if r.flags & !FLAGS_KNOWN != 0 {
+        return Err(Error::bad_request(bad::FLAGS).into());
+    }
+    Ok(Request {
+        opcode,
+        dtype,
+        op,
+        root: r.root,
+        count: r.count,
+        tag: r.tag,
+        in_place: r.flags & FLAG_IN_PLACE != 0,
+        timeout_ms: r.timeout_ms,
+        comm,
     })
 }
 
@@ -1147,6 +1224,20 @@ mod tests {
             detail_of(&Error::mismatch(mismatch::COUNT | mismatch::TAG, 2)),
             (mismatch::COUNT | mismatch::TAG, 2)
         );
+        // Spec 5.X.6.13: TRUNCATE keeps its status, peer and length; the
+        // mask keeps the table bit.
+        let table = virtio_dmlc::comm::MISMATCH_TABLE;
+        assert_eq!(detail_of(&Error::mismatch(table, 3)), (table, 3));
+        let truncated = Error::Truncated {
+            length: 12,
+            peer: 1,
+        };
+        assert_eq!(status_of(&truncated), virtio_dmlc::STATUS_TRUNCATE as c_int);
+        assert_eq!(detail_of(&truncated), (0, 1));
+        assert_eq!(guard(|| Err(truncated.into())), 8);
+        assert_eq!(dmlc_last_error_length(), 12);
+        assert_eq!(guard(|| Err(Fail::invalid("x"))), DMLC_ERR_INVALID_ARGUMENT);
+        assert_eq!(dmlc_last_error_length(), 0);
     }
 
     #[test]

@@ -1,7 +1,8 @@
-//! The C ABI end to end: compiles tests/c/allreduce.c against
-//! include/dmlc_guest.h and the built libdmlc_guest, checks that the
-//! header's constants equal the device ABI's, and runs two C ranks against
-//! the backend.
+//! The C ABI end to end: compiles tests/c/allreduce.c and tests/c/comms.c
+//! against include/dmlc_guest.h and the built libdmlc_guest, checks that
+//! the header's constants equal the device ABI's, and runs C ranks against
+//! the backend (two for the collectives, four for communicators, send and
+//! receive, all-to-all, gather and scatter).
 
 use std::collections::HashMap;
 use std::mem::{offset_of, size_of};
@@ -9,6 +10,7 @@ use std::time::Duration;
 
 use dmlc_guest::ffi;
 use dmlc_test_support::{build_c_program, c_command, serial, temp_dir, Backend, Proc};
+use virtio_dmlc::comm::{self, CommOpcode};
 use virtio_dmlc::{Dtype, Opcode, ReduceOp, Status};
 
 #[test]
@@ -52,6 +54,50 @@ fn header_constants_match_the_device_abi() {
             c.raw().into(),
         );
     }
+    for c in CommOpcode::ALL {
+        check(
+            format!("DMLC_OPCODE_{}", c.name().to_uppercase()),
+            c.raw().into(),
+        );
+    }
+    // Spec 5.X.6.13: the constants of communicators and their details.
+    for (name, value) in [
+        ("DMLC_COMM_WORLD", comm::COMM_WORLD),
+        ("DMLC_ANY_SOURCE", comm::ANY_SOURCE),
+        ("DMLC_UNDEFINED", comm::UNDEFINED),
+        ("DMLC_FEATURE_COMM", 1 << comm::VIRTIO_DMLC_F_COMM),
+        ("DMLC_FEATURE_P2P", 1 << comm::VIRTIO_DMLC_F_P2P),
+        ("DMLC_FEATURE_BLOCKS", 1 << comm::VIRTIO_DMLC_F_BLOCKS),
+        ("DMLC_BAD_COMM", comm::BAD_COMM),
+        ("DMLC_BAD_PEER", comm::BAD_PEER),
+        ("DMLC_BAD_TABLE", comm::BAD_TABLE),
+        ("DMLC_BAD_IN_PLACE_OPCODE", comm::BAD_IN_PLACE_OPCODE),
+        ("DMLC_MISMATCH_TABLE", comm::MISMATCH_TABLE),
+        ("DMLC_TOO_BIG_COMMS", comm::TOO_BIG_COMMS),
+    ] {
+        check(name.into(), value.into());
+    }
+    for (name, value) in [
+        ("DMLC_COMM_WORLD", ffi::DMLC_COMM_WORLD),
+        ("DMLC_ANY_SOURCE", ffi::DMLC_ANY_SOURCE),
+        ("DMLC_UNDEFINED", ffi::DMLC_UNDEFINED),
+        ("DMLC_FEATURE_COMM", ffi::DMLC_FEATURE_COMM),
+        ("DMLC_FEATURE_P2P", ffi::DMLC_FEATURE_P2P),
+        ("DMLC_FEATURE_BLOCKS", ffi::DMLC_FEATURE_BLOCKS),
+    ] {
+        check(name.into(), value.into());
+    }
+    // The comm structs mirror the device's header and response: the
+    // request's fixed part ends where the header's table starts, and the
+    // completion is as long as the 40-byte response.
+    check(
+        "offsetof(dmlc_comm_request, table)".into(),
+        comm::REQ_COMM_HEADER_SIZE as i64,
+    );
+    check(
+        "sizeof(dmlc_comm_completion)".into(),
+        comm::RESP_COMM_SIZE as i64,
+    );
     for s in Status::ALL {
         let name = match s {
             Status::Ok => "DMLC_OK".to_string(),
@@ -119,6 +165,18 @@ fn header_constants_match_the_device_abi() {
             "sizeof(dmlc_completion)".to_string(),
             size_of::<ffi::DmlcCompletion>(),
         ),
+        (
+            "sizeof(dmlc_comm_info)".to_string(),
+            size_of::<ffi::DmlcCommInfo>(),
+        ),
+        (
+            "sizeof(dmlc_comm_request)".to_string(),
+            size_of::<ffi::DmlcCommRequest>(),
+        ),
+        (
+            "sizeof(dmlc_comm_completion)".to_string(),
+            size_of::<ffi::DmlcCommCompletion>(),
+        ),
     ];
     macro_rules! fields {
         ($c:literal, $t:ty, $($f:ident),*) => {$(
@@ -169,6 +227,37 @@ fn header_constants_match_the_device_abi() {
         peer,
         generation
     );
+    fields!("dmlc_comm_info", ffi::DmlcCommInfo, id, rank, size);
+    fields!(
+        "dmlc_comm_request",
+        ffi::DmlcCommRequest,
+        opcode,
+        dtype,
+        op,
+        root,
+        count,
+        tag,
+        flags,
+        timeout_ms,
+        comm,
+        peer,
+        key,
+        table_bytes,
+        table
+    );
+    fields!(
+        "dmlc_comm_completion",
+        ffi::DmlcCommCompletion,
+        status,
+        detail,
+        peer,
+        generation,
+        length,
+        comm,
+        comm_rank,
+        comm_size,
+        peer_world
+    );
     for (name, rust) in layout {
         check(name, rust as i64);
     }
@@ -211,6 +300,45 @@ fn c_program_runs_every_collective_polling() {
 #[test]
 fn c_program_runs_every_collective_with_interrupts() {
     run_ranks("interrupt");
+}
+
+/// Communicators, send and receive, all-to-all, gather and scatter, from
+/// C on four ranks; a `max_bytes` that is no multiple of 8 makes messages
+/// and block collectives several requests.
+#[test]
+fn c_program_runs_communicators_send_receive_and_block_collectives() {
+    let _g = serial();
+    let dir = temp_dir("cabi-comms");
+    let exe = c_program(&dir, "comms");
+    let backend = Backend::start(
+        "cabi-comms",
+        4,
+        &[
+            "--log-level",
+            "warn",
+            "--max-bytes",
+            "65540",
+            "--timeout-ms",
+            "20000",
+        ],
+    );
+    let mut ranks: Vec<Proc> = (0..4)
+        .map(|r| {
+            Proc::spawn(
+                &format!("c rank {r}"),
+                c_command(&exe).arg(backend.socket(r)),
+            )
+        })
+        .collect();
+    for (r, p) in ranks.iter_mut().enumerate() {
+        let st = p.finish(Duration::from_secs(120));
+        assert!(st.success(), "C rank {r} failed ({st}):\n{}", p.dump());
+        assert!(
+            p.stdout().contains(&format!("PASS rank {r} of 4")),
+            "{}",
+            p.dump()
+        );
+    }
 }
 
 /// Builds `tests/c/{name}.c` of this crate against its headers.

@@ -27,10 +27,12 @@ use vhost_device_dmlc::chain::Limits;
 use virtio_dmlc::{bad, Dtype, Opcode, ReduceOp, Status, FLAG_IN_PLACE};
 use vm_memory::{Bytes, GuestAddress};
 
-use crate::check::{check, Outcome};
+use crate::check::{check_in, Outcome};
 use crate::guest::{
     self, Hole, Layout, A_SIZE, DATA, DESC_TABLE, F_INDIRECT, HDR, INDIRECT, INDIRECT_ENTRIES, RESP,
 };
+use crate::oracle::Model;
+use crate::oracle_comm::Comms;
 use crate::request_header::header;
 use crate::{Input, Seed};
 
@@ -154,12 +156,20 @@ impl Case {
             rank: u32::from(self.rank) % world,
             max_segments: u32::from(self.max_segments),
             max_bytes: u64::from(self.max_bytes),
+            // Without feature bit 1: 32-byte headers, 16-byte responses.
+            features: 0,
         }
     }
 }
 
 /// Runs one input.
 pub fn run(data: &[u8]) -> Outcome {
+    run_model(data).0
+}
+
+/// Runs one input; also says whether the backend's answer was the spec's
+/// or one of its known deviations.
+pub fn run_model(data: &[u8]) -> (Outcome, Model) {
     let _run = guest::exclusive();
     let case = Case::decode(data);
     let layout = Layout::from_byte(case.layout);
@@ -181,7 +191,8 @@ pub fn run(data: &[u8]) -> Outcome {
     } else {
         case.head % size
     };
-    check(mem, guest::pop(mem, size, head), size, &case.limits())
+    let chain = guest::pop(mem, size, head);
+    check_in(mem, chain, size, &case.limits(), &Comms::default())
 }
 
 /// Chains that exercise the walker: direct, indirect, across a region

@@ -1,8 +1,8 @@
 //! Harness of the virtio-dmlc fuzz targets.
 //!
-//! Both targets build a guest (memory, split queue, descriptors) from the
-//! fuzz input, pop the chain as the backend does, run the backend's chain
-//! parser (`vhost_device_dmlc::chain::parse`) on it, and check the result
+//! Every target builds a guest (memory, split queue, descriptors) from the
+//! fuzz input, pops the chain as the backend does, runs the backend's chain
+//! parser (`vhost_device_dmlc::chain::parse_in`) on it, and checks the result
 //! against a model of the spec ([`oracle`]) and against guest memory
 //! ([`check`]).
 //!
@@ -11,14 +11,21 @@
 //!   header (or given), so the header checks are reached and passed.
 //! - [`descriptor_chain`]: descriptor tables, indirect tables, addresses,
 //!   lengths, flags, head index, queue size and memory layout are free.
+//! - [`comm_header`]: with feature bit 1 (spec 5.X.6.13): the 48-byte
+//!   header and its table, the negotiated feature bits, the communicators
+//!   the member belongs to, the limits, and the sizes and place of the
+//!   header and response descriptors are free; the rest of the chain is
+//!   built as for `request_header`.
 //!
 //! The input formats are fixed byte layouts, written down in each module,
 //! so that seeds are easy to write and libFuzzer's mutations stay local.
 
 pub mod check;
+pub mod comm_header;
 pub mod descriptor_chain;
 pub mod guest;
 pub mod oracle;
+pub mod oracle_comm;
 pub mod request_header;
 
 use std::path::Path;
@@ -97,16 +104,18 @@ pub fn init(seeds: &[Seed], run: impl Fn(&[u8]) -> check::Outcome, want: &[check
 
 #[cfg(test)]
 mod tests {
-    use super::{check::Outcome, descriptor_chain, request_header, Seed};
+    use super::{check::Outcome, comm_header, descriptor_chain, request_header, Seed};
 
     type Target = fn(&[u8]) -> Outcome;
 
-    fn targets() -> [(&'static str, Target, Vec<Seed>, Vec<Outcome>); 2] {
+    fn targets() -> [(&'static str, Target, Vec<Seed>, Vec<Outcome>); 3] {
         let (hs, hw) = request_header::seeds();
         let (cs, cw) = descriptor_chain::seeds();
+        let (ms, mw) = comm_header::seeds();
         [
             ("request_header", request_header::run as Target, hs, hw),
             ("descriptor_chain", descriptor_chain::run as Target, cs, cw),
+            ("comm_header", comm_header::run as Target, ms, mw),
         ]
     }
 

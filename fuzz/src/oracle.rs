@@ -1,12 +1,75 @@
 //! What the spec says the device must do with a chain, written from
 //! docs/spec.md (5.X.6.4 buffer sizes, 5.X.6.7 statuses, the walk of a
-//! chain and the order of the local checks) without looking at how the
-//! backend does it, so that the fuzz targets can compare the two. The walk
-//! ([`walk`]) reads the descriptor tables from guest memory itself, not
-//! through virtio-queue's iterator, which the backend uses.
+//! chain and the order of the local checks, and with feature bit 1 the
+//! rules of 5.X.6.13, see [`crate::oracle_comm`]) without looking at how
+//! the backend does it, so that the fuzz targets can compare the two. The
+//! walk ([`walk`]) reads the descriptor tables from guest memory itself,
+//! not through virtio-queue's iterator, which the backend uses.
+//!
+//! ## Orders
+//!
+//! 5.X.6.7.3 orders the checks, and places those of bit 1 (`BAD_COMM`,
+//! `BAD_PEER`, `BAD_TABLE`, `BAD_IN_PLACE_OPCODE`): after step 4 `COMM`
+//! then `TABLE` for a table larger than 16 times the group's size; `PEER`
+//! after `ROOT`; in step 6 `TABLE` before `OVERFLOW`, then
+//! `IN_PLACE_OPCODE`; in step 2 the header's whole range among the
+//! addresses, and "after `ADDRESS`, `HEADER` again" for a header that is
+//! not exactly `0x30 + table_bytes` long. Where that leaves a choice, the
+//! model takes the backend's order (vhost-device/src/chain.rs,
+//! `parse_in`):
+//!
+//! - the exact length comes after the header's own `ADDRESS` and before
+//!   the data descriptors' (the spec's "after `ADDRESS`" could mean after
+//!   all of them);
+//! - within `COMM`: an unknown id or one the member is not in before
+//!   comm_free of 0 (the same code either way).
+//!
+//! ## Readings where the spec is silent
+//!
+//! - comm_split, comm_create and comm_free have no buffers (5.X.6.13.2):
+//!   like barrier and nop they ignore `dtype` and get `BARRIER_DATA` for a
+//!   non-zero `count` or a data segment (5.X.6.1 and 5.X.6.7.2 name only
+//!   barrier and nop; the backend treats all five alike).
+//! - where 5.X.6.13.2 says the in-place flag "has no effect" (a gather's
+//!   or scatter's non-root), the request is checked as without it, so an
+//!   input segment is not `IN_PLACE_INPUT` (5.X.6.7.2 words that code on
+//!   the flag alone; the backend follows 5.X.6.13.2). The opcodes of
+//!   5.X.6.1 keep the flag-alone reading (a broadcast's non-root), as the
+//!   backend does.
+//! - `world_size` in `OVERFLOW` (`count * world_size`) and `ROOT` is the
+//!   communicator's size, as 5.X.6.13.1 says for 5.X.6.4 and 5.X.6.6.
+//!
+//! ## Deviations the backend had (all fixed)
+//!
+//! [`Model`] can add these to the spec; a test in `comm_header` checks
+//! each is gone (the backend now gives the spec's answer). With
+//! `DMLC_FUZZ_LENIENT` set, the harness accepts an answer explained by
+//! some of them (the fewest that do), to triage a run that finds one
+//! again; by default none is accepted:
+//!
+//! - D1: without bit 1, a header descriptor longer than 32 bytes gets
+//!   `ORDER` (with a readable descriptor after a writable one) or
+//!   `ADDRESS` (when its range leaves guest memory) where 5.X.6.7.3 step 2
+//!   says `HEADER` first: the backend checks the exact length the way bit
+//!   1 needs it, after `ORDER` and the header's `ADDRESS`, for every
+//!   request (before bit 1 it checked it first).
+//! - D2: the in-place flag on a request of bits 2 or 3 whose buffers are
+//!   all empty (count 0, or an alltoallv whose counts are all 0) is taken
+//!   as clear: no `BAD_IN_PLACE_OPCODE` on send, recv, alltoall and
+//!   alltoallv, which 5.X.6.13.2 says are "not allowed" in place, and no
+//!   `IN_PLACE_INPUT` on a gather's or scatter's root.
+//! - D3: comm_create does not check that `count * N` fits in 64 bits
+//!   (5.X.6.7.2 `OVERFLOW`); every other opcode does, barrier and
+//!   comm_split included.
+//! - D4: a table of alltoallv, gatherv or scatterv whose size is not a
+//!   multiple of 8 is read as `table_bytes / 8 + 1` counts of 0, so one of
+//!   `8 * k - 7` to `8 * k - 1` bytes passes for the `8 * k` the opcode
+//!   needs (an alltoallv of 2 members with a 25-byte table is valid, with
+//!   empty buffers); 5.X.6.13.5 says `BAD_TABLE`.
 
-use vhost_device_dmlc::chain::Limits;
+use vhost_device_dmlc::chain::{Code, Limits};
 use vhost_device_dmlc::GuestMem;
+use virtio_dmlc::comm::CommOpcode;
 use virtio_dmlc::{
     bad, too_big, unsupported, Dtype, Opcode, ReduceOp, Status, VirtioDmlcReq, FLAG_IN_PLACE,
     REQ_HEADER_SIZE, RESP_SIZE,
@@ -15,6 +78,7 @@ use virtio_queue::desc::split::Descriptor;
 use vm_memory::{Bytes, GuestAddress};
 
 use crate::guest::{inside, F_INDIRECT, F_NEXT};
+use crate::oracle_comm::{self as oc, Comms, Member};
 
 /// How a chain's walk (5.X.6.7.1) came out.
 #[derive(Clone, Debug)]
@@ -107,24 +171,81 @@ pub fn walk(mem: &GuestMem, table: u64, queue_size: u16, head: u16) -> Walk {
     }
 }
 
+/// Which answers the model gives: the spec's, or the spec's with some of
+/// the backend's known deviations (bit `k - 1` for D`k`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Model(pub u8);
+
+impl Model {
+    /// docs/spec.md as written (with the readings above where it is silent).
+    pub const SPEC: Model = Model(0);
+    pub const D1: Model = Model(1);
+    pub const D2: Model = Model(2);
+    pub const D3: Model = Model(4);
+    pub const D4: Model = Model(8);
+    /// Every known deviation at once.
+    pub const BACKEND: Model = Model(15);
+    /// The models the harness tries when the backend's answer is not the
+    /// spec's: every set of deviations, fewest first (so that the one
+    /// found is the smallest that explains the answer).
+    pub fn known() -> impl Iterator<Item = Model> {
+        (1..=4).flat_map(|n| {
+            (1..=Model::BACKEND.0)
+                .filter(move |m: &u8| m.count_ones() == n)
+                .map(Model)
+        })
+    }
+
+    /// Whether the deviations of `d` are in the model.
+    pub fn has(self, d: Model) -> bool {
+        self.0 & d.0 == d.0
+    }
+}
+
+impl std::fmt::Display for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if *self == Model::SPEC {
+            return f.write_str("spec");
+        }
+        let ds: Vec<String> = (0..4)
+            .filter(|k| self.0 & 1 << k != 0)
+            .map(|k| format!("D{}", k + 1))
+            .collect();
+        f.write_str(&ds.join("+"))
+    }
+}
+
 /// Byte sizes a valid request has.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Sizes {
     pub elem: u64,
     pub input: u64,
     pub output: u64,
-    /// In place: byte offset and length of the member's input in the output.
+    /// In place: byte offset and length of the member's input (or, for a
+    /// scatter's root, its own output block) in the one writable buffer.
     pub in_place: Option<(u64, u64)>,
 }
 
+/// What a valid request with feature bit 1 carries besides the header.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CommExpect {
+    pub comm: Member,
+    pub peer: u32,
+    pub key: u32,
+    /// The table as guest memory holds it.
+    pub table: Vec<u8>,
+}
+
 /// The device's answer to one chain.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Expected {
-    /// Valid: takes a sequence number.
+    /// Valid: takes a sequence number (or is matched, for send and recv).
     Valid {
         header: VirtioDmlcReq,
-        opcode: Opcode,
+        code: Code,
         sizes: Sizes,
+        /// With feature bit 1.
+        comm: Option<CommExpect>,
     },
     /// Completed at once.
     Rejected {
@@ -133,18 +254,39 @@ pub enum Expected {
         /// Used length when a response is written.
         writable_len: u32,
         /// The opcode, once the header was read and the opcode is known.
-        opcode: Option<Opcode>,
+        code: Option<Code>,
         /// Status and detail; `None` when no response can be written.
         status: Option<(Status, u32)>,
     },
 }
 
+/// What tells one answer from another at a glance: the status (`Ok` for
+/// a valid request; `None` inside for no response) and the opcode known.
+pub type Verdict = (Result<(), Option<(Status, u32)>>, Option<Code>);
+
+impl Expected {
+    /// The status the device reports and the opcode it knows.
+    pub fn verdict(&self) -> Verdict {
+        match self {
+            Expected::Valid { code, .. } => (Ok(()), Some(*code)),
+            Expected::Rejected { status, code, .. } => (Err(*status), *code),
+        }
+    }
+}
+
 /// Elements of (input, output, in-place input as (offset, length)).
-type Elements = (u64, u64, Option<(u64, u64)>);
+pub type Elements = (u64, u64, Option<(u64, u64)>);
 
 /// Buffer sizes in elements from the table of 5.X.6.4, or `None` if
 /// `N * c` overflows.
-fn elements(opcode: Opcode, n: u32, r: u32, root: u32, c: u64, in_place: bool) -> Option<Elements> {
+pub fn elements(
+    opcode: Opcode,
+    n: u32,
+    r: u32,
+    root: u32,
+    c: u64,
+    in_place: bool,
+) -> Option<Elements> {
     let nc = c.checked_mul(u64::from(n))?;
     let root_member = r == root;
     Some(match (opcode, in_place) {
@@ -174,15 +316,33 @@ fn is_float(d: Dtype) -> bool {
     matches!(d, Dtype::F32 | Dtype::F64 | Dtype::F16 | Dtype::Bf16)
 }
 
-/// The spec's verdict on the chain that `walk` gives.
-pub fn expect(walk: &Walk, mem: &GuestMem, limits: &Limits) -> Expected {
+/// The spec's verdict on the chain that `walk` gives, for a member with
+/// `limits` (its negotiated features among them) and, with feature bit 1,
+/// the communicators `comms`; `model` picks the spec or the backend's
+/// known deviations from it.
+pub fn expect(
+    walk: &Walk,
+    mem: &GuestMem,
+    limits: &Limits,
+    comms: &Comms,
+    model: Model,
+) -> Expected {
     let descs = &walk.descs[..];
-    let reject = |response, writable_len, opcode, status| Expected::Rejected {
+    let reject = |response, writable_len, code, status| Expected::Rejected {
         response,
         writable_len,
-        opcode,
+        code,
         status,
     };
+    // 5.X.6.13.1: with bit 1 every request has the 48-byte header (and
+    // its table) and the 40-byte response; 5.X.6.2 applies with them.
+    let with_comm = limits.features & (1 << oc::F_COMM) != 0;
+    let (fixed, resp_size) = if with_comm {
+        (oc::HEADER_FIXED, oc::RESPONSE)
+    } else {
+        (REQ_HEADER_SIZE, RESP_SIZE)
+    };
+
     // Step 1: a usable response descriptor ends the chain.
     let Some(last) = descs.last() else {
         return reject(None, 0, None, None);
@@ -194,8 +354,8 @@ pub fn expect(walk: &Walk, mem: &GuestMem, limits: &Limits) -> Expected {
         .sum();
     let writable = u32::try_from(writable).unwrap_or(u32::MAX);
     if !last.is_write_only()
-        || last.len() as usize != RESP_SIZE
-        || !inside(mem, last.addr().0, RESP_SIZE as u64)
+        || last.len() as usize != resp_size
+        || !inside(mem, last.addr().0, resp_size as u64)
     {
         return reject(None, writable, None, None);
     }
@@ -205,10 +365,15 @@ pub fn expect(walk: &Walk, mem: &GuestMem, limits: &Limits) -> Expected {
     // Step 2: structure. A chain whose walk stopped early gets CHAIN, and
     // only its response counts in the used length.
     if !walk.complete {
-        return reject(resp, RESP_SIZE as u32, None, bad_req(bad::CHAIN));
+        return reject(resp, resp_size as u32, None, bad_req(bad::CHAIN));
     }
     let first = descs[0];
-    if descs.len() < 2 || first.is_write_only() || first.len() as usize != REQ_HEADER_SIZE {
+    if descs.len() < 2 || first.is_write_only() || (first.len() as usize) < fixed {
+        return reject(resp, writable, None, bad_req(bad::HEADER));
+    }
+    // Without bit 1 the header is exactly 32 bytes, known without reading
+    // it. D1: the backend checks it as bit 1's exact length, below.
+    if !model.has(Model::D1) && !with_comm && first.len() as usize != REQ_HEADER_SIZE {
         return reject(resp, writable, None, bad_req(bad::HEADER));
     }
     let data = &descs[1..descs.len() - 1];
@@ -218,33 +383,60 @@ pub fn expect(walk: &Walk, mem: &GuestMem, limits: &Limits) -> Expected {
     {
         return reject(resp, writable, None, bad_req(bad::ORDER));
     }
-    // Zero-length data descriptors are ignored, wherever they point.
-    let data: Vec<Descriptor> = data.iter().copied().filter(|d| d.len() != 0).collect();
+    // The header descriptor's whole range (with bit 1 its table too) is
+    // one of the addresses ADDRESS checks, and the first: it comes before
+    // the exact length (5.X.6.7.3 with bit 1), which comes before the data
+    // descriptors' addresses (the backend's order: the spec says "after
+    // ADDRESS, HEADER again", which could also mean after them).
     let in_mem = |d: &Descriptor| inside(mem, d.addr().0, u64::from(d.len()));
-    if !in_mem(&first) || !data.iter().all(in_mem) {
+    if !in_mem(&first) {
         return reject(resp, writable, None, bad_req(bad::ADDRESS));
     }
-    let mut raw = [0u8; REQ_HEADER_SIZE];
-    mem.read_slice(&mut raw, GuestAddress(first.addr().0))
-        .expect("header is inside guest memory");
-    let header = <VirtioDmlcReq as zerocopy::FromBytes>::read_from_bytes(&raw[..])
+    let mut raw = [0u8; oc::HEADER_FIXED];
+    mem.read_slice(&mut raw[..fixed], GuestAddress(first.addr().0))
+        .expect("the header is inside guest memory");
+    let field = |at: usize| u32::from_le_bytes([raw[at], raw[at + 1], raw[at + 2], raw[at + 3]]);
+    // With bit 1, the descriptor is exactly 0x30 + table_bytes long.
+    let table_bytes = if with_comm {
+        field(oc::AT_TABLE_BYTES)
+    } else {
+        0
+    };
+    if u64::from(first.len()) != fixed as u64 + u64::from(table_bytes) {
+        return reject(resp, writable, None, bad_req(bad::HEADER));
+    }
+    // Zero-length data descriptors are ignored, wherever they point.
+    let data: Vec<Descriptor> = data.iter().copied().filter(|d| d.len() != 0).collect();
+    if !data.iter().all(in_mem) {
+        return reject(resp, writable, None, bad_req(bad::ADDRESS));
+    }
+    let header = <VirtioDmlcReq as zerocopy::FromBytes>::read_from_bytes(&raw[..REQ_HEADER_SIZE])
         .expect("32 bytes make a header");
 
     // Steps 3 and 4: known opcode, dtype and op; op defined for dtype.
     let unsupported = |detail| Some((Status::Unsupported, detail));
-    let Some(opcode) = Opcode::from_raw(header.opcode.get()) else {
-        return reject(resp, writable, None, unsupported(unsupported::OPCODE));
+    let raw_op = header.opcode.get();
+    let code = match (Opcode::from_raw(raw_op), CommOpcode::from_raw(raw_op)) {
+        (Some(o), _) => Code::Base(o),
+        // 5.X.6.13.6: without bit 1, opcode 7 and above is unsupported.
+        (None, Some(o)) if with_comm && oc::known(o, limits.features) => Code::Comm(o),
+        _ => return reject(resp, writable, None, unsupported(unsupported::OPCODE)),
     };
-    let op_known = Some(opcode);
-    let dtype = match opcode {
-        Opcode::Barrier | Opcode::Nop => None,
-        _ => match Dtype::from_raw(header.dtype) {
+    let op_known = Some(code);
+    let uses_dtype = match code {
+        Code::Base(o) => !matches!(o, Opcode::Barrier | Opcode::Nop),
+        Code::Comm(o) => oc::uses_dtype(o),
+    };
+    let dtype = if uses_dtype {
+        match Dtype::from_raw(header.dtype) {
             Some(d) => Some(d),
             None => return reject(resp, writable, op_known, unsupported(unsupported::DTYPE)),
-        },
+        }
+    } else {
+        None
     };
-    let op = match opcode {
-        Opcode::Allreduce | Opcode::Reduce | Opcode::ReduceScatter => {
+    let op = match code {
+        Code::Base(Opcode::Allreduce | Opcode::Reduce | Opcode::ReduceScatter) => {
             match ReduceOp::from_raw(header.op) {
                 Some(o) => Some(o),
                 None => return reject(resp, writable, op_known, unsupported(unsupported::OP)),
@@ -263,45 +455,124 @@ pub fn expect(walk: &Walk, mem: &GuestMem, limits: &Limits) -> Expected {
         }
     }
 
-    // Step 5: flags, root.
+    // The communicator (5.X.6.13.3) and the table (5.X.6.13.5); where in
+    // the order: the backend's (see the module's comment).
+    let mut comm = None;
+    if with_comm {
+        let id = field(oc::AT_COMM);
+        let Some(member) = comms.find(id, limits.rank, limits.world_size) else {
+            return reject(resp, writable, op_known, bad_req(oc::BAD_COMM));
+        };
+        if id == 0 && code == Code::Comm(CommOpcode::CommFree) {
+            return reject(resp, writable, op_known, bad_req(oc::BAD_COMM));
+        }
+        if u64::from(table_bytes) > 16 * u64::from(limits.world_size) {
+            return reject(resp, writable, op_known, bad_req(oc::BAD_TABLE));
+        }
+        let mut table = vec![0u8; table_bytes as usize];
+        mem.read_slice(&mut table, GuestAddress(first.addr().0 + fixed as u64))
+            .expect("the header is inside guest memory");
+        comm = Some(CommExpect {
+            comm: member,
+            peer: field(oc::AT_PEER),
+            key: field(oc::AT_KEY),
+            table,
+        });
+    }
+    // 5.X.6.13.1: `world_size` is read as the communicator's size, and
+    // `root` and `peer` are ranks in it.
+    let (n, r) = comm.as_ref().map_or((limits.world_size, limits.rank), |c| {
+        (c.comm.size, c.comm.rank)
+    });
+
+    // Step 5: flags, root, and with bit 2 the peer.
     let flags = header.flags.get();
     if flags & !FLAG_IN_PLACE != 0 {
         return reject(resp, writable, op_known, bad_req(bad::FLAGS));
     }
     let root = header.root.get();
-    let root_ok = match opcode {
-        Opcode::Broadcast | Opcode::Reduce => root < limits.world_size,
-        _ => root == 0,
+    let rooted = match code {
+        Code::Base(o) => matches!(o, Opcode::Broadcast | Opcode::Reduce),
+        Code::Comm(o) => oc::has_root(o),
     };
-    if !root_ok {
+    if (rooted && root >= n) || (!rooted && root != 0) {
         return reject(resp, writable, op_known, bad_req(bad::ROOT));
     }
+    if let (Code::Comm(o @ (CommOpcode::Send | CommOpcode::Recv)), Some(c)) = (code, &comm) {
+        // 5.X.6.13.4: not the member itself, a rank of the communicator,
+        // or any source for a receive.
+        let any = o == CommOpcode::Recv && c.peer == oc::ANY_SOURCE;
+        if !any && (c.peer == r || c.peer >= n) {
+            return reject(resp, writable, op_known, bad_req(oc::BAD_PEER));
+        }
+    }
 
-    // Step 6: size arithmetic.
+    // Step 6: the table's size, then size arithmetic.
     let count = header.count.get();
-    let in_place = flags & FLAG_IN_PLACE != 0;
-    let elem = dtype.map_or(1, |d| d.size() as u64);
-    let sizes = elements(
-        opcode,
-        limits.world_size,
-        limits.rank,
-        root,
-        count,
-        in_place,
-    )
-    .and_then(|(i, o, ip)| {
-        // An in-place input of no elements (count 0) is no input at all.
-        let ip = match ip.filter(|&(_, n)| n > 0) {
-            Some((off, n)) => Some((off.checked_mul(elem)?, n.checked_mul(elem)?)),
-            None => None,
-        };
+    let flag = flags & FLAG_IN_PLACE != 0;
+    let elem = oc::elem_size(dtype);
+    let table = comm.as_ref().map_or(&[][..], |c| &c.table[..]);
+    let elems = match code {
+        // 5.X.6.13.5 "any other": no table.
+        Code::Base(_) if !table.is_empty() => Err(oc::BAD_TABLE),
+        Code::Base(o) => match elements(o, n, r, root, count, flag) {
+            None => Err(bad::OVERFLOW),
+            // An in-place input of no elements (count 0) is no input at all.
+            Some((i, o, ip)) => Ok((i, o, ip.filter(|&(_, n)| n > 0), flag)),
+        },
+        Code::Comm(CommOpcode::CommCreate) => {
+            if !oc::create_list_ok(table, n, r) {
+                Err(oc::BAD_TABLE)
+            } else if !model.has(Model::D3) && count.checked_mul(u64::from(n)).is_none() {
+                // D3: the backend does not check this.
+                Err(bad::OVERFLOW)
+            } else {
+                Ok((0, 0, None, false))
+            }
+        }
+        Code::Comm(o) => {
+            // (A table of the wrong size is not read: BAD_TABLE below.)
+            let t: Vec<u64> = if table.len() % 8 == 0 {
+                table
+                    .chunks(8)
+                    .map(|c| u64::from_le_bytes(c.try_into().expect("8-byte counts")))
+                    .collect()
+            } else {
+                // D4: the backend reads a table that is not a whole number
+                // of counts as `len / 8 + 1` zero counts.
+                vec![0; table.len() / 8 + 1]
+            };
+            let len = if !model.has(Model::D4) {
+                table.len() as u64
+            } else {
+                8 * t.len() as u64
+            };
+            if oc::table_size(o, n, r == root) != Some(len) {
+                Err(oc::BAD_TABLE)
+            } else {
+                oc::elements(o, n, r, root, count, &t, flag, model.has(Model::D2))
+                    .map(|e| (e.input, e.output, e.in_place, e.in_place.is_some()))
+            }
+        }
+    };
+    // `in_place`: whether the in-place form applies, so that the chain may
+    // have no input segment.
+    let (input, output, own, in_place) = match elems {
+        Ok(e) => e,
+        Err(detail) => return reject(resp, writable, op_known, bad_req(detail)),
+    };
+    let bytes = |n: u64| n.checked_mul(elem);
+    let sizes = (|| {
         Some(Sizes {
             elem,
-            input: i.checked_mul(elem)?,
-            output: o.checked_mul(elem)?,
-            in_place: ip,
+            input: bytes(input)?,
+            output: bytes(output)?,
+            in_place: match own {
+                Some((off, n)) => Some((bytes(off)?, bytes(n)?)),
+                None => None,
+            },
         })
-    });
+    })();
     let Some(sizes) = sizes else {
         return reject(resp, writable, op_known, bad_req(bad::OVERFLOW));
     };
@@ -325,34 +596,35 @@ pub fn expect(walk: &Walk, mem: &GuestMem, limits: &Limits) -> Expected {
     }
 
     // Step 8: lengths.
-    if matches!(opcode, Opcode::Barrier | Opcode::Nop) && (count != 0 || !data.is_empty()) {
+    if !uses_dtype && (count != 0 || !data.is_empty()) {
         return reject(resp, writable, op_known, bad_req(bad::BARRIER_DATA));
     }
-    let input: u64 = data
+    let have_in: u64 = data
         .iter()
         .filter(|d| !d.is_write_only())
         .map(|d| u64::from(d.len()))
         .sum();
-    let output: u64 = data
+    let have_out: u64 = data
         .iter()
         .filter(|d| d.is_write_only())
         .map(|d| u64::from(d.len()))
         .sum();
-    if in_place && input != 0 {
+    if in_place && have_in != 0 {
         return reject(resp, writable, op_known, bad_req(bad::IN_PLACE_INPUT));
     }
     if data.iter().any(|d| u64::from(d.len()) % elem != 0) {
         return reject(resp, writable, op_known, bad_req(bad::SEGMENT_ALIGN));
     }
-    if input != sizes.input {
+    if have_in != sizes.input {
         return reject(resp, writable, op_known, bad_req(bad::INPUT_LENGTH));
     }
-    if output != sizes.output {
+    if have_out != sizes.output {
         return reject(resp, writable, op_known, bad_req(bad::OUTPUT_LENGTH));
     }
     Expected::Valid {
         header,
-        opcode,
+        code,
         sizes,
+        comm,
     }
 }

@@ -99,6 +99,8 @@ impl Case {
             rank,
             max_segments: u32::from(self.max_segments),
             max_bytes: self.max_bytes,
+            // Without feature bit 1: the target `comm_header` covers it.
+            features: 0,
         }
     }
 
@@ -158,7 +160,7 @@ impl Case {
 /// Cuts `len` bytes into descriptor lengths: `extra` given cuts first,
 /// then pieces as large as the data area. Lengths beyond what
 /// [`MAX_PIECES`] descriptors hold are cut down (and so wrong).
-fn pieces(len: u64, extra: usize, cuts: &mut impl Iterator<Item = u16>) -> Vec<u32> {
+pub(crate) fn pieces(len: u64, extra: usize, cuts: &mut impl Iterator<Item = u16>) -> Vec<u32> {
     let budget = DATA_SIZE * MAX_PIECES;
     let mut left = if len > budget {
         len % (budget + 1)

@@ -263,6 +263,33 @@ def torch_collectives(dev: Device) -> None:
         check(False, "a non-contiguous tensor was accepted")
     except ValueError as e:
         check("contiguous" in str(e), str(e))
+    # Spec 5.X.6.13 on tensors: all-to-all, a ring of messages (bfloat16,
+    # one in device memory), a gather and a split.
+    t = torch.arange(world * 3, dtype=torch.float64) + 100 * rank
+    o = torch.empty(world * 3, dtype=torch.float64)
+    dev.alltoall(t, o)
+    k = torch.arange(world * 3)
+    check(torch.equal(o, (k % 3 + rank * 3).double() + 100 * (k // 3)), f"torch alltoall {o}")
+    to, frm = (rank + 1) % world, (rank - 1) % world
+    msg = torch.full((4,), float(rank), dtype=torch.bfloat16)
+    room = dev.empty(4, torch.bfloat16) if rank == 0 else torch.empty(4, dtype=torch.bfloat16)
+    work = dev.recv(room, frm, async_op=True)
+    dev.send(msg, to)
+    check(work.wait() == dmlc.Received(4, 8, frm), "torch receive")
+    check(torch.equal(room, torch.full((4,), float(frm), dtype=torch.bfloat16)), f"{room}")
+    g = torch.zeros(world, 2, dtype=torch.int64)
+    got = dev.gather(torch.tensor([rank, -rank]), g if rank == 0 else None, root=0)
+    if rank == 0:
+        check(torch.equal(g[:, 0], torch.arange(world)) and torch.equal(g[:, 1], -g[:, 0]), f"{g}")
+    else:
+        check(got is None, f"gather returned {got} on a member that is not its root")
+    alone = dev.comm_split(rank, 0)
+    check(alone is not None and (alone.rank, alone.size) == (0, 1), f"split alone: {alone}")
+    if alone is not None:
+        x = torch.ones(3)
+        dev.allreduce(x, comm=alone)
+        check(torch.equal(x, torch.ones(3)), "allreduce on a communicator of one")
+        dev.comm_free(alone)
 
 
 def mismatch(dev: Device) -> None:
@@ -690,6 +717,203 @@ def mixed_cuts(dev: Device) -> None:
     check(dev.staged_bytes == staged, f"staged_bytes {dev.staged_bytes}, expected {staged}")
 
 
+def _val(i: int, j: int, k: Any) -> Any:
+    """Element `k` that rank `i` gives rank `j`: every value says where it
+    came from."""
+    return 1_000_000 * i + 10_000 * j + k
+
+
+def comms(dev: Device) -> None:
+    """Communicators, send and receive, all-to-all, gather and scatter on 4
+    ranks (spec 5.X.6.13), against a daemon whose max_bytes (65540) makes
+    messages and blocks several requests. Ranks 0 and 1 keep their data in
+    device memory (empty(): requests without a copy), ranks 2 and 3 in
+    ordinary arrays (the C library's staging), so every pair of a split
+    below mixes the two and must cut requests alike."""
+    world, rank = dev.world_size, dev.rank
+    check(world == 4, f"world of {world}")
+    check(dev.has_comms and dev.has_p2p and dev.has_blocks, "features")
+    check(dev.max_comms == 64, f"max_comms {dev.max_comms}")
+    check(dev.world == dmlc.Comm(0, rank, world), f"world {dev.world}")
+    direct = rank < 2 and not dev.reaches_any_memory
+
+    def alloc(n: int, t: type[np.generic] = np.int32) -> np.ndarray:
+        return dev.empty(n, t) if direct else np.empty(n, t)
+
+    def filled(n: int, f: Callable[[np.ndarray], np.ndarray], t: type = np.int32) -> np.ndarray:
+        a = alloc(n, t)
+        a[:] = f(np.arange(n))
+        return a
+
+    # Pairs 0-2 and 1-3, the higher group rank first (key: world - rank).
+    mine = dev.comm_split(rank % 2, world - rank)
+    partner = rank ^ 2
+    check(mine is not None and mine.size == 2 and mine.rank == (1 if rank < 2 else 0), f"{mine}")
+    assert mine is not None
+
+    def group_of(x: int) -> int:
+        return rank if x == mine.rank else partner
+
+    # The collectives on the pair: 20000 elements, above one request.
+    n = 20_000
+    a = filled(n, lambda k: _val(rank, 0, k))
+    dev.allreduce(a, comm=mine)
+    check(np.array_equal(a, _val(rank, 0, np.arange(n)) + _val(partner, 0, np.arange(n))), "sum")
+    b = filled(n, lambda k: _val(rank, 1, k))
+    dev.broadcast(b, root=1, comm=mine)
+    check(np.array_equal(b, _val(group_of(1), 1, np.arange(n))), "broadcast on the pair")
+    half = filled(n // 2, lambda k: _val(rank, 2, k))
+    dev.allgather(half, a, comm=mine)
+    want = np.concatenate([_val(group_of(x), 2, np.arange(n // 2)) for x in range(2)])
+    check(np.array_equal(a, want), "allgather on the pair")
+    a[:] = _val(rank, 3, np.arange(n))
+    dev.reduce_scatter(a, half, comm=mine)
+    at = mine.rank * (n // 2) + np.arange(n // 2)
+    check(np.array_equal(half, _val(rank, 3, at) + _val(partner, 3, at)), "reduce_scatter")
+    dev.barrier(comm=mine)
+    del a, b, half
+
+    # A ring of messages on the group, from any source: 1.5 pieces each
+    # (staged on both ends: above one piece), then small ones (direct on
+    # ranks 0 and 1). Even ranks send first.
+    to, frm = (rank + 1) % world, (rank - 1) % world
+    for count in ((65540 // 4) * 3 // 2, 5):
+        staged = dev.staged_bytes
+        msg = filled(count, lambda k, c=count: _val(rank, to, k) + c)
+        room = alloc(count)
+        if rank % 2 == 0:
+            dev.send(msg, to, tag=7)
+            got = dev.recv(room, tag=7)
+        else:
+            got = dev.recv(room, None, 7)
+            dev.send(msg, to, 7)
+        check(got == dmlc.Received(count, count * 4, frm), f"received {got}")
+        check(np.array_equal(room, _val(frm, rank, np.arange(count)) + count), "message")
+        # One piece in device memory goes without a copy.
+        moved = dev.staged_bytes - staged
+        check(moved == (0 if direct and count == 5 else 2 * count * 4), f"{moved} B staged")
+    # A receive posted before the send of the same process: each has its
+    # own worker, so neither waits for the other.
+    x = filled(3, lambda k: _val(rank, partner, k))
+    y = alloc(3)
+    work = dev.recv(y, partner, tag=1, comm=None, async_op=True)
+    dev.send(x, partner, tag=1)
+    check(work.wait().source == partner, "async receive")
+    check(np.array_equal(y, _val(partner, rank, np.arange(3))), "async message")
+    # Rank 0 sends 4 elements, rank 1 has room for 2 (both direct).
+    if rank < 2:
+        buf = filled(4, lambda k: k)
+        try:
+            if rank == 0:
+                dev.send(buf, 1, tag=3)
+            else:
+                dev.recv(buf[:2], 0, tag=3)
+            check(False, "a message larger than its receive went through")
+        except dmlc.TruncatedError as e:
+            check((e.length, e.room, e.peer) == (16, 8, 1 - rank), f"{e.length} {e.room} {e}")
+            check(e.status == dmlc._capi.ERR_TRUNCATE, f"status {e.status}")
+
+    # All-to-all on the group (blocks of 5000: more than one request).
+    c = 5000
+    s = filled(world * c, lambda k: _val(rank, k // c, k % c))
+    r = alloc(world * c)
+    dev.alltoall(s, r)
+    k = np.arange(world * c)
+    check(np.array_equal(r, _val(k // c, rank, k % c)), "alltoall")
+    # Gather to rank 3 (staged), then in place at rank 0 (direct).
+    g = alloc(world * 10)
+    mine10 = filled(10, lambda k: _val(rank, 8, k))
+    out = dev.gather(mine10, g if rank == 3 else None, root=3)
+    k = np.arange(world * 10)
+    if rank == 3:
+        check(out is g and np.array_equal(g, _val(k // 10, 8, k % 10)), "gather")
+    else:
+        check(out is None, "gather returns nothing on the others")
+    g[:] = -1
+    g[:10] = _val(rank, 8, np.arange(10))
+    dev.gather(g[:10] if rank == 0 else mine10, g if rank == 0 else None, root=0)
+    if rank == 0:
+        check(np.array_equal(g, _val(k // 10, 8, k % 10)), f"in-place gather {g}")
+    # Scatter from rank 1, into its own block there (in place).
+    s = filled(world * 10, lambda k: _val(rank, k // 10, k % 10))
+    r = alloc(10)
+    dev.scatter(s if rank == 1 else None, s[10:20] if rank == 1 else r, root=1)
+    got_block = s[10:20] if rank == 1 else r
+    check(np.array_equal(got_block, _val(1, rank, np.arange(10))), "scatter")
+
+    # The v forms: rank a of the pair sends a + 2b + 1 elements to rank b;
+    # member j gives j + 1 elements to gatherv; scatterv gives member j
+    # 2j + 1.
+    def cnt(i: int, j: int) -> int:
+        return i + 2 * j + 1
+
+    staged = dev.staged_bytes
+    sc = [cnt(mine.rank, b) for b in range(2)]
+    rc = [cnt(b, mine.rank) for b in range(2)]
+    s = np.concatenate([_val(rank, group_of(b), np.arange(sc[b])) for b in range(2)])
+    s = filled(len(s), lambda k, s=s: s[k])
+    r = alloc(sum(rc))
+    dev.alltoallv(s, r, sc, rc, comm=mine)
+    want = np.concatenate([_val(group_of(b), rank, np.arange(rc[b])) for b in range(2)])
+    check(np.array_equal(r, want), f"alltoallv {r} {want}")
+    counts = [j + 1 for j in range(world)]
+    g = alloc(sum(counts))
+    dev.gatherv(
+        filled(rank + 1, lambda k: _val(rank, 9, k)),
+        g if rank == 2 else None,
+        counts if rank == 2 else None,
+        root=2,
+    )
+    if rank == 2:
+        want = np.concatenate([_val(j, 9, np.arange(j + 1)) for j in range(world)])
+        check(np.array_equal(g, want), "gatherv")
+    counts = [2 * j + 1 for j in range(world)]
+    s = np.concatenate([_val(rank, j, np.arange(counts[j])) for j in range(world)])
+    s = filled(len(s), lambda k, s=s: s[k])
+    r = alloc(2 * rank + 1)
+    dev.scatterv(s if rank == 0 else None, r, counts if rank == 0 else None, root=0)
+    check(np.array_equal(r, _val(0, rank, np.arange(2 * rank + 1))), "scatterv")
+    check(not direct or dev.staged_bytes == staged, "the v forms in device memory were staged")
+    # Tables that disagree: MISMATCH naming the table, on every member.
+    ones = [1] * world
+    recv_counts = [1, 2, 1, 1] if rank == 0 else ones
+    try:
+        dev.alltoallv(
+            np.zeros(world, np.int32), np.zeros(sum(recv_counts), np.int32), ones, recv_counts
+        )
+        check(False, "alltoallv with tables that disagree completed")
+    except dmlc.MismatchError as e:
+        check("table" in e.fields, f"fields {e.fields}")
+
+    # Arguments are checked before anything is sent.
+    for bad in (
+        lambda: dev.send(np.zeros(1, np.int32), rank),
+        lambda: dev.gather(np.zeros(1, np.int32), None, root=world),
+        lambda: dev.alltoallv(np.zeros(1, np.int32), np.zeros(1, np.int32), [1], [1]),
+    ):
+        try:
+            bad()
+            check(False, "a bad argument was accepted")
+        except ValueError:
+            check(True, "")
+
+    # comm_create by the odd ranks, 3 first; then every communicator goes.
+    if rank % 2 == 1:
+        made = dev.comm_create([3, 1], tag=5)
+        check((made.rank, made.size) == ((0, 2) if rank == 3 else (1, 2)), f"{made}")
+        z = np.array([rank], np.int32)
+        dev.allreduce(z, comm=made)
+        check(int(z[0]) == 4, f"allreduce on the created communicator: {z}")
+        dev.comm_free(made)
+    dev.comm_free(mine)
+    try:
+        dev.barrier(comm=mine)
+        check(False, "a freed communicator worked")
+    except dmlc.BadRequestError as e:
+        check(e.detail == dmlc._capi.BAD_COMM, f"detail {e.detail}")
+    dev.barrier()
+
+
 TORCH_SCENARIOS: dict[str, Callable[[str], None]] = {
     "torch_values": torch_values,
     "torch_failures": torch_failures,
@@ -701,6 +925,7 @@ SCENARIOS: dict[str, Callable[[Device], Any]] = {
     "torch": torch_collectives,
     "unstaged": unstaged,
     "mixed_cuts": mixed_cuts,
+    "comms": comms,
     "mismatch": mismatch,
     "lost": lost,
 }

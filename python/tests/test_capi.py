@@ -64,7 +64,14 @@ def test_every_constant_and_struct_layout_matches_the_header(tmp_path: Path) -> 
             ours[f"DMLC_{name}"] = value
         elif name in ("NO_PEER", "WAIT_HYBRID", "FLAG_IN_PLACE"):
             ours[f"DMLC_{name}"] = value
-    for name in ("ALLREDUCE", "BROADCAST", "REDUCE", "ALLGATHER", "REDUCE_SCATTER", "BARRIER"):
+        elif name.startswith(("FEATURE_", "BAD_", "MISMATCH_TABLE", "TOO_BIG_")):
+            ours[f"DMLC_{name}"] = value
+        elif name in ("COMM_WORLD", "ANY_SOURCE", "UNDEFINED"):
+            ours[f"DMLC_{name}"] = value
+    opcodes = ["ALLREDUCE", "BROADCAST", "REDUCE", "ALLGATHER", "REDUCE_SCATTER", "BARRIER", "NOP"]
+    opcodes += ["SEND", "RECV", "ALLTOALL", "ALLTOALLV", "GATHER", "GATHERV", "SCATTER"]
+    opcodes += ["SCATTERV", "COMM_SPLIT", "COMM_CREATE", "COMM_FREE"]
+    for name in opcodes:
         ours[f"DMLC_OPCODE_{name}"] = getattr(_capi, name)
     for d in dmlc.Dtype:
         ours[f"DMLC_DTYPE_{d.name}"] = d.value
@@ -76,6 +83,9 @@ def test_every_constant_and_struct_layout_matches_the_header(tmp_path: Path) -> 
         (_capi.Request, "dmlc_request"),
         (_capi.Segment, "dmlc_segment"),
         (_capi.Completion, "dmlc_completion"),
+        (_capi.CommInfo, "dmlc_comm_info"),
+        (_capi.CommRequest, "dmlc_comm_request"),
+        (_capi.CommCompletion, "dmlc_comm_completion"),
     ):
         ours[f"sizeof({cname})"] = ctypes.sizeof(struct)
         for field, _ in struct._fields_:
@@ -88,7 +98,9 @@ def test_every_constant_and_struct_layout_matches_the_header(tmp_path: Path) -> 
     missing = [
         k
         for k in c
-        if k.startswith(("DMLC_ERR_", "DMLC_DTYPE_", "DMLC_OP_", "offsetof(")) and k not in ours
+        if k.startswith(("DMLC_ERR_", "DMLC_DTYPE_", "DMLC_OP", "DMLC_BAD_", "DMLC_FEATURE_"))
+        or k.startswith("offsetof(")
+        if k not in ours
     ]
     assert not missing, f"in the header, not in the binding: {missing}"
     assert c["dmlc_abi_version()"] == _capi.ABI_VERSION

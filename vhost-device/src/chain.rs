@@ -256,9 +256,13 @@ impl Request {
         self.dtype.map_or(0, Dtype::size)
     }
 
-    /// `count` elements in bytes. Fits: checked against `max_bytes` at parse time.
+    /// `count` elements in bytes (saturating: for alltoallv and the roots
+    /// of the v forms `count` is not a buffer size, so parsing did not
+    /// bound it by `max_bytes`).
     pub fn count_bytes(&self) -> usize {
-        self.count as usize * self.elem_size()
+        usize::try_from(self.count)
+            .unwrap_or(usize::MAX)
+            .saturating_mul(self.elem_size())
     }
 }
 
@@ -428,7 +432,14 @@ pub fn parse_in(
     } else {
         REQ_HEADER_SIZE
     };
-    if descs.len() < 2 || first.is_write_only() || (first.len() as usize) < fixed {
+    // Without bit 1 the header's size is known now; with it, its table's
+    // size is read from the header first (checked below).
+    let short = if with_comm {
+        (first.len() as usize) < fixed
+    } else {
+        first.len() as usize != fixed
+    };
+    if descs.len() < 2 || first.is_write_only() || short {
         return fail(reject, ChainError::BadRequest(bad::HEADER));
     }
 
@@ -602,23 +613,28 @@ pub fn parse_in(
         (Code::Comm(CommOpcode::CommCreate), Some(c)) => {
             let list = create_list(&c.table);
             match list.and_then(|l| comm::check_create_list(&l, size, me).ok()) {
+                None => Err(ChainError::BadRequest(comm::BAD_TABLE)),
+                // The size arithmetic of every opcode of bits 1 to 3 (as
+                // `block_elems` does for comm_split and comm_free).
+                Some(_) if count.checked_mul(u64::from(size)).is_none() => {
+                    Err(ChainError::BadRequest(bad::OVERFLOW))
+                }
                 Some(_) => Ok(virtio_dmlc::BufferElems {
                     input: 0,
                     output: 0,
                     in_place_input: None,
                 }),
-                None => Err(ChainError::BadRequest(comm::BAD_TABLE)),
             }
         }
         (Code::Comm(o), Some(c)) => {
-            let table: Vec<u64> = if c.table.len().is_multiple_of(8) {
-                comm::counts(&c.table).collect()
+            if c.table.len().is_multiple_of(8) {
+                let table: Vec<u64> = comm::counts(&c.table).collect();
+                comm::block_elems(o, size, me, root, count, &table, in_place)
+                    .map_err(ChainError::BadRequest)
             } else {
-                // Not a table of counts: refused as one of the wrong size.
-                vec![0; c.table.len() / 8 + 1]
-            };
-            comm::block_elems(o, size, me, root, count, &table, in_place)
-                .map_err(ChainError::BadRequest)
+                // Not a whole number of counts: no opcode's table.
+                Err(ChainError::BadRequest(comm::BAD_TABLE))
+            }
         }
         (Code::Comm(_), None) => unreachable!("opcodes of bits 1 to 3 need bit 1"),
     };

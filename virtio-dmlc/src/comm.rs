@@ -225,13 +225,14 @@ pub fn block_elems(
         CommOpcode::Scatter | CommOpcode::Scatterv => (0, count, None),
         CommOpcode::CommSplit | CommOpcode::CommCreate | CommOpcode::CommFree => (0, 0, None),
     };
-    if !in_place || (input == 0 && output == 0) {
+    if !in_place {
         return Ok(BufferElems {
             input,
             output,
             in_place_input: None,
         });
     }
+    // Checked whatever the count (a send of 0 elements in place included).
     match (opcode, offset) {
         (CommOpcode::Send | CommOpcode::Recv | CommOpcode::Alltoall | CommOpcode::Alltoallv, _) => {
             Err(BAD_IN_PLACE_OPCODE)

@@ -50,7 +50,7 @@ pub unsafe extern "C" fn dmlc_allreduce_host(
 }
 
 /// `count` elements of `dtype` in bytes, or a BAD_REQUEST (overflow).
-fn bytes_of_count(count: u64, dtype: Dtype) -> Result<usize, Fail> {
+pub(super) fn bytes_of_count(count: u64, dtype: Dtype) -> Result<usize, Fail> {
     count
         .checked_mul(dtype.size() as u64)
         .and_then(|b| usize::try_from(b).ok())
@@ -62,7 +62,11 @@ fn bytes_of_count(count: u64, dtype: Dtype) -> Result<usize, Fail> {
 /// # Safety
 ///
 /// `p` is NULL or readable for `len` bytes, unchanged while the slice lives.
-unsafe fn host_in<'a>(p: *const c_void, len: usize, what: &str) -> Result<&'a [u8], Fail> {
+pub(super) unsafe fn host_in<'a>(
+    p: *const c_void,
+    len: usize,
+    what: &str,
+) -> Result<&'a [u8], Fail> {
     if p.is_null() {
         return Err(Fail::invalid(format!("{what} is NULL")));
     }
@@ -76,7 +80,11 @@ unsafe fn host_in<'a>(p: *const c_void, len: usize, what: &str) -> Result<&'a [u
 ///
 /// `p` is NULL or readable and writable for `len` bytes, not aliased while
 /// the slice lives.
-unsafe fn host_out<'a>(p: *mut c_void, len: usize, what: &str) -> Result<&'a mut [u8], Fail> {
+pub(super) unsafe fn host_out<'a>(
+    p: *mut c_void,
+    len: usize,
+    what: &str,
+) -> Result<&'a mut [u8], Fail> {
     if p.is_null() {
         return Err(Fail::invalid(format!("{what} is NULL")));
     }

@@ -7,6 +7,7 @@ mod info;
 mod local;
 mod reference;
 mod selftest;
+mod selftest_comm;
 mod util;
 
 use std::ffi::OsString;
@@ -267,6 +268,23 @@ enum Cmd {
     /// Check every opcode x dtype x op, in place and out of place, over a
     /// range of counts, bitwise against a scalar reference. Exits 1 on any
     /// wrong value. Run it on every rank (see `local`).
+    ///
+    /// When the device negotiated communicators (feature bit 1, spec
+    /// 5.X.6.13; `info` lists COMM P2P BLOCKS), the classic cases are
+    /// followed by communicator cases (one line says so when they are
+    /// skipped, and why): the group, a split into even and odd ranks with
+    /// the order reversed by key, a split into pairs, a split that leaves
+    /// the last rank out (UNDEFINED) and a comm_create by the last rank and
+    /// rank 0 only. On each: allreduce through the communicator, a ring of
+    /// send and recv (any-source on half) and a truncated one (TRUNCATE on
+    /// both ends), alltoall, alltoallv, gather and gatherv to the last rank,
+    /// scatter and scatterv from the middle rank, in place where the spec
+    /// allows it; every dtype, counts 1, 7, 1000 and 65537 (up to the
+    /// largest classic count). Every rank checks its own ids, ranks, sizes
+    /// and received bytes against values it computes itself; then every
+    /// communicator is freed and its id must be refused. A split or
+    /// creation that would pass the device's max_comms must be refused
+    /// with TOO_BIG_COMMS instead.
     Selftest(selftest::SelftestArgs),
     /// Measure a collective over a range of sizes, like nccl-tests'
     /// all_reduce_perf. Run it on every rank; rank 0 prints the table.

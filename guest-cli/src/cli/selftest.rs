@@ -6,6 +6,10 @@
 //! buffers are cut into segments in a rank- and case-dependent way, a guard
 //! after the output must stay untouched, and output elements that the
 //! collective does not define must keep their previous value.
+//!
+//! When the device negotiated communicators (feature bit 1), the cases of
+//! spec 5.X.6.13 follow ([`super::selftest_comm`]) and count into the same
+//! final line.
 
 use std::io::Write;
 
@@ -14,7 +18,8 @@ use virtio_dmlc::{buffer_elems, Dtype, Opcode, ReduceOp};
 
 use super::data::{self, Gen};
 use super::reference::Case;
-use super::util::{parse_dtype, parse_op, parse_opcode};
+use super::selftest_comm::{self, parse_any_opcode, AnyOpcode};
+use super::util::{parse_dtype, parse_op};
 use super::{CliError, Ctx};
 
 /// Counts tested, in order; `--max-count` and `--quick` cut the list.
@@ -22,9 +27,9 @@ const COUNTS: [u64; 10] = [1, 2, 3, 7, 17, 1000, 4099, 65537, 262_147, 1_048_577
 /// Largest count with `--quick`.
 const QUICK_MAX: u64 = 4099;
 /// Bytes after every output that the device must not touch.
-const GUARD: usize = 64;
+pub(super) const GUARD: usize = 64;
 /// Fill byte of output space before a collective.
-const FILL: u8 = 0xa5;
+pub(super) const FILL: u8 = 0xa5;
 /// Failures printed per (opcode, dtype, op).
 const SHOW_FAILURES: usize = 3;
 
@@ -40,13 +45,23 @@ pub struct SelftestArgs {
     /// Counts up to 4099 only: seconds instead of minutes.
     #[arg(long)]
     pub quick: bool,
-    /// Test only these opcodes (repeatable) [default: all].
-    #[arg(long, value_parser = parse_opcode, value_name = "OPCODE")]
-    pub opcode: Vec<Opcode>,
-    /// Test only these dtypes (repeatable) [default: all].
+    /// Test only these opcodes (repeatable) [default: all]: classic ones
+    /// (allreduce broadcast reduce allgather reduce_scatter barrier nop)
+    /// and those of communicators (send recv alltoall alltoallv gather
+    /// gatherv scatter scatterv comm_split comm_create comm_free). allreduce
+    /// also runs on the communicators; send or recv runs both (one needs
+    /// the other); the communicators are made and freed (comm_split,
+    /// comm_create, comm_free checked) whenever any communicator case runs,
+    /// and naming only those three runs just those checks.
+    #[arg(long, value_parser = parse_any_opcode, value_name = "OPCODE")]
+    pub opcode: Vec<AnyOpcode>,
+    /// Test only these dtypes (repeatable) [default: all]; the communicator
+    /// cases too.
     #[arg(long, value_parser = parse_dtype, value_name = "DTYPE")]
     pub dtype: Vec<Dtype>,
-    /// Test only these reduce ops (repeatable) [default: all].
+    /// Test only these reduce ops (repeatable) [default: all]. The
+    /// allreduce on communicators uses sum unless this names others; send,
+    /// receive, all-to-all, gather and scatter have no op and ignore it.
     #[arg(long, value_parser = parse_op, value_name = "OP")]
     pub op: Vec<ReduceOp>,
     /// The group spans hosts of L members each (ranks host-major): expect
@@ -81,7 +96,8 @@ impl SelftestArgs {
 /// (opcode, dtype, op) groups in report order; barrier and nop have one
 /// group each.
 fn groups(args: &SelftestArgs) -> Vec<(Opcode, Dtype, ReduceOp)> {
-    let want_opcode = |c: &Opcode| args.opcode.is_empty() || args.opcode.contains(c);
+    let want_opcode =
+        |c: &Opcode| args.opcode.is_empty() || args.opcode.contains(&AnyOpcode::Classic(*c));
     let want_dtype = |d: &Dtype| args.dtype.is_empty() || args.dtype.contains(d);
     let want_op = |o: &ReduceOp| args.op.is_empty() || args.op.contains(o);
     let mut out = Vec::new();
@@ -107,7 +123,7 @@ fn groups(args: &SelftestArgs) -> Vec<(Opcode, Dtype, ReduceOp)> {
 
 /// Cuts `total` bytes (a multiple of `elem`) into `parts` segments at
 /// element boundaries chosen by `key`; some may be empty.
-fn cut(total: usize, elem: usize, parts: usize, key: u64) -> Vec<(usize, usize)> {
+pub(super) fn cut(total: usize, elem: usize, parts: usize, key: u64) -> Vec<(usize, usize)> {
     let elems = total / elem;
     let mut bounds: Vec<usize> = (1..parts)
         .map(|p| (data::mix64(key ^ p as u64) % (elems as u64 + 1)) as usize)
@@ -241,12 +257,6 @@ pub fn run(dev: &Device, args: &SelftestArgs) -> Result<bool, CliError> {
         }
         total_cases += res.cases;
         total_fail += res.failures.len();
-        let verdict = if res.failures.is_empty() {
-            "PASS"
-        } else {
-            groups_failed += 1;
-            "FAIL"
-        };
         let what = if !opcode.moves_data() {
             format!("{} {}s", res.cases, opcode)
         } else {
@@ -267,36 +277,53 @@ pub fn run(dev: &Device, args: &SelftestArgs) -> Result<bool, CliError> {
             Opcode::Broadcast | Opcode::Allgather => (dtype.name(), "-"),
             _ => (dtype.name(), op.name()),
         };
-        println!(
-            "{:<15} {:<5} {:<5} {what:<58} {verdict}",
-            opcode.name(),
-            d,
-            o
-        );
-        // Rank 0's stdout is what `local` shows; other ranks report on stderr.
-        for f in res.failures.iter().take(SHOW_FAILURES) {
-            if rank == 0 {
-                println!("    {f}");
-            } else {
-                eprintln!("{f}");
-            }
+        if !report_group(opcode.name(), d, o, &what, &res.failures, rank) {
+            groups_failed += 1;
         }
-        if res.failures.len() > SHOW_FAILURES {
-            let more = format!("    ... and {} more", res.failures.len() - SHOW_FAILURES);
-            if rank == 0 {
-                println!("{more}");
-            } else {
-                eprintln!("{more}");
-            }
-        }
-        let _ = std::io::stdout().flush();
     }
+    // The communicators' cases reuse the buffers, sized for max_count.
+    let comm = selftest_comm::run(dev, args, &mut input, &mut output, max_count);
+    total_cases += comm.cases;
+    total_fail += comm.failed;
+    groups_failed += comm.groups_failed;
     let ok = total_fail == 0;
     println!(
         "selftest {}: {total_cases} cases, {total_fail} failed ({groups_failed} groups), rank {rank} of {world}",
         if ok { "PASS" } else { "FAIL" }
     );
     Ok(ok)
+}
+
+/// Prints one group's line (name, dtype, op, what was checked, PASS or
+/// FAIL) and its first failures; true if it passed. Rank 0's stdout is
+/// what `local` shows, so the other ranks report failures on stderr.
+pub(super) fn report_group(
+    name: &str,
+    dtype: &str,
+    op: &str,
+    what: &str,
+    failures: &[String],
+    rank: u32,
+) -> bool {
+    let verdict = if failures.is_empty() { "PASS" } else { "FAIL" };
+    println!("{name:<15} {dtype:<5} {op:<5} {what:<58} {verdict}");
+    for f in failures.iter().take(SHOW_FAILURES) {
+        if rank == 0 {
+            println!("    {f}");
+        } else {
+            eprintln!("{f}");
+        }
+    }
+    if failures.len() > SHOW_FAILURES {
+        let more = format!("    ... and {} more", failures.len() - SHOW_FAILURES);
+        if rank == 0 {
+            println!("{more}");
+        } else {
+            eprintln!("{more}");
+        }
+    }
+    let _ = std::io::stdout().flush();
+    failures.is_empty()
 }
 
 /// Runs one collective and checks it; Err(description of the first problem).

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .device import Device, Dtype, ReduceOp, Work, allreduce_order
+from .device import Comm, Device, Dtype, Received, ReduceOp, Work, allreduce_order
 from .errors import (
     BadRequestError,
     BufferBusyError,
@@ -27,6 +27,7 @@ from .errors import (
     ResetError,
     TooBigError,
     TransportError,
+    TruncatedError,
     UnansweredError,
     UnsupportedError,
 )
@@ -35,17 +36,20 @@ __all__ = [
     "BadRequestError",
     "BufferBusyError",
     "CollectiveTimeoutError",
+    "Comm",
     "Device",
     "DmlcError",
     "Dtype",
     "EnvironmentSettingError",
     "MismatchError",
     "PeerLostError",
+    "Received",
     "ReduceOp",
     "RequestDroppedError",
     "ResetError",
     "TooBigError",
     "TransportError",
+    "TruncatedError",
     "UnansweredError",
     "UnsupportedError",
     "Work",

@@ -74,9 +74,39 @@ REDUCE = 2
 ALLGATHER = 3
 REDUCE_SCATTER = 4
 BARRIER = 5
+NOP = 6
+# Opcodes of communicators, send and receive, all-to-all, gather and scatter
+# (spec 5.X.6.13; through dmlc_comm_call and the functions that name them).
+SEND = 7
+RECV = 8
+ALLTOALL = 9
+ALLTOALLV = 10
+GATHER = 11
+GATHERV = 12
+SCATTER = 13
+SCATTERV = 14
+COMM_SPLIT = 15
+COMM_CREATE = 16
+COMM_FREE = 17
+
+# Communicators: the group's id, a receive from any rank, a split member
+# that joins no communicator; dmlc_comm_features() bits; the device's
+# details of their failures.
+COMM_WORLD = 0
+ANY_SOURCE = 0xFFFFFFFF
+UNDEFINED = 0xFFFFFFFF
+FEATURE_COMM = 1 << 1
+FEATURE_P2P = 1 << 2
+FEATURE_BLOCKS = 1 << 3
+BAD_COMM = 14
+BAD_PEER = 15
+BAD_TABLE = 16
+BAD_IN_PLACE_OPCODE = 17
+MISMATCH_TABLE = 0x40
+TOO_BIG_COMMS = 3
 
 # Fields of a MISMATCH's detail mask, in bit order (virtio_dmlc::mismatch).
-MISMATCH_FIELDS = ("opcode", "dtype", "op", "count", "root", "tag")
+MISMATCH_FIELDS = ("opcode", "dtype", "op", "count", "root", "tag", "table")
 
 
 class Config(Structure):
@@ -136,6 +166,48 @@ class Completion(Structure):
         ("detail", c_uint32),
         ("peer", c_uint32),
         ("generation", c_uint32),
+    ]
+
+
+class CommInfo(Structure):
+    """dmlc_comm_info."""
+
+    _fields_ = [("id", c_uint32), ("rank", c_uint32), ("size", c_uint32)]
+
+
+class CommRequest(Structure):
+    """dmlc_comm_request."""
+
+    _fields_ = [
+        ("opcode", c_uint16),
+        ("dtype", c_uint8),
+        ("op", c_uint8),
+        ("root", c_uint32),
+        ("count", c_uint64),
+        ("tag", c_uint64),
+        ("flags", c_uint32),
+        ("timeout_ms", c_uint32),
+        ("comm", c_uint32),
+        ("peer", c_uint32),
+        ("key", c_uint32),
+        ("table_bytes", c_uint32),
+        ("table", c_void_p),
+    ]
+
+
+class CommCompletion(Structure):
+    """dmlc_comm_completion."""
+
+    _fields_ = [
+        ("status", c_int),
+        ("detail", c_uint32),
+        ("peer", c_uint32),
+        ("generation", c_uint32),
+        ("length", c_uint64),
+        ("comm", c_uint32),
+        ("comm_rank", c_uint32),
+        ("comm_size", c_uint32),
+        ("peer_world", c_uint32),
     ]
 
 
@@ -243,6 +315,89 @@ def signatures() -> dict[str, tuple[object, list[object]]]:
         "dmlc_reduce_host": (c_int, [dev, c_void_p, c_uint64, c_int, c_int, c_uint32]),
         "dmlc_allgather_host": (c_int, [dev, c_void_p, c_void_p, c_uint64, c_int]),
         "dmlc_reduce_scatter_host": (c_int, [dev, c_void_p, c_void_p, c_uint64, c_int, c_int]),
+        "dmlc_last_error_length": (c_uint64, []),
+        # Communicators, send and receive, all-to-all, gather and scatter.
+        "dmlc_comm_features": (c_int, [dev]),
+        "dmlc_max_comms": (c_int32, [dev]),
+        "dmlc_get_comm_info": (c_int, [dev, c_uint32, POINTER(CommInfo)]),
+        "dmlc_comm_split": (c_int, [dev, c_uint32, c_uint32, c_uint32, POINTER(CommInfo)]),
+        "dmlc_comm_create": (
+            c_int,
+            [dev, c_uint32, POINTER(c_uint32), c_size_t, c_uint64, POINTER(CommInfo)],
+        ),
+        "dmlc_comm_free": (c_int, [dev, c_uint32]),
+        "dmlc_submit_comm": (
+            c_int,
+            [
+                dev,
+                c_uint16,
+                c_uint32,
+                POINTER(Request),
+                POINTER(Segment),
+                c_size_t,
+                POINTER(Segment),
+                c_size_t,
+                POINTER(c_void_p),
+            ],
+        ),
+        "dmlc_comm_call": (
+            c_int,
+            [
+                dev,
+                c_uint16,
+                POINTER(CommRequest),
+                POINTER(Segment),
+                c_size_t,
+                POINTER(Segment),
+                c_size_t,
+                POINTER(CommCompletion),
+            ],
+        ),
+        "dmlc_send": (c_int, [dev, c_uint32, c_uint32, c_uint64, c_int, c_void_p, c_uint64]),
+        "dmlc_recv": (
+            c_int,
+            [
+                dev,
+                c_uint32,
+                c_uint32,
+                c_uint64,
+                c_int,
+                c_void_p,
+                c_uint64,
+                POINTER(c_uint64),
+                POINTER(c_uint32),
+            ],
+        ),
+        "dmlc_alltoall": (c_int, [dev, c_uint32, c_void_p, c_void_p, c_uint64, c_int]),
+        "dmlc_alltoallv": (
+            c_int,
+            [dev, c_uint32, c_void_p, c_void_p, POINTER(c_uint64), POINTER(c_uint64), c_int],
+        ),
+        "dmlc_gather": (c_int, [dev, c_uint32, c_void_p, c_void_p, c_uint64, c_int, c_uint32]),
+        "dmlc_gatherv": (
+            c_int,
+            [dev, c_uint32, c_void_p, c_void_p, c_uint64, POINTER(c_uint64), c_int, c_uint32],
+        ),
+        "dmlc_scatter": (c_int, [dev, c_uint32, c_void_p, c_void_p, c_uint64, c_int, c_uint32]),
+        "dmlc_scatterv": (
+            c_int,
+            [dev, c_uint32, c_void_p, c_void_p, POINTER(c_uint64), c_uint64, c_int, c_uint32],
+        ),
+        "dmlc_allreduce_host_comm": (
+            c_int,
+            [dev, c_uint32, c_void_p, c_void_p, c_uint64, c_int, c_int],
+        ),
+        "dmlc_broadcast_host_comm": (c_int, [dev, c_uint32, c_void_p, c_uint64, c_int, c_uint32]),
+        "dmlc_reduce_host_comm": (
+            c_int,
+            [dev, c_uint32, c_void_p, c_uint64, c_int, c_int, c_uint32],
+        ),
+        "dmlc_allgather_host_comm": (c_int, [dev, c_uint32, c_void_p, c_void_p, c_uint64, c_int]),
+        "dmlc_reduce_scatter_host_comm": (
+            c_int,
+            [dev, c_uint32, c_void_p, c_void_p, c_uint64, c_int, c_int],
+        ),
+        "dmlc_barrier_comm": (c_int, [dev, c_uint32]),
     }
 
 

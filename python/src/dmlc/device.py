@@ -14,6 +14,18 @@ send the same requests. Calls run in order on one worker thread per device, so b
 and asynchronous calls keep the order every member must issue them in, and
 an asynchronous call leaves the caller's thread free (ctypes releases the
 GIL while the C library waits).
+
+Communicators (spec 5.X.6.13, where the device offers them: one host, not
+the kernel transport): :meth:`Device.comm_split` and
+:meth:`Device.comm_create` make a :class:`Comm`, which every collective
+takes as ``comm=``; :meth:`Device.send` and :meth:`Device.recv` move one
+message between two members; :meth:`Device.alltoall`, :meth:`Device.gather`,
+:meth:`Device.scatter` and their ``v`` forms move blocks. They go to the
+device without a copy on arrays from :meth:`Device.empty`, and through the C
+library's staging buffer otherwise (counted in ``staged_bytes``), cut where
+the C library cuts them. Sends run in order on a worker thread of their own,
+receives on another, so a pending receive does not hold up a send (or a
+collective) of the same process.
 """
 
 from __future__ import annotations
@@ -25,17 +37,18 @@ import queue
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, Literal, Union
+from typing import Any, Literal, Optional, Union
 
 import numpy as np
 
 from . import _capi
-from .errors import DmlcError, error_for
+from .errors import DmlcError, TruncatedError, error_for
 
-__all__ = ["Device", "Dtype", "ReduceOp", "Work"]
+__all__ = ["Comm", "Device", "Dtype", "Received", "ReduceOp", "Work"]
 
 
 class Dtype(IntEnum):
@@ -79,6 +92,8 @@ _NUMPY_DTYPES: dict[np.dtype[Any], Dtype] = {
 }
 
 Op = Union[ReduceOp, str]
+# A worker's jobs: a call and its future, or None to stop.
+_Jobs = queue.SimpleQueue[Optional[tuple[Callable[[], Any], Future[Any]]]]
 # How a wait spends its time, by the names every client uses (DMLC_POLL,
 # the C ABI's DMLC_WAIT_*): "poll" busy-polls, "interrupt" sleeps on the
 # interrupt at once, "hybrid" spins briefly first. None leaves the C
@@ -193,6 +208,27 @@ def memory(x: Any) -> tuple[int, int, Dtype]:
     raise TypeError(f"expected a numpy array or a torch tensor, not {type(x).__name__}")
 
 
+@dataclass(frozen=True)
+class Comm:
+    """A communicator (spec 5.X.6.13): an ordered subset of the group's
+    members. ``id`` 0 is the whole group (:attr:`Device.world`); ``rank`` is
+    this member's rank in it and ``size`` its number of members."""
+
+    id: int
+    rank: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Received:
+    """What :meth:`Device.recv` got: the message's elements and bytes, and
+    its sender's rank in the communicator."""
+
+    count: int
+    nbytes: int
+    source: int
+
+
 class Work:
     """An asynchronous collective: ``wait()`` returns its result or raises."""
 
@@ -276,11 +312,22 @@ class Device:
         self._in_seg_ref = ctypes.byref(self._in_seg)
         self._done_ref = ctypes.byref(self._done)
         self._handle_ref = ctypes.byref(self._handle)
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
-            queue.SimpleQueue()
+        #: Communicators (spec 5.X.6.13): the features the device offers and
+        #: this device negotiated (``dmlc_comm_features``), and how many
+        #: communicators may live at once (0 without them).
+        self._features: int = lib.dmlc_comm_features(self._dev)
+        self.max_comms: int = lib.dmlc_max_comms(self._dev)
+        #: The whole group as a communicator.
+        self.world = Comm(0, self.rank, self.world_size)
+        self._stats_lock = threading.Lock()
+        self._jobs: _Jobs = queue.SimpleQueue()
+        self._worker = threading.Thread(
+            target=self._serve, args=(self._jobs,), name="dmlc-device", daemon=True
         )
-        self._worker = threading.Thread(target=self._serve, name="dmlc-device", daemon=True)
         self._worker.start()
+        # Sends and receives: a worker thread each, started at first use.
+        self._lanes: dict[str, tuple[_Jobs, threading.Thread]] = {}
+        self._lanes_lock = threading.Lock()
         self._closed = False
         _open_devices.add(self)
 
@@ -295,6 +342,22 @@ class Device:
             _capi.WAIT_HYBRID: "hybrid",
         }
         return names[code]
+
+    @property
+    def has_comms(self) -> bool:
+        """True if communicators work (comm_split, comm_create, comm_free,
+        and ``comm=`` on every collective)."""
+        return bool(self._features & _capi.FEATURE_COMM)
+
+    @property
+    def has_p2p(self) -> bool:
+        """True if send and recv work."""
+        return bool(self._features & _capi.FEATURE_P2P)
+
+    @property
+    def has_blocks(self) -> bool:
+        """True if alltoall, gather, scatter and their v forms work."""
+        return bool(self._features & _capi.FEATURE_BLOCKS)
 
     @property
     def reaches_any_memory(self) -> bool:
@@ -394,8 +457,12 @@ class Device:
         if self._closed:
             return
         self._closed = True
-        self._jobs.put(None)
-        self._worker.join()
+        with self._lanes_lock:
+            workers = [(self._jobs, self._worker), *self._lanes.values()]
+        for jobs, _ in workers:
+            jobs.put(None)
+        for _, worker in workers:
+            worker.join()
         self._lib_.dmlc_close(self._dev)
 
     def __enter__(self) -> Device:
@@ -467,7 +534,13 @@ class Device:
     # ---- collectives --------------------------------------------------------
 
     def allreduce(
-        self, data: Any, out: Any = None, op: Op = ReduceOp.SUM, *, async_op: bool = False
+        self,
+        data: Any,
+        out: Any = None,
+        op: Op = ReduceOp.SUM,
+        *,
+        comm: Comm | None = None,
+        async_op: bool = False,
     ) -> Any:
         """Element-wise reduction over the members, in rank order.
 
@@ -475,88 +548,108 @@ class Device:
         Arguments come in one order in every collective: the data, the
         output, the op, the root (as in the C ABI). The older
         ``allreduce(data, op)`` still works, with a DeprecationWarning.
+        ``comm`` (every collective takes it) runs it among the members of
+        that communicator, the whole group by default.
         """
         out, op = allreduce_order(out, op, stacklevel=3)
         rop = reduce_op(op)
+        c = self._comm(comm)
 
         def run() -> Any:
             src, n, dtype = memory(data)
             dst = src if out is None else self._same(out, n, dtype)
             in_place = dst == src
             if self._direct_pair(src, n, dst, n, in_place):
-                self._run_pieces(_capi.ALLREDUCE, dtype, rop, 0, n, in_place)
+                self._run_pieces(_capi.ALLREDUCE, dtype, rop, 0, n, in_place, c.id)
                 return data if out is None else out
-            self.staged_bytes += n
+            self._staged(n)
             if not in_place and src < dst + n and dst < src + n:
                 # Overlapping buffers (not the in-place form): the host form
                 # wants them apart, so the input goes to the output first.
                 ctypes.memmove(dst, src, n)
                 in_place = True
             self._host(
-                self._lib_.dmlc_allreduce_host(
-                    self._dev, None if in_place else src, dst, n // _SIZES[dtype], dtype, rop
+                self._lib_.dmlc_allreduce_host_comm(
+                    self._dev, c.id, None if in_place else src, dst, n // _SIZES[dtype], dtype, rop
                 )
             )
             return data if out is None else out
 
         return self._call(run, async_op)
 
-    def broadcast(self, data: Any, root: int = 0, *, async_op: bool = False) -> Any:
+    def broadcast(
+        self, data: Any, root: int = 0, *, comm: Comm | None = None, async_op: bool = False
+    ) -> Any:
         """Every member's `data` gets the root's."""
-        self._check_root(root)
+        c = self._comm(comm)
+        self._check_root(root, c)
 
         def run() -> Any:
             buf, n, dtype = memory(data)
             if self._direct(buf, n, self._seg):
-                self._run_pieces(_capi.BROADCAST, dtype, ReduceOp.SUM, root, n, True)
+                self._run_pieces(_capi.BROADCAST, dtype, ReduceOp.SUM, root, n, True, c.id)
                 return data
-            self.staged_bytes += n
+            self._staged(n)
             self._host(
-                self._lib_.dmlc_broadcast_host(self._dev, buf, n // _SIZES[dtype], dtype, root)
+                self._lib_.dmlc_broadcast_host_comm(
+                    self._dev, c.id, buf, n // _SIZES[dtype], dtype, root
+                )
             )
             return data
 
         return self._call(run, async_op)
 
     def reduce(
-        self, data: Any, op: Op = ReduceOp.SUM, root: int = 0, *, async_op: bool = False
+        self,
+        data: Any,
+        op: Op = ReduceOp.SUM,
+        root: int = 0,
+        *,
+        comm: Comm | None = None,
+        async_op: bool = False,
     ) -> Any:
         """The root's `data` becomes the reduction; the others' is unchanged."""
-        self._check_root(root)
+        c = self._comm(comm)
+        self._check_root(root, c)
         rop = reduce_op(op)
 
         def run() -> Any:
             buf, n, dtype = memory(data)
             # In place, a non-root member's buffer is only read.
             if self._direct(buf, n, self._seg):
-                self._run_pieces(_capi.REDUCE, dtype, rop, root, n, True)
+                self._run_pieces(_capi.REDUCE, dtype, rop, root, n, True, c.id)
                 return data
-            self.staged_bytes += n
+            self._staged(n)
             self._host(
-                self._lib_.dmlc_reduce_host(self._dev, buf, n // _SIZES[dtype], dtype, rop, root)
+                self._lib_.dmlc_reduce_host_comm(
+                    self._dev, c.id, buf, n // _SIZES[dtype], dtype, rop, root
+                )
             )
             return data
 
         return self._call(run, async_op)
 
-    def allgather(self, data: Any, out: Any, *, async_op: bool = False) -> Any:
-        """`out` (world_size times `data`'s size) gets every member's `data` in rank order."""
+    def allgather(
+        self, data: Any, out: Any, *, comm: Comm | None = None, async_op: bool = False
+    ) -> Any:
+        """`out` (size times `data`'s size) gets every member's `data` in rank order."""
+        c = self._comm(comm)
 
         def run() -> Any:
             src, n, dtype = memory(data)
             dst, total, odtype = memory(out)
-            if odtype != dtype or total != n * self.world_size:
-                raise ValueError(
-                    f"allgather output must hold {self.world_size} x {n} bytes of {dtype.name}"
-                )
+            if odtype != dtype or total != n * c.size:
+                raise ValueError(f"allgather output must hold {c.size} x {n} bytes of {dtype.name}")
             # `data` as block `rank` of `out` is the in-place form.
-            in_place = src == dst + self.rank * n
-            if n <= self._block_piece(dtype) and self._direct_pair(src, n, dst, total, in_place):
+            in_place = src == dst + c.rank * n
+            if n <= self._block_piece(dtype, c.size) and self._direct_pair(
+                src, n, dst, total, in_place
+            ):
                 self._run_direct(
-                    _capi.ALLGATHER, dtype, ReduceOp.SUM, n, total, 0 if in_place else n
+                    _capi.ALLGATHER, dtype, ReduceOp.SUM, n, total, 0 if in_place else n, c.id
                 )
                 return out
-            self.staged_bytes += total
+            self._staged(total)
             send, kept = src, None
             if src < dst + total and dst < src + n:
                 # The host form reads its input apart from the output.
@@ -564,45 +657,54 @@ class Device:
                 ctypes.memmove(kept, src, n)
                 send = ctypes.addressof(kept)
             self._host(
-                self._lib_.dmlc_allgather_host(self._dev, send, dst, n // _SIZES[dtype], dtype)
+                self._lib_.dmlc_allgather_host_comm(
+                    self._dev, c.id, send, dst, n // _SIZES[dtype], dtype
+                )
             )
             return out
 
         return self._call(run, async_op)
 
     def reduce_scatter(
-        self, data: Any, out: Any, op: Op = ReduceOp.SUM, *, async_op: bool = False
+        self,
+        data: Any,
+        out: Any,
+        op: Op = ReduceOp.SUM,
+        *,
+        comm: Comm | None = None,
+        async_op: bool = False,
     ) -> Any:
         """`out` gets block `rank` of the reduction of every member's `data`."""
         rop = reduce_op(op)
+        c = self._comm(comm)
 
         def run() -> Any:
             src, total, dtype = memory(data)
             dst, n, odtype = memory(out)
-            if odtype != dtype or total != n * self.world_size:
+            if odtype != dtype or total != n * c.size:
                 raise ValueError(
-                    f"reduce_scatter input must hold {self.world_size} x {n} bytes of {dtype.name}"
+                    f"reduce_scatter input must hold {c.size} x {n} bytes of {dtype.name}"
                 )
             # `out` as block `rank` of `data` is the in-place form, whose one
             # buffer is `data`.
-            in_place = dst == src + self.rank * n
+            in_place = dst == src + c.rank * n
             out_addr, out_bytes = (src, total) if in_place else (dst, n)
-            if n <= self._block_piece(dtype) and self._direct_pair(
+            if n <= self._block_piece(dtype, c.size) and self._direct_pair(
                 src, total, out_addr, out_bytes, in_place
             ):
                 self._run_direct(
-                    _capi.REDUCE_SCATTER, dtype, rop, n, out_bytes, 0 if in_place else total
+                    _capi.REDUCE_SCATTER, dtype, rop, n, out_bytes, 0 if in_place else total, c.id
                 )
                 return out
-            self.staged_bytes += total
+            self._staged(total)
             recv, result = dst, None
             if dst < src + total and src < dst + n:
                 # The host form writes its output apart from the input.
                 result = ctypes.create_string_buffer(n)
                 recv = ctypes.addressof(result)
             self._host(
-                self._lib_.dmlc_reduce_scatter_host(
-                    self._dev, src, recv, n // _SIZES[dtype], dtype, rop
+                self._lib_.dmlc_reduce_scatter_host_comm(
+                    self._dev, c.id, src, recv, n // _SIZES[dtype], dtype, rop
                 )
             )
             if result is not None:
@@ -611,25 +713,419 @@ class Device:
 
         return self._call(run, async_op)
 
-    def barrier(self, *, async_op: bool = False) -> Any:
-        """Returns once every member has called it."""
+    def barrier(self, *, comm: Comm | None = None, async_op: bool = False) -> Any:
+        """Returns once every member (of `comm`) has called it."""
+        c = self._comm(comm)
         return self._call(
-            lambda: self._run(_capi.BARRIER, Dtype.U8, ReduceOp.SUM, 0, 0, 0), async_op
+            lambda: self._run(_capi.BARRIER, Dtype.U8, ReduceOp.SUM, 0, 0, 0, comm=c.id), async_op
         )
+
+    # ---- communicators (spec 5.X.6.13) ----------------------------------------
+
+    def comm_split(
+        self, color: int | None, key: int = 0, *, comm: Comm | None = None
+    ) -> Comm | None:
+        """Collective over `comm` (the group by default): the members that
+        give one color form a new communicator, ranked by `key`, then by
+        their rank in `comm`. Returns this member's :class:`Comm`, or None
+        for `color` None (it joins none)."""
+        c = self._comm(comm)
+        raw = _capi.UNDEFINED if color is None else color
+        if not 0 <= raw <= _capi.UNDEFINED or not 0 <= key < 1 << 32:
+            raise ValueError(f"color {color} and key {key} must be 32-bit numbers")
+
+        def run() -> Comm | None:
+            info = _capi.CommInfo()
+            self._check(self._lib_.dmlc_comm_split(self._dev, c.id, raw, key, ctypes.byref(info)))
+            return Comm(info.id, info.rank, info.size) if info.id else None
+
+        return self._call(run, False)
+
+    def comm_create(self, ranks: Sequence[int], tag: int = 0, *, comm: Comm | None = None) -> Comm:
+        """A communicator of `ranks` (ranks of `comm`, in the new one's
+        order, this member among them), called by those members only; `tag`
+        tells apart creations that run at once."""
+        c = self._comm(comm)
+        listed = [int(r) for r in ranks]
+        if c.rank not in listed or len(set(listed)) != len(listed):
+            raise ValueError(f"comm_create: {listed} must be distinct ranks including {c.rank}")
+        for r in listed:
+            self._check_root(r, c, "rank")
+
+        def run() -> Comm:
+            info = _capi.CommInfo()
+            arr = (ctypes.c_uint32 * len(listed))(*listed)
+            self._check(
+                self._lib_.dmlc_comm_create(
+                    self._dev, c.id, arr, len(listed), tag, ctypes.byref(info)
+                )
+            )
+            return Comm(info.id, info.rank, info.size)
+
+        return self._call(run, False)
+
+    def comm_free(self, comm: Comm) -> None:
+        """Frees `comm`, collectively over its members."""
+        c = self._comm(comm)
+        self._call(lambda: self._check(self._lib_.dmlc_comm_free(self._dev, c.id)), False)
+
+    def send(
+        self,
+        data: Any,
+        dst: int,
+        tag: int = 0,
+        *,
+        comm: Comm | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        """Sends `data` to rank `dst` of `comm`, matched by `tag`; returns
+        (or the Work completes) once the receiver has it. A message larger
+        than the device's max_bytes goes as several, which the receive
+        takes only if its `out` has the message's size."""
+        c = self._comm(comm)
+        self._check_peer(dst, c)
+
+        def run() -> Any:
+            src, n, dtype = memory(data)
+            size = _SIZES[dtype]
+            segs = self._device_seg(src, n) if n <= self._message_piece(dtype) else None
+            if segs is not None:
+                req = _comm_request(_capi.SEND, dtype, c.id, n // size, peer=dst, tag=tag)
+                self._comm_call(req, segs, [], message=n)
+                return data
+            self._staged(n)
+            rc = self._lib_.dmlc_send(self._dev, c.id, dst, tag, dtype, src, n // size)
+            if rc != _capi.OK:
+                raise self._host_error(rc, length=n, room=self._lib_.dmlc_last_error_length())
+            return data
+
+        return self._call(run, async_op, "send")
+
+    def recv(
+        self,
+        out: Any,
+        src: int | None = None,
+        tag: int = 0,
+        *,
+        comm: Comm | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        """Receives one message from rank `src` of `comm` (None: from any)
+        with `tag` into `out`; a shorter message leaves the rest of `out` as
+        it was. Returns :class:`Received` (its count, bytes and sender).
+        A larger message raises :class:`dmlc.TruncatedError`."""
+        c = self._comm(comm)
+        peer = _capi.ANY_SOURCE if src is None else src
+        if src is not None:
+            self._check_peer(src, c)
+
+        def run() -> Received:
+            dst, n, dtype = memory(out)
+            size = _SIZES[dtype]
+            segs = self._device_seg(dst, n) if n <= self._message_piece(dtype) else None
+            if segs is not None:
+                req = _comm_request(_capi.RECV, dtype, c.id, n // size, peer=peer, tag=tag)
+                done = self._comm_call(req, [], segs, room=n)
+                return Received(done.length // size, done.length, done.peer)
+            length, source = ctypes.c_uint64(), ctypes.c_uint32()
+            rc = self._lib_.dmlc_recv(
+                self._dev,
+                c.id,
+                peer,
+                tag,
+                dtype,
+                dst,
+                n // size,
+                ctypes.byref(length),
+                ctypes.byref(source),
+            )
+            if rc != _capi.OK:
+                raise self._host_error(rc, length=length.value, room=n)
+            self._staged(length.value)
+            return Received(length.value // size, length.value, source.value)
+
+        return self._call(run, async_op, "recv")
+
+    def alltoall(
+        self, data: Any, out: Any, *, comm: Comm | None = None, async_op: bool = False
+    ) -> Any:
+        """Block `j` of `data` (`comm`'s size equal blocks) goes to member
+        `j`, whose `out` (as large) gets every member's block in rank order."""
+        c = self._comm(comm)
+
+        def run() -> Any:
+            src, total, dtype = memory(data)
+            dst, ototal, odtype = memory(out)
+            size = _SIZES[dtype]
+            if odtype != dtype or ototal != total or total % (c.size * size):
+                raise ValueError(
+                    f"alltoall input and output must hold {c.size} equal blocks of {dtype.name}"
+                )
+            block = total // c.size
+            if block <= self._block_piece(dtype, c.size) and not _overlap(src, total, dst, total):
+                ins, outs = self._device_segs((src, total)), self._device_segs((dst, total))
+                if ins is not None and outs is not None:
+                    self._comm_call(
+                        _comm_request(_capi.ALLTOALL, dtype, c.id, block // size), ins, outs
+                    )
+                    return out
+            self._staged(total)
+            send, _kept = _apart(src, total, dst, total)
+            self._host(self._lib_.dmlc_alltoall(self._dev, c.id, send, dst, block // size, dtype))
+            return out
+
+        return self._call(run, async_op)
+
+    def alltoallv(
+        self,
+        data: Any,
+        out: Any,
+        send_counts: Sequence[int],
+        recv_counts: Sequence[int],
+        *,
+        comm: Comm | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        """As :meth:`alltoall` with ``send_counts[j]`` elements of `data` to
+        member `j` and ``recv_counts[i]`` into `out` from member `i`, blocks
+        one after the other in rank order (member `i`'s ``send_counts[j]``
+        must equal member `j`'s ``recv_counts[i]``). One request: each
+        member's data must fit the device's max_bytes."""
+        c = self._comm(comm)
+        sc, rc = self._counts(send_counts, c), self._counts(recv_counts, c)
+
+        def run() -> Any:
+            src, total, dtype = memory(data)
+            dst, ototal, odtype = memory(out)
+            size = _SIZES[dtype]
+            if odtype != dtype or total != sum(sc) * size or ototal != sum(rc) * size:
+                raise ValueError(
+                    f"alltoallv: data must hold sum(send_counts) and out sum(recv_counts) "
+                    f"elements of {dtype.name}"
+                )
+            table = np.array(sc + rc, dtype="<u8")
+            if not _overlap(src, total, dst, ototal):
+                ins, outs = self._device_segs((src, total)), self._device_segs((dst, ototal))
+                if ins is not None and outs is not None:
+                    req = _comm_request(_capi.ALLTOALLV, dtype, c.id, 0, table=table)
+                    self._comm_call(req, ins, outs)
+                    return out
+            self._staged(total)
+            send, _kept = _apart(src, total, dst, ototal)
+            self._host(
+                self._lib_.dmlc_alltoallv(self._dev, c.id, send, dst, _u64s(sc), _u64s(rc), dtype)
+            )
+            return out
+
+        return self._call(run, async_op)
+
+    def gather(
+        self,
+        data: Any,
+        out: Any = None,
+        root: int = 0,
+        *,
+        comm: Comm | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        """The root's `out` (`comm`'s size times `data`) gets every member's
+        `data` in rank order; the others pass no `out`. `data` may be the
+        root's own block of `out` (in place). Returns `out` on the root,
+        None elsewhere."""
+        c = self._comm(comm)
+        self._check_root(root, c)
+        return self._call(lambda: self._gather(data, out, False, None, root, c), async_op)
+
+    def gatherv(
+        self,
+        data: Any,
+        out: Any = None,
+        counts: Sequence[int] | None = None,
+        root: int = 0,
+        *,
+        comm: Comm | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        """As :meth:`gather`, each member giving its own number of elements:
+        the root's `counts` (one per member) place the blocks in its `out`.
+        One request."""
+        c = self._comm(comm)
+        self._check_root(root, c)
+        table = None
+        if c.rank == root:
+            if counts is None:
+                raise ValueError("the root of gatherv needs counts")
+            table = self._counts(counts, c)
+        return self._call(lambda: self._gather(data, out, True, table, root, c), async_op)
+
+    def scatter(
+        self,
+        data: Any,
+        out: Any,
+        root: int = 0,
+        *,
+        comm: Comm | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        """Every member's `out` gets its block of the root's `data`
+        (`comm`'s size times `out`); the others pass None as `data`. `out`
+        may be the root's own block of `data` (in place). Returns `out`."""
+        c = self._comm(comm)
+        self._check_root(root, c)
+        return self._call(lambda: self._scatter(data, out, False, None, root, c), async_op)
+
+    def scatterv(
+        self,
+        data: Any,
+        out: Any,
+        counts: Sequence[int] | None = None,
+        root: int = 0,
+        *,
+        comm: Comm | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        """As :meth:`scatter`, each member receiving its own number of
+        elements (its `out`): the root's `counts` (one per member) place
+        the blocks in its `data`. One request."""
+        c = self._comm(comm)
+        self._check_root(root, c)
+        table = None
+        if c.rank == root:
+            if counts is None:
+                raise ValueError("the root of scatterv needs counts")
+            table = self._counts(counts, c)
+        return self._call(lambda: self._scatter(data, out, True, table, root, c), async_op)
+
+    def _gather(
+        self, data: Any, out: Any, v: bool, table: list[int] | None, root: int, c: Comm
+    ) -> Any:
+        """gather, or gatherv (`v`; `table` the root's counts), on the
+        worker thread."""
+        src, n, dtype = memory(data)
+        size = _SIZES[dtype]
+        is_root = c.rank == root
+        dst, total, in_place = 0, 0, False
+        if is_root:
+            if out is None:
+                raise ValueError("the root of a gather needs out")
+            dst, total, odtype = memory(out)
+            at = sum(table[: c.rank]) * size if table is not None else c.rank * n
+            want = sum(table) * size if table is not None else c.size * n
+            if odtype != dtype or total != want:
+                raise ValueError(f"gather: out must hold {want} bytes of {dtype.name}")
+            if table is not None and table[c.rank] * size != n:
+                raise ValueError(f"gatherv: counts[{c.rank}] is not the size of data")
+            # `data` as the root's block of `out` is the in-place form.
+            in_place = src == dst + at
+        # Equal blocks above one piece go through the host form on every
+        # member, which cuts them alike; the v forms are one request.
+        if (v or n <= self._block_piece(dtype, c.size)) and (
+            in_place or not _overlap(src, n, dst, total)
+        ):
+            ins = [] if in_place else self._device_segs((src, n))
+            outs = self._device_segs((dst, total)) if is_root else []
+            if ins is not None and outs is not None:
+                opcode = _capi.GATHERV if v else _capi.GATHER
+                req = _comm_request(opcode, dtype, c.id, n // size, root=root, table=table)
+                req.flags = _capi.FLAG_IN_PLACE if in_place else 0
+                self._comm_call(req, ins, outs)
+                return out if is_root else None
+        self._staged(total if is_root else n)
+        send, _kept = (None, None) if in_place else _apart(src, n, dst, total)
+        lib = self._lib_
+        if v:
+            counts = _u64s(table) if table is not None else None
+            rc = lib.dmlc_gatherv(
+                self._dev, c.id, send, dst or None, n // size, counts, dtype, root
+            )
+        else:
+            rc = lib.dmlc_gather(self._dev, c.id, send, dst or None, n // size, dtype, root)
+        self._host(rc)
+        return out if is_root else None
+
+    def _scatter(
+        self, data: Any, out: Any, v: bool, table: list[int] | None, root: int, c: Comm
+    ) -> Any:
+        """scatter, or scatterv (`v`; `table` the root's counts), on the
+        worker thread."""
+        dst, n, dtype = memory(out)
+        size = _SIZES[dtype]
+        is_root = c.rank == root
+        src, total, in_place = 0, 0, False
+        if is_root:
+            if data is None:
+                raise ValueError("the root of a scatter needs data")
+            src, total, idtype = memory(data)
+            at = sum(table[: c.rank]) * size if table is not None else c.rank * n
+            want = sum(table) * size if table is not None else c.size * n
+            if idtype != dtype or total != want:
+                raise ValueError(f"scatter: data must hold {want} bytes of {dtype.name}")
+            if table is not None and table[c.rank] * size != n:
+                raise ValueError(f"scatterv: counts[{c.rank}] is not the size of out")
+            # `out` as the root's block of `data` is the in-place form.
+            in_place = dst == src + at
+        if (v or n <= self._block_piece(dtype, c.size)) and (
+            in_place or not _overlap(src, total, dst, n)
+        ):
+            ins: list[_capi.Segment] | None
+            if in_place:
+                ins, outs = [], self._device_segs((src, total))
+            else:
+                ins = self._device_segs((src, total)) if is_root else []
+                outs = self._device_segs((dst, n))
+            if ins is not None and outs is not None:
+                opcode = _capi.SCATTERV if v else _capi.SCATTER
+                req = _comm_request(opcode, dtype, c.id, n // size, root=root, table=table)
+                req.flags = _capi.FLAG_IN_PLACE if in_place else 0
+                self._comm_call(req, ins, outs)
+                return out
+        self._staged(total if is_root else n)
+        # In place, the root's block stays where it is: no recv.
+        recv = None if in_place else dst
+        result = None
+        if recv is not None and _overlap(src, total, dst, n):
+            result = ctypes.create_string_buffer(n)
+            recv = ctypes.addressof(result)
+        lib = self._lib_
+        if v:
+            counts = _u64s(table) if table is not None else None
+            rc = lib.dmlc_scatterv(
+                self._dev, c.id, src or None, recv, counts, n // size, dtype, root
+            )
+        else:
+            rc = lib.dmlc_scatter(self._dev, c.id, src or None, recv, n // size, dtype, root)
+        self._host(rc)
+        if result is not None:
+            ctypes.memmove(dst, result, n)
+        return out
 
     # ---- plumbing -----------------------------------------------------------
 
-    def _call(self, fn: Callable[[], Any], async_op: bool) -> Any:
+    def _call(self, fn: Callable[[], Any], async_op: bool, lane: str = "") -> Any:
+        """Runs `fn` on the worker thread (`lane` "send" or "recv": on that
+        lane's own worker); waits for it unless `async_op`."""
         if self._closed:
             raise DmlcError(_capi.ERR_INVALID_ARGUMENT, "the device is closed")
         fut: Future[Any] = Future()
-        self._jobs.put((fn, fut))
+        (self._lane(lane) if lane else self._jobs).put((fn, fut))
         work = Work(fut)
         return work if async_op else work.wait()
 
-    def _serve(self) -> None:
+    def _lane(self, name: str) -> _Jobs:
+        """The jobs of lane `name`, its worker started at first use."""
+        with self._lanes_lock:
+            if name not in self._lanes:
+                jobs: _Jobs = queue.SimpleQueue()
+                worker = threading.Thread(
+                    target=self._serve, args=(jobs,), name=f"dmlc-{name}", daemon=True
+                )
+                worker.start()
+                self._lanes[name] = (jobs, worker)
+            return self._lanes[name][0]
+
+    def _serve(self, jobs: _Jobs) -> None:
         while True:
-            job = self._jobs.get()
+            job = jobs.get()
             if job is None:
                 return
             fn, fut = job
@@ -643,9 +1139,113 @@ class Device:
     def _check(self, rc: int) -> None:
         _raise_if(self._lib_, rc)
 
-    def _check_root(self, root: int) -> None:
-        if not 0 <= root < self.world_size:
-            raise ValueError(f"root {root} is not a rank of a group of {self.world_size}")
+    def _comm(self, comm: Comm | None) -> Comm:
+        """`comm`, the group if None."""
+        if comm is None:
+            return self.world
+        if not isinstance(comm, Comm):
+            raise TypeError(f"comm must be a dmlc.Comm, not {type(comm).__name__}")
+        return comm
+
+    @staticmethod
+    def _check_root(root: int, c: Comm, what: str = "root") -> None:
+        if not 0 <= root < c.size:
+            where = "the group" if c.id == 0 else f"communicator {c.id}"
+            raise ValueError(f"{what} {root} is not a rank of {where} of {c.size}")
+
+    def _check_peer(self, peer: int, c: Comm) -> None:
+        self._check_root(peer, c, "peer")
+        if peer == c.rank:
+            raise ValueError(f"peer {peer} is this member itself")
+
+    @staticmethod
+    def _counts(counts: Sequence[int], c: Comm) -> list[int]:
+        """`counts` as a list of one count per member of `c`."""
+        listed = [int(x) for x in counts]
+        if len(listed) != c.size or any(x < 0 for x in listed):
+            raise ValueError(f"{len(listed)} counts for a communicator of {c.size}: {listed}")
+        return listed
+
+    def _staged(self, nbytes: int) -> None:
+        with self._stats_lock:
+            self.staged_bytes += nbytes
+
+    def _message_piece(self, dtype: Dtype) -> int:
+        """Bytes of one message of send and receive: max_bytes rounded down
+        to whole elements; a larger one goes through the host form, which
+        cuts it into such pieces."""
+        size = _SIZES[dtype]
+        return max(size, self.max_bytes - self.max_bytes % size)
+
+    def _device_segs(self, *spans: tuple[int, int]) -> list[_capi.Segment] | None:
+        """Segments over `spans` (address, bytes) if empty() made them all
+        (the empty ones left out); None if any must be staged."""
+        segs = []
+        for addr, nbytes in spans:
+            if not nbytes:
+                continue
+            found = self._device_memory(addr, nbytes)
+            if found is None:
+                return None
+            segs.append(_capi.Segment(buf=found[0], offset=found[1], len=nbytes))
+        return segs
+
+    def _device_seg(self, addr: int, nbytes: int) -> list[_capi.Segment] | None:
+        """`_device_segs` of one span, which must not be empty."""
+        return self._device_segs((addr, nbytes)) if nbytes else None
+
+    def _comm_call(
+        self,
+        req: _capi.CommRequest,
+        ins: list[_capi.Segment],
+        outs: list[_capi.Segment],
+        *,
+        message: int | None = None,
+        room: int | None = None,
+    ) -> _capi.CommCompletion:
+        """One request of spec 5.X.6.13 on device memory (dmlc_comm_call);
+        raises its error (TRUNCATE: with the send's `message` or the
+        receive's `room`, and the other end's from the device)."""
+        done = _capi.CommCompletion()
+        in_arr = (_capi.Segment * len(ins))(*ins) if ins else None
+        out_arr = (_capi.Segment * len(outs))(*outs) if outs else None
+        lib = self._lib_
+        rc = lib.dmlc_comm_call(
+            self._dev,
+            0,
+            ctypes.byref(req),
+            in_arr,
+            len(ins),
+            out_arr,
+            len(outs),
+            ctypes.byref(done),
+        )
+        if rc != _capi.OK:
+            msg = (lib.dmlc_last_error_message() or b"").decode(errors="replace")
+            peer = None if done.peer == _capi.NO_PEER else done.peer
+            if rc == _capi.ERR_TRUNCATE:
+                length, room = (
+                    (message, done.length) if message is not None else (done.length, room)
+                )
+                raise TruncatedError(
+                    rc, msg or _strerror(lib, rc), done.detail, peer, length=length, room=room
+                )
+            raise error_for(rc, msg or _strerror(lib, rc), done.detail, peer)
+        return done
+
+    def _host_error(self, rc: int, *, length: int, room: int) -> DmlcError:
+        """The error of a failed dmlc_send or dmlc_recv: TRUNCATE with the
+        message's `length` and the receive's `room`."""
+        lib = self._lib_
+        msg = (lib.dmlc_last_error_message() or b"").decode(errors="replace")
+        why = _capi.Completion()
+        lib.dmlc_last_error_completion(ctypes.byref(why))
+        peer = None if why.peer == _capi.NO_PEER else why.peer
+        if rc == _capi.ERR_TRUNCATE:
+            return TruncatedError(
+                rc, msg or _strerror(lib, rc), why.detail, peer, length=length, room=room
+            )
+        return error_for(rc, msg or _strerror(lib, rc), why.detail, peer)
 
     @staticmethod
     def _same(out: Any, nbytes: int, dtype: Dtype) -> int:
@@ -654,12 +1254,13 @@ class Device:
             raise ValueError("out must have the input's size and dtype")
         return dst
 
-    def _block_piece(self, dtype: Dtype) -> int:
-        """The most bytes per member that the host forms of allgather and
-        reduce-scatter carry in one request: a larger block goes through
-        them, so that every member cuts it at the same places."""
+    def _block_piece(self, dtype: Dtype, members: int) -> int:
+        """The most bytes per member that the host forms of allgather,
+        reduce-scatter, all-to-all, gather and scatter carry in one request
+        among `members`: a larger block goes through them, so that every
+        member cuts it at the same places."""
         size = _SIZES[dtype]
-        return max(1, self._host_chunk // self.world_size // size) * size
+        return max(1, self._host_chunk // members // size) * size
 
     def _host(self, rc: int) -> None:
         """Raises the error of a failed host form, with the device's detail
@@ -722,13 +1323,14 @@ class Device:
         nbytes: int,
         *,
         in_bytes: int = 0,
+        comm: int = 0,
     ) -> None:
         """Runs one request on `nbytes` of the caller's memory, which
         `_direct` or `_direct_pair` pointed the segments at (none for a
         barrier); the caller frees their wrappers. In place, the result is
         left there; with `in_bytes`, the request is out of place and reads
         its input from the segment `_direct_pair` set. `block_bytes` is the
-        per-member count in bytes."""
+        per-member count in bytes; `comm` the communicator's id."""
         size = _SIZES[dtype]
         if block_bytes % size:
             raise ValueError(f"{block_bytes} bytes are not whole {dtype.name} elements")
@@ -742,9 +1344,10 @@ class Device:
         self._seg.len = nbytes
         self._in_seg.len = in_bytes
         lib = self._lib_
-        rc = lib.dmlc_submit(
+        rc = lib.dmlc_submit_comm(
             self._dev,
             0,
+            comm,
             self._req_ref,
             self._in_seg_ref if in_bytes else None,
             1 if in_bytes else 0,
@@ -761,7 +1364,14 @@ class Device:
             raise error_for(rc, msg or _strerror(lib, rc), done.detail, peer)
 
     def _run_pieces(
-        self, opcode: int, dtype: Dtype, op: ReduceOp, root: int, nbytes: int, in_place: bool
+        self,
+        opcode: int,
+        dtype: Dtype,
+        op: ReduceOp,
+        root: int,
+        nbytes: int,
+        in_place: bool,
+        comm: int = 0,
     ) -> None:
         """An element-wise collective (allreduce, broadcast, reduce) on the
         caller's memory that `_direct` or `_direct_pair` pointed the
@@ -773,18 +1383,25 @@ class Device:
             for lo in range(0, nbytes, step):
                 k = min(step, nbytes - lo)
                 self._seg.offset, self._in_seg.offset = out_at + lo, in_at + lo
-                self._run(opcode, dtype, op, root, k, k, in_bytes=0 if in_place else k)
+                self._run(opcode, dtype, op, root, k, k, in_bytes=0 if in_place else k, comm=comm)
         finally:
             self._unwrap()
 
     def _run_direct(
-        self, opcode: int, dtype: Dtype, op: ReduceOp, block: int, nbytes: int, in_bytes: int
+        self,
+        opcode: int,
+        dtype: Dtype,
+        op: ReduceOp,
+        block: int,
+        nbytes: int,
+        in_bytes: int,
+        comm: int = 0,
     ) -> None:
         """One allgather or reduce-scatter request on the caller's memory
         that `_direct_pair` pointed the segments at (`block` bytes per
         member, `nbytes` of output, `in_bytes` of input: 0 in place)."""
         try:
-            self._run(opcode, dtype, op, 0, block, nbytes, in_bytes=in_bytes)
+            self._run(opcode, dtype, op, 0, block, nbytes, in_bytes=in_bytes, comm=comm)
         finally:
             # The wrappers go in any case: the driver keeps its own hold on
             # a request still pending after a wait that gave up on a device
@@ -798,6 +1415,49 @@ class Device:
             self._lib_.dmlc_free(self._wrapped.pop())
 
 
+def _comm_request(
+    opcode: int,
+    dtype: Dtype,
+    comm: int,
+    count: int,
+    *,
+    peer: int = 0,
+    root: int = 0,
+    tag: int = 0,
+    table: Sequence[int] | np.ndarray | None = None,
+) -> _capi.CommRequest:
+    """A dmlc_comm_request; its table (le64 counts) is kept alive by the
+    request (``_table``)."""
+    req = _capi.CommRequest(
+        opcode=opcode, dtype=dtype, root=root, count=count, tag=tag, comm=comm, peer=peer
+    )
+    if table is not None:
+        raw = np.ascontiguousarray(table, dtype="<u8")
+        req.table, req.table_bytes = raw.ctypes.data, raw.nbytes
+        req._table = raw  # type: ignore[attr-defined]
+    return req
+
+
+def _overlap(a: int, a_bytes: int, b: int, b_bytes: int) -> bool:
+    return a_bytes > 0 and b_bytes > 0 and a < b + b_bytes and b < a + a_bytes
+
+
+def _apart(src: int, n: int, dst: int, total: int) -> tuple[int, Any]:
+    """`src`, or a copy of its `n` bytes if they overlap [dst, dst + total)
+    (the host forms read their input apart from their output), and what
+    keeps the copy alive."""
+    if not _overlap(src, n, dst, total):
+        return src, None
+    kept = ctypes.create_string_buffer(n)
+    ctypes.memmove(kept, src, n)
+    return ctypes.addressof(kept), kept
+
+
+def _u64s(values: Sequence[int]) -> Any:
+    """`values` as a C array of uint64_t."""
+    return (ctypes.c_uint64 * len(values))(*values)
+
+
 def _strerror(lib: ctypes.CDLL, rc: int) -> str:
     return (lib.dmlc_strerror(rc) or b"").decode(errors="replace")
 
@@ -805,4 +1465,10 @@ def _strerror(lib: ctypes.CDLL, rc: int) -> str:
 def _raise_if(lib: ctypes.CDLL, rc: int) -> None:
     if rc != _capi.OK:
         msg = (lib.dmlc_last_error_message() or b"").decode(errors="replace")
-        raise error_for(rc, msg or _strerror(lib, rc))
+        # The device's detail and peer, where the failure was the device's.
+        why = _capi.Completion()
+        lib.dmlc_last_error_completion(ctypes.byref(why))
+        if why.status != rc:
+            why.detail, why.peer = 0, _capi.NO_PEER
+        peer = None if why.peer == _capi.NO_PEER else why.peer
+        raise error_for(rc, msg or _strerror(lib, rc), why.detail, peer)

@@ -16,6 +16,7 @@ __all__ = [
     "ResetError",
     "TooBigError",
     "TransportError",
+    "TruncatedError",
     "UnansweredError",
     "UnsupportedError",
 ]
@@ -68,6 +69,31 @@ class ResetError(DmlcError):
     """The group was reset while the collective waited."""
 
 
+class TruncatedError(DmlcError):
+    """A message and the receive it matched differ in size: the message was
+    larger, or (above the device's max_bytes, where both ends cut it into
+    pieces) of another size. Nothing of the piece that differed moved.
+
+    ``length`` is the message's size in bytes (on a receive: as far as the
+    device told it), ``room`` the receive's; ``peer`` the other end's rank in
+    the communicator. None where unknown.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        detail: int = 0,
+        peer: int | None = None,
+        *,
+        length: int | None = None,
+        room: int | None = None,
+    ) -> None:
+        super().__init__(status, message, detail, peer)
+        self.length = length
+        self.room = room
+
+
 class TransportError(DmlcError, ConnectionError):
     """The connection to the device failed or was lost."""
 
@@ -99,6 +125,7 @@ _BY_STATUS: dict[int, type[DmlcError]] = {
     _capi.ERR_UNSUPPORTED: UnsupportedError,
     _capi.ERR_TOO_BIG: TooBigError,
     _capi.ERR_RESET: ResetError,
+    _capi.ERR_TRUNCATE: TruncatedError,
     _capi.ERR_TRANSPORT: TransportError,
     _capi.ERR_UNANSWERED: UnansweredError,
     _capi.ERR_REQUEST_DROPPED: RequestDroppedError,
