@@ -9,6 +9,21 @@ use crate::error::{Error, Result};
 use super::queue::for_each_piece;
 use super::{BufSlice, Device, Opcode, Request};
 
+/// What the size and length checks of a request need.
+pub(super) struct Sizes<'a> {
+    /// Elements of each buffer, from the header.
+    pub(super) elems: BufferElems,
+    /// Bytes of one element (1 for requests without data).
+    pub(super) elem_size: u64,
+    /// The request moves no data (barrier, comm_split, ...).
+    pub(super) no_data: bool,
+    pub(super) count: u64,
+    /// The in-place flag applies (it has no effect on some members).
+    pub(super) in_place: bool,
+    pub(super) input: &'a [BufSlice],
+    pub(super) output: &'a [BufSlice],
+}
+
 fn uses_op(opcode: Opcode) -> bool {
     matches!(
         opcode,
@@ -73,8 +88,26 @@ impl Device {
         )
         .ok_or_else(overflow)?;
         let size = if no_data { 1 } else { req.dtype.size() as u64 };
-        let in_bytes = elems.input.checked_mul(size).ok_or_else(overflow)?;
-        let out_bytes = elems.output.checked_mul(size).ok_or_else(overflow)?;
+        self.check_sizes(&Sizes {
+            elems,
+            elem_size: size,
+            no_data,
+            count: req.count,
+            in_place: req.in_place,
+            input,
+            output,
+        })
+    }
+
+    /// Steps 6 (the rest of the size arithmetic), 7 (limits) and 8
+    /// (lengths) of spec 5.X.6.7.3, shared by [`Self::check`] and
+    /// [`Self::check_comm`].
+    pub(super) fn check_sizes(&self, z: &Sizes<'_>) -> Result<()> {
+        let c = &self.config;
+        let overflow = || Error::bad_request(bad::OVERFLOW);
+        let size = z.elem_size;
+        let in_bytes = z.elems.input.checked_mul(size).ok_or_else(overflow)?;
+        let out_bytes = z.elems.output.checked_mul(size).ok_or_else(overflow)?;
         // Step 7: limits, bytes from the header, then segments as the
         // device will see them.
         let max = c.max_bytes.get();
@@ -85,7 +118,7 @@ impl Device {
         }
         let mut segments = 0u64;
         let mut misaligned = false;
-        for s in input.iter().chain(output) {
+        for s in z.input.iter().chain(z.output) {
             for_each_piece(&s.mem.alloc, s.offset, s.len, &mut |_, len| {
                 if len != 0 {
                     segments += 1;
@@ -99,20 +132,20 @@ impl Device {
             });
         }
         // Step 8: lengths.
-        if no_data && (req.count != 0 || segments != 0) {
+        if z.no_data && (z.count != 0 || segments != 0) {
             return Err(Error::bad_request(bad::BARRIER_DATA));
         }
         let total = |s: &[BufSlice]| s.iter().map(|s| s.len as u64).sum::<u64>();
-        if req.in_place && total(input) != 0 {
+        if z.in_place && total(z.input) != 0 {
             return Err(Error::bad_request(bad::IN_PLACE_INPUT));
         }
         if misaligned {
             return Err(Error::bad_request(bad::SEGMENT_ALIGN));
         }
-        if total(input) != in_bytes {
+        if total(z.input) != in_bytes {
             return Err(Error::bad_request(bad::INPUT_LENGTH));
         }
-        if total(output) != out_bytes {
+        if total(z.output) != out_bytes {
             return Err(Error::bad_request(bad::OUTPUT_LENGTH));
         }
         Ok(())

@@ -11,13 +11,14 @@ use virtio_dmlc::comm::{
     self, CommOpcode, VirtioDmlcReqComm, ANY_SOURCE, BAD_COMM, BAD_PEER, BAD_TABLE, UNDEFINED,
     VIRTIO_DMLC_F_COMM,
 };
-use virtio_dmlc::{bad, too_big, unsupported, Dtype, FLAG_IN_PLACE};
+use virtio_dmlc::{bad, unsupported, Dtype, FLAG_IN_PLACE};
 
 use crate::error::{Error, Result};
 
+use super::check::Sizes;
 use super::collectives::standard_chain;
 use super::open::bit;
-use super::queue::{for_each_piece, Header};
+use super::queue::Header;
 use super::{BufSlice, Device, DmaBuf, Done};
 
 /// A communicator as this member knows it.
@@ -224,52 +225,20 @@ impl Device {
             )
             .map_err(Error::bad_request)?
         };
-        let size = if moves_data {
-            req.dtype.size() as u64
-        } else {
-            1
-        };
-        let overflow = || Error::bad_request(bad::OVERFLOW);
-        let in_bytes = elems.input.checked_mul(size).ok_or_else(overflow)?;
-        let out_bytes = elems.output.checked_mul(size).ok_or_else(overflow)?;
-        let max = c.max_bytes.get();
-        if in_bytes > max || out_bytes > max {
-            return Err(Error::TooBig {
-                detail: too_big::BYTES,
-            });
-        }
-        let mut segments = 0u64;
-        let mut misaligned = false;
-        for s in input.iter().chain(output) {
-            for_each_piece(&s.mem.alloc, s.offset, s.len, &mut |_, len| {
-                if len != 0 {
-                    segments += 1;
-                    misaligned |= !u64::from(len).is_multiple_of(size);
-                }
-            });
-        }
-        if segments > u64::from(c.max_segments.get()) {
-            return Err(Error::TooBig {
-                detail: too_big::SEGMENTS,
-            });
-        }
-        if !moves_data && (req.count != 0 || segments != 0) {
-            return Err(Error::bad_request(bad::BARRIER_DATA));
-        }
-        let total = |s: &[BufSlice]| s.iter().map(|s| s.len as u64).sum::<u64>();
-        if elems.in_place_input.is_some() && total(input) != 0 {
-            return Err(Error::bad_request(bad::IN_PLACE_INPUT));
-        }
-        if misaligned {
-            return Err(Error::bad_request(bad::SEGMENT_ALIGN));
-        }
-        if total(input) != in_bytes {
-            return Err(Error::bad_request(bad::INPUT_LENGTH));
-        }
-        if total(output) != out_bytes {
-            return Err(Error::bad_request(bad::OUTPUT_LENGTH));
-        }
-        Ok(())
+        let in_place = elems.in_place_input.is_some();
+        self.check_sizes(&Sizes {
+            elems,
+            elem_size: if moves_data {
+                req.dtype.size() as u64
+            } else {
+                1
+            },
+            no_data: !moves_data,
+            count: req.count,
+            in_place,
+            input,
+            output,
+        })
     }
 
     /// Checks, posts and waits for one request of feature bits 1 to 3;
