@@ -11,6 +11,9 @@ Configurations, for every N in --ranks:
   device hybrid     dmlc-guest --hybrid local --ranks N -- bench ... (the
                     driver's default wait)
   Open MPI          mpirun -np N --oversubscribe ... mpi_allreduce ...
+for the collective --opcode names (allreduce, sendrecv: every rank sends to
+the next and receives from the previous, MPI_Sendrecv; alltoall:
+MPI_Alltoall), out of place,
 plus a memcpy bandwidth probe (1 thread and one per CPU; glibc's memcpy
 and a copy with non-temporal stores, bench/memcpy_bw.c -m libc / -m nt).
 """
@@ -127,6 +130,8 @@ def main():
     ap.add_argument("--replot", metavar="JSON",
                     help="only redraw the SVG from a device-vs-mpi.json written earlier")
     ap.add_argument("--ranks", default="2,4", help="comma-separated N values")
+    ap.add_argument("--opcode", default="allreduce", choices=list(WHAT),
+                    help="what to time (files are named device-vs-mpi[-OPCODE].*)")
     ap.add_argument("--minbytes", default="4")
     ap.add_argument("--maxbytes", default="64M")
     ap.add_argument("--iters", type=int, default=20)
@@ -146,8 +151,8 @@ def main():
             doc = json.load(f)
         runs = {(r["config"], r["world"]): r["result"] for r in doc["runs"]}
         ranks = sorted({n for _, n in runs})
-        with open(os.path.join(args.out, "device-vs-mpi.svg"), "w") as f:
-            f.write(svg(runs, ranks, doc["meta"]["memcpy"]))
+        with open(os.path.join(args.out, f"{stem(doc['meta'].get('opcode', 'allreduce'))}.svg"), "w") as f:
+            f.write(svg(runs, ranks, doc["meta"]["memcpy"], doc["meta"].get("opcode", "allreduce")))
         return
     if not (args.guest and args.mpi and args.memcpy):
         ap.error("--guest, --mpi and --memcpy are required (bench/compare.sh passes them)")
@@ -172,7 +177,8 @@ def main():
     # (a shared machine) spreads over all configurations alike.
     for rep in range(args.repeat):
         for n in ranks:
-            common = ["-b", str(minb), "-e", str(maxb), "-n", str(args.iters), "-w", str(args.warmup)]
+            common = ["--opcode", args.opcode, "-b", str(minb), "-e", str(maxb), "-n", str(args.iters),
+                      "-w", str(args.warmup)]
             for mode in modes:
                 path = os.path.join(tmp, f"dev-{mode}-{n}-{rep}.json")
                 backend = ["--poll-us", str(args.poll_us)] if args.poll_us is not None else []
@@ -185,7 +191,7 @@ def main():
                     repeats.setdefault((mode, n), []).append(json.load(f))
             path = os.path.join(tmp, f"mpi-{n}-{rep}.json")
             cmd = ["mpirun", "-np", str(n), "--oversubscribe", "--allow-run-as-root", "--bind-to", "none",
-                   "--mca", "btl", "self,vader", args.mpi, "-b", str(minb), "-e", str(maxb),
+                   "--mca", "btl", "self,vader", args.mpi, "-o", args.opcode, "-b", str(minb), "-e", str(maxb),
                    "-n", str(args.iters), "-w", str(args.warmup), "-j", path]
             if rep == 0:
                 commands.append(show_cmd(cmd, args))
@@ -202,6 +208,7 @@ def main():
         "iters": args.iters,
         "warmup": args.warmup,
         "repeat": args.repeat,
+        "opcode": args.opcode,
         "commands": commands,
         "memcpy": memcpy,
     }
@@ -210,14 +217,27 @@ def main():
         "runs": [{"config": k[0], "world": k[1], "result": v, "repeats": repeats[k]}
                  for k, v in sorted(runs.items(), key=str)],
     }
-    with open(os.path.join(args.out, "device-vs-mpi.json"), "w") as f:
+    out = os.path.join(args.out, stem(args.opcode))
+    with open(out + ".json", "w") as f:
         json.dump(doc, f, indent=1)
-    with open(os.path.join(args.out, "device-vs-mpi.svg"), "w") as f:
-        f.write(svg(runs, ranks, memcpy))
+    with open(out + ".svg", "w") as f:
+        f.write(svg(runs, ranks, memcpy, args.opcode))
     md = markdown(runs, ranks, modes, meta, tables)
-    with open(os.path.join(args.out, "device-vs-mpi.md"), "w") as f:
+    with open(out + ".md", "w") as f:
         f.write(md)
     print(md)
+
+
+# What each --opcode times, as the tables say it.
+WHAT = {
+    "allreduce": "f32 sum allreduce",
+    "sendrecv": "f32 sendrecv (each rank sends to the next, receives from the previous)",
+    "alltoall": "f32 all-to-all (size = a rank's N blocks)",
+}
+
+
+def stem(opcode):
+    return "device-vs-mpi" if opcode == "allreduce" else f"device-vs-mpi-{opcode}"
 
 
 def median(xs):
@@ -236,6 +256,9 @@ def merge(docs):
         rows = [d["results"][i] for d in docs if i < len(d["results"]) and d["results"][i]["size"] == size]
         row = {"size": size, "count": rows[0]["count"]}
         for side in ("oop", "ip"):
+            if rows[0].get(side) is None:  # no in-place form
+                row[side] = None
+                continue
             row[side] = {k: (sum(r[side][k] for r in rows) if k == "wrong"
                              else median([r[side][k] for r in rows]))
                          for k in rows[0][side]}
@@ -290,7 +313,7 @@ def markdown(runs, ranks, modes, meta, tables):
     lines = []
     w = lines.append
     w(f"Measured {meta['date']} on {meta['host']}; load average {meta['load_before']} before, "
-      f"{meta['load_after']} after. f32 sum allreduce, out of place: per size the median over "
+      f"{meta['load_after']} after. {WHAT[meta.get('opcode', 'allreduce')]}, out of place: per size the median over "
       f"{meta['repeat']} interleaved run(s) of each configuration of the median of {meta['iters']} "
       f"iterations after {meta['warmup']} warm-up; data rotated through buffers larger than the LLC.")
     w("")
@@ -328,7 +351,8 @@ def markdown(runs, ranks, modes, meta, tables):
                     r = by[c].get(s)
                     cells.append("" if r is None else (f"{r['oop'][key]:.2f}" if key == "time_us"
                                                        else f"{r['oop'][key]:.3f}"))
-            wrong = sum(by[c][s]["oop"]["wrong"] + by[c][s]["ip"]["wrong"] for c in cols if s in by[c])
+            wrong = sum(by[c][s]["oop"]["wrong"] + (by[c][s]["ip"] or {"wrong": 0})["wrong"]
+                        for c in cols if s in by[c])
             cells.append(str(wrong))
             w("| " + " | ".join(cells) + " |")
         w("")
@@ -354,7 +378,7 @@ def markdown(runs, ranks, modes, meta, tables):
 
 # ---- SVG ------------------------------------------------------------------
 
-def svg(runs, ranks, memcpy):
+def svg(runs, ranks, memcpy, opcode="allreduce"):
     width, panel_h, left, right, top = 800, 300, 70, 220, 30
     panels = [
         ("latency p50 (us)", "time_us", True),
@@ -365,7 +389,7 @@ def svg(runs, ranks, memcpy):
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'font-family="sans-serif" font-size="11">',
            f'<rect width="{width}" height="{height}" fill="white"/>',
-           f'<text x="{left}" y="18" font-size="14">virtio-dmlc device vs Open MPI: f32 sum allreduce, '
+           f'<text x="{left}" y="18" font-size="14">virtio-dmlc device vs Open MPI: {WHAT[opcode]}, '
            f'out of place</text>']
     sizes = sorted({r["size"] for v in runs.values() for r in v["results"]})
     if not sizes:

@@ -2,7 +2,8 @@
 # Device vs Open MPI on this host, in one run (see docs/benchmarks-journal.md,
 # section "Device vs Open MPI (host transport)").
 #
-#   bench/compare.sh [--ranks 2,4] [--maxbytes 64M] [--iters 20] [--warmup 5]
+#   bench/compare.sh [--opcode allreduce|sendrecv|alltoall] [--ranks 2,4]
+#                    [--maxbytes 64M] [--iters 20] [--warmup 5]
 #                    [--repeat K] [--poll-us U] [--out DIR]
 #
 # Builds the release binaries and the C baselines, installs Open MPI with
@@ -11,7 +12,7 @@
 # MPI_Allreduce (shared memory), and memcpy bandwidth probes (glibc and
 # non-temporal stores, bench/memcpy_bw.c -m libc / -m nt); with
 # --repeat K it runs all of them K times, interleaved, and reports per-size
-# medians. It writes device-vs-mpi.{md,json,svg} into DIR (default
+# medians. It writes device-vs-mpi[-OPCODE].{md,json,svg} into DIR (default
 # docs/bench).
 set -euo pipefail
 

@@ -2,8 +2,13 @@
  * Open MPI baseline for `dmlc-guest bench`: MPI_Allreduce of f32 sums over
  * the same sizes, printed in the same table (nccl-tests columns plus
  * OSU-style latency statistics and the memory-traffic bandwidth 2*N*S/t).
+ * With -o sendrecv, what `dmlc-guest bench --opcode sendrecv` times: every
+ * rank sends S bytes to the next rank and receives S from the previous one
+ * (MPI_Sendrecv); with -o alltoall, MPI_Alltoall of S bytes per rank in N
+ * equal blocks. Those two have no in-place column ("-", null in the JSON).
  *
- *   mpirun -np N ./mpi_allreduce [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS]
+ *   mpirun -np N ./mpi_allreduce [-o allreduce|sendrecv|alltoall]
+ *                                [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS]
  *                                [-w WARMUP] [-r ROTATE_BYTES] [-j FILE]
  *
  * Time is the median over iterations as seen by rank 0. The data changes
@@ -65,18 +70,39 @@ static size_t llc_bytes(void)
     return best ? best : (size_t)32 << 20;
 }
 
+enum kind { ALLREDUCE, SENDRECV, ALLTOALL };
+
+static const char *const kind_name[] = {"allreduce", "sendrecv", "alltoall"};
+
 /* Element p (position in the pool) of rank r's input: an exact small integer. */
 static float input_value(int r, size_t p)
 {
     return (float)((int)((p * 31u + (size_t)r * 17u) % 257u) - 128);
 }
 
-static float expected_value(int world, size_t p)
+static float sum_value(int world, size_t p)
 {
     float s = 0.0f;
     for (int r = 0; r < world; r++)
         s += input_value(r, p);
     return s;
+}
+
+/* Element i of rank `rank`'s output of the collective whose input starts
+ * at pool position `base`; `count` elements per rank (per block for
+ * all-to-all). */
+static float expected_value(enum kind k, int world, int rank, size_t count, size_t base,
+                            size_t i)
+{
+    switch (k) {
+    case SENDRECV:
+        return input_value((rank + world - 1) % world, base + i);
+    case ALLTOALL:
+        /* Block s comes from rank s: its block `rank`. */
+        return input_value((int)(i / count), base + (size_t)rank * count + i % count);
+    default:
+        return sum_value(world, base + i);
+    }
 }
 
 static int cmp_double(const void *a, const void *b)
@@ -105,16 +131,31 @@ static struct stats summarize(double *t, int n)
 }
 
 /* Runs ITERS timed iterations (after WARMUP) and returns the stats; every
- * rank runs the same loop. in_place selects MPI_IN_PLACE on the out pool. */
-static struct stats run(float *in, float *out, size_t count, size_t slots, int iters, int warmup,
-                        int in_place, double *times)
+ * rank runs the same loop. Slot s of a pool starts at element s * stride.
+ * in_place selects MPI_IN_PLACE on the out pool (allreduce only). */
+static struct stats run(enum kind k, float *in, float *out, size_t count, size_t stride,
+                        size_t slots, int iters, int warmup, int in_place, double *times)
 {
+    int rank, world;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &world);
     for (int i = -warmup; i < iters; i++) {
         size_t slot = (size_t)(i + warmup) % slots;
-        const void *src = in_place ? MPI_IN_PLACE : (const void *)(in + slot * count);
-        float *dst = out + slot * count;
+        const void *src = in_place ? MPI_IN_PLACE : (const void *)(in + slot * stride);
+        float *dst = out + slot * stride;
         double t0 = now_us();
-        MPI_Allreduce(src, dst, (int)count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+        switch (k) {
+        case SENDRECV:
+            MPI_Sendrecv(src, (int)count, MPI_FLOAT, (rank + 1) % world, 0, dst, (int)count,
+                         MPI_FLOAT, (rank + world - 1) % world, 0, MPI_COMM_WORLD,
+                         MPI_STATUS_IGNORE);
+            break;
+        case ALLTOALL:
+            MPI_Alltoall(src, (int)count, MPI_FLOAT, dst, (int)count, MPI_FLOAT, MPI_COMM_WORLD);
+            break;
+        default:
+            MPI_Allreduce(src, dst, (int)count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+        }
         double t1 = now_us();
         if (i >= 0)
             times[i] = t1 - t0;
@@ -122,11 +163,13 @@ static struct stats run(float *in, float *out, size_t count, size_t slots, int i
     return summarize(times, iters);
 }
 
-static long check(const float *out, size_t count, size_t base, int world)
+/* Wrong elements of an output of `elems` elements. */
+static long check(enum kind k, const float *out, size_t elems, size_t count, size_t base,
+                  int world, int rank)
 {
     long wrong = 0;
-    for (size_t i = 0; i < count; i++)
-        if (out[i] != expected_value(world, base + i))
+    for (size_t i = 0; i < elems; i++)
+        if (out[i] != expected_value(k, world, rank, count, base, i))
             wrong++;
     return wrong;
 }
@@ -136,6 +179,7 @@ int main(int argc, char **argv)
     size_t minb = 4, maxb = (size_t)64 << 20, rotate = 0;
     double factor = 2.0;
     int iters = 20, warmup = 5;
+    enum kind kind = ALLREDUCE;
     const char *json = NULL;
 
     MPI_Init(&argc, &argv);
@@ -148,11 +192,24 @@ int main(int argc, char **argv)
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v) {
             if (rank == 0)
-                fprintf(stderr, "usage: %s [-b MIN] [-e MAX] [-f FACTOR] [-n ITERS] [-w WARMUP] "
-                                "[-r ROTATE_BYTES] [-j JSON]\n", argv[0]);
+                fprintf(stderr, "usage: %s [-o allreduce|sendrecv|alltoall] [-b MIN] [-e MAX] "
+                                "[-f FACTOR] [-n ITERS] [-w WARMUP] [-r ROTATE_BYTES] [-j JSON]\n",
+                        argv[0]);
             MPI_Abort(MPI_COMM_WORLD, 2);
         }
-        if (!strcmp(a, "-b")) minb = parse_size(v);
+        if (!strcmp(a, "-o")) {
+            int known = 0;
+            for (int k = ALLREDUCE; k <= ALLTOALL; k++)
+                if (!strcmp(v, kind_name[k])) {
+                    kind = (enum kind)k;
+                    known = 1;
+                }
+            if (!known) {
+                if (rank == 0)
+                    fprintf(stderr, "-o %s: not allreduce, sendrecv or alltoall\n", v);
+                MPI_Abort(MPI_COMM_WORLD, 2);
+            }
+        } else if (!strcmp(a, "-b")) minb = parse_size(v);
         else if (!strcmp(a, "-e")) maxb = parse_size(v);
         else if (!strcmp(a, "-f")) factor = strtod(v, NULL);
         else if (!strcmp(a, "-n")) iters = atoi(v);
@@ -190,9 +247,11 @@ int main(int argc, char **argv)
 
     FILE *js = NULL;
     if (rank == 0) {
-        printf("# mpi_allreduce: MPI_Allreduce, Open MPI, N %d\n", world);
-        printf("# dtype f32, op sum, iters %d, warmup %d, data rotated over %zu MiB per direction\n",
-               iters, warmup, pool >> 20);
+        static const char *const call[] = {"MPI_Allreduce", "MPI_Sendrecv to the next rank",
+                                           "MPI_Alltoall"};
+        printf("# mpi_allreduce: %s, Open MPI, N %d\n", call[kind], world);
+        printf("# dtype f32, op %s, iters %d, warmup %d, data rotated over %zu MiB per direction\n",
+               kind == ALLREDUCE ? "sum" : "none", iters, warmup, pool >> 20);
         printf("#%71s%40s\n", "out-of-place", "in-place");
         printf("#%11s %12s %6s %6s %5s %9s %8s %8s %7s %9s %8s %8s %7s %9s %9s %9s %9s %8s\n",
                "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong",
@@ -207,57 +266,83 @@ int main(int argc, char **argv)
                 MPI_Abort(MPI_COMM_WORLD, 1);
             }
             fprintf(js, "{\"tool\": \"mpi_allreduce\", \"transport\": \"open-mpi\", \"mode\": \"mpi\", "
-                        "\"world\": %d, \"opcode\": \"allreduce\", \"dtype\": \"f32\", \"op\": \"sum\", "
+                        "\"world\": %d, \"opcode\": \"%s\", \"dtype\": \"f32\", \"op\": \"%s\", "
                         "\"iters\": %d, \"warmup\": %d, \"results\": [",
-                    world, iters, warmup);
+                    world, kind_name[kind], kind == ALLREDUCE ? "sum" : "none", iters, warmup);
         }
     }
 
     int first = 1;
     for (size_t size = minb; size <= maxb;) {
-        size_t count = size / 4;
-        size_t slots = pool_elems / count;
+        /* Elements per rank (per block for all-to-all), and per slot. */
+        size_t count = kind == ALLTOALL ? size / 4 / (size_t)world : size / 4;
+        size_t stride = kind == ALLTOALL ? count * (size_t)world : count;
+        if (count == 0)
+            goto next;
+        size_t slots = pool_elems / stride;
         if (slots < 1) slots = 1;
         if (slots > (size_t)iters + (size_t)warmup) slots = (size_t)iters + (size_t)warmup;
 
         MPI_Barrier(MPI_COMM_WORLD);
-        struct stats oop = run(in, out, count, slots, iters, warmup, 0, times);
+        struct stats oop = run(kind, in, out, count, stride, slots, iters, warmup, 0, times);
         size_t last = (size_t)(iters + warmup - 1) % slots;
-        long wrong_oop = check(out + last * count, count, last * count, world);
+        long wrong_oop = check(kind, out + last * stride, stride, count, last * stride, world,
+                               rank);
 
-        MPI_Barrier(MPI_COMM_WORLD);
-        struct stats ip = run(in, out, count, slots, iters, warmup, 1, times);
-        /* Check in place on fresh data: refill slot 0 with this rank's input. */
-        for (size_t i = 0; i < count; i++)
-            out[i] = input_value(rank, i);
-        MPI_Allreduce(MPI_IN_PLACE, out, (int)count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
-        long wrong_ip = check(out, count, 0, world);
+        struct stats ip = {0};
+        long wrong_ip = 0;
+        if (kind == ALLREDUCE) {
+            MPI_Barrier(MPI_COMM_WORLD);
+            ip = run(kind, in, out, count, stride, slots, iters, warmup, 1, times);
+            /* Check in place on fresh data: refill slot 0 with this rank's input. */
+            for (size_t i = 0; i < count; i++)
+                out[i] = input_value(rank, i);
+            MPI_Allreduce(MPI_IN_PLACE, out, (int)count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+            wrong_ip = check(kind, out, count, count, 0, world, rank);
+        }
 
         long wrong[2] = {wrong_oop, wrong_ip}, total[2];
         MPI_Reduce(wrong, total, 2, MPI_LONG, MPI_SUM, 0, MPI_COMM_WORLD);
         if (rank == 0) {
-            double bytes = (double)count * 4.0;
-            double bus = 2.0 * (world - 1) / world;
-            double alg_o = bytes / oop.median / 1e3, alg_i = bytes / ip.median / 1e3;
+            /* nccl-tests' size: a rank's buffer. */
+            double bytes = (double)stride * 4.0;
+            double bus = kind == ALLREDUCE ? 2.0 * (world - 1) / world
+                         : kind == ALLTOALL ? (double)(world - 1) / world : 1.0;
+            double alg_o = bytes / oop.median / 1e3;
             double mem = 2.0 * world * bytes / oop.median / 1e3;
-            printf(" %11zu %12zu %6s %6s %5d %9.2f %8.3f %8.3f %7ld %9.2f %8.3f %8.3f %7ld %9.2f %9.2f "
-                   "%9.2f %9.2f %8.3f\n",
-                   count * 4, count, "f32", "sum", -1, oop.median, alg_o, alg_o * bus, total[0],
-                   ip.median, alg_i, alg_i * bus, total[1], oop.avg, oop.min, oop.max, oop.p99, mem);
+            char ipcols[64];
+            if (kind == ALLREDUCE) {
+                double alg_i = bytes / ip.median / 1e3;
+                snprintf(ipcols, sizeof ipcols, "%9.2f %8.3f %8.3f %7ld", ip.median, alg_i,
+                         alg_i * bus, total[1]);
+            } else {
+                snprintf(ipcols, sizeof ipcols, "%9s %8s %8s %7s", "-", "-", "-", "-");
+            }
+            printf(" %11zu %12zu %6s %6s %5d %9.2f %8.3f %8.3f %7ld %s %9.2f %9.2f %9.2f %9.2f %8.3f\n",
+                   stride * 4, count, "f32", kind == ALLREDUCE ? "sum" : "none", -1, oop.median,
+                   alg_o, alg_o * bus, total[0], ipcols, oop.avg, oop.min, oop.max, oop.p99, mem);
             fflush(stdout);
             if (js) {
                 fprintf(js,
                         "%s\n {\"size\": %zu, \"count\": %zu, "
                         "\"oop\": {\"time_us\": %.3f, \"algbw\": %.4f, \"busbw\": %.4f, \"wrong\": %ld, "
                         "\"avg_us\": %.3f, \"min_us\": %.3f, \"max_us\": %.3f, \"p99_us\": %.3f, "
-                        "\"membw\": %.4f}, "
-                        "\"ip\": {\"time_us\": %.3f, \"algbw\": %.4f, \"busbw\": %.4f, \"wrong\": %ld}}",
-                        first ? "" : ",", count * 4, count, oop.median, alg_o, alg_o * bus, total[0],
-                        oop.avg, oop.min, oop.max, oop.p99, mem, ip.median, alg_i, alg_i * bus,
-                        total[1]);
+                        "\"membw\": %.4f}, ",
+                        first ? "" : ",", stride * 4, count, oop.median, alg_o, alg_o * bus,
+                        total[0], oop.avg, oop.min, oop.max, oop.p99, mem);
+                if (kind == ALLREDUCE) {
+                    double alg_i = bytes / ip.median / 1e3;
+                    fprintf(js,
+                            "\"ip\": {\"time_us\": %.3f, \"algbw\": %.4f, \"busbw\": %.4f, "
+                            "\"wrong\": %ld}}",
+                            ip.median, alg_i, alg_i * bus, total[1]);
+                } else {
+                    fprintf(js, "\"ip\": null}");
+                }
             }
         }
         first = 0;
+next:;
         size_t next = (size_t)((double)size * factor);
         size = next > size ? next : size + 4;
         size = (size + 3) / 4 * 4;

@@ -107,7 +107,8 @@ step "python: the dmlc package and its torch backend (ruff; pytest over the host
 # build of the C library and the backend.
 venv=$(python/venv.sh)
 "$venv/bin/pip" install --disable-pip-version-check -q --no-deps --force-reinstall ./python
-py_files=(python bench/torch-ddp.py bench/tcg-cpu.py bench/guest-allreduce.py examples/torch examples/xgboost
+py_files=(python bench/torch-ddp.py bench/tcg-cpu.py bench/guest-allreduce.py bench/guest-p2p.py bench/p2p-vms.py
+  examples/torch examples/xgboost
   launcher/src/rabit_tracker.py launcher/tests/test_rabit_tracker.py)
 "$venv/bin/ruff" check --config python/pyproject.toml "${py_files[@]}"
 "$venv/bin/ruff" format --check --config python/pyproject.toml "${py_files[@]}"

@@ -196,3 +196,47 @@ fn a_message_larger_than_its_receive_is_truncated_on_both_ends() {
         }
     });
 }
+
+#[test]
+fn a_receive_and_a_send_posted_together_on_one_queue_complete_on_every_rank() {
+    // A ring exchange: every rank posts its receive and its send before it
+    // waits, as nccl-tests' sendrecv and torch's batch_isend_irecv do. With
+    // blocking calls this pattern cannot complete.
+    let n = 3;
+    let count = 1000;
+    on_every_rank(n, "comms-posted", |dev| {
+        let (r, w) = (dev.rank(), dev.world_size());
+        let (next, prev) = ((r + 1) % w, (r + w - 1) % w);
+        let out = filled(dev, count, |k| val(r, next, k));
+        let mut inp = filled(dev, count, |_| -1.0);
+        let recv = CommRequest {
+            peer: prev,
+            tag: 9,
+            ..CommRequest::new(CommOpcode::Recv, Dtype::F32, 0, count)
+        };
+        let send = CommRequest {
+            peer: next,
+            tag: 9,
+            ..CommRequest::new(CommOpcode::Send, Dtype::F32, 0, count)
+        };
+        for round in 0..20 {
+            inp.reclaim(); // the last round's check borrowed it
+            let hr = dev
+                .submit_comm(0, &recv, &[], &[inp.all()])
+                .expect("post the receive");
+            let hs = dev
+                .submit_comm(0, &send, &[out.all()], &[])
+                .expect("post the send");
+            let got = dev.wait(hr, None).expect("receive").reply;
+            dev.wait(hs, None).expect("send");
+            assert_eq!((got.length, got.peer), (count * 4, prev), "round {round}");
+            let want: Vec<f32> = (0..count).map(|k| val(prev, r, k)).collect();
+            assert_eq!(elems(&inp, count), want, "round {round}");
+        }
+        let split = CommRequest::new(CommOpcode::CommSplit, Dtype::U8, 0, 0);
+        match dev.submit_comm(0, &split, &[], &[]) {
+            Err(Error::InvalidArgument(m)) => assert!(m.contains("comm_call"), "{m}"),
+            other => panic!("comm_split through submit_comm: {other:?}"),
+        }
+    });
+}

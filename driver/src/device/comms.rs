@@ -19,7 +19,7 @@ use super::check::Sizes;
 use super::collectives::standard_chain;
 use super::open::bit;
 use super::queue::Header;
-use super::{BufSlice, Device, DmaBuf, Done};
+use super::{BufSlice, Device, DmaBuf, Done, Handle};
 
 /// A communicator as this member knows it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -239,6 +239,38 @@ impl Device {
             input,
             output,
         })
+    }
+
+    /// Checks and posts one send, receive or block collective (not a
+    /// request that makes or ends a communicator: [`Self::comm_call`]
+    /// remembers those); returns at once. Several may be in flight on one
+    /// queue, so a member can post a receive and a send and then wait for
+    /// both ([`Self::wait`]).
+    pub fn submit_comm(
+        &self,
+        queue: u16,
+        req: &CommRequest,
+        input: &[BufSlice],
+        output: &[BufSlice],
+    ) -> Result<Handle> {
+        if matches!(
+            req.opcode,
+            CommOpcode::CommSplit | CommOpcode::CommCreate | CommOpcode::CommFree
+        ) {
+            return Err(Error::InvalidArgument(format!(
+                "{} changes the communicators this member knows: post it with comm_call",
+                req.opcode.name()
+            )));
+        }
+        self.check_comm(req, input, output)?;
+        let chain = standard_chain(input, output);
+        self.post(
+            queue,
+            &Header::Comm(req.header(), &req.table),
+            &chain,
+            false,
+            None,
+        )
     }
 
     /// Checks, posts and waits for one request of feature bits 1 to 3;

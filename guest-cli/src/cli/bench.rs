@@ -35,6 +35,16 @@
 //!   a caller of an in-place API pays for out-of-place). Allgather is out of
 //!   place in the Communicator; its in-place column copies the member's
 //!   block aside first. Reduce and reduce-scatter have no TCP counterpart.
+//!
+//! Besides the collectives, two exchanges of feature bits 2 and 3 that have
+//! no in-place form (their in-place columns print `-`):
+//!
+//! - `sendrecv` (nccl-tests' sendrecv): every member posts a receive from
+//!   the previous rank and a send of `count` elements to the next, then
+//!   waits for both: a ring shift, every link busy in both directions when
+//!   N = 2. algbw = busbw = size / time.
+//! - `alltoall`: equal blocks of `count` elements, size = N blocks;
+//!   busbw = algbw x (N-1)/N.
 
 use std::fmt::Write as _;
 use std::io::Write as _;
@@ -45,12 +55,14 @@ use std::time::{Duration, Instant};
 use dmlc_comm::tcp::{self, TcpComm, TcpError};
 use dmlc_comm::{CommError, Communicator};
 use dmlc_driver::device::{Device, DmaBuf, Request};
+use dmlc_driver::CommRequest;
 use serde::Serialize;
+use virtio_dmlc::comm::CommOpcode;
 use virtio_dmlc::{buffer_elems, BufferElems, Dtype, Opcode, ReduceOp};
 
 use super::data::{self, Digest, Gen};
-use super::reference::Case;
-use super::util::{llc_bytes, parse_dtype, parse_op, parse_opcode, parse_size, show_size, Stats};
+use super::reference::{Case, Pattern};
+use super::util::{llc_bytes, parse_dtype, parse_op, parse_size, show_size, Stats};
 use super::{CliError, Ctx, Setup};
 
 /// Largest default rotation pool per direction.
@@ -93,11 +105,13 @@ pub struct BenchArgs {
     #[arg(short = 'o', long, default_value = "sum", value_parser = parse_op)]
     pub op: ReduceOp,
     /// Collective to measure: allreduce broadcast reduce allgather
-    /// reduce_scatter barrier, or nop (the device's own round trip, which
-    /// every device run also prints as its floor). Over tcp: allreduce
-    /// broadcast allgather barrier.
-    #[arg(long, default_value = "allreduce", value_parser = parse_opcode)]
-    pub opcode: Opcode,
+    /// reduce_scatter barrier, nop (the device's own round trip, which
+    /// every device run also prints as its floor), sendrecv (each rank
+    /// sends to the next and receives from the previous) or alltoall
+    /// (equal blocks). Over tcp: allreduce broadcast allgather barrier
+    /// sendrecv alltoall.
+    #[arg(long, default_value = "allreduce", value_parser = parse_pattern)]
+    pub opcode: Pattern,
     /// Root rank of broadcast and reduce.
     #[arg(long, default_value_t = 0)]
     pub root: u32,
@@ -175,25 +189,73 @@ pub enum BenchError {
     },
 }
 
-/// nccl-tests' busbw factor for `opcode` among `n` members.
-pub fn busbw_factor(opcode: Opcode, n: u32) -> f64 {
+fn parse_pattern(s: &str) -> Result<Pattern, String> {
+    Pattern::from_name(s).ok_or_else(|| {
+        format!(
+            "unknown opcode {s:?} (one of: {} sendrecv alltoall)",
+            super::util::names(Opcode::ALL)
+        )
+    })
+}
+
+/// nccl-tests' busbw factor for `pattern` among `n` members.
+pub fn busbw_factor(pattern: Pattern, n: u32) -> f64 {
     let n = f64::from(n);
-    match opcode {
-        Opcode::Allreduce => 2.0 * (n - 1.0) / n,
-        Opcode::Allgather | Opcode::ReduceScatter => (n - 1.0) / n,
-        Opcode::Broadcast | Opcode::Reduce => 1.0,
-        Opcode::Barrier | Opcode::Nop => 0.0,
+    match pattern {
+        Pattern::Collective(Opcode::Allreduce) => 2.0 * (n - 1.0) / n,
+        Pattern::Collective(Opcode::Allgather | Opcode::ReduceScatter) | Pattern::Alltoall => {
+            (n - 1.0) / n
+        }
+        Pattern::Collective(Opcode::Broadcast | Opcode::Reduce) | Pattern::SendRecv => 1.0,
+        Pattern::Collective(Opcode::Barrier | Opcode::Nop) => 0.0,
+    }
+}
+
+/// Whether `pattern` moves no data.
+fn no_data(pattern: Pattern) -> bool {
+    matches!(pattern, Pattern::Collective(Opcode::Barrier | Opcode::Nop))
+}
+
+/// A member's buffer sizes for `pattern`: `Ok(None)` where it has no
+/// in-place form. The collectives' and the all-to-all's come from the
+/// spec's own tables (`virtio_dmlc`).
+fn elems_of(
+    pattern: Pattern,
+    world: u32,
+    rank: u32,
+    root: u32,
+    count: u64,
+    in_place: bool,
+) -> Result<Option<BufferElems>, CliError> {
+    let overflow = || CliError::Usage(format!("{count} elements per member overflow"));
+    match pattern {
+        Pattern::Collective(o) => buffer_elems(o, world, rank, root, count, in_place)
+            .map(Some)
+            .ok_or_else(overflow),
+        Pattern::SendRecv | Pattern::Alltoall if in_place => Ok(None),
+        Pattern::SendRecv => Ok(Some(BufferElems {
+            input: count,
+            output: count,
+            in_place_input: None,
+        })),
+        Pattern::Alltoall => {
+            virtio_dmlc::comm::block_elems(CommOpcode::Alltoall, world, rank, 0, count, &[], false)
+                .map(Some)
+                .map_err(|_| overflow())
+        }
     }
 }
 
 /// One size of the sweep: the header's count and nccl-tests' size (the
 /// larger of a member's input and output buffers), or None if it would
 /// have no element.
-fn shape(opcode: Opcode, dtype: Dtype, world: u32, size: u64) -> Option<(u64, u64)> {
+fn shape(pattern: Pattern, dtype: Dtype, world: u32, size: u64) -> Option<(u64, u64)> {
     let elem = dtype.size() as u64;
-    let per = match opcode {
-        Opcode::Allgather | Opcode::ReduceScatter => elem * u64::from(world),
-        Opcode::Barrier | Opcode::Nop => return Some((0, 0)),
+    let per = match pattern {
+        Pattern::Collective(Opcode::Allgather | Opcode::ReduceScatter) | Pattern::Alltoall => {
+            elem * u64::from(world)
+        }
+        p if no_data(p) => return Some((0, 0)),
         _ => elem,
     };
     let count = size / per;
@@ -266,7 +328,12 @@ struct Plan {
 
 fn plan(args: &BenchArgs, world: u32, max_bytes: u64) -> Result<Plan, CliError> {
     let dtype = args.dtype;
-    let no_data = matches!(args.opcode, Opcode::Barrier | Opcode::Nop);
+    let no_data = no_data(args.opcode);
+    if args.opcode == Pattern::SendRecv && world < 2 {
+        return Err(CliError::Usage(
+            "sendrecv needs at least 2 members (each sends to another)".into(),
+        ));
+    }
     if !no_data && !args.op.supports(dtype) {
         return Err(CliError::Usage(format!(
             "op {} is not defined for {dtype}",
@@ -329,9 +396,13 @@ pub fn run(dev: &Device, args: &BenchArgs, setup: &Setup) -> Result<bool, CliErr
 /// Runs the sweep over TCP between the members of `--peers`. Ok(true) if
 /// no wrong value was seen.
 pub fn run_tcp(args: &BenchArgs) -> Result<bool, CliError> {
-    if matches!(args.opcode, Opcode::Reduce | Opcode::ReduceScatter) {
+    if matches!(
+        args.opcode,
+        Pattern::Collective(Opcode::Reduce | Opcode::ReduceScatter | Opcode::Nop)
+    ) {
         return Err(CliError::Usage(format!(
-            "{} has no TCP counterpart (over tcp: allreduce broadcast allgather barrier)",
+            "{} has no TCP counterpart (over tcp: allreduce broadcast allgather barrier \
+             sendrecv alltoall)",
             args.opcode
         )));
     }
@@ -394,7 +465,7 @@ fn sweep(
     let dtype = args.dtype;
     let elem = dtype.size() as u64;
     let root = match args.opcode {
-        Opcode::Broadcast | Opcode::Reduce => args.root,
+        Pattern::Collective(Opcode::Broadcast | Opcode::Reduce) => args.root,
         _ => 0,
     };
     let gen = Gen {
@@ -445,34 +516,29 @@ fn sweep(
     let mut rows = Vec::new();
     let mut outcome = Outcome::default();
     for &(count, size) in &plan.sizes {
-        let elems = buffer_elems(args.opcode, world, rank, root, count, false)
-            .ok_or_else(|| CliError::Usage("count overflows".into()))?;
-        let ip_elems = buffer_elems(args.opcode, world, rank, root, count, true)
-            .ok_or_else(|| CliError::Usage("count overflows".into()))?;
+        let oop_of = |r: u32| -> Result<BufferElems, CliError> {
+            Ok(elems_of(args.opcode, world, r, root, count, false)?
+                .expect("every pattern has an out-of-place form"))
+        };
+        let elems = oop_of(rank)?;
+        let ip_elems = elems_of(args.opcode, world, rank, root, count, true)?;
+        let every: Vec<BufferElems> = (0..world).map(oop_of).collect::<Result<_, _>>()?;
         // The input stride is the largest member's, the same on every
         // member: a checker computes the root's inputs of slot s from it
         // (a broadcast's non-root has no input of its own).
-        let max_input = (0..world)
-            .filter_map(|r| buffer_elems(args.opcode, world, r, root, count, false))
-            .map(|b| b.input)
-            .max()
-            .unwrap_or(0);
+        let max_input = every.iter().map(|b| b.input).max().unwrap_or(0);
         let in_slot = (max_input * elem).div_ceil(SLOT_ALIGN) * SLOT_ALIGN;
-        let out_slot = (elems.output.max(ip_elems.output) * elem).div_ceil(SLOT_ALIGN) * SLOT_ALIGN;
+        let ip_output = ip_elems.map_or(0, |b| b.output);
+        let out_slot = (elems.output.max(ip_output) * elem).div_ceil(SLOT_ALIGN) * SLOT_ALIGN;
         let slot_bytes = in_slot.max(out_slot).max(SLOT_ALIGN);
         let slots = (plan.pool_bytes / slot_bytes).clamp(1, u64::from(args.iters + args.warmup));
         let sh = Shape {
-            req: Request {
-                opcode: args.opcode,
-                dtype,
-                op: args.op,
-                root,
-                count,
-                tag: size,
-                in_place: false,
-                timeout_ms: 0,
-                comm: 0,
-            },
+            pattern: args.opcode,
+            dtype,
+            op: args.op,
+            root,
+            count,
+            tag: size,
             elems,
             ip_elems,
             in_slot,
@@ -480,16 +546,17 @@ fn sweep(
             slots,
         };
         let oop = timed(e, &sh, &gen, args, false)?;
-        let ip = timed(e, &sh, &gen, args, true)?;
+        let ip = match ip_elems {
+            Some(_) => Some(timed(e, &sh, &gen, args, true)?),
+            None => None,
+        };
+        let ip_side = ip.unwrap_or_default();
         outcome.wrong_oop += oop.wrong;
-        outcome.wrong_ip += ip.wrong;
-        outcome.checked += oop.checked + ip.checked;
-        outcome.bad += oop.bad + ip.bad;
+        outcome.wrong_ip += ip_side.wrong;
+        outcome.checked += oop.checked + ip_side.checked;
+        outcome.bad += oop.bad + ip_side.bad;
         // Memory traffic: every member's input read once and output written once.
-        let traffic: u64 = (0..world)
-            .filter_map(|r| buffer_elems(args.opcode, world, r, root, count, false))
-            .map(|b| (b.input + b.output) * elem)
-            .sum();
+        let traffic: u64 = every.iter().map(|b| (b.input + b.output) * elem).sum();
         let row = Row {
             size,
             count,
@@ -507,11 +574,14 @@ fn sweep(
     let total = outcome.wrong_oop + outcome.wrong_ip;
     if let (0, Some(f), Some(first)) = (rank, &floor, rows.first()) {
         if f.median > 0.0 {
+            let ip = match first.ip {
+                Some(ip) => format!(", in-place {:.2}x", ip.stats.median / f.median),
+                None => String::new(),
+            };
             println!(
-                "# smallest size ({} B) against the floor: out-of-place p50 {:.2}x, in-place {:.2}x",
+                "# smallest size ({} B) against the floor: out-of-place p50 {:.2}x{ip}",
                 first.size,
                 first.oop.stats.median / f.median,
-                first.ip.stats.median / f.median
             );
         }
     }
@@ -545,12 +615,18 @@ fn sweep(
     Ok(outcome)
 }
 
-/// One size: the request (the TCP path reads its fields too) and the
-/// buffer layout.
+/// One size: what every member runs, and the buffer layout.
 struct Shape {
-    req: Request,
+    pattern: Pattern,
+    dtype: Dtype,
+    op: ReduceOp,
+    root: u32,
+    count: u64,
+    /// The requests' tag: the size, so that sizes never match each other.
+    tag: u64,
     elems: BufferElems,
-    ip_elems: BufferElems,
+    /// `None`: the pattern has no in-place form.
+    ip_elems: Option<BufferElems>,
     in_slot: u64,
     out_slot: u64,
     slots: u64,
@@ -559,13 +635,13 @@ struct Shape {
 impl Shape {
     fn case(&self, rank: u32, world: u32, in_place: bool, per_host: u32) -> Case {
         Case {
-            opcode: self.req.opcode,
-            dtype: self.req.dtype,
-            op: self.req.op,
+            pattern: self.pattern,
+            dtype: self.dtype,
+            op: self.op,
             world,
             rank,
-            root: self.req.root,
-            count: self.req.count,
+            root: self.root,
+            count: self.count,
             in_place,
             per_host,
         }
@@ -574,8 +650,19 @@ impl Shape {
     fn elems(&self, in_place: bool) -> BufferElems {
         if in_place {
             self.ip_elems
+                .expect("in place only where the pattern has that form")
         } else {
             self.elems
+        }
+    }
+
+    /// The classic request of this size.
+    fn request(&self, opcode: Opcode, in_place: bool) -> Request {
+        Request {
+            root: self.root,
+            tag: self.tag,
+            in_place,
+            ..Request::new(opcode, self.dtype, self.op, self.count)
         }
     }
 
@@ -589,14 +676,14 @@ impl Shape {
     /// Index in every member's input pool of element 0 of slot `slot`'s
     /// input.
     fn base(&self, slot: u64) -> u64 {
-        slot * self.in_slot / self.req.dtype.size() as u64
+        slot * self.in_slot / self.dtype.size() as u64
     }
 }
 
 /// Digest of the expected bytes of the checked range of `case` in slot
 /// `slot`, computed from every rank's inputs by the scalar reference.
 fn expected_digest(sh: &Shape, case: &Case, gen: &Gen, slot: u64) -> u64 {
-    let elem = sh.req.dtype.size();
+    let elem = sh.dtype.size();
     let base = sh.base(slot);
     let range = sh.checked(case);
     let mut d = Digest::default();
@@ -618,7 +705,7 @@ fn expected_digest(sh: &Shape, case: &Case, gen: &Gen, slot: u64) -> u64 {
 /// member's input copied in where it goes in place, poison everywhere else
 /// the collective may write.
 fn prepare(e: &mut impl Engine, sh: &Shape, slot: u64, in_place: bool) {
-    let elem = sh.req.dtype.size();
+    let elem = sh.dtype.size();
     let b = sh.elems(in_place);
     let (inp, out) = e.pools();
     let o = (slot * sh.out_slot) as usize;
@@ -635,7 +722,7 @@ fn prepare(e: &mut impl Engine, sh: &Shape, slot: u64, in_place: bool) {
 /// is `want`, else counted element by element (two NaNs are equal there,
 /// the payload of a propagated NaN is not specified).
 fn count_wrong(e: &impl Engine, sh: &Shape, case: &Case, gen: &Gen, slot: u64, want: u64) -> u64 {
-    let elem = sh.req.dtype.size();
+    let elem = sh.dtype.size();
     let range = sh.checked(case);
     let o = (slot * sh.out_slot) as usize;
     let out = &e.out_pool()[o..];
@@ -647,7 +734,7 @@ fn count_wrong(e: &impl Engine, sh: &Shape, case: &Case, gen: &Gen, slot: u64, w
     range
         .filter(|&j| {
             let want = case.expected(j, |r, i| gen.value(r, base + i));
-            !data::same(sh.req.dtype, want, data::read(out, elem, j as usize))
+            !data::same(sh.dtype, want, data::read(out, elem, j as usize))
         })
         .count() as u64
 }
@@ -801,10 +888,8 @@ impl Engine for DeviceEngine<'_> {
     }
 
     fn run(&mut self, sh: &Shape, slot: u64, in_place: bool) -> Result<(), CliError> {
-        let elem = sh.req.dtype.size();
-        let e = if in_place { sh.ip_elems } else { sh.elems };
-        let mut req = sh.req;
-        req.in_place = in_place;
+        let elem = sh.dtype.size();
+        let e = sh.elems(in_place);
         let mut input = Vec::new();
         if e.input > 0 {
             input.push(
@@ -819,11 +904,37 @@ impl Engine for DeviceEngine<'_> {
                     .slice((slot * sh.out_slot) as usize, e.output as usize * elem),
             );
         }
-        let h = self
-            .dev
-            .submit(self.queue, &req, &input, &output)
-            .ctx("submit")?;
-        self.dev.wait(h, None).ctx(sh.req.opcode.name())?;
+        let comm = |opcode: CommOpcode, peer: u32| CommRequest {
+            peer,
+            tag: sh.tag,
+            ..CommRequest::new(opcode, sh.dtype, 0, sh.count)
+        };
+        let q = self.queue;
+        match sh.pattern {
+            Pattern::Collective(opcode) => {
+                let req = sh.request(opcode, in_place);
+                let h = self.dev.submit(q, &req, &input, &output).ctx("submit")?;
+                self.dev.wait(h, None).ctx(opcode.name())?;
+            }
+            Pattern::SendRecv => {
+                // Both posted before either is waited for.
+                let (r, w) = (self.dev.rank(), self.dev.world_size());
+                let recv = comm(CommOpcode::Recv, (r + w - 1) % w);
+                let send = comm(CommOpcode::Send, (r + 1) % w);
+                let hr = self.dev.submit_comm(q, &recv, &[], &output).ctx("submit")?;
+                let hs = self.dev.submit_comm(q, &send, &input, &[]).ctx("submit")?;
+                self.dev.wait(hr, None).ctx("recv")?;
+                self.dev.wait(hs, None).ctx("send")?;
+            }
+            Pattern::Alltoall => {
+                let req = comm(CommOpcode::Alltoall, 0);
+                let h = self
+                    .dev
+                    .submit_comm(q, &req, &input, &output)
+                    .ctx("submit")?;
+                self.dev.wait(h, None).ctx("alltoall")?;
+            }
+        }
         Ok(())
     }
 
@@ -859,7 +970,7 @@ struct TcpEngine {
     comm: TcpComm,
     peers: Vec<SocketAddr>,
     connected_in: Duration,
-    opcode: Opcode,
+    opcode: Pattern,
     inpool: Vec<u8>,
     outpool: Vec<u8>,
     /// An in-place allgather's own block, copied aside.
@@ -871,8 +982,11 @@ impl TcpEngine {
     /// Communicator.
     fn layout(&self) -> (&'static str, &'static str) {
         match self.opcode {
-            Opcode::Allgather => ("allgather (native)", "copy own block aside + allgather"),
-            Opcode::Barrier => ("barrier", "barrier"),
+            Pattern::Collective(Opcode::Allgather) => {
+                ("allgather (native)", "copy own block aside + allgather")
+            }
+            Pattern::Collective(Opcode::Barrier) => ("barrier", "barrier"),
+            Pattern::SendRecv | Pattern::Alltoall => ("native", "none"),
             _ => ("copy input to output + in place", "in place (native)"),
         }
     }
@@ -920,25 +1034,50 @@ impl Engine for TcpEngine {
     }
 
     fn run(&mut self, sh: &Shape, slot: u64, in_place: bool) -> Result<(), CliError> {
-        let elem = sh.req.dtype.size();
-        let e = if in_place { sh.ip_elems } else { sh.elems };
+        let elem = sh.dtype.size();
+        let e = sh.elems(in_place);
         let o = (slot * sh.out_slot) as usize;
         let out = &mut self.outpool[o..o + e.output as usize * elem];
         let i = (slot * sh.in_slot) as usize;
         let input = &self.inpool[i..i + e.input as usize * elem];
-        let r = match sh.req.opcode {
+        let opcode = match sh.pattern {
+            Pattern::Collective(o) => o,
+            Pattern::SendRecv => {
+                let (r, w) = (self.comm.rank(), self.comm.world_size());
+                return self
+                    .comm
+                    .sendrecv_raw((r + 1) % w, input, (r + w - 1) % w, out)
+                    .map_err(|source| {
+                        BenchError::Comm {
+                            what: "sendrecv",
+                            source,
+                        }
+                        .into()
+                    });
+            }
+            Pattern::Alltoall => {
+                return self.comm.alltoall_raw(input, out).map_err(|source| {
+                    BenchError::Comm {
+                        what: "alltoall",
+                        source,
+                    }
+                    .into()
+                });
+            }
+        };
+        let r = match opcode {
             Opcode::Allreduce => {
                 if !in_place {
                     out.copy_from_slice(input);
                 }
-                self.comm.allreduce_raw(sh.req.dtype, sh.req.op, out)
+                self.comm.allreduce_raw(sh.dtype, sh.op, out)
             }
             Opcode::Broadcast => {
                 // Only the root has an input out of place.
                 if !input.is_empty() {
                     out.copy_from_slice(input);
                 }
-                self.comm.broadcast_raw(sh.req.root, out)
+                self.comm.broadcast_raw(sh.root, out)
             }
             Opcode::Allgather if in_place => {
                 let (off, n) = e.in_place_input.unwrap_or_default();
@@ -950,15 +1089,12 @@ impl Engine for TcpEngine {
             Opcode::Allgather => self.comm.allgather_raw(input, out),
             Opcode::Barrier => self.comm.barrier(),
             Opcode::Reduce | Opcode::ReduceScatter | Opcode::Nop => {
-                return Err(CliError::Usage(format!(
-                    "{} has no TCP counterpart",
-                    sh.req.opcode
-                )))
+                return Err(CliError::Usage(format!("{opcode} has no TCP counterpart")))
             }
         };
         r.map_err(|source| {
             BenchError::Comm {
-                what: sh.req.opcode.name(),
+                what: opcode.name(),
                 source,
             }
             .into()
@@ -992,7 +1128,8 @@ struct Row {
     size: u64,
     count: u64,
     oop: Side,
-    ip: Side,
+    /// `None`: no in-place form.
+    ip: Option<Side>,
     traffic: u64,
 }
 
@@ -1007,18 +1144,27 @@ impl Row {
 
     fn line(&self, args: &BenchArgs, world: u32) -> String {
         let f = busbw_factor(args.opcode, world);
-        let (o, i) = (self.oop.stats, self.ip.stats);
-        let (ao, ai) = (self.bw(self.size, o.median), self.bw(self.size, i.median));
+        let o = self.oop.stats;
+        let ao = self.bw(self.size, o.median);
         let root = match args.opcode {
-            Opcode::Broadcast | Opcode::Reduce => i64::from(args.root),
+            Pattern::Collective(Opcode::Broadcast | Opcode::Reduce) => i64::from(args.root),
             _ => -1,
         };
         let op = match args.opcode {
-            Opcode::Allreduce | Opcode::Reduce | Opcode::ReduceScatter => args.op.name(),
+            Pattern::Collective(Opcode::Allreduce | Opcode::Reduce | Opcode::ReduceScatter) => {
+                args.op.name()
+            }
             _ => "none",
         };
+        let ip = match self.ip {
+            Some(side) => {
+                let (t, a) = (side.stats.median, self.bw(self.size, side.stats.median));
+                format!("{t:>9.2} {a:>8.3} {:>8.3} {:>7}", a * f, side.wrong)
+            }
+            None => format!("{:>9} {:>8} {:>8} {:>7}", "-", "-", "-", "-"),
+        };
         format!(
-            " {:>11} {:>12} {:>6} {:>6} {:>5} {:>9.2} {:>8.3} {:>8.3} {:>7} {:>9.2} {:>8.3} {:>8.3} {:>7} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>8.3}",
+            " {:>11} {:>12} {:>6} {:>6} {:>5} {:>9.2} {:>8.3} {:>8.3} {:>7} {ip} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>8.3}",
             self.size,
             self.count,
             args.dtype.name(),
@@ -1028,10 +1174,6 @@ impl Row {
             ao,
             ao * f,
             self.oop.wrong,
-            i.median,
-            ai,
-            ai * f,
-            self.ip.wrong,
             o.avg,
             o.min,
             o.max,
@@ -1137,7 +1279,8 @@ struct RowJson {
     size: u64,
     count: u64,
     oop: SideJson,
-    ip: SideJson,
+    /// `null`: no in-place form.
+    ip: Option<SideJson>,
 }
 
 /// One direction of a size: times in us, bandwidths in GB/s.
@@ -1204,7 +1347,7 @@ fn json(
                 size: r.size,
                 count: r.count,
                 oop: SideJson::new(r, &r.oop, f, Some(r.bw(r.traffic, r.oop.stats.median))),
-                ip: SideJson::new(r, &r.ip, f, None),
+                ip: r.ip.as_ref().map(|ip| SideJson::new(r, ip, f, None)),
             })
             .collect(),
     };

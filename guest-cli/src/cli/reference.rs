@@ -150,10 +150,47 @@ pub fn reduce_hosts(dtype: Dtype, op: ReduceOp, per_host: usize, vals: &[u64]) -
     }
 }
 
+/// What a member's output is the result of: a collective of spec
+/// 5.X.6.3, or one of the two exchanges of feature bits 2 and 3 that the
+/// bench times.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pattern {
+    Collective(Opcode),
+    /// Every member sends `count` elements to the next rank and receives
+    /// as many from the previous one (nccl-tests' sendrecv).
+    SendRecv,
+    /// All-to-all of equal blocks of `count` elements.
+    Alltoall,
+}
+
+impl Pattern {
+    pub fn from_name(s: &str) -> Option<Pattern> {
+        match s {
+            "sendrecv" => Some(Pattern::SendRecv),
+            "alltoall" => Some(Pattern::Alltoall),
+            _ => Opcode::from_name(s).map(Pattern::Collective),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Pattern::Collective(o) => o.name(),
+            Pattern::SendRecv => "sendrecv",
+            Pattern::Alltoall => "alltoall",
+        }
+    }
+}
+
+impl std::fmt::Display for Pattern {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// One member's view of a collective, enough to say what its output holds.
 #[derive(Clone, Copy, Debug)]
 pub struct Case {
-    pub opcode: Opcode,
+    pub pattern: Pattern,
     pub dtype: Dtype,
     pub op: ReduceOp,
     pub world: u32,
@@ -172,7 +209,12 @@ impl Case {
     /// (they are the guard or, in place, the rest of the buffer).
     pub fn checked_range(&self) -> std::ops::Range<u64> {
         let n = u64::from(self.world);
-        match self.opcode {
+        let opcode = match self.pattern {
+            Pattern::Collective(o) => o,
+            Pattern::SendRecv => return 0..self.count,
+            Pattern::Alltoall => return 0..n * self.count,
+        };
+        match opcode {
             Opcode::Allreduce | Opcode::Broadcast => 0..self.count,
             Opcode::Reduce => 0..self.count,
             Opcode::Allgather => 0..n * self.count,
@@ -195,7 +237,16 @@ impl Case {
             let vals: Vec<u64> = all.clone().map(|r| input(r, i)).collect();
             reduce_hosts(self.dtype, self.op, self.per_host as usize, &vals)
         };
-        match self.opcode {
+        let opcode = match self.pattern {
+            Pattern::Collective(o) => o,
+            Pattern::SendRecv => return input((self.rank + self.world - 1) % self.world, j),
+            // Block s of the output is block `rank` of member s's input.
+            Pattern::Alltoall => {
+                let (s, k) = (j / self.count, j % self.count);
+                return input(s as u32, u64::from(self.rank) * self.count + k);
+            }
+        };
+        match opcode {
             Opcode::Allreduce => red(j),
             Opcode::Broadcast => input(self.root, j),
             Opcode::Reduce if self.rank == self.root => red(j),
@@ -204,7 +255,7 @@ impl Case {
             Opcode::Allgather => input((j / self.count) as u32, j % self.count),
             Opcode::ReduceScatter if self.in_place => red(j),
             Opcode::ReduceScatter => red(u64::from(self.rank) * self.count + j),
-            Opcode::Barrier | Opcode::Nop => unreachable!("{} has no output", self.opcode),
+            Opcode::Barrier | Opcode::Nop => unreachable!("{opcode} has no output"),
         }
     }
 }
@@ -289,7 +340,7 @@ mod tests {
     #[test]
     fn expected_layouts() {
         let c = Case {
-            opcode: Opcode::ReduceScatter,
+            pattern: Pattern::Collective(Opcode::ReduceScatter),
             dtype: Dtype::U32,
             op: ReduceOp::Sum,
             world: 3,
@@ -310,9 +361,22 @@ mod tests {
         assert_eq!(ip.checked_range(), 2..4);
         assert_eq!(ip.expected(2, input), 300 + 6);
         let ag = Case {
-            opcode: Opcode::Allgather,
+            pattern: Pattern::Collective(Opcode::Allgather),
             ..c
         };
         assert_eq!(ag.expected(5, input), 201);
+        // Rank 1 of 3 receives from rank 0.
+        let sr = Case {
+            pattern: Pattern::SendRecv,
+            ..c
+        };
+        assert_eq!((sr.checked_range(), sr.expected(1, input)), (0..2, 1));
+        // Output block 2 of rank 1 is block 1 (elements 2, 3) of rank 2.
+        let a2a = Case {
+            pattern: Pattern::Alltoall,
+            ..c
+        };
+        assert_eq!(a2a.checked_range(), 0..6);
+        assert_eq!(a2a.expected(5, input), 203);
     }
 }

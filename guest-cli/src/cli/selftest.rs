@@ -17,7 +17,7 @@ use dmlc_driver::device::{Device, DmaBuf, Request};
 use virtio_dmlc::{buffer_elems, Dtype, Opcode, ReduceOp};
 
 use super::data::{self, Gen};
-use super::reference::Case;
+use super::reference::{Case, Pattern};
 use super::selftest_comm::{self, parse_any_opcode, AnyOpcode};
 use super::util::{parse_dtype, parse_op};
 use super::{CliError, Ctx};
@@ -216,7 +216,7 @@ pub fn run(dev: &Device, args: &SelftestArgs) -> Result<bool, CliError> {
                     _ => 0,
                 };
                 let case = Case {
-                    opcode,
+                    pattern: Pattern::Collective(opcode),
                     dtype,
                     op,
                     world,
@@ -338,6 +338,9 @@ fn run_case(
     input: &mut DmaBuf,
     output: &mut DmaBuf,
 ) -> Result<(), String> {
+    let Pattern::Collective(opcode) = case.pattern else {
+        return Err(format!("{} is not a collective of 5.X.6.3", case.pattern));
+    };
     let dtype = case.dtype;
     let size = dtype.size();
     let world = case.world;
@@ -349,15 +352,8 @@ fn run_case(
         world,
         nans: true,
     };
-    let elems = buffer_elems(
-        case.opcode,
-        world,
-        rank,
-        case.root,
-        case.count,
-        case.in_place,
-    )
-    .ok_or("count overflows")?;
+    let elems = buffer_elems(opcode, world, rank, case.root, case.count, case.in_place)
+        .ok_or("count overflows")?;
     let in_bytes = elems.input as usize * size;
     let out_bytes = elems.output as usize * size;
 
@@ -398,7 +394,7 @@ fn run_case(
         .map(|(off, len)| output.slice(off, len))
         .collect();
     let req = Request {
-        opcode: case.opcode,
+        opcode,
         dtype,
         op: case.op,
         root: case.root,
@@ -420,7 +416,7 @@ fn run_case(
     {
         return Err(format!("wrote past the output, at byte {}", out_bytes + i));
     }
-    if !case.opcode.moves_data() {
+    if !opcode.moves_data() {
         return Ok(());
     }
     let checked = case.checked_range();

@@ -1,6 +1,6 @@
 //! Small helpers shared by the subcommands: sizes, names, statistics.
 
-use virtio_dmlc::{Dtype, Opcode, ReduceOp};
+use virtio_dmlc::{Dtype, ReduceOp};
 
 /// Byte sizes with an optional K, M or G suffix (powers of 1024): the
 /// workspace's one grammar, for every size option and the cache sizes in
@@ -25,11 +25,6 @@ pub fn parse_dtype(s: &str) -> Result<Dtype, String> {
 pub fn parse_op(s: &str) -> Result<ReduceOp, String> {
     ReduceOp::from_name(s)
         .ok_or_else(|| format!("unknown op {s:?} (one of: {})", names(ReduceOp::ALL)))
-}
-
-pub fn parse_opcode(s: &str) -> Result<Opcode, String> {
-    Opcode::from_name(s)
-        .ok_or_else(|| format!("unknown opcode {s:?} (one of: {})", names(Opcode::ALL)))
 }
 
 /// Space-separated names of `all`.

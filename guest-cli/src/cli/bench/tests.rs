@@ -4,21 +4,44 @@ use super::*;
 
 #[test]
 fn busbw_factors_follow_nccl_tests() {
-    assert_eq!(busbw_factor(Opcode::Allreduce, 4), 1.5);
-    assert_eq!(busbw_factor(Opcode::Allgather, 4), 0.75);
-    assert_eq!(busbw_factor(Opcode::Broadcast, 4), 1.0);
+    let c = Pattern::Collective;
+    assert_eq!(busbw_factor(c(Opcode::Allreduce), 4), 1.5);
+    assert_eq!(busbw_factor(c(Opcode::Allgather), 4), 0.75);
+    assert_eq!(busbw_factor(c(Opcode::Broadcast), 4), 1.0);
+    assert_eq!(busbw_factor(Pattern::SendRecv, 4), 1.0);
+    assert_eq!(busbw_factor(Pattern::Alltoall, 4), 0.75);
 }
 
 #[test]
 fn shapes() {
-    assert_eq!(shape(Opcode::Allreduce, Dtype::F32, 2, 4), Some((1, 4)));
-    assert_eq!(shape(Opcode::Allreduce, Dtype::F64, 2, 4), None);
-    assert_eq!(shape(Opcode::Allgather, Dtype::F32, 4, 64), Some((4, 64)));
-    assert_eq!(shape(Opcode::Allgather, Dtype::F32, 4, 8), None);
+    let c = Pattern::Collective;
+    assert_eq!(shape(c(Opcode::Allreduce), Dtype::F32, 2, 4), Some((1, 4)));
+    assert_eq!(shape(c(Opcode::Allreduce), Dtype::F64, 2, 4), None);
     assert_eq!(
-        shape(Opcode::ReduceScatter, Dtype::U8, 3, 100),
+        shape(c(Opcode::Allgather), Dtype::F32, 4, 64),
+        Some((4, 64))
+    );
+    assert_eq!(shape(c(Opcode::Allgather), Dtype::F32, 4, 8), None);
+    assert_eq!(
+        shape(c(Opcode::ReduceScatter), Dtype::U8, 3, 100),
         Some((33, 99))
     );
+    // nccl-tests' sizes: a sendrecv message, and all N blocks of an all-to-all.
+    assert_eq!(shape(Pattern::SendRecv, Dtype::F32, 4, 64), Some((16, 64)));
+    assert_eq!(shape(Pattern::Alltoall, Dtype::F32, 4, 64), Some((4, 64)));
+}
+
+#[test]
+fn sendrecv_and_alltoall_have_no_in_place_form() {
+    for p in [Pattern::SendRecv, Pattern::Alltoall] {
+        assert!(elems_of(p, 4, 1, 0, 8, true).expect("sizes").is_none());
+    }
+    let a2a = elems_of(Pattern::Alltoall, 4, 1, 0, 8, false).expect("sizes");
+    assert_eq!(a2a.map(|b| (b.input, b.output)), Some((32, 32)));
+    assert!(matches!(
+        plan(&args(&["--opcode", "sendrecv"]), 1, u64::MAX),
+        Err(CliError::Usage(_))
+    ));
 }
 
 fn parse(argv: &[&str]) -> BenchArgs {
@@ -44,7 +67,14 @@ fn args(extra: &[&str]) -> BenchArgs {
 /// checked by the bench's own #wrong count.
 #[test]
 fn tcp_sweep_is_correct_on_two_members() {
-    for opcode in ["allreduce", "broadcast", "allgather", "barrier"] {
+    for opcode in [
+        "allreduce",
+        "broadcast",
+        "allgather",
+        "barrier",
+        "sendrecv",
+        "alltoall",
+    ] {
         let a = args(&["--opcode", opcode, "--root", "1", "-d", "bf16"]);
         let plan = plan(&a, 2, u64::MAX).expect("plan");
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
@@ -119,7 +149,7 @@ impl Engine for OneMember {
             // In place the input already is the result.
             return Ok(());
         }
-        let n = sh.elems.input as usize * sh.req.dtype.size();
+        let n = sh.elems.input as usize * sh.dtype.size();
         let (i, o) = ((slot * sh.in_slot) as usize, (slot * sh.out_slot) as usize);
         self.outpool[o..o + n].copy_from_slice(&self.inpool[i..i + n]);
         Ok(())
@@ -168,12 +198,16 @@ fn a_right_output_matches_the_expected_digest() {
     for p in 0..plan.pool_bytes as usize / 2 {
         data::write(&mut e.inpool, 2, p, gen.value(0, p as u64));
     }
-    let req = Request::new(Opcode::Allgather, Dtype::F16, ReduceOp::Sum, 1000);
     let elems = buffer_elems(Opcode::Allgather, 1, 0, 0, 1000, false).expect("elems");
     let sh = Shape {
-        req,
+        pattern: Pattern::Collective(Opcode::Allgather),
+        dtype: Dtype::F16,
+        op: ReduceOp::Sum,
+        root: 0,
+        count: 1000,
+        tag: 2000,
         elems,
-        ip_elems: buffer_elems(Opcode::Allgather, 1, 0, 0, 1000, true).expect("elems"),
+        ip_elems: buffer_elems(Opcode::Allgather, 1, 0, 0, 1000, true),
         in_slot: 2048,
         out_slot: 2048,
         slots: 3,
@@ -276,7 +310,7 @@ fn json_document_has_every_key() {
         size: 4096,
         count: 1024,
         oop: side(1.234_567, 0),
-        ip: side(0.0, 3),
+        ip: Some(side(0.0, 3)),
         traffic: 16384,
     }];
     let setup = Setup {
