@@ -6,7 +6,8 @@ use dmlc_driver::bounce::Bounce;
 use dmlc_driver::{Device, Dtype, ReduceOp};
 
 use crate::{
-    check_allgather, check_allreduce, check_reduce_scatter, check_root, Communicator, Result,
+    check_allgather, check_allreduce, check_alltoall, check_reduce_scatter, check_root,
+    check_sendrecv, Communicator, Result,
 };
 
 /// Largest piece one request carries by default.
@@ -25,8 +26,9 @@ pub use dmlc_driver::bounce::DEFAULT_CHUNK_BYTES as DEVICE_CHUNK_BYTES;
 /// The bounce buffer lives in the device-visible memory of the [`Device`]
 /// (`OpenOptions::dma_bytes`), which must have room for it: up to the chunk
 /// size for allreduce and broadcast, `world_size` times the data (up to the
-/// chunk size) for allgather and reduce-scatter. Zero-length collectives return at once
-/// without a request.
+/// chunk size) for allgather and reduce-scatter, twice that for
+/// all-to-all, and a send's plus a receive's piece for sendrecv.
+/// Zero-length collectives return at once without a request.
 ///
 /// For zero copy, allocate buffers with `comm.device().alloc(..)` and call
 /// the [`Device`] methods (e.g. [`Device::allreduce_in_place`]) directly.
@@ -99,6 +101,16 @@ impl Communicator for DeviceComm {
 
     fn barrier(&mut self) -> Result<()> {
         Ok(self.dev.barrier()?)
+    }
+
+    fn sendrecv_raw(&mut self, to: u32, input: &[u8], from: u32, output: &mut [u8]) -> Result<()> {
+        check_sendrecv(to, from, self.rank(), self.world_size())?;
+        Ok(self.bounce.sendrecv(&self.dev, to, input, from, output)?)
+    }
+
+    fn alltoall_raw(&mut self, input: &[u8], output: &mut [u8]) -> Result<()> {
+        check_alltoall(input.len(), output.len(), self.world_size())?;
+        Ok(self.bounce.alltoall(&self.dev, input, output)?)
     }
 
     fn reduce_raw(&mut self, dtype: Dtype, op: ReduceOp, root: u32, data: &mut [u8]) -> Result<()> {

@@ -2,8 +2,8 @@
 //! takes.
 //!
 //! [`Communicator`] is what a training program or a benchmark needs: rank,
-//! world size, allreduce, broadcast, allgather, barrier, reduce and
-//! reduce-scatter. Three
+//! world size, allreduce, broadcast, allgather, barrier, reduce,
+//! reduce-scatter, a send/receive step and all-to-all. Three
 //! implementations:
 //!
 //! - [`DeviceComm`]: through the virtio-dmlc device ([`dmlc_driver::Device`]), copying
@@ -77,6 +77,18 @@ pub trait Communicator: Send {
     /// Returns once every member has arrived.
     fn barrier(&mut self) -> Result<()>;
 
+    /// One step in which every member sends `input` to rank `to` and
+    /// receives `output` from rank `from`, both at once (nccl-tests'
+    /// sendrecv: with `to` the next rank and `from` the previous, a ring
+    /// shift). `to` and `from` are other members; the message from `from`
+    /// must be exactly as long as `output`.
+    fn sendrecv_raw(&mut self, to: u32, input: &[u8], from: u32, output: &mut [u8]) -> Result<()>;
+
+    /// All-to-all of equal blocks: block `j` of `input` goes to rank `j`,
+    /// block `j` of `output` comes from rank `j` (both `world_size`
+    /// blocks, the same length).
+    fn alltoall_raw(&mut self, input: &[u8], output: &mut [u8]) -> Result<()>;
+
     /// The root's `data` gets the reduction of every member's `data`; the
     /// others' stays as it was.
     ///
@@ -139,6 +151,12 @@ impl<C: Communicator + ?Sized> Communicator for Box<C> {
     fn barrier(&mut self) -> Result<()> {
         (**self).barrier()
     }
+    fn sendrecv_raw(&mut self, to: u32, input: &[u8], from: u32, output: &mut [u8]) -> Result<()> {
+        (**self).sendrecv_raw(to, input, from, output)
+    }
+    fn alltoall_raw(&mut self, input: &[u8], output: &mut [u8]) -> Result<()> {
+        (**self).alltoall_raw(input, output)
+    }
     fn reduce_raw(&mut self, dtype: Dtype, op: ReduceOp, root: u32, data: &mut [u8]) -> Result<()> {
         (**self).reduce_raw(dtype, op, root, data)
     }
@@ -170,6 +188,23 @@ pub trait CommunicatorExt: Communicator {
     /// `input` in rank order.
     fn allgather<T: Element>(&mut self, input: &[T], output: &mut [T]) -> Result<()> {
         self.allgather_raw(bytes_of(input), bytes_of_mut(output))
+    }
+
+    /// Sends `input` to rank `to` and receives `output` from rank `from`.
+    fn sendrecv<T: Element>(
+        &mut self,
+        to: u32,
+        input: &[T],
+        from: u32,
+        output: &mut [T],
+    ) -> Result<()> {
+        self.sendrecv_raw(to, bytes_of(input), from, bytes_of_mut(output))
+    }
+
+    /// Block `j` of `input` goes to rank `j`, block `j` of `output` comes
+    /// from rank `j`.
+    fn alltoall<T: Element>(&mut self, input: &[T], output: &mut [T]) -> Result<()> {
+        self.alltoall_raw(bytes_of(input), bytes_of_mut(output))
     }
 
     /// The root's `data` gets the reduction; the others' stays as it was.
@@ -229,6 +264,28 @@ pub(crate) fn check_allgather(input: usize, output: usize, world: u32) -> Result
     if input.checked_mul(world as usize) != Some(output) {
         return Err(CommError::InvalidArgument(format!(
             "allgather output has {output} bytes, {input} x {world} needed"
+        )));
+    }
+    Ok(())
+}
+
+/// `to` and `from` must be other members of the group.
+pub(crate) fn check_sendrecv(to: u32, from: u32, rank: u32, world: u32) -> Result<()> {
+    for (what, peer) in [("destination", to), ("source", from)] {
+        if peer >= world || peer == rank {
+            return Err(CommError::InvalidArgument(format!(
+                "{what} rank {peer}: not another member of a group of {world}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn check_alltoall(input: usize, output: usize, world: u32) -> Result<()> {
+    if input != output || !input.is_multiple_of(world as usize) {
+        return Err(CommError::InvalidArgument(format!(
+            "all-to-all of {input} bytes into {output}: both must be the same multiple of \
+             {world} blocks"
         )));
     }
     Ok(())
@@ -344,6 +401,14 @@ impl Communicator for SelfComm {
         Ok(())
     }
     fn barrier(&mut self) -> Result<()> {
+        Ok(())
+    }
+    fn sendrecv_raw(&mut self, to: u32, _: &[u8], from: u32, _: &mut [u8]) -> Result<()> {
+        check_sendrecv(to, from, 0, 1) // always an error: there is no other member
+    }
+    fn alltoall_raw(&mut self, input: &[u8], output: &mut [u8]) -> Result<()> {
+        check_alltoall(input.len(), output.len(), 1)?;
+        output.copy_from_slice(input);
         Ok(())
     }
 }
@@ -587,6 +652,81 @@ mod tests {
                 .unwrap();
             std::thread::sleep(Duration::from_millis(1));
         });
+    }
+
+    /// A ring shift and an all-to-all, each rank checking what it got
+    /// against the bytes it knows the sender put there.
+    fn shift_and_transpose(c: &mut dyn Communicator, sizes: &[usize]) {
+        let (me, world) = (c.rank(), c.world_size());
+        // Byte k of what rank i sends rank j.
+        let byte = |i: u32, j: u32, k: usize| (i as usize * 61 + j as usize * 17 + k) as u8;
+        let (next, prev) = ((me + 1) % world, (me + world - 1) % world);
+        for &n in sizes {
+            let input: Vec<u8> = (0..n).map(|k| byte(me, next, k)).collect();
+            let mut output = vec![0xee; n];
+            c.sendrecv_raw(next, &input, prev, &mut output).unwrap();
+            let bad = (0..n).filter(|&k| output[k] != byte(prev, me, k)).count();
+            assert_eq!(bad, 0, "{}: {n}-byte sendrecv", c.transport());
+
+            let input: Vec<u8> = (0..world)
+                .flat_map(|j| (0..n).map(move |k| byte(me, j, k)))
+                .collect();
+            let mut output = vec![0xee; n * world as usize];
+            c.alltoall_raw(&input, &mut output).unwrap();
+            for (k, &x) in output.iter().enumerate() {
+                let want = byte((k / n) as u32, me, k % n);
+                assert_eq!(x, want, "{}: byte {k} of {n}-byte blocks", c.transport());
+            }
+        }
+        // Bad arguments are refused before anything is sent.
+        assert!(c.sendrecv_raw(me, &[1], prev, &mut [0]).is_err());
+        assert!(c.sendrecv_raw(next, &[1], world, &mut [0]).is_err());
+        assert!(c.alltoall_raw(&[0; 4], &mut [0; 5]).is_err());
+        c.barrier().unwrap();
+    }
+
+    /// sendrecv and all-to-all over TCP, on the device (cut into several
+    /// requests at a chunk size that divides none of the sizes) and on a
+    /// group of one.
+    #[test]
+    fn sendrecv_shifts_a_ring_and_alltoall_transposes_blocks() {
+        let _serial = serial();
+        let world = 3u32;
+        let sizes = [0usize, 1, 5000, 100_000];
+        on_each(tcp_group(world), |mut c| {
+            shift_and_transpose(&mut c, &sizes)
+        });
+        let backend = start_backend("p2p", world);
+        let members: Vec<_> = (0..world).map(|r| open(&backend, r)).collect();
+        on_each(members, |mut c| {
+            c.set_chunk_bytes(4096 + 3);
+            shift_and_transpose(&mut c, &sizes);
+        });
+        let mut one = SelfComm;
+        assert!(one.sendrecv_raw(0, &[1], 0, &mut [0]).is_err());
+        let mut out = [0u32; 3];
+        one.alltoall(&[1u32, 2, 3], &mut out).unwrap();
+        assert_eq!(out, [1, 2, 3]);
+    }
+
+    /// A receive shorter than the message it matches is named on the
+    /// device (both ends of a pair must pass the same length).
+    #[test]
+    fn device_sendrecv_of_different_lengths_is_an_error() {
+        let _serial = serial();
+        let backend = start_backend("p2plen", 2);
+        let members: Vec<_> = (0..2).map(|r| open(&backend, r)).collect();
+        let errs = on_each(members, |mut c| {
+            let other = 1 - c.rank();
+            let mut out = vec![0u8; 8 + 8 * c.rank() as usize];
+            let input = vec![1u8; 8 + 8 * c.rank() as usize];
+            c.sendrecv_raw(other, &input, other, &mut out)
+                .unwrap_err()
+                .to_string()
+        });
+        // Rank 0 expects 8 bytes and is sent 16; rank 1 expects 16, gets 8.
+        assert!(errs[0].to_lowercase().contains("trunc"), "{}", errs[0]);
+        assert!(errs[1].contains("8 bytes where 16"), "{}", errs[1]);
     }
 
     /// reduce and reduce-scatter on the device (cut into several requests)

@@ -560,99 +560,6 @@ impl TcpComm {
         })
     }
 
-    /// One step in which every member sends `input` to rank `to` and
-    /// receives `output.len()` bytes from rank `from` (nccl-tests'
-    /// sendrecv: with `to` the next rank and `from` the previous, a ring
-    /// shift). Every member calls it, as a collective.
-    pub fn sendrecv_raw(
-        &mut self,
-        to: u32,
-        input: &[u8],
-        from: u32,
-        output: &mut [u8],
-    ) -> crate::Result<()> {
-        let me = self.rank;
-        for (what, peer) in [("destination", to), ("source", from)] {
-            if peer >= self.world || peer == me {
-                return Err(crate::CommError::InvalidArgument(format!(
-                    "{what} rank {peer}: not another member of {}",
-                    self.world
-                )));
-            }
-        }
-        let hdr = |n: usize| Header {
-            len: n as u64,
-            ..self.header(wire::SENDRECV, 0, 0, 0, n as u64)
-        };
-        let (out_hdr, in_hdr) = (hdr(input.len()), hdr(output.len()));
-        self.guarded(|c| {
-            let mut outs = [Out {
-                peer: to as usize,
-                hdr: out_hdr.encode(),
-                data: input,
-                sent: 0,
-            }];
-            let mut ins = [In {
-                peer: from as usize,
-                want: in_hdr,
-                hdr: [0; HEADER_LEN],
-                data: output,
-                got: 0,
-            }];
-            exchange(&c.streams, &mut outs, &mut ins, c.io_timeout)
-        })
-    }
-
-    /// All-to-all of equal blocks: block `j` of `input` goes to rank `j`,
-    /// block `j` of `output` comes from rank `j` (both `world` blocks).
-    pub fn alltoall_raw(&mut self, input: &[u8], output: &mut [u8]) -> crate::Result<()> {
-        let world = self.world as usize;
-        if input.len() != output.len() || !input.len().is_multiple_of(world) {
-            return Err(crate::CommError::InvalidArgument(format!(
-                "all-to-all of {} bytes into {}: both must be the same multiple of {world} blocks",
-                input.len(),
-                output.len()
-            )));
-        }
-        let n = input.len() / world;
-        let me = self.rank as usize;
-        let hdr = Header {
-            len: n as u64,
-            ..self.header(wire::ALLTOALL, 0, 0, 0, n as u64)
-        };
-        self.guarded(|c| {
-            let blocks: Vec<&mut [u8]> = if n == 0 {
-                (0..world).map(|_| Default::default()).collect()
-            } else {
-                output.chunks_mut(n).collect()
-            };
-            let mut ins: Vec<In<'_>> = Vec::new();
-            for (j, b) in blocks.into_iter().enumerate() {
-                if j == me {
-                    b.copy_from_slice(&input[j * n..(j + 1) * n]);
-                } else {
-                    ins.push(In {
-                        peer: j,
-                        want: hdr,
-                        hdr: [0; HEADER_LEN],
-                        data: b,
-                        got: 0,
-                    });
-                }
-            }
-            let mut outs: Vec<Out<'_>> = c
-                .others()
-                .map(|p| Out {
-                    peer: p,
-                    hdr: hdr.encode(),
-                    data: &input[p * n..(p + 1) * n],
-                    sent: 0,
-                })
-                .collect();
-            exchange(&c.streams, &mut outs, &mut ins, c.io_timeout)
-        })
-    }
-
     /// How long a collective waits for a silent peer (`None`: forever).
     pub fn set_io_timeout(&mut self, timeout: Option<Duration>) {
         self.io_timeout = timeout;
@@ -1003,6 +910,79 @@ impl Communicator for TcpComm {
                     hdr: [0; HEADER_LEN],
                     data: &mut [],
                     got: 0,
+                })
+                .collect();
+            exchange(&c.streams, &mut outs, &mut ins, c.io_timeout)
+        })
+    }
+
+    fn sendrecv_raw(
+        &mut self,
+        to: u32,
+        input: &[u8],
+        from: u32,
+        output: &mut [u8],
+    ) -> crate::Result<()> {
+        crate::check_sendrecv(to, from, self.rank, self.world)?;
+        let hdr = |n: usize| Header {
+            len: n as u64,
+            ..self.header(wire::SENDRECV, 0, 0, 0, n as u64)
+        };
+        let (out_hdr, in_hdr) = (hdr(input.len()), hdr(output.len()));
+        self.guarded(|c| {
+            let mut outs = [Out {
+                peer: to as usize,
+                hdr: out_hdr.encode(),
+                data: input,
+                sent: 0,
+            }];
+            let mut ins = [In {
+                peer: from as usize,
+                want: in_hdr,
+                hdr: [0; HEADER_LEN],
+                data: output,
+                got: 0,
+            }];
+            exchange(&c.streams, &mut outs, &mut ins, c.io_timeout)
+        })
+    }
+
+    fn alltoall_raw(&mut self, input: &[u8], output: &mut [u8]) -> crate::Result<()> {
+        crate::check_alltoall(input.len(), output.len(), self.world)?;
+        let world = self.world as usize;
+        let n = input.len() / world;
+        let me = self.rank as usize;
+        let hdr = Header {
+            len: n as u64,
+            ..self.header(wire::ALLTOALL, 0, 0, 0, n as u64)
+        };
+        self.guarded(|c| {
+            let blocks: Vec<&mut [u8]> = if n == 0 {
+                (0..world).map(|_| Default::default()).collect()
+            } else {
+                output.chunks_mut(n).collect()
+            };
+            let mut ins: Vec<In<'_>> = Vec::new();
+            for (j, b) in blocks.into_iter().enumerate() {
+                if j == me {
+                    b.copy_from_slice(&input[j * n..(j + 1) * n]);
+                } else {
+                    ins.push(In {
+                        peer: j,
+                        want: hdr,
+                        hdr: [0; HEADER_LEN],
+                        data: b,
+                        got: 0,
+                    });
+                }
+            }
+            let mut outs: Vec<Out<'_>> = c
+                .others()
+                .map(|p| Out {
+                    peer: p,
+                    hdr: hdr.encode(),
+                    data: &input[p * n..(p + 1) * n],
+                    sent: 0,
                 })
                 .collect();
             exchange(&c.streams, &mut outs, &mut ins, c.io_timeout)

@@ -7,7 +7,9 @@
 //! the C ABI: one buffer, reused while it is large enough and free, and
 //! data longer than the chunk size cut into several requests.
 
-use crate::device::{Device, DmaBuf};
+use virtio_dmlc::comm::CommOpcode;
+
+use crate::device::{CommRequest, Device, DmaBuf};
 use crate::error::{Error, Result};
 use crate::{Dtype, ReduceOp};
 
@@ -246,6 +248,102 @@ impl Bounce {
                 output[dst..dst + n].copy_from_slice(&buf.as_slice()[j * n..(j + 1) * n]);
             }
             off += n;
+        }
+        Ok(())
+    }
+}
+
+impl Bounce {
+    /// Sends `input` to rank `to` and receives `output` from rank `from` of
+    /// the group, both posted before either is waited for, so that a ring
+    /// shift cannot deadlock. Each piece of the chunk size is one message
+    /// (tag 0), and the message must fill its piece of `output` exactly:
+    /// the two ends of a pair must pass the same length.
+    pub fn sendrecv(
+        &mut self,
+        dev: &Device,
+        to: u32,
+        input: &[u8],
+        from: u32,
+        output: &mut [u8],
+    ) -> Result<()> {
+        let step = self.chunk_bytes;
+        let sends = input.len().div_ceil(step);
+        let recvs = output.len().div_ceil(step);
+        for k in 0..sends.max(recvs) {
+            let src = input.chunks(step).nth(k).unwrap_or_default();
+            let dst_len = output.len().saturating_sub(k * step).min(step);
+            let buf = self.buffer(dev, src.len() + dst_len)?;
+            buf.as_mut_slice()[..src.len()].copy_from_slice(src);
+            let message = |opcode, peer, bytes: usize| CommRequest {
+                peer,
+                ..CommRequest::new(opcode, Dtype::U8, 0, bytes as u64)
+            };
+            // The receive first: its sender may be waiting for it.
+            let recv = (k < recvs)
+                .then(|| {
+                    let req = message(CommOpcode::Recv, from, dst_len);
+                    dev.submit_comm(0, &req, &[], &[buf.slice(src.len(), dst_len)])
+                })
+                .transpose()?;
+            let sent = (k < sends).then(|| {
+                let req = message(CommOpcode::Send, to, src.len());
+                dev.submit_comm(0, &req, &[buf.slice(0, src.len())], &[])
+            });
+            // Both waited for whatever happened to the other, so that no
+            // request outlives the call; the receive's error comes first.
+            let received = recv.map(|h| dev.wait(h, None));
+            let sent = sent.map(|h| h.and_then(|h| dev.wait(h, None)));
+            if let Some(r) = received {
+                let got = r?.reply.length;
+                if got != dst_len as u64 {
+                    return Err(Error::InvalidArgument(format!(
+                        "rank {from} sent a piece of {got} bytes where {dst_len} were expected \
+                         (both ends of a send/receive pair must pass the same length)"
+                    )));
+                }
+            }
+            sent.transpose()?;
+            let at = (k * step).min(output.len());
+            output[at..at + dst_len]
+                .copy_from_slice(&buf.as_slice()[src.len()..src.len() + dst_len]);
+        }
+        Ok(())
+    }
+
+    /// Block `j` of `input` goes to member `j`, block `j` of `output`
+    /// comes from member `j` (`world_size` equal blocks; `input` and
+    /// `output` the same length).
+    pub fn alltoall(&mut self, dev: &Device, input: &[u8], output: &mut [u8]) -> Result<()> {
+        let world = dev.world_size() as usize;
+        if input.len() != output.len() || !input.len().is_multiple_of(world) {
+            return Err(Error::InvalidArgument(format!(
+                "all-to-all of {} bytes into {}: both must be the same multiple of {world} blocks",
+                input.len(),
+                output.len()
+            )));
+        }
+        let n = input.len() / world;
+        // Each request carries the same slice of every block: `world`
+        // slots of `k` bytes in, as many out.
+        let piece_max = (self.chunk_bytes / world).max(1);
+        let mut off = 0;
+        while off < n {
+            let k = piece_max.min(n - off);
+            let buf = self.buffer(dev, 2 * k * world)?;
+            for j in 0..world {
+                let src = j * n + off;
+                buf.as_mut_slice()[j * k..(j + 1) * k].copy_from_slice(&input[src..src + k]);
+            }
+            let req = CommRequest::new(CommOpcode::Alltoall, Dtype::U8, 0, k as u64);
+            let (ins, outs) = (buf.slice(0, k * world), buf.slice(k * world, k * world));
+            dev.comm_call(0, &req, &[ins], &[outs], None)?;
+            let got = &buf.as_slice()[k * world..];
+            for j in 0..world {
+                let dst = j * n + off;
+                output[dst..dst + k].copy_from_slice(&got[j * k..(j + 1) * k]);
+            }
+            off += k;
         }
         Ok(())
     }

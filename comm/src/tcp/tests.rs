@@ -116,44 +116,6 @@ fn broadcast_allgather_barrier_and_misaligned_bytes() {
 }
 
 #[test]
-fn sendrecv_shifts_a_ring_and_alltoall_transposes_blocks() {
-    let _serial = serial();
-    let world = 3u32;
-    // Byte k of what rank i sends rank j.
-    let byte = |i: u32, j: u32, k: usize| (i as usize * 61 + j as usize * 17 + k) as u8;
-    on_each(tcp_group(world), |mut c| {
-        let me = c.rank();
-        let (next, prev) = ((me + 1) % world, (me + world - 1) % world);
-        for n in [0usize, 1, 100_000] {
-            let input: Vec<u8> = (0..n).map(|k| byte(me, next, k)).collect();
-            let mut output = vec![0xee; n];
-            c.sendrecv_raw(next, &input, prev, &mut output).unwrap();
-            assert!(output
-                .iter()
-                .enumerate()
-                .all(|(k, &x)| x == byte(prev, me, k)));
-
-            let input: Vec<u8> = (0..world)
-                .flat_map(|j| (0..n).map(move |k| byte(me, j, k)))
-                .collect();
-            let mut output = vec![0xee; n * world as usize];
-            c.alltoall_raw(&input, &mut output).unwrap();
-            for (k, &x) in output.iter().enumerate() {
-                assert_eq!(
-                    x,
-                    byte((k / n) as u32, me, k % n),
-                    "byte {k} of {n}-byte blocks"
-                );
-            }
-        }
-        // Bad arguments are refused before anything is sent.
-        assert!(c.sendrecv_raw(me, &[1], prev, &mut [0]).is_err());
-        assert!(c.alltoall_raw(&[0; 4], &mut [0; 4]).is_err());
-        c.barrier().unwrap();
-    });
-}
-
-#[test]
 fn mismatched_collectives_name_the_field_and_rank() {
     let errs = on_each(tcp_group(2), |mut c| {
         let mut v = vec![0u32; 4 + c.rank() as usize];
