@@ -27,7 +27,8 @@ pub use dmlc_driver::bounce::DEFAULT_CHUNK_BYTES as DEVICE_CHUNK_BYTES;
 /// (`OpenOptions::dma_bytes`), which must have room for it: up to the chunk
 /// size for allreduce and broadcast, `world_size` times the data (up to the
 /// chunk size) for allgather and reduce-scatter, twice that for
-/// all-to-all, and a send's plus a receive's piece for sendrecv.
+/// all-to-all, and for sendrecv the message both ways (pieces of up to
+/// the device's `max_bytes`, where the spec has every driver cut).
 /// Zero-length collectives return at once without a request.
 ///
 /// For zero copy, allocate buffers with `comm.device().alloc(..)` and call

@@ -256,9 +256,11 @@ impl Bounce {
 impl Bounce {
     /// Sends `input` to rank `to` and receives `output` from rank `from` of
     /// the group, both posted before either is waited for, so that a ring
-    /// shift cannot deadlock. Each piece of the chunk size is one message
-    /// (tag 0), and the message must fill its piece of `output` exactly:
-    /// the two ends of a pair must pass the same length.
+    /// shift cannot deadlock. A message over `max_bytes` goes as pieces of
+    /// `max_bytes` (spec 5.X.6.13.4, DRV-COMM-2: where every driver cuts,
+    /// not at the chunk size), each one message with tag 0, so the buffer
+    /// grows to a piece each way; the message must fill its piece of
+    /// `output` exactly: both ends of a pair pass the same length.
     pub fn sendrecv(
         &mut self,
         dev: &Device,
@@ -267,7 +269,8 @@ impl Bounce {
         from: u32,
         output: &mut [u8],
     ) -> Result<()> {
-        let step = self.chunk_bytes;
+        let max = usize::try_from(dev.config().max_bytes.get()).unwrap_or(usize::MAX);
+        let step = max.max(1);
         let sends = input.len().div_ceil(step);
         let recvs = output.len().div_ceil(step);
         for k in 0..sends.max(recvs) {
