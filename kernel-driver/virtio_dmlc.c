@@ -43,9 +43,13 @@
 
 #define VIRTIO_ID_DMLC			63
 #define VIRTIO_DMLC_F_REQ_TIMEOUT	0
+#define VIRTIO_DMLC_F_COMM		1
+#define VIRTIO_DMLC_F_P2P		2
+#define VIRTIO_DMLC_F_BLOCKS		3
 #define DMLC_FLAG_IN_PLACE		BIT(0)
 #define DMLC_STATUS_OK			0
-#define DMLC_OPCODE_MAX			6	/* nop */
+#define DMLC_OPCODE_MAX			17	/* comm_free */
+#define DMLC_TABLE_PER_RANK		16	/* the largest table: alltoallv's */
 #define DMLC_DTYPE_MAX			9	/* u64 */
 #define DMLC_MAX_QUEUES			64
 #define DMLC_MAX_IOV			1024
@@ -53,7 +57,10 @@
 #define DMLC_MAX_SEG_BYTES		SZ_1G	/* one descriptor */
 
 enum { OP_ALLREDUCE, OP_BROADCAST, OP_REDUCE, OP_ALLGATHER,
-	OP_REDUCE_SCATTER, OP_BARRIER, OP_NOP };
+	OP_REDUCE_SCATTER, OP_BARRIER, OP_NOP,
+	/* feature bits 1 to 3, spec 5.X.6.13.2 */
+	OP_SEND, OP_RECV, OP_ALLTOALL, OP_ALLTOALLV, OP_GATHER, OP_GATHERV,
+	OP_SCATTER, OP_SCATTERV, OP_COMM_SPLIT, OP_COMM_CREATE, OP_COMM_FREE };
 
 /* Device layouts, spec 5.X.4 and 5.X.6.1 (little-endian). */
 struct virtio_dmlc_config {
@@ -87,6 +94,33 @@ struct virtio_dmlc_resp {
 	__le32 generation;
 };
 
+/* With feature bit 1 (spec 5.X.6.13.1). */
+struct virtio_dmlc_config_comm {
+	struct virtio_dmlc_config base;
+	__le32 max_comms;
+	__le32 reserved;
+};
+
+/* The header's fixed part; table_bytes of table follow it in one descriptor. */
+struct virtio_dmlc_req_comm {
+	struct virtio_dmlc_req base;
+	__le32 comm;
+	__le32 peer;
+	__le32 key;
+	__le32 table_bytes;
+};
+
+struct virtio_dmlc_resp_comm {
+	struct virtio_dmlc_resp base;
+	__le64 length;
+	__le32 comm;
+	__le32 comm_rank;
+	__le32 comm_size;
+	__le32 peer_world;
+};
+
+#define DMLC_MAX_COMMS_OFFSET	offsetof(struct virtio_dmlc_config_comm, max_comms)
+
 static unsigned int pinned_limit_mb = 1024;
 module_param(pinned_limit_mb, uint, 0644);
 MODULE_PARM_DESC(pinned_limit_mb, "Most memory one open file may keep pinned (MiB)");
@@ -94,6 +128,10 @@ MODULE_PARM_DESC(pinned_limit_mb, "Most memory one open file may keep pinned (Mi
 static unsigned int chunk_kb = 2048;
 module_param(chunk_kb, uint, 0644);
 MODULE_PARM_DESC(chunk_kb, "Largest per-block size of one device request (KiB); must be equal in every VM of a group");
+
+static bool dmlc_comm = true;
+module_param_named(comm, dmlc_comm, bool, 0444);
+MODULE_PARM_DESC(comm, "Negotiate feature bits 1 to 3 (communicators, send and receive, all-to-all, gather, scatter) when the device offers them");
 
 static DEFINE_IDA(dmlc_ida);
 
@@ -129,14 +167,20 @@ struct dmlc_buf {
 
 struct dmlc_op;
 
-/* One device request: a chain [hdr] [inputs] [outputs] [resp]. */
+/*
+ * One device request: a chain [hdr] [inputs] [outputs] [resp]. Without
+ * feature bit 1 the device sees hdr.base (32 bytes) and the first 16
+ * bytes of resp; with it, hdr and its table (48 + table_bytes bytes, one
+ * descriptor in this one allocation) and the whole 40-byte resp.
+ */
 struct dmlc_req {
-	struct virtio_dmlc_req hdr;
-	struct virtio_dmlc_resp resp;
+	struct virtio_dmlc_resp_comm resp;
 	struct dmlc_op *op;
 	struct scatterlist *out_sg;	/* hdr, inputs */
 	struct scatterlist *in_sg;	/* outputs, resp */
 	struct scatterlist inline_sg[DMLC_INLINE_SG];
+	struct virtio_dmlc_req_comm hdr;
+	u8 table[];			/* right after hdr */
 };
 
 struct dmlc_file;
@@ -160,6 +204,7 @@ struct dmlc_op {
 	bool claimed;			/* a waiter will reap it; read() skips it */
 	struct mm_struct *mm;		/* the submitter's, for copied outputs */
 	struct dmlc_completion done;
+	struct dmlc_reply reply;	/* with done's status (feature bit 1) */
 };
 
 struct dmlc_queue {
@@ -185,6 +230,8 @@ struct dmlc_dev {
 	wait_queue_head_t wq;
 	/* config space values that do not change */
 	u32 rank, world, max_segments, dtypes, ops, opcodes;
+	u32 max_comms;			/* feature bit 1, else 0 */
+	bool comm;			/* feature bit 1: 48-byte headers, 40-byte responses */
 	u64 max_bytes;
 	u32 generation;
 	u32 resets;
@@ -213,13 +260,34 @@ static void dmlc_free_dev(struct kref *ref)
 	kfree(d);
 }
 
-/* Elements of input and output per member (virtio_dmlc::buffer_elems). */
-static void dmlc_buffer_elems(struct dmlc_dev *d, u16 opcode, u32 root,
+/* Bytes of one element; 1 for the opcodes that move no data. */
+static unsigned int dmlc_esize(u16 opcode, u8 dtype)
+{
+	switch (opcode) {
+	case OP_BARRIER:
+	case OP_NOP:
+	case OP_COMM_SPLIT:
+	case OP_COMM_CREATE:
+	case OP_COMM_FREE:
+		return 1;
+	default:
+		return dmlc_dtype_size[dtype];
+	}
+}
+
+/*
+ * Elements of input and output per member of communicator 0
+ * (virtio_dmlc::buffer_elems, comm::block_elems) for the opcodes the
+ * driver may split. False for the others, and where the sizes overflow.
+ */
+static bool dmlc_buffer_elems(struct dmlc_dev *d, u16 opcode, u32 root,
 			      u64 count, bool in_place, u64 *in, u64 *out)
 {
-	u64 all = count * d->world;
 	bool is_root = d->rank == root;
+	u64 all;
 
+	if (check_mul_overflow(count, (u64)d->world, &all))
+		return false;
 	switch (opcode) {
 	case OP_ALLREDUCE:
 		*in = count;
@@ -241,12 +309,28 @@ static void dmlc_buffer_elems(struct dmlc_dev *d, u16 opcode, u32 root,
 		*in = all;
 		*out = in_place ? all : count;
 		break;
+	case OP_ALLTOALL:	/* no in-place form: the device refuses it */
+		if (in_place)
+			return false;
+		*in = all;
+		*out = all;
+		break;
+	case OP_GATHER:		/* in place, the root's buffer is its output */
+		*in = count;
+		*out = is_root ? all : 0;
+		in_place = in_place && is_root;
+		break;
+	case OP_SCATTER:	/* in place, the root's buffer is its input */
+		*in = is_root ? all : 0;
+		*out = is_root && in_place ? all : count;
+		in_place = in_place && is_root;
+		break;
 	default:
-		*in = 0;
-		*out = 0;
+		return false;
 	}
 	if (in_place)
 		*in = 0;
+	return true;
 }
 
 static void dmlc_put_buf(struct dmlc_buf *b)
@@ -389,10 +473,22 @@ static unsigned int dmlc_map_range(struct dmlc_buf *b, u64 off, u64 len,
 /* Per-block bytes of one device request for this collective. */
 static u64 dmlc_chunk_bytes(struct dmlc_dev *d, u16 opcode)
 {
-	u32 blocks = (opcode == OP_ALLGATHER || opcode == OP_REDUCE_SCATTER) ?
-		     d->world + 1 : 2;
-	u64 segs = d->max_segments / blocks;
-	u64 bytes;
+	u64 blocks, segs, bytes;
+
+	switch (opcode) {
+	case OP_ALLGATHER:
+	case OP_REDUCE_SCATTER:
+	case OP_GATHER:
+	case OP_SCATTER:
+		blocks = (u64)d->world + 1;
+		break;
+	case OP_ALLTOALL:
+		blocks = 2 * (u64)d->world;
+		break;
+	default:
+		blocks = 2;
+	}
+	segs = d->max_segments / blocks;
 
 	if (segs < 2)
 		return 0;		/* too many blocks: never split */
@@ -442,20 +538,42 @@ static void dmlc_free_reqs(struct dmlc_op *op)
 	op->nreqs = 0;
 }
 
+/* True if the buffers have the sizes the collective needs. */
+static bool dmlc_well_formed(struct dmlc_dev *d, struct dmlc_op *op,
+			     const struct dmlc_submit *s, unsigned int esize,
+			     u64 *in_elems, u64 *out_elems)
+{
+	bool in_place = s->flags & DMLC_SUBMIT_IN_PLACE;
+	u64 in_bytes, out_bytes;
+
+	return dmlc_buffer_elems(d, s->opcode, s->root, s->count, in_place,
+				 in_elems, out_elems) &&
+	       !check_mul_overflow(*in_elems, (u64)esize, &in_bytes) &&
+	       !check_mul_overflow(*out_elems, (u64)esize, &out_bytes) &&
+	       op->in.len == in_bytes && op->out.len == out_bytes;
+}
+
 static int dmlc_build_reqs(struct dmlc_dev *d, struct dmlc_op *op,
 			   const struct dmlc_submit *s)
 {
-	unsigned int esize = s->opcode >= OP_BARRIER ? 1 : dmlc_dtype_size[s->dtype];
+	unsigned int esize = dmlc_esize(s->opcode, s->dtype);
 	bool in_place = s->flags & DMLC_SUBMIT_IN_PLACE;
-	u64 in_elems, out_elems, chunk, nreqs = 1, in_blocks = 0, out_blocks = 0;
+	size_t hdr_len = d->comm ? sizeof(struct virtio_dmlc_req_comm) + s->table_bytes :
+			 sizeof(struct virtio_dmlc_req);
+	size_t resp_len = d->comm ? sizeof(struct virtio_dmlc_resp_comm) :
+			  sizeof(struct virtio_dmlc_resp);
+	u64 in_elems = 0, out_elems = 0, chunk = 0, nreqs = 1, in_blocks = 0, out_blocks = 0;
 	u64 k;
 
-	dmlc_buffer_elems(d, s->opcode, s->root, s->count, in_place,
-			  &in_elems, &out_elems);
-	chunk = dmlc_chunk_bytes(d, s->opcode) / esize;
-	/* Split only a well-formed collective; the device judges the rest. */
-	if (chunk && s->count > chunk && s->opcode != OP_BARRIER &&
-	    op->in.len == in_elems * esize && op->out.len == out_elems * esize) {
+	/*
+	 * Split only a well-formed collective of communicator 0 without a
+	 * table (the driver knows no other communicator's size or ranks);
+	 * the device judges the rest.
+	 */
+	if (!s->comm && !s->table_bytes &&
+	    dmlc_well_formed(d, op, s, esize, &in_elems, &out_elems))
+		chunk = dmlc_chunk_bytes(d, s->opcode) / esize;
+	if (chunk && s->count > chunk) {
 		nreqs = DIV_ROUND_UP(s->count, chunk);
 		in_blocks = in_elems / s->count;
 		out_blocks = out_elems / s->count;
@@ -477,7 +595,8 @@ static int dmlc_build_reqs(struct dmlc_dev *d, struct dmlc_op *op,
 		nout = dmlc_map_blocks(&op->out, out_blocks, s->count, a, b, esize, NULL);
 		if (nin + nout > d->max_segments)
 			return -E2BIG;
-		r = kzalloc(sizeof(*r), GFP_KERNEL);
+		/* A table never comes with a split: nreqs is 1. */
+		r = kzalloc(struct_size(r, table, s->table_bytes), GFP_KERNEL);
 		if (!r)
 			return -ENOMEM;
 		op->reqs[k] = r;
@@ -493,19 +612,25 @@ static int dmlc_build_reqs(struct dmlc_dev *d, struct dmlc_op *op,
 		}
 		sg_init_table(r->out_sg, nin + 1);
 		sg_init_table(r->in_sg, nout + 1);
-		sg_set_buf(&r->out_sg[0], &r->hdr, sizeof(r->hdr));
+		sg_set_buf(&r->out_sg[0], &r->hdr, hdr_len);
 		dmlc_map_blocks(&op->in, in_blocks, s->count, a, b, esize, r->out_sg + 1);
 		dmlc_map_blocks(&op->out, out_blocks, s->count, a, b, esize, r->in_sg);
-		sg_set_buf(&r->in_sg[nout], &r->resp, sizeof(r->resp));
-		r->hdr.opcode = cpu_to_le16(s->opcode);
-		r->hdr.dtype = s->dtype;
-		r->hdr.op = s->op;
-		r->hdr.root = cpu_to_le32(s->root);
-		r->hdr.count = cpu_to_le64(b - a);
-		r->hdr.tag = cpu_to_le64(s->tag);
-		r->hdr.flags = cpu_to_le32(in_place ? DMLC_FLAG_IN_PLACE : 0);
-		r->hdr.timeout_ms = cpu_to_le32(s->timeout_ms);
-		r->resp.status = cpu_to_le32(U32_MAX);
+		sg_set_buf(&r->in_sg[nout], &r->resp, resp_len);
+		r->hdr.base.opcode = cpu_to_le16(s->opcode);
+		r->hdr.base.dtype = s->dtype;
+		r->hdr.base.op = s->op;
+		r->hdr.base.root = cpu_to_le32(s->root);
+		r->hdr.base.count = cpu_to_le64(b - a);
+		r->hdr.base.tag = cpu_to_le64(s->tag);
+		r->hdr.base.flags = cpu_to_le32(in_place ? DMLC_FLAG_IN_PLACE : 0);
+		r->hdr.base.timeout_ms = cpu_to_le32(s->timeout_ms);
+		r->hdr.comm = cpu_to_le32(s->comm);
+		r->hdr.peer = cpu_to_le32(s->peer);
+		r->hdr.key = cpu_to_le32(s->key);
+		r->hdr.table_bytes = cpu_to_le32(s->table_bytes);
+		if (copy_from_user(r->table, u64_to_user_ptr(s->table), s->table_bytes))
+			return -EFAULT;
+		r->resp.base.status = cpu_to_le32(U32_MAX);
 	}
 	return 0;
 }
@@ -566,26 +691,35 @@ static bool dmlc_post_locked(struct dmlc_dev *d, struct dmlc_queue *q)
 /* Under d->lock: collects used requests; then posts what now fits. */
 static bool dmlc_harvest_locked(struct dmlc_dev *d, struct dmlc_queue *q)
 {
+	size_t resp_len = d->comm ? sizeof(struct virtio_dmlc_resp_comm) :
+			  sizeof(struct virtio_dmlc_resp);
 	struct dmlc_req *r;
 	unsigned int len;
 
 	while (d->ready && (r = virtqueue_get_buf(q->vq, &len))) {
 		struct dmlc_op *op = r->op;
-		u32 status = le32_to_cpu(r->resp.status);
+		u32 status = le32_to_cpu(r->resp.base.status);
 
 		q->in_device--;
 		op->in_device--;
 		op->done.requests++;
 		op->done.written += len;
-		if (len < sizeof(r->resp) || status == U32_MAX) {
+		if (len < resp_len || status == U32_MAX) {
 			dmlc_fail_locked(d, op, -EIO);
 			continue;
 		}
 		if (!op->failed) {
 			op->done.status = status;
-			op->done.detail = le32_to_cpu(r->resp.detail);
-			op->done.peer = le32_to_cpu(r->resp.peer);
-			op->done.generation = le32_to_cpu(r->resp.generation);
+			op->done.detail = le32_to_cpu(r->resp.base.detail);
+			op->done.peer = le32_to_cpu(r->resp.base.peer);
+			op->done.generation = le32_to_cpu(r->resp.base.generation);
+			if (d->comm) {
+				op->reply.length = le64_to_cpu(r->resp.length);
+				op->reply.comm = le32_to_cpu(r->resp.comm);
+				op->reply.comm_rank = le32_to_cpu(r->resp.comm_rank);
+				op->reply.comm_size = le32_to_cpu(r->resp.comm_size);
+				op->reply.peer_world = le32_to_cpu(r->resp.peer_world);
+			}
 			if (status != DMLC_STATUS_OK)
 				op->failed = true;
 		}
@@ -777,9 +911,9 @@ static void dmlc_copy_back(struct dmlc_op *op)
 			op->done.error = op->done.error ?: -EFAULT;
 }
 
-/* Releases a ready op's pages and frees it; fills *c. */
+/* Releases a ready op's pages and frees it; fills *c and *reply. */
 static void dmlc_reap(struct dmlc_file *f, struct dmlc_op *op,
-		      struct dmlc_completion *c)
+		      struct dmlc_completion *c, struct dmlc_reply *reply)
 {
 	struct dmlc_dev *d = f->d;
 
@@ -787,6 +921,8 @@ static void dmlc_reap(struct dmlc_file *f, struct dmlc_op *op,
 		dmlc_copy_back(op);
 		*c = op->done;
 	}
+	if (reply)
+		*reply = op->reply;
 	dmlc_put_buf(&op->in);
 	dmlc_put_buf(&op->out);
 	dmlc_free_reqs(op);
@@ -806,7 +942,8 @@ static void dmlc_reap(struct dmlc_file *f, struct dmlc_op *op,
  * early gives the claim back: the op stays for a later wait or read().
  */
 static int dmlc_wait_op(struct dmlc_file *f, struct dmlc_op *op, u32 spin_us,
-			u32 timeout_ms, bool begun, struct dmlc_completion *c)
+			u32 timeout_ms, bool begun, struct dmlc_completion *c,
+			struct dmlc_reply *reply)
 {
 	struct dmlc_dev *d = f->d;
 	long left;
@@ -825,7 +962,7 @@ static int dmlc_wait_op(struct dmlc_file *f, struct dmlc_op *op, u32 spin_us,
 		spin_unlock_irq(&d->lock);
 		return left ? -EINTR : -ETIMEDOUT;
 	}
-	dmlc_reap(f, op, c);
+	dmlc_reap(f, op, c, reply);
 	return 0;
 }
 
@@ -899,6 +1036,7 @@ static long dmlc_ioctl_info(struct dmlc_file *f, void __user *arg)
 	info.pinned_total = atomic64_read(&d->pinned_total);
 	info.in_flight = f->nops;
 	info.resets = d->resets;
+	info.max_comms = d->max_comms;
 	mutex_unlock(&d->open_lock);
 	return dmlc_copy_out(arg, &info, sizeof(info));
 }
@@ -918,9 +1056,15 @@ static long dmlc_ioctl_submit(struct dmlc_file *f, void __user *arg)
 	if (s.flags & ~DMLC_SUBMIT_FLAGS || s.opcode > DMLC_OPCODE_MAX ||
 	    s.dtype > DMLC_DTYPE_MAX || s.queue >= d->nq)
 		return -EINVAL;
+	/* The 32-byte header has no room for these (spec 5.X.6.13.1). */
+	if (!d->comm && (s.comm || s.peer || s.key || s.table_bytes))
+		return -EOPNOTSUPP;
+	/* The device refuses a larger table; refused before it is allocated. */
+	if (s.table_bytes > (u64)DMLC_TABLE_PER_RANK * d->world)
+		return -EINVAL;
 	if (READ_ONCE(f->nops) >= DMLC_MAX_OPS)
 		return -EBUSY;
-	esize = s.opcode >= OP_BARRIER ? 1 : dmlc_dtype_size[s.dtype];
+	esize = dmlc_esize(s.opcode, s.dtype);
 	op = kzalloc(sizeof(*op), GFP_KERNEL);
 	if (!op)
 		return -ENOMEM;
@@ -974,7 +1118,7 @@ static long dmlc_ioctl_submit(struct dmlc_file *f, void __user *arg)
 
 	s.id = op->id;
 	if (s.flags & DMLC_SUBMIT_WAIT) {
-		err = dmlc_wait_op(f, op, s.spin_us, s.wait_ms, true, &s.done);
+		err = dmlc_wait_op(f, op, s.spin_us, s.wait_ms, true, &s.done, &s.reply);
 		/* A wait that ended early hands back the id, to wait again. */
 		if (err)
 			return dmlc_copy_out(arg, &s, sizeof(s)) ?: err;
@@ -1018,7 +1162,7 @@ static long dmlc_ioctl_wait(struct dmlc_file *f, void __user *arg)
 		return -ENOENT;
 	if (err || (w.flags & DMLC_WAIT_PEEK))
 		return err;
-	err = dmlc_wait_op(f, op, w.spin_us, w.timeout_ms, false, &w.done);
+	err = dmlc_wait_op(f, op, w.spin_us, w.timeout_ms, false, &w.done, &w.reply);
 	if (err)
 		return err;
 	return dmlc_copy_out(arg, &w, sizeof(w));
@@ -1090,7 +1234,7 @@ static ssize_t dmlc_read(struct file *file, char __user *buf, size_t len,
 		spin_unlock_irq(&d->lock);
 		if (!op)
 			break;
-		dmlc_reap(f, op, &c);
+		dmlc_reap(f, op, &c, NULL);
 		if (copy_to_user(buf + done, &c, sizeof(c)))
 			return done ? done : -EFAULT;
 		done += sizeof(c);
@@ -1165,7 +1309,7 @@ static int dmlc_release(struct inode *inode, struct file *file)
 			dev_err(&d->vdev->dev, "cannot set the device up again after the reset\n");
 	}
 	list_for_each_entry_safe(op, tmp, &f->ready, node)
-		dmlc_reap(f, op, NULL);
+		dmlc_reap(f, op, NULL, NULL);
 	WARN_ON(!list_empty(&f->ops));
 	d->owner = NULL;
 	mutex_unlock(&d->open_lock);
@@ -1200,6 +1344,9 @@ static int dmlc_read_config(struct dmlc_dev *d)
 	d->generation = DMLC_CREAD32(generation);
 #undef DMLC_CREAD32
 	d->max_bytes = virtio_cread64(vdev, offsetof(struct virtio_dmlc_config, max_bytes));
+	d->comm = virtio_has_feature(vdev, VIRTIO_DMLC_F_COMM);
+	if (d->comm)
+		d->max_comms = virtio_cread32(vdev, DMLC_MAX_COMMS_OFFSET);
 	if (!d->world || d->rank >= d->world || !d->nq || d->max_segments < 2) {
 		dev_err(&vdev->dev, "bad config: rank %u of %u, %u queues, %u segments\n",
 			d->rank, d->world, d->nq, d->max_segments);
@@ -1213,6 +1360,21 @@ static int dmlc_probe(struct virtio_device *vdev)
 	struct dmlc_dev *d;
 	int err;
 
+	BUILD_BUG_ON(sizeof(struct virtio_dmlc_req_comm) != 48);
+	BUILD_BUG_ON(sizeof(struct virtio_dmlc_resp_comm) != 40);
+	BUILD_BUG_ON(DMLC_MAX_COMMS_OFFSET != 0x30);
+	BUILD_BUG_ON(offsetof(struct dmlc_req, table) != offsetofend(struct dmlc_req, hdr));
+	/*
+	 * The ioctl ABI, as driver/src/kernel.rs mirrors it: the fields of
+	 * feature bit 1 start where the first version's structs ended.
+	 */
+	BUILD_BUG_ON(sizeof(struct dmlc_info) != 112);
+	BUILD_BUG_ON(offsetof(struct dmlc_info, max_comms) != 104);
+	BUILD_BUG_ON(sizeof(struct dmlc_submit) != 184);
+	BUILD_BUG_ON(offsetof(struct dmlc_submit, comm) != 136);
+	BUILD_BUG_ON(offsetof(struct dmlc_submit, reply) != 160);
+	BUILD_BUG_ON(sizeof(struct dmlc_wait) != 96);
+	BUILD_BUG_ON(offsetof(struct dmlc_wait, reply) != 72);
 	if (!vdev->config->get) {
 		dev_err(&vdev->dev, "the transport has no config space access\n");
 		return -EINVAL;
@@ -1249,8 +1411,8 @@ static int dmlc_probe(struct virtio_device *vdev)
 		dmlc_stop(d, -ENODEV);
 		goto put;
 	}
-	dev_info(&vdev->dev, "/dev/%s: rank %u of %u, %u queues, %u segments\n",
-		 d->name, d->rank, d->world, d->nq, d->max_segments);
+	dev_info(&vdev->dev, "/dev/%s: rank %u of %u, %u queues, %u segments, features %#llx\n",
+		 d->name, d->rank, d->world, d->nq, d->max_segments, vdev->features);
 	return 0;
 put:
 	kref_put(&d->ref, dmlc_free_dev);
@@ -1291,7 +1453,26 @@ static const struct virtio_device_id dmlc_id_table[] = {
 
 static unsigned int dmlc_features[] = {
 	VIRTIO_DMLC_F_REQ_TIMEOUT,
+	VIRTIO_DMLC_F_COMM,
+	VIRTIO_DMLC_F_P2P,
+	VIRTIO_DMLC_F_BLOCKS,
 };
+
+/*
+ * Before FEATURES_OK: none of bits 1 to 3 with comm=0, and bits 2 and 3
+ * only with bit 1 (spec DRV-COMM-1), for a device that offers them
+ * without it.
+ */
+static int dmlc_validate(struct virtio_device *vdev)
+{
+	if (!dmlc_comm)
+		__virtio_clear_bit(vdev, VIRTIO_DMLC_F_COMM);
+	if (!virtio_has_feature(vdev, VIRTIO_DMLC_F_COMM)) {
+		__virtio_clear_bit(vdev, VIRTIO_DMLC_F_P2P);
+		__virtio_clear_bit(vdev, VIRTIO_DMLC_F_BLOCKS);
+	}
+	return 0;
+}
 
 static struct virtio_driver dmlc_driver = {
 	.driver.name = KBUILD_MODNAME,
@@ -1299,6 +1480,7 @@ static struct virtio_driver dmlc_driver = {
 	.feature_table = dmlc_features,
 	.feature_table_size = ARRAY_SIZE(dmlc_features),
 	.id_table = dmlc_id_table,
+	.validate = dmlc_validate,
 	.probe = dmlc_probe,
 	.remove = dmlc_remove,
 	.config_changed = dmlc_config_changed,

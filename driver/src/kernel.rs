@@ -12,6 +12,12 @@
 //! `submit_raw` is refused (the module builds every chain), `queue_size`
 //! is the module's business (0 here), and a collective larger than one
 //! device request is split by the module (`chunk_bytes` in `info`).
+//!
+//! Where the module negotiated feature bit 1 (communicators, spec
+//! 5.X.6.13), a request's communicator, peer, key and table travel in the
+//! fields `DMLC_IOC_SUBMIT` gained for them, and the response's length,
+//! new communicator and `peer_world` come back in its `reply`; the device
+//! then has the same communicator state as over the other transports.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -20,12 +26,11 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use virtio_dmlc::{
-    too_big, VirtioDmlcConfig, VirtioDmlcReq, VirtioDmlcResp, CONFIG_SIZE, RESP_SIZE,
-};
+use virtio_dmlc::comm::{VirtioDmlcConfigComm, RESP_COMM_SIZE, VIRTIO_DMLC_F_COMM};
+use virtio_dmlc::{too_big, unsupported, VirtioDmlcConfig, VirtioDmlcResp, RESP_SIZE};
 use zerocopy::IntoBytes;
 
-use crate::device::{Completion, Device, Done, Handle, Lease, OpenOptions, RawDesc};
+use crate::device::{Completion, Device, Done, Handle, Header, Lease, OpenOptions, RawDesc, Reply};
 use crate::dma::{CallerMemory, DmaMemory, MemfdMemory};
 use crate::error::{Error, Result};
 use crate::transport::{QueueAddrs, Transport, TransportError};
@@ -65,6 +70,9 @@ struct Info {
     pinned_total: u64,
     in_flight: u32,
     resets: u32,
+    /// Added with feature bit 1; 0 from a module without it.
+    max_comms: u32,
+    reserved: u32,
 }
 
 #[repr(C)]
@@ -89,6 +97,17 @@ struct KCompletion {
     reserved: u32,
 }
 
+/// `struct dmlc_reply`: what a response of feature bit 1 adds.
+#[repr(C)]
+#[derive(Default, Clone, Copy, Debug, PartialEq, Eq)]
+struct KReply {
+    length: u64,
+    comm: u32,
+    comm_rank: u32,
+    comm_size: u32,
+    peer_world: u32,
+}
+
 #[repr(C)]
 #[derive(Default, Clone, Copy)]
 struct Submit {
@@ -111,6 +130,14 @@ struct Submit {
     wait_ms: u32,
     id: u64,
     done: KCompletion,
+    // Added with feature bit 1 (a module without it reads 0 past its size).
+    comm: u32,
+    peer: u32,
+    key: u32,
+    table_bytes: u32,
+    /// User pointer to `table_bytes` bytes of table.
+    table: u64,
+    reply: KReply,
 }
 
 #[repr(C)]
@@ -122,7 +149,31 @@ struct Wait {
     timeout_ms: u32,
     spin_us: u32,
     done: KCompletion,
+    reply: KReply,
 }
+
+// The layouts of kernel-driver/include/uapi/virtio_dmlc.h (x86-64 and every
+// other 64-bit ABI: no padding in any of them), which the module checks
+// with the same numbers (BUILD_BUG_ON in dmlc_probe). The offsets of the
+// first added fields are the sizes of the first version of each struct,
+// which the module still accepts.
+const _: () = {
+    use std::mem::{offset_of, size_of};
+    assert!(size_of::<Iovec>() == 16);
+    assert!(size_of::<KCompletion>() == 48);
+    assert!(size_of::<KReply>() == 24);
+    assert!(size_of::<Info>() == 112);
+    assert!(offset_of!(Info, max_comms) == 104);
+    assert!(size_of::<Submit>() == 184);
+    assert!(offset_of!(Submit, id) == 80);
+    assert!(offset_of!(Submit, done) == 88);
+    assert!(offset_of!(Submit, comm) == 136);
+    assert!(offset_of!(Submit, table) == 152);
+    assert!(offset_of!(Submit, reply) == 160);
+    assert!(size_of::<Wait>() == 96);
+    assert!(offset_of!(Wait, done) == 24);
+    assert!(offset_of!(Wait, reply) == 72);
+};
 
 /// The argsz of an ioctl struct.
 fn argsz<T>() -> u32 {
@@ -133,7 +184,9 @@ fn argsz<T>() -> u32 {
 fn ioctl_once<T>(file: &File, cmd: libc::c_ulong, arg: &mut T) -> std::io::Result<()> {
     // SAFETY: `arg` is a live, writable `#[repr(C)]` struct of the layout
     // the module expects for `cmd`, and starts with its argsz; the module
-    // writes back at most argsz bytes.
+    // writes back at most argsz bytes. The user pointers inside it (a
+    // submit's iovec arrays and table) are the callers' live slices of the
+    // lengths they give, and the module reads them within this call.
     let r = unsafe { libc::ioctl(file.as_raw_fd(), cmd, std::ptr::from_mut(arg)) };
     if r == 0 {
         Ok(())
@@ -165,6 +218,11 @@ fn read_info(file: &File) -> std::result::Result<Info, TransportError> {
     Ok(info)
 }
 
+/// True if the module negotiated feature bit 1 (communicators).
+fn has_comm(info: &Info) -> bool {
+    info.features & (1 << VIRTIO_DMLC_F_COMM) != 0
+}
+
 /// The config space as the module read it (generation and group id afresh).
 fn config_of(info: &Info) -> VirtioDmlcConfig {
     VirtioDmlcConfig {
@@ -178,6 +236,23 @@ fn config_of(info: &Info) -> VirtioDmlcConfig {
         opcodes: info.opcodes.into(),
         generation: info.generation.into(),
         group_id: info.group_id.into(),
+    }
+}
+
+/// The config space's bytes as the device shows them: with feature bit 1,
+/// `max_comms` after the fields of 5.X.4 (spec 5.X.6.13.1).
+fn config_bytes(info: &Info) -> Vec<u8> {
+    let base = config_of(info);
+    if has_comm(info) {
+        VirtioDmlcConfigComm {
+            base,
+            max_comms: info.max_comms.into(),
+            reserved: 0.into(),
+        }
+        .as_bytes()
+        .to_vec()
+    } else {
+        base.as_bytes().to_vec()
     }
 }
 
@@ -211,12 +286,10 @@ impl Transport for KernelTransport {
         offset: usize,
         buf: &mut [u8],
     ) -> std::result::Result<(), TransportError> {
-        let info = read_info(&self.file)?;
-        let config = config_of(&info);
-        let raw = config.as_bytes();
+        let raw = config_bytes(&read_info(&self.file)?);
         let end = offset
             .checked_add(buf.len())
-            .filter(|&e| e <= CONFIG_SIZE)
+            .filter(|&e| e <= raw.len())
             .ok_or(TransportError::Unsupported(
                 "a config read past the config space",
             ))?;
@@ -273,6 +346,8 @@ pub(crate) struct KernelFile {
     file: Arc<File>,
     queues: u16,
     spin: Spin,
+    /// The module negotiated feature bit 1: its completions carry a reply.
+    comm: bool,
     /// Each collective's holds on its buffers, by the module's id.
     leases: Mutex<HashMap<u64, Vec<Lease>>>,
     /// Where buffers over the caller's own memory come from
@@ -330,6 +405,7 @@ pub fn open(node: Option<&Path>, opts: &OpenOptions) -> Result<Device> {
         file,
         queues,
         spin,
+        comm: has_comm(&info),
         leases: Mutex::new(HashMap::new()),
         caller: Arc::new(CallerMemory),
     };
@@ -419,13 +495,14 @@ impl KernelFile {
         }
     }
 
-    /// Submits `chain` (a standard one); with `wait`, blocks until it is
-    /// done or the deadline (`None` inside: no limit) passes and returns
-    /// its outcome too, in one system call when nothing interrupts it.
+    /// Submits `chain` (a standard one) under `header`; with `wait`,
+    /// blocks until it is done or the deadline (`None` inside: no limit)
+    /// passes and returns its outcome too, in one system call when nothing
+    /// interrupts it.
     pub(crate) fn submit(
         &self,
         queue: u16,
-        header: &VirtioDmlcReq,
+        header: &Header<'_>,
         chain: &[RawDesc],
         leases: Vec<Lease>,
         wait: Option<Option<Instant>>,
@@ -437,27 +514,8 @@ impl KernelFile {
             )));
         }
         let (input, output) = iovecs(chain)?;
-        let mut s = Submit {
-            argsz: argsz::<Submit>(),
-            flags: if header.flags.get() & virtio_dmlc::FLAG_IN_PLACE != 0 {
-                SUBMIT_IN_PLACE
-            } else {
-                0
-            },
-            opcode: header.opcode.get(),
-            dtype: header.dtype,
-            op: header.op,
-            root: header.root.get(),
-            count: header.count.get(),
-            tag: header.tag.get(),
-            timeout_ms: header.timeout_ms.get(),
-            queue: u32::from(queue),
-            in_iov: input.as_ptr() as u64,
-            out_iov: output.as_ptr() as u64,
-            in_cnt: input.len() as u32,
-            out_cnt: output.len() as u32,
-            ..Submit::default()
-        };
+        // `input`, `output` and the header's table outlive the ioctl below.
+        let mut s = submit_args(queue, header, &input, &output)?;
         if let Some(deadline) = wait {
             let limit = deadline.map(|d| d.saturating_duration_since(Instant::now()));
             s.flags |= SUBMIT_WAIT;
@@ -476,6 +534,11 @@ impl KernelFile {
                 libc::ENODEV => Error::Transport(TransportError::Disconnected {
                     during: "DMLC_IOC_SUBMIT (the device was removed)",
                 }),
+                // A communicator's fields where the module did not
+                // negotiate bit 1 ([`Device`] sends them only where it did).
+                libc::EOPNOTSUPP => Error::Unsupported {
+                    detail: unsupported::OPCODE,
+                },
                 errno => os_error("DMLC_IOC_SUBMIT", errno),
             });
         }
@@ -488,7 +551,7 @@ impl KernelFile {
             }
             (Some(_), None) => {
                 drop(leases); // the module is done with every buffer
-                Ok((handle, Some(outcome(&s.done))))
+                Ok((handle, Some(self.outcome(&s.done, &s.reply))))
             }
             // Submitted, but the wait ended early: wait again, as a
             // separate call, until the caller's deadline.
@@ -526,16 +589,16 @@ impl KernelFile {
             };
             match ioctl_once(&self.file, IOC_WAIT, &mut w) {
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                r => break r.map(|()| w.done),
+                r => break r.map(|()| (w.done, w.reply)),
             }
         };
         match r {
-            Ok(done) => {
+            Ok((done, reply)) => {
                 self.leases
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .remove(&h.serial());
-                outcome(&done)
+                self.outcome(&done, &reply)
             }
             Err(e) => Err(match e.raw_os_error().unwrap_or(0) {
                 libc::ETIMEDOUT => Error::WaitTimeout,
@@ -543,6 +606,12 @@ impl KernelFile {
                 errno => os_error("DMLC_IOC_WAIT", errno),
             }),
         }
+    }
+
+    /// The outcome of a completion the module reported, with its reply
+    /// where the module negotiated feature bit 1.
+    fn outcome(&self, c: &KCompletion, reply: &KReply) -> Result<Done> {
+        outcome(c, self.comm.then_some(reply))
     }
 
     /// True if `h` is done (its result waits in [`Self::wait`]).
@@ -564,8 +633,63 @@ impl KernelFile {
     }
 }
 
-/// The outcome of a completion the module reported.
-fn outcome(c: &KCompletion) -> Result<Done> {
+/// The arguments of `DMLC_IOC_SUBMIT` for `header` over these iovecs (not
+/// yet the wait's): pointers into `input`, `output` and the header's
+/// table, which must outlive the ioctl.
+fn submit_args(
+    queue: u16,
+    header: &Header<'_>,
+    input: &[Iovec],
+    output: &[Iovec],
+) -> Result<Submit> {
+    let base = header.base();
+    let pieces = |v: &[Iovec]| {
+        u32::try_from(v.len()).map_err(|_| {
+            Error::InvalidArgument(format!("{} buffer pieces in one request", v.len()))
+        })
+    };
+    let mut s = Submit {
+        argsz: argsz::<Submit>(),
+        flags: if base.flags.get() & virtio_dmlc::FLAG_IN_PLACE != 0 {
+            SUBMIT_IN_PLACE
+        } else {
+            0
+        },
+        opcode: base.opcode.get(),
+        dtype: base.dtype,
+        op: base.op,
+        root: base.root.get(),
+        count: base.count.get(),
+        tag: base.tag.get(),
+        timeout_ms: base.timeout_ms.get(),
+        queue: u32::from(queue),
+        in_iov: input.as_ptr() as u64,
+        out_iov: output.as_ptr() as u64,
+        in_cnt: pieces(input)?,
+        out_cnt: pieces(output)?,
+        ..Submit::default()
+    };
+    if let Header::Comm(h, table) = header {
+        s.comm = h.comm.get();
+        s.peer = h.peer.get();
+        s.key = h.key.get();
+        // The module copies this many bytes from `table`: its length, not
+        // the header's word for it (which [`Device`] makes equal).
+        debug_assert_eq!(h.table_bytes.get() as usize, table.len());
+        s.table_bytes = u32::try_from(table.len())
+            .map_err(|_| Error::InvalidArgument(format!("a table of {} bytes", table.len())))?;
+        s.table = if table.is_empty() {
+            0
+        } else {
+            table.as_ptr() as u64
+        };
+    }
+    Ok(s)
+}
+
+/// The outcome of a completion the module reported; `reply` with feature
+/// bit 1 (its fields become [`Reply`]'s, as over the other transports).
+fn outcome(c: &KCompletion, reply: Option<&KReply>) -> Result<Done> {
     if c.error != 0 {
         return Err(driver_error(-c.error));
     }
@@ -575,11 +699,156 @@ fn outcome(c: &KCompletion) -> Result<Done> {
         peer: c.peer.into(),
         generation: c.generation.into(),
     };
+    let (resp_size, reply) = match reply {
+        Some(r) => (
+            RESP_COMM_SIZE,
+            Reply {
+                length: r.length,
+                comm: r.comm,
+                comm_rank: r.comm_rank,
+                comm_size: r.comm_size,
+                peer: c.peer,
+                peer_world: r.peer_world,
+            },
+        ),
+        None => (RESP_SIZE, Reply::default()),
+    };
     crate::device::completion_result(&Completion {
-        len: c.written.max(RESP_SIZE as u32),
+        len: c.written.max(resp_size as u32),
         resp,
         has_resp: true,
-        // The kernel driver's responses are those of 5.X.6.1.
-        reply: Default::default(),
+        reply,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use virtio_dmlc::comm::{CommOpcode, VirtioDmlcReqComm, ANY_SOURCE};
+    use virtio_dmlc::{Opcode, VirtioDmlcReq, CONFIG_SIZE, STATUS_TRUNCATE};
+
+    use super::*;
+
+    fn info(features: u64) -> Info {
+        Info {
+            rank: 1,
+            world_size: 3,
+            num_queues: 2,
+            max_segments: 64,
+            group_id: 0x1234,
+            features,
+            max_comms: 9,
+            ..Info::default()
+        }
+    }
+
+    #[test]
+    fn the_config_space_has_max_comms_only_with_bit_1() {
+        let with = config_bytes(&info(1 << VIRTIO_DMLC_F_COMM));
+        assert_eq!(with.len(), std::mem::size_of::<VirtioDmlcConfigComm>());
+        assert_eq!(&with[0x30..0x34], &9u32.to_le_bytes());
+        assert_eq!(&with[..CONFIG_SIZE], config_of(&info(0)).as_bytes());
+        let without = config_bytes(&info(0));
+        assert_eq!(without.len(), CONFIG_SIZE);
+    }
+
+    fn base(opcode: u16, count: u64) -> VirtioDmlcReq {
+        VirtioDmlcReq {
+            opcode: opcode.into(),
+            dtype: 0,
+            op: 0,
+            root: 2.into(),
+            count: count.into(),
+            tag: 77.into(),
+            flags: 0.into(),
+            timeout_ms: 500.into(),
+        }
+    }
+
+    #[test]
+    fn a_comm_header_fills_the_added_fields_and_a_base_one_leaves_them_0() {
+        let input = [Iovec {
+            addr: 0x1000,
+            len: 8,
+        }];
+        let s = submit_args(3, &Header::Base(base(0, 2)), &input, &[]).unwrap();
+        assert_eq!(s.argsz, 184);
+        assert_eq!((s.opcode, s.root, s.count, s.tag), (0, 2, 2, 77));
+        assert_eq!((s.timeout_ms, s.queue, s.in_cnt, s.out_cnt), (500, 3, 1, 0));
+        assert_eq!(s.in_iov, input.as_ptr() as u64);
+        assert_eq!(
+            (s.comm, s.peer, s.key, s.table_bytes, s.table),
+            (0, 0, 0, 0, 0)
+        );
+
+        let table = [1u8, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0];
+        let h = VirtioDmlcReqComm {
+            base: base(CommOpcode::Gatherv.raw(), 1),
+            comm: 5.into(),
+            peer: ANY_SOURCE.into(),
+            key: 4.into(),
+            table_bytes: (table.len() as u32).into(),
+        };
+        let s = submit_args(0, &Header::Comm(h, &table), &[], &input).unwrap();
+        assert_eq!(s.opcode, CommOpcode::Gatherv.raw());
+        assert_eq!((s.comm, s.peer, s.key), (5, ANY_SOURCE, 4));
+        assert_eq!((s.table_bytes, s.table), (16, table.as_ptr() as u64));
+        assert_eq!((s.in_cnt, s.out_cnt), (0, 1));
+
+        // A comm header without a table passes no table pointer.
+        let h = VirtioDmlcReqComm {
+            base: base(Opcode::Allreduce.raw(), 1),
+            ..VirtioDmlcReqComm::default()
+        };
+        let s = submit_args(0, &Header::Comm(h, &[]), &[], &[]).unwrap();
+        assert_eq!((s.table_bytes, s.table), (0, 0));
+    }
+
+    fn completion(status: u32, peer: u32) -> KCompletion {
+        KCompletion {
+            status,
+            peer,
+            generation: 4,
+            written: 40 + 12,
+            ..KCompletion::default()
+        }
+    }
+
+    const REPLY: KReply = KReply {
+        length: 12,
+        comm: 7,
+        comm_rank: 1,
+        comm_size: 2,
+        peer_world: 3,
+    };
+
+    #[test]
+    fn a_completion_with_bit_1_carries_the_reply_as_the_rings_do() {
+        let done = outcome(&completion(0, 1), Some(&REPLY)).unwrap();
+        assert_eq!((done.generation, done.written), (4, 52));
+        assert_eq!(
+            done.reply,
+            Reply {
+                length: 12,
+                comm: 7,
+                comm_rank: 1,
+                comm_size: 2,
+                peer: 1,
+                peer_world: 3,
+            }
+        );
+        // A truncation names the other end's size and rank.
+        match outcome(&completion(STATUS_TRUNCATE, 1), Some(&REPLY)) {
+            Err(Error::Truncated { length, peer }) => assert_eq!((length, peer), (12, 1)),
+            other => panic!("{other:?}"),
+        }
+        // Without bit 1 the reply is all 0, as over the rings.
+        let done = outcome(&completion(0, 1), None).unwrap();
+        assert_eq!(done.reply, Reply::default());
+        // A collective the module ended has no device status.
+        let ended = KCompletion {
+            error: -libc::ECONNRESET,
+            ..completion(0, 1)
+        };
+        assert!(matches!(outcome(&ended, Some(&REPLY)), Err(Error::Reset)));
+    }
 }

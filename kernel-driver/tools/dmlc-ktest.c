@@ -4,7 +4,8 @@
  * buffers from plain malloc, straight through the ioctl ABI.
  *
  *   dmlc-ktest [--dev PATH] info
- *   dmlc-ktest [--dev PATH] selftest [--quick]
+ *   dmlc-ktest [--dev PATH] selftest [--quick]   (with feature bits 1 to 3:
+ *                                                 their ABI fields too)
  *   dmlc-ktest [--dev PATH] bench [--iters N] [--spin-us US]
  *   dmlc-ktest [--dev PATH] hold
  *
@@ -12,9 +13,11 @@
  * the inputs every rank derives from its own rank: no check goes through
  * the device under test.
  */
+#include <assert.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,13 +28,26 @@
 
 #include "../include/uapi/virtio_dmlc.h"
 
-enum { ALLREDUCE, BROADCAST, REDUCE, ALLGATHER, REDUCE_SCATTER, BARRIER, NOP };
+enum { ALLREDUCE, BROADCAST, REDUCE, ALLGATHER, REDUCE_SCATTER, BARRIER, NOP,
+	SEND, RECV, ALLTOALL, ALLTOALLV, GATHER, GATHERV, SCATTER, SCATTERV,
+	COMM_SPLIT, COMM_CREATE, COMM_FREE };
 enum { F32 = 0 };
 enum { SUM = 0, MAX = 3 };
+enum { STATUS_BAD_REQUEST = 1, BAD_COMM = 14 };
 static const char *const status_name[] = {
 	"ok", "bad_request", "mismatch", "peer_lost", "timeout",
-	"unsupported", "too_big", "reset",
+	"unsupported", "too_big", "reset", "truncate",
 };
+
+/*
+ * The sizes of the first version of the ABI's structs, before the fields
+ * of feature bit 1: what binaries built against it pass as argsz.
+ */
+#define V1_INFO		offsetof(struct dmlc_info, max_comms)
+#define V1_SUBMIT	offsetof(struct dmlc_submit, comm)
+#define V1_WAIT		offsetof(struct dmlc_wait, reply)
+static_assert(V1_INFO == 104 && V1_SUBMIT == 136 && V1_WAIT == 72,
+	      "the first version's struct sizes");
 
 static int fd = -1;
 static struct dmlc_info info;
@@ -70,7 +86,7 @@ static const char *outcome(const struct dmlc_completion *c)
 		snprintf(buf, sizeof(buf), "driver error %s", strerror(-c->error));
 	else
 		snprintf(buf, sizeof(buf), "status %s detail %u peer %d",
-			 c->status < 8 ? status_name[c->status] : "?", c->detail,
+			 c->status < 9 ? status_name[c->status] : "?", c->detail,
 			 (int)c->peer);
 	return buf;
 }
@@ -95,6 +111,17 @@ static struct dmlc_completion run(uint16_t opcode, uint8_t op, uint32_t root,
 	if (ioctl(fd, DMLC_IOC_SUBMIT, &s))
 		die("DMLC_IOC_SUBMIT: %s", strerror(errno));
 	return s.done;
+}
+
+/* Submits s (argsz, fields and buffers set) and waits for it. */
+static void submit_wait(struct dmlc_submit *s)
+{
+	s->flags |= DMLC_SUBMIT_WAIT;
+	s->spin_us = spin_us;
+	if (!s->timeout_ms)
+		s->timeout_ms = 60000;
+	if (ioctl(fd, DMLC_IOC_SUBMIT, s))
+		die("DMLC_IOC_SUBMIT: %s", strerror(errno));
 }
 
 static void expect_ok(const char *what, const struct dmlc_completion *c)
@@ -335,12 +362,314 @@ static void test_refusals(void)
 	checks += 3;
 }
 
+/* True if bytes [from, size) of p still hold the 0xa5 they were set to. */
+static int tail_intact(const void *p, size_t from, size_t size)
+{
+	const unsigned char *b = p;
+
+	for (size_t i = from; i < size; i++)
+		if (b[i] != 0xa5)
+			return 0;
+	return 1;
+}
+
+/*
+ * A caller built against the first version of the ABI still works: the
+ * structs end before the fields of feature bit 1, and the bytes after
+ * them (0xa5 here) are neither read (they would name communicator
+ * 0xa5a5a5a5 and a table far too large) nor written.
+ */
+static void test_old_argsz(void)
+{
+	enum { COUNT = 300 };
+	float *in = alloc_f32(COUNT), *out = alloc_f32(COUNT);
+	struct dmlc_iovec iv = { (uintptr_t)in, COUNT * 4 }, ov = { (uintptr_t)out, COUNT * 4 };
+	struct dmlc_info oi;
+	struct dmlc_submit s;
+	struct dmlc_wait w;
+
+	memset(&oi, 0xa5, sizeof(oi));
+	memset(&oi, 0, V1_INFO);
+	oi.argsz = V1_INFO;
+	if (ioctl(fd, DMLC_IOC_INFO, &oi))
+		die("DMLC_IOC_INFO of the first version's size: %s", strerror(errno));
+	if (!tail_intact(&oi, V1_INFO, sizeof(oi)) || oi.rank != info.rank ||
+	    oi.world_size != info.world_size)
+		die("DMLC_IOC_INFO of the first version's size: %s",
+		    "wrong answer, or bytes written past argsz");
+	checks++;
+
+	/* A waiting submit of the first version's size ... */
+	fill(in, info.rank, 0, COUNT);
+	memset(&s, 0xa5, sizeof(s));
+	memset(&s, 0, V1_SUBMIT);
+	s.argsz = V1_SUBMIT;
+	s.opcode = ALLREDUCE;
+	s.dtype = F32;
+	s.op = SUM;
+	s.count = COUNT;
+	s.in_iov = (uintptr_t)&iv;
+	s.in_cnt = 1;
+	s.out_iov = (uintptr_t)&ov;
+	s.out_cnt = 1;
+	submit_wait(&s);
+	if (!tail_intact(&s, V1_SUBMIT, sizeof(s)))
+		die("a submit of the first version's size: %s", "bytes written past argsz");
+	expect_ok("allreduce with the first version's argsz", &s.done);
+	check("allreduce with the first version's argsz", out, COUNT, want_sum, NULL);
+
+	/* ... and one reaped by a DMLC_IOC_WAIT of the first version's size. */
+	memset(out, 0, COUNT * 4);
+	s.flags = 0;
+	s.id = 0;
+	if (ioctl(fd, DMLC_IOC_SUBMIT, &s) || !s.id)
+		die("DMLC_IOC_SUBMIT of the first version's size: %s", strerror(errno));
+	memset(&w, 0xa5, sizeof(w));
+	memset(&w, 0, V1_WAIT);
+	w.argsz = V1_WAIT;
+	w.id = s.id;
+	w.timeout_ms = 60000;
+	w.spin_us = spin_us;
+	if (ioctl(fd, DMLC_IOC_WAIT, &w))
+		die("DMLC_IOC_WAIT of the first version's size: %s", strerror(errno));
+	if (!tail_intact(&w, V1_WAIT, sizeof(w)) || !tail_intact(&s, V1_SUBMIT, sizeof(s)))
+		die("a wait of the first version's size: %s", "bytes written past argsz");
+	expect_ok("allreduce reaped with the first version's argsz", &w.done);
+	check("allreduce reaped with the first version's argsz", out, COUNT, want_sum, NULL);
+	free_f32(in);
+	free_f32(out);
+	printf("rank %u: callers of the first ABI version (argsz %zu, %zu, %zu): ok\n",
+	       info.rank, V1_INFO, V1_SUBMIT, V1_WAIT);
+}
+
+/* A receive's element i: rank 0's message, then what was there before. */
+static float want_received(uint64_t i, void *ctx)
+{
+	uint64_t len = *(uint64_t *)ctx;
+
+	return i < len ? input(0, i) : -1.0f;
+}
+
+/*
+ * Rank 0 sends 40 f32 to rank 1, which receives them from any source into
+ * room for 50 (200 bytes: a buffer the driver copies rather than pins):
+ * the reply names the length and the sender, and the rest of the room
+ * keeps what it held.
+ */
+static void test_send_recv(void)
+{
+	enum { LEN = 40, ROOM = 50 };
+	float *buf = alloc_f32(ROOM);
+	struct dmlc_iovec v = { (uintptr_t)buf, 0 };
+	struct dmlc_submit s = { .argsz = sizeof(s), .dtype = F32, .tag = 7 };
+	uint64_t len = LEN;
+
+	if (info.rank > 1)
+		goto out;
+	if (info.rank == 0) {
+		fill(buf, 0, 0, LEN);
+		v.len = LEN * 4;
+		s.opcode = SEND;
+		s.peer = 1;
+		s.count = LEN;
+		s.in_iov = (uintptr_t)&v;
+		s.in_cnt = 1;
+	} else {
+		for (int i = 0; i < ROOM; i++)
+			buf[i] = -1.0f;
+		v.len = ROOM * 4;
+		s.opcode = RECV;
+		s.peer = DMLC_ANY_SOURCE;
+		s.count = ROOM;
+		s.out_iov = (uintptr_t)&v;
+		s.out_cnt = 1;
+	}
+	submit_wait(&s);
+	expect_ok(info.rank ? "receive" : "send", &s.done);
+	/* Both ends learn the length; the receive also its sender. */
+	if (s.reply.length != LEN * 4 ||
+	    (info.rank && (s.done.peer != 0 || s.reply.peer_world != 0))) {
+		fprintf(stderr, "dmlc-ktest: rank %u: length %llu peer %u/%u, want %u (and 0/0)\n",
+			info.rank, (unsigned long long)s.reply.length, s.done.peer,
+			s.reply.peer_world, LEN * 4);
+		exit(1);
+	}
+	if (info.rank) {
+		check("receive from any source", buf, ROOM, want_received, &len);
+		printf("rank 1: received %u bytes from any source (rank 0), room %u: ok\n",
+		       LEN * 4, ROOM * 4);
+	} else {
+		checks++;
+		printf("rank 0: sent %u bytes to rank 1: ok\n", LEN * 4);
+	}
+out:
+	free_f32(buf);
+}
+
+/*
+ * The fields of feature bit 1 on the raw ABI. Without the bit (module
+ * parameter comm=0) neither bit 2 nor 3 is negotiated, and a request
+ * that sets one of the fields is refused with EOPNOTSUPP. With it: a
+ * comm_split that reverses the ranks, reaped by DMLC_IOC_WAIT with its
+ * reply; an allreduce on the new communicator; its comm_free, after
+ * which the device refuses the id (BAD_COMM); a table over 16 bytes a
+ * rank (EINVAL); a send and a receive from any source.
+ */
+static void test_comm_fields(void)
+{
+	uint32_t w = info.world_size, key = w - 1 - info.rank, comm;
+	struct dmlc_submit s = { .argsz = sizeof(s), .opcode = BARRIER };
+	struct dmlc_wait wt = { .argsz = sizeof(wt), .timeout_ms = 60000 };
+	float *in = alloc_f32(100), *out = alloc_f32(100);
+	struct dmlc_iovec iv = { (uintptr_t)in, 400 }, ov = { (uintptr_t)out, 400 };
+	uint64_t table[4] = { 0 };
+
+	if (!(info.features & (1ull << DMLC_F_COMM))) {
+		/* spec DRV-COMM-1: bits 2 and 3 never without bit 1 */
+		if (info.features & (1ull << DMLC_F_P2P | 1ull << DMLC_F_BLOCKS))
+			die("feature bit 2 or 3 negotiated without bit 1 (%s)", "DRV-COMM-1");
+		s.comm = 1;
+		if (ioctl(fd, DMLC_IOC_SUBMIT, &s) == 0 || errno != EOPNOTSUPP)
+			die("a comm without feature bit 1 was not refused with EOPNOTSUPP (%s)",
+			    strerror(errno));
+		s.comm = 0;
+		s.key = 1;
+		if (ioctl(fd, DMLC_IOC_SUBMIT, &s) == 0 || errno != EOPNOTSUPP)
+			die("a key without feature bit 1 was not refused with EOPNOTSUPP (%s)",
+			    strerror(errno));
+		checks += 3;
+		printf("rank %u: no feature bit 1 (%#llx): comm fields refused (EOPNOTSUPP): ok\n",
+		       info.rank, (unsigned long long)info.features);
+		goto out;
+	}
+	s.table = (uintptr_t)table;
+	s.table_bytes = 16 * w + 1;
+	if (ioctl(fd, DMLC_IOC_SUBMIT, &s) == 0 || errno != EINVAL)
+		die("a table over 16 bytes a rank was not refused with EINVAL (%s)",
+		    strerror(errno));
+	checks++;
+
+	/* comm_split: one color, keys in reverse, reaped with DMLC_IOC_WAIT */
+	s = (struct dmlc_submit){ .argsz = sizeof(s), .opcode = COMM_SPLIT, .peer = 0,
+		.key = key, .timeout_ms = 60000 };
+	if (ioctl(fd, DMLC_IOC_SUBMIT, &s))
+		die("comm_split: DMLC_IOC_SUBMIT: %s", strerror(errno));
+	wt.id = s.id;
+	wt.spin_us = spin_us;
+	if (ioctl(fd, DMLC_IOC_WAIT, &wt))
+		die("comm_split: DMLC_IOC_WAIT: %s", strerror(errno));
+	expect_ok("comm_split", &wt.done);
+	comm = wt.reply.comm;
+	if (!comm || wt.reply.comm_rank != key || wt.reply.comm_size != w) {
+		fprintf(stderr, "dmlc-ktest: rank %u: comm_split: %u, %u of %u, want %u of %u\n",
+			info.rank, comm, wt.reply.comm_rank, wt.reply.comm_size, key, w);
+		exit(1);
+	}
+	checks++;
+
+	/* an allreduce on it: the sum does not depend on the order */
+	fill(in, info.rank, 0, 100);
+	s = (struct dmlc_submit){ .argsz = sizeof(s), .opcode = ALLREDUCE, .dtype = F32,
+		.op = SUM, .count = 100, .comm = comm, .in_iov = (uintptr_t)&iv,
+		.in_cnt = 1, .out_iov = (uintptr_t)&ov, .out_cnt = 1 };
+	submit_wait(&s);
+	expect_ok("allreduce on the split communicator", &s.done);
+	check("allreduce on the split communicator", out, 100, want_sum, NULL);
+
+	/* comm_free, then the id is unknown */
+	s = (struct dmlc_submit){ .argsz = sizeof(s), .opcode = COMM_FREE, .comm = comm };
+	submit_wait(&s);
+	expect_ok("comm_free", &s.done);
+	s = (struct dmlc_submit){ .argsz = sizeof(s), .opcode = BARRIER, .comm = comm };
+	submit_wait(&s);
+	if (s.done.error || s.done.status != STATUS_BAD_REQUEST || s.done.detail != BAD_COMM) {
+		fprintf(stderr, "dmlc-ktest: rank %u: barrier on freed comm %u: %s, want %u\n",
+			info.rank, comm, outcome(&s.done), BAD_COMM);
+		exit(1);
+	}
+	checks++;
+	printf("rank %u: comm_split: comm %u rank %u of %u, allreduce, comm_free: ok\n",
+	       info.rank, comm, key, w);
+	if (w > 1 && (info.features & (1ull << DMLC_F_P2P)))
+		test_send_recv();
+out:
+	free_f32(in);
+	free_f32(out);
+}
+
+/* Alltoall output: block j holds block rank of rank j's input. */
+static uint64_t block_count;
+static float want_alltoall(uint64_t i, void *ctx)
+{
+	(void)ctx;
+	return input(i / block_count, info.rank * block_count + i % block_count);
+}
+
+/* Scatter output: block rank of the root's input. */
+static float want_scattered(uint64_t i, void *ctx)
+{
+	return input(*(uint32_t *)ctx, info.rank * block_count + i);
+}
+
+/*
+ * All-to-all, gather (to the last rank) and scatter (from rank 0) of n
+ * f32 a block on communicator 0, which the driver splits into device
+ * requests like the other collectives.
+ */
+static void test_blocks(uint64_t n)
+{
+	uint32_t w = info.world_size, last = w - 1, first = 0;
+	float *in = alloc_f32(n * w), *out = alloc_f32(n * w);
+	struct dmlc_iovec iv = { (uintptr_t)in, 0 }, ov = { (uintptr_t)out, 0 };
+	struct dmlc_submit s;
+
+	block_count = n;
+	fill(in, info.rank, 0, n * w);
+	iv.len = n * w * 4;
+	ov.len = n * w * 4;
+	s = (struct dmlc_submit){ .argsz = sizeof(s), .opcode = ALLTOALL, .dtype = F32,
+		.count = n, .in_iov = (uintptr_t)&iv, .in_cnt = 1,
+		.out_iov = (uintptr_t)&ov, .out_cnt = 1 };
+	submit_wait(&s);
+	expect_ok("alltoall", &s.done);
+	check("alltoall", out, n * w, want_alltoall, NULL);
+	printf("rank %u: alltoall of %llu f32 ok (%u device requests)\n", info.rank,
+	       (unsigned long long)n, s.done.requests);
+
+	iv.len = n * 4;
+	s = (struct dmlc_submit){ .argsz = sizeof(s), .opcode = GATHER, .dtype = F32,
+		.root = last, .count = n, .in_iov = (uintptr_t)&iv, .in_cnt = 1,
+		.out_iov = (uintptr_t)&ov, .out_cnt = info.rank == last };
+	submit_wait(&s);
+	expect_ok("gather", &s.done);
+	gather_count = n;
+	if (info.rank == last)
+		check("gather", out, n * w, want_gather, NULL);
+	printf("rank %u: gather of %llu f32 ok (%u device requests)\n", info.rank,
+	       (unsigned long long)n, s.done.requests);
+
+	iv.len = n * w * 4;
+	ov.len = n * 4;
+	s = (struct dmlc_submit){ .argsz = sizeof(s), .opcode = SCATTER, .dtype = F32,
+		.root = first, .count = n, .in_iov = (uintptr_t)&iv,
+		.in_cnt = info.rank == first, .out_iov = (uintptr_t)&ov, .out_cnt = 1 };
+	submit_wait(&s);
+	expect_ok("scatter", &s.done);
+	check("scatter", out, n, want_scattered, &first);
+	printf("rank %u: scatter of %llu f32 ok (%u device requests)\n", info.rank,
+	       (unsigned long long)n, s.done.requests);
+	free_f32(in);
+	free_f32(out);
+}
+
 static int selftest(int quick)
 {
 	uint64_t big = info.chunk_bytes / 4 * 3 / 2 + 1;	/* two device requests */
 
 	sync_group();
 	test_refusals();
+	test_old_argsz();
+	test_comm_fields();
 	test_allreduce(1, 0);
 	test_allreduce(1000, 0);
 	test_allreduce(big, 0);
@@ -348,6 +677,8 @@ static int selftest(int quick)
 	if (!quick)
 		test_allreduce(big * 5 + 7, 0);
 	test_others(quick ? 3000 : big);
+	if (info.features & (1ull << DMLC_F_BLOCKS))
+		test_blocks(quick ? 3000 : big);
 	test_async();
 	get_info();
 	if (info.pinned_bytes || info.in_flight)
@@ -548,8 +879,9 @@ int main(int argc, char **argv)
 		printf("abi %u rank %u world %u queues %u max_segments %u chunk_bytes %u\n",
 		       info.abi_version, info.rank, info.world_size, info.num_queues,
 		       info.max_segments, info.chunk_bytes);
-		printf("generation %u group_id %#llx features %#llx\n", info.generation,
-		       (unsigned long long)info.group_id, (unsigned long long)info.features);
+		printf("generation %u group_id %#llx features %#llx max_comms %u\n",
+		       info.generation, (unsigned long long)info.group_id,
+		       (unsigned long long)info.features, info.max_comms);
 		printf("pinned_bytes %llu pinned_total %llu pinned_limit %llu",
 		       (unsigned long long)info.pinned_bytes,
 		       (unsigned long long)info.pinned_total,

@@ -1,10 +1,16 @@
 //! The kernel driver (kernel-driver/, `virtio_dmlc.ko`) in real guests:
-//! its own tool `dmlc-ktest` on buffers from plain malloc on 2 and 4 VMs, a
-//! non-root user through the group-accessible /dev/dmlc0, a process killed
-//! mid-collective (nothing stays pinned, by the module's own counters, and
-//! the group recovers), and `dmlc-guest --kernel` (the driver library's
-//! kernel transport) running the self-test unchanged, and again on buffers
-//! of its own heap handed to the device without a copy (`--caller-memory`).
+//! its own tool `dmlc-ktest` on buffers from plain malloc on 2 and 4 VMs
+//! (on 2 with feature bits 1 to 3: the ABI's communicator fields and
+//! replies, callers of the first ABI version, all-to-all, gather and
+//! scatter split by the module; on 4 with the module's `comm=0`: the
+//! headers of 5.X.6.1 and the fields refused), a non-root user through the
+//! group-accessible /dev/dmlc0, a process killed mid-collective (nothing
+//! stays pinned, by the module's own counters, and the group recovers),
+//! `dmlc-guest --kernel` (the driver library's kernel transport) running
+//! the self-test unchanged, and again on buffers of its own heap handed to
+//! the device without a copy (`--caller-memory`), and the library's
+//! communicators, send and receive, all-to-all, gather and scatter through
+//! the module on 3 VMs.
 //!
 //! `DMLC_KMOD` and `DMLC_KTEST` name the module and the tool
 //! (`eval "$(kernel-driver/build.sh | tail -n 2)"`); without them these
@@ -16,7 +22,9 @@ use std::time::{Duration, Instant};
 
 use dmlc_vm::{Image, ImageOptions, Options, VmSpec};
 
-use crate::common::{console, progress, setup, vm, wait_console, Backend, Env, Vms};
+use crate::common::{
+    console, metric, metric_sum, progress, setup, vm, wait_console, Backend, Env, Vms,
+};
 
 /// Loads the module and binds the device (the image keeps it unbound).
 const LOAD: &str = "guest-load.sh";
@@ -74,10 +82,22 @@ fn kernel_vm(command: String, backend: &Backend, rank: usize) -> VmSpec {
 }
 
 fn run_group(env: &Env, backend: &Backend, commands: &[String], what: &str) -> Vec<String> {
+    run_group_loaded(env, backend, commands, "", what)
+}
+
+/// Runs `commands[r]` in VM `r` once the module is loaded with `params`
+/// (module parameters, e.g. `comm=0`; empty: the defaults).
+fn run_group_loaded(
+    env: &Env,
+    backend: &Backend,
+    commands: &[String],
+    params: &str,
+    what: &str,
+) -> Vec<String> {
     let specs: Vec<VmSpec> = commands
         .iter()
         .enumerate()
-        .map(|(r, c)| kernel_vm(c.clone(), backend, r))
+        .map(|(r, c)| vm(format!("{LOAD} {params} && {c}"), &backend.socket(r)))
         .collect();
     let opts = Options {
         timeout: Duration::from_secs(300),
@@ -99,6 +119,63 @@ fn assert_passed(out: &str, r: usize, what: &str) {
     );
 }
 
+/// The most device requests dmlc-ktest reported for `opcode` in rank
+/// `r`'s lines "rank R: OPCODE of N f32 ok (K device requests)".
+fn most_requests(out: &str, r: usize, opcode: &str) -> u32 {
+    let head = format!("rank {r}: {opcode} of ");
+    out.lines()
+        .filter(|l| l.starts_with(&head))
+        .filter_map(|l| {
+            let k = l
+                .rsplit_once(" ok (")?
+                .1
+                .strip_suffix(" device requests)")?;
+            k.parse().ok()
+        })
+        .max()
+        .unwrap_or_else(|| panic!("rank {r} printed no {opcode} line:\n{out}"))
+}
+
+/// The lines of dmlc-guest selftest's communicator part (feature bits 1
+/// to 3) that must have run and passed: those that make and free the
+/// communicators (one line a run), then one line a dtype for each opcode
+/// that moves data.
+const COMM_SHAPE_LINES: [&str; 3] = ["comm_split", "comm_create", "comm_free"];
+const COMM_DATA_LINES: [&str; 7] = [
+    "send/recv",
+    "alltoall ",
+    "alltoallv",
+    "gather ",
+    "gatherv",
+    "scatter ",
+    "scatterv",
+];
+
+/// Checks that rank `r`'s output holds `runs` dmlc-guest selftests whose
+/// communicator part ran and passed every line, on `dtypes` dtypes each.
+fn assert_comm_part_passed(out: &str, r: usize, runs: usize, dtypes: usize) {
+    assert!(
+        !out.contains("# communicators: skipped")
+            && !out.contains("# communicators: stopped")
+            && !out.lines().any(|l| l.ends_with(" FAIL")),
+        "rank {r}: the communicator part did not run, or failed:\n{out}"
+    );
+    let lines = COMM_SHAPE_LINES
+        .iter()
+        .map(|&name| (name, runs))
+        .chain(COMM_DATA_LINES.iter().map(|&name| (name, runs * dtypes)));
+    for (name, want) in lines {
+        let passed = out
+            .lines()
+            .filter(|l| l.starts_with(name) && l.ends_with("PASS"))
+            .count();
+        assert_eq!(
+            passed, want,
+            "rank {r}: {passed} passing {name:?} lines, expected {want}:\n{out}"
+        );
+    }
+}
+
 #[test]
 fn kernel_driver_selftest_on_malloc_buffers_2_and_4_vms_and_as_non_root() {
     let test = "kernel_driver_selftest_on_malloc_buffers_2_and_4_vms_and_as_non_root";
@@ -118,11 +195,37 @@ fn kernel_driver_selftest_on_malloc_buffers_2_and_4_vms_and_as_non_root() {
             "kernel selftest, 2 VMs",
         );
         for (r, o) in out.iter().enumerate() {
+            let twice = |line: &str| {
+                assert_eq!(
+                    o.matches(line).count(),
+                    2,
+                    "rank {r} should print {line:?} as root and as user dmlc:\n{o}"
+                );
+            };
+            twice(&format!("rank {r}: all collectives ok"));
+            // Feature bits 1 to 3 on the raw ABI: the module negotiated
+            // them (the reference daemon offers them on one host).
+            twice(&format!(
+                "rank {r}: callers of the first ABI version (argsz 104, 136, 72): ok"
+            ));
+            // The split reverses the ranks: rank r is 1 - r in the new
+            // communicator, whose id the device chose.
+            let split = o
+                .lines()
+                .filter(|l| {
+                    l.starts_with(&format!("rank {r}: comm_split: comm "))
+                        && l.ends_with(&format!(" rank {} of 2, allreduce, comm_free: ok", 1 - r))
+                })
+                .count();
             assert_eq!(
-                o.matches(&format!("rank {r}: all collectives ok")).count(),
-                2,
-                "rank {r} should pass as root and as user dmlc:\n{o}"
+                split, 2,
+                "rank {r}: the raw comm_split did not pass twice:\n{o}"
             );
+            twice(if r == 0 {
+                "rank 0: sent 160 bytes to rank 1: ok"
+            } else {
+                "rank 1: received 160 bytes from any source (rank 0), room 200: ok"
+            });
             assert!(
                 o.contains("uid 1000"),
                 "rank {r} did not run as uid 1000:\n{o}"
@@ -131,15 +234,41 @@ fn kernel_driver_selftest_on_malloc_buffers_2_and_4_vms_and_as_non_root() {
                 o.contains("(8 device requests)"),
                 "rank {r}: the large allreduce was not split into device requests:\n{o}"
             );
+            for opcode in ["alltoall", "gather", "scatter"] {
+                let k = most_requests(o, r, opcode);
+                assert!(
+                    k >= 2,
+                    "rank {r}: the large {opcode} was not split into device requests ({k}):\n{o}"
+                );
+            }
         }
     }
+    // With comm=0 the module negotiates none of bits 1 to 3: 32-byte
+    // headers and 16-byte responses, and the ABI's communicator fields
+    // refused with EOPNOTSUPP.
     let backend = Backend::start(&env, "kdrv4", 4, &[]);
     let cmds: Vec<String> = (0..4)
         .map(|_| "dmlc-ktest selftest --quick && dmlc-ktest bench --iters 50".into())
         .collect();
-    let out = run_group(&env, &backend, &cmds, "kernel selftest and bench, 4 VMs");
+    let out = run_group_loaded(
+        &env,
+        &backend,
+        &cmds,
+        "comm=0",
+        "kernel selftest and bench, 4 VMs, comm=0",
+    );
     for (r, o) in out.iter().enumerate() {
         assert_passed(o, r, "4 VMs");
+        assert!(
+            o.contains(&format!("rank {r}: no feature bit 1 (0x"))
+                && o.contains("comm fields refused (EOPNOTSUPP): ok")
+                && o.contains(&format!(
+                    "rank {r}: callers of the first ABI version (argsz 104, 136, 72): ok"
+                ))
+                && !o.contains("comm_split"),
+            "rank {r}: with comm=0 the module should negotiate no bit 1 and refuse the \
+             communicator fields:\n{o}"
+        );
     }
     assert!(
         out[0].contains("kernel driver, malloc buffers, 4 ranks")
@@ -233,6 +362,9 @@ fn dmlc_guest_selftest_over_the_kernel_transport() {
             o.contains("buffers in the caller's memory"),
             "rank {r}: the selftest on the caller's own memory did not run:\n{o}"
         );
+        // The module negotiated feature bits 1 to 3: both runs went on to
+        // the communicator part.
+        assert_comm_part_passed(o, r, 2, 10);
         assert!(
             o.contains(&format!("# rank {r} of 2: ok, #wrong 0")),
             "rank {r}: dmlc-guest bench over the kernel driver did not pass:\n{o}"
@@ -243,4 +375,107 @@ fn dmlc_guest_selftest_over_the_kernel_transport() {
             "rank {r}: dmlc-guest info as user dmlc did not show the kernel transport:\n{o}"
         );
     }
+}
+
+/// The driver library's communicators through the module (feature bits 1
+/// to 3 in `DMLC_IOC_SUBMIT`'s added fields and replies) on 3 VMs, an odd
+/// group: `dmlc-guest selftest --kernel` makes communicators by
+/// comm_split (ids, ranks and sizes checked against the formulas that
+/// made them) and comm_create, runs a ring of sends and receives (from
+/// any source on half the cases, and truncated), all-to-all(v),
+/// gather(v) and scatter(v) on each, every rank checking its own output
+/// against values it computes, and frees them; then `dmlc-guest bench`'s
+/// send/receive ring (a receive and a send posted before either is waited
+/// for: replies reaped by `DMLC_IOC_WAIT`) and all-to-all, checked the same
+/// way.
+#[test]
+fn kernel_transport_runs_communicators_send_recv_and_block_collectives() {
+    let test = "kernel_transport_runs_communicators_send_recv_and_block_collectives";
+    let Some(env) = kernel_setup(test) else {
+        return;
+    };
+    let n = 3;
+    let backend = Backend::start(&env, "kdrvcomm", n, &[]);
+    // Only the communicator part, on one dtype of each element size (the
+    // 2-VM test above runs every dtype).
+    let opcodes: String = [
+        "send",
+        "alltoall",
+        "alltoallv",
+        "gather",
+        "gatherv",
+        "scatter",
+        "scatterv",
+        "comm_split",
+    ]
+    .iter()
+    .map(|o| format!(" --opcode {o}"))
+    .collect();
+    let cmd = format!(
+        "dmlc-guest info --kernel && \
+         dmlc-guest selftest --quick --kernel{opcodes} --dtype u8 --dtype f16 --dtype f32 --dtype f64 && \
+         dmlc-guest bench --kernel --opcode sendrecv -b 4 -e 64K -f 16 -n 5 -w 1 && \
+         dmlc-guest bench --kernel --opcode alltoall -b 4 -e 64K -f 16 -n 5 -w 1"
+    );
+    let cmds = vec![cmd; n];
+    let out = run_group(
+        &env,
+        &backend,
+        &cmds,
+        "dmlc-guest --kernel communicators, 3 VMs",
+    );
+    for (r, o) in out.iter().enumerate() {
+        assert!(
+            o.contains("transport     kernel (/dev/dmlc0)"),
+            "rank {r}: not on the kernel transport:\n{o}"
+        );
+        assert!(
+            o.lines()
+                .any(|l| l.starts_with("selftest PASS: ")
+                    && l.ends_with(&format!(", rank {r} of {n}"))),
+            "rank {r}: the selftest did not pass:\n{o}"
+        );
+        assert_comm_part_passed(o, r, 1, 4);
+        assert_eq!(
+            o.matches(&format!("# rank {r} of {n}: ok, #wrong 0"))
+                .count(),
+            2,
+            "rank {r}: the send/receive and all-to-all benches did not both pass:\n{o}"
+        );
+    }
+    // The device served every opcode (the guests had no other way to it
+    // than the module), and the only errors were the truncations the
+    // self-test makes on purpose.
+    let m = backend
+        .metrics()
+        .unwrap_or_else(|e| panic!("metrics after the run: {e}"));
+    for opcode in [
+        "send",
+        "recv",
+        "alltoall",
+        "alltoallv",
+        "gather",
+        "gatherv",
+        "scatter",
+        "scatterv",
+        "comm_split",
+        "comm_create",
+        "comm_free",
+    ] {
+        let name = format!("dmlc_requests_total{{opcode=\"{opcode}\"}}");
+        assert!(
+            metric(&m, &name).is_some_and(|v| v > 0.0),
+            "the device served no {opcode}:\n{m}"
+        );
+    }
+    let truncated = metric(&m, "dmlc_errors_total{status=\"truncate\"}").unwrap_or(0.0);
+    assert!(
+        truncated > 0.0,
+        "no truncated message reached the device:\n{m}"
+    );
+    assert_eq!(
+        metric_sum(&m, "dmlc_errors_total") - truncated,
+        0.0,
+        "errors other than the truncations the self-test makes:\n{m}"
+    );
 }

@@ -51,5 +51,5 @@ pub use open::Device;
 pub use options::{
     OpenOptions, Request, UnknownWait, Wait, ASSUMED_DEFAULT_TIMEOUT, HYBRID_SPIN_CAP, WAIT_MARGIN,
 };
-pub(crate) use queue::{completion_result, Completion};
+pub(crate) use queue::{completion_result, Completion, Header};
 pub use queue::{Done, Handle, RawDesc, Reply};

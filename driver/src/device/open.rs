@@ -97,13 +97,7 @@ impl Device {
         let features = transport.device_features() & want;
         transport.negotiate(features)?;
         let config = read_config(&*transport)?;
-        let comms = if features & bit(VIRTIO_DMLC_F_COMM) != 0 {
-            let mut raw = [0u8; 4];
-            transport.read_config(MAX_COMMS_OFFSET, &mut raw)?;
-            Some(Mutex::new(Comms::new(u32::from_le_bytes(raw))))
-        } else {
-            None
-        };
+        let comms = comms_of(&*transport, features)?;
         let (rank, world) = (config.rank.get(), config.world_size.get());
         if world == 0 || rank >= world {
             return Err(Error::BadConfig(format!(
@@ -181,10 +175,12 @@ impl Device {
                 "rank {rank} of a group of {world}"
             )));
         }
+        // The module negotiated at probe: what it reports is what it uses.
+        let features = transport.device_features();
+        let comms = comms_of(&*transport, features)?;
         Ok(Device {
-            features: transport.device_features(),
-            // The kernel driver's ioctls carry the headers of 5.X.6.1 only.
-            comms: None,
+            features,
+            comms,
             transport,
             engine: Engine::Kernel(kernel),
             mem,
@@ -333,6 +329,18 @@ fn read_config(transport: &dyn Transport) -> Result<VirtioDmlcConfig> {
     let mut raw = [0u8; CONFIG_SIZE];
     transport.read_config(0, &mut raw)?;
     Ok(VirtioDmlcConfig::read_from_bytes(&raw).unwrap_or_default())
+}
+
+/// The communicators' state of a device that negotiated `features`: with
+/// feature bit 1 (spec 5.X.6.13), none but the group's yet, and the
+/// device's `max_comms`; `None` without it.
+fn comms_of(transport: &dyn Transport, features: u64) -> Result<Option<Mutex<Comms>>> {
+    if features & bit(VIRTIO_DMLC_F_COMM) == 0 {
+        return Ok(None);
+    }
+    let mut raw = [0u8; 4];
+    transport.read_config(MAX_COMMS_OFFSET, &mut raw)?;
+    Ok(Some(Mutex::new(Comms::new(u32::from_le_bytes(raw)))))
 }
 
 /// Offset of `max_comms` in the config space (feature bit 1).

@@ -99,17 +99,16 @@ impl Device {
         timeout: Option<Duration>,
     ) -> Result<Done> {
         let deadline = timeout.map(|t| Instant::now() + t);
-        if let (Engine::Kernel(k), Header::Base(header)) = (&self.engine, header) {
+        if let Engine::Kernel(k) = &self.engine {
             // One system call: submit and wait, within the wait's bound.
-            let bound = Instant::now() + self.wait_bound(header);
+            let after = self.wait_bound(header.base());
+            let bound = Instant::now() + after;
             let limit = deadline.map_or(bound, |d| d.min(bound));
             let leases = self.leases(chain)?;
             let (_, done) = k.submit(queue, header, chain, leases, Some(Some(limit)))?;
             return match done.expect("a waiting submit reports its outcome") {
                 Err(Error::WaitTimeout) if deadline.is_none_or(|d| d > bound) => {
-                    Err(Error::Unanswered {
-                        after: self.wait_bound(header),
-                    })
+                    Err(Error::Unanswered { after })
                 }
                 r => r,
             };
@@ -139,11 +138,6 @@ impl Device {
         deadline: Option<Instant>,
     ) -> Result<Handle> {
         if let Engine::Kernel(k) = &self.engine {
-            let Header::Base(header) = header else {
-                return Err(Error::Unsupported {
-                    detail: virtio_dmlc::unsupported::OPCODE,
-                });
-            };
             let leases = self.leases(chain)?;
             return Ok(k.submit(queue, header, chain, leases, None)?.0);
         }

@@ -17,6 +17,16 @@
 
 #define DMLC_ABI_VERSION 1
 
+/* Bits of dmlc_info.features that this ABI uses (spec 5.X.3). */
+#define DMLC_F_REQ_TIMEOUT	0
+#define DMLC_F_COMM		1	/* communicators: comm, key, table, reply */
+#define DMLC_F_P2P		2	/* send and receive (only with bit 1) */
+#define DMLC_F_BLOCKS		3	/* all-to-all, gather, scatter (only with bit 1) */
+
+/* dmlc_submit.peer of a receive from any rank, and of a comm_split color. */
+#define DMLC_ANY_SOURCE		0xffffffffu
+#define DMLC_UNDEFINED		0xffffffffu	/* comm_split: join no new communicator */
+
 /* The device's config space, as the driver read it, and the file's limits. */
 struct dmlc_info {
 	__u32 argsz;
@@ -39,6 +49,9 @@ struct dmlc_info {
 	__u64 pinned_total;	/* pinned now by every file of this device */
 	__u32 in_flight;	/* collectives of this file not yet reaped */
 	__u32 resets;		/* device resets since probe (close mid-collective) */
+	/* Added with feature bit 1; older modules leave it 0. */
+	__u32 max_comms;	/* live communicators, 0 included (bit 1), else 0 */
+	__u32 reserved;
 };
 
 /* One user buffer piece. Pieces of a buffer are concatenated in order. */
@@ -68,6 +81,19 @@ struct dmlc_completion {
 	__u32 reserved;
 };
 
+/*
+ * What a response of feature bit 1 (VIRTIO_DMLC_F_COMM, spec 5.X.6.13.1)
+ * adds to a completion; all 0 without the bit. The sender of a received
+ * message is dmlc_completion.peer (a rank of the request's communicator).
+ */
+struct dmlc_reply {
+	__u64 length;		/* send, recv: the message's bytes (TRUNCATE: the other end's) */
+	__u32 comm;		/* comm_split, comm_create: the new communicator, 0 if none */
+	__u32 comm_rank;	/* this member's rank in it */
+	__u32 comm_size;	/* its number of members */
+	__u32 peer_world;	/* dmlc_completion.peer as a rank of communicator 0 */
+};
+
 /* dmlc_submit.flags */
 #define DMLC_SUBMIT_IN_PLACE	0x1u	/* no input: output holds it */
 #define DMLC_SUBMIT_WAIT	0x2u	/* block; fill .done */
@@ -81,6 +107,16 @@ struct dmlc_completion {
  * it, it returns at once with .id, and the completion is reaped with
  * DMLC_IOC_WAIT or read(). A wait that ends early (ETIMEDOUT, EINTR) leaves
  * the collective submitted: .id is written back first, reap it later.
+ *
+ * comm to reply came with feature bit 1 (communicators, send and receive,
+ * all-to-all, gather, scatter: spec 5.X.6.13); a caller that does not
+ * know them gets 0, communicator 0 without a table. They need bit 1 in
+ * dmlc_info.features: without it (a device that does not offer it, or
+ * module parameter comm=0) a request that sets one of comm, peer, key or
+ * table_bytes fails with EOPNOTSUPP. root and peer are ranks of the
+ * communicator. The table is copied at submit; table_bytes is at most
+ * 16 * world_size (EINVAL). Only requests on communicator 0 without a
+ * table are split into several device requests.
  */
 struct dmlc_submit {
 	__u32 argsz;
@@ -102,13 +138,23 @@ struct dmlc_submit {
 	__u32 wait_ms;		/* DMLC_SUBMIT_WAIT: ETIMEDOUT after this, 0: none */
 	__u64 id;		/* out */
 	struct dmlc_completion done;	/* out, with DMLC_SUBMIT_WAIT */
+	__u32 comm;		/* communicator id, 0: the group */
+	__u32 peer;		/* send: destination; recv: source; comm_split: color */
+	__u32 key;		/* comm_split: key; otherwise 0 */
+	__u32 table_bytes;	/* bytes at table (spec 5.X.6.13.5) */
+	__u64 table;		/* user pointer to the table: le64 counts or le32 ranks */
+	struct dmlc_reply reply;	/* out, with DMLC_SUBMIT_WAIT */
 };
 
 /* dmlc_wait.flags */
 #define DMLC_WAIT_PEEK		0x1u	/* EAGAIN unless done; reap nothing */
 #define DMLC_WAIT_FLAGS		DMLC_WAIT_PEEK
 
-/* Wait for one submitted collective and reap it. */
+/*
+ * Wait for one submitted collective and reap it. read() reaps the same
+ * records without reply: reap with this call the collectives whose reply
+ * is wanted (a receive's length, a new communicator).
+ */
 struct dmlc_wait {
 	__u32 argsz;
 	__u32 flags;
@@ -116,6 +162,7 @@ struct dmlc_wait {
 	__u32 timeout_ms;	/* 0: no limit (ETIMEDOUT after it) */
 	__u32 spin_us;
 	struct dmlc_completion done;	/* out */
+	struct dmlc_reply reply;	/* out (feature bit 1) */
 };
 
 #define DMLC_IOC_MAGIC	0xd3
