@@ -41,16 +41,49 @@ def show_size(b: int) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=int, default=2, help="VMs")
-    p.add_argument("--opcode", choices=["sendrecv", "alltoall"], default="sendrecv")
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--minbytes", default="4")
-    p.add_argument("--maxbytes", default="64M")
-    p.add_argument("--factor", type=int, default=4)
+    p.add_argument(
+        "--ranks", type=int, default=2, help="VMs, one rank each (default 2)"
+    )
+    p.add_argument(
+        "--opcode",
+        choices=["sendrecv", "alltoall"],
+        default="sendrecv",
+        help="sendrecv: a ring shift, every rank sends to the next and receives from the previous; "
+        "alltoall: equal blocks (default sendrecv)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="interleaved runs of every path in one boot; medians are over them (default 3)",
+    )
+    p.add_argument(
+        "--iters",
+        type=int,
+        default=10,
+        help="timed operations per size and path (default 10)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed operations before them (default 2)",
+    )
+    p.add_argument(
+        "--minbytes",
+        default="4",
+        help="smallest message per rank, K/M/G suffixes (default 4)",
+    )
+    p.add_argument(
+        "--maxbytes", default="64M", help="largest message per rank (default 64M)"
+    )
+    p.add_argument(
+        "--factor", type=int, default=4, help="size step between rows (default 4)"
+    )
     p.add_argument("--memory", default="2G", help="RAM per VM")
-    p.add_argument("--timeout", type=int, default=3600, help="seconds for the whole job")
+    p.add_argument(
+        "--timeout", type=int, default=3600, help="seconds for the whole job"
+    )
     a = p.parse_args()
 
     subprocess.run(
@@ -62,9 +95,27 @@ def main() -> None:
     cmd = [str(target / "dmlc-qemu"), "submit", "-n", str(a.ranks), "--host-root"]
     cmd += ["--memory", a.memory, "--timeout", str(a.timeout), "--transport", "tcp"]
     cmd += ["--env", f"DMLC_GUEST_BIN={target / 'dmlc-guest'}"]
-    cmd += ["--", sys.executable, str(ROOT / "bench" / "guest-p2p.py"), "--opcode", a.opcode]
-    cmd += ["--repeat", str(a.repeat), "--iters", str(a.iters), "--warmup", str(a.warmup)]
-    cmd += ["--minbytes", str(parse_size(a.minbytes)), "--maxbytes", str(parse_size(a.maxbytes))]
+    cmd += [
+        "--",
+        sys.executable,
+        str(ROOT / "bench" / "guest-p2p.py"),
+        "--opcode",
+        a.opcode,
+    ]
+    cmd += [
+        "--repeat",
+        str(a.repeat),
+        "--iters",
+        str(a.iters),
+        "--warmup",
+        str(a.warmup),
+    ]
+    cmd += [
+        "--minbytes",
+        str(parse_size(a.minbytes)),
+        "--maxbytes",
+        str(parse_size(a.maxbytes)),
+    ]
     cmd += ["--factor", str(a.factor)]
     print("# " + " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -105,7 +156,9 @@ def main() -> None:
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for s in sizes:
-        cells = [show_size(s)] + [f"{per[x][s]:.1f}" if s in per[x] else "" for x in paths]
+        cells = [show_size(s)] + [
+            f"{per[x][s]:.1f}" if s in per[x] else "" for x in paths
+        ]
         dev = per.get("device", {}).get(s)
         for x in others:
             if "device" in per:
