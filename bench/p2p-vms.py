@@ -93,7 +93,12 @@ def main() -> None:
     )
     target = ROOT / "target" / "release"
     cmd = [str(target / "dmlc-qemu"), "submit", "-n", str(a.ranks), "--host-root"]
-    cmd += ["--memory", a.memory, "--timeout", str(a.timeout), "--transport", "tcp"]
+    # dmlc-guest bench holds an input and an output pool, each at least the
+    # largest message and its rotation span (2 x LLC / N, tens of MiB).
+    dma_mib = (2 * max(parse_size(a.maxbytes), 64 << 20) + (16 << 20)) >> 20
+    dma_mib += dma_mib % 2  # whole 2 MiB hugepages
+    cmd += ["--memory", a.memory, "--dma", f"{dma_mib}M"]
+    cmd += ["--timeout", str(a.timeout), "--transport", "tcp"]
     cmd += ["--env", f"DMLC_GUEST_BIN={target / 'dmlc-guest'}"]
     cmd += [
         "--",
