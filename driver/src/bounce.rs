@@ -7,6 +7,8 @@
 //! the C ABI: one buffer, reused while it is large enough and free, and
 //! data longer than the chunk size cut into several requests.
 
+use std::ops::Range;
+
 use virtio_dmlc::comm::CommOpcode;
 
 use crate::device::{CommRequest, Device, DmaBuf};
@@ -258,9 +260,10 @@ impl Bounce {
     /// the group, both posted before either is waited for, so that a ring
     /// shift cannot deadlock. A message over `max_bytes` goes as pieces of
     /// `max_bytes` (spec 5.X.6.13.4, DRV-COMM-2: where every driver cuts,
-    /// not at the chunk size), each one message with tag 0, so the buffer
-    /// grows to a piece each way; the message must fill its piece of
-    /// `output` exactly: both ends of a pair pass the same length.
+    /// [`Device::message_pieces`], not at the chunk size), each one
+    /// message with tag 0, so the buffer grows to a piece each way; the
+    /// message must fill its piece of `output` exactly: both ends of a
+    /// pair pass the same length.
     pub fn sendrecv(
         &mut self,
         dev: &Device,
@@ -269,13 +272,20 @@ impl Bounce {
         from: u32,
         output: &mut [u8],
     ) -> Result<()> {
-        let max = usize::try_from(dev.config().max_bytes.get()).unwrap_or(usize::MAX);
-        let step = max.max(1);
-        let sends = input.len().div_ceil(step);
-        let recvs = output.len().div_ceil(step);
-        for k in 0..sends.max(recvs) {
-            let src = input.chunks(step).nth(k).unwrap_or_default();
-            let dst_len = output.len().saturating_sub(k * step).min(step);
+        // Where Device::send and Device::recv cut; an empty message is
+        // no request here (both ends pass the same length).
+        let cut = |bytes: usize| -> Vec<Range<usize>> {
+            match bytes {
+                0 => Vec::new(),
+                n => dev.message_pieces(Dtype::U8, n).collect(),
+            }
+        };
+        let (sends, recvs) = (cut(input.len()), cut(output.len()));
+        let end = output.len();
+        for k in 0..sends.len().max(recvs.len()) {
+            let src = sends.get(k).map_or(&[][..], |p| &input[p.clone()]);
+            let dst = recvs.get(k).cloned().unwrap_or(end..end);
+            let dst_len = dst.len();
             let buf = self.buffer(dev, src.len() + dst_len)?;
             buf.as_mut_slice()[..src.len()].copy_from_slice(src);
             let message = |opcode, peer, bytes: usize| CommRequest {
@@ -283,13 +293,13 @@ impl Bounce {
                 ..CommRequest::new(opcode, Dtype::U8, 0, bytes as u64)
             };
             // The receive first: its sender may be waiting for it.
-            let recv = (k < recvs)
+            let recv = (k < recvs.len())
                 .then(|| {
                     let req = message(CommOpcode::Recv, from, dst_len);
                     dev.submit_comm(0, &req, &[], &[buf.slice(src.len(), dst_len)])
                 })
                 .transpose()?;
-            let sent = (k < sends).then(|| {
+            let sent = (k < sends.len()).then(|| {
                 let req = message(CommOpcode::Send, to, src.len());
                 dev.submit_comm(0, &req, &[buf.slice(0, src.len())], &[])
             });
@@ -307,9 +317,7 @@ impl Bounce {
                 }
             }
             sent.transpose()?;
-            let at = (k * step).min(output.len());
-            output[at..at + dst_len]
-                .copy_from_slice(&buf.as_slice()[src.len()..src.len() + dst_len]);
+            output[dst].copy_from_slice(&buf.as_slice()[src.len()..src.len() + dst_len]);
         }
         Ok(())
     }

@@ -25,7 +25,17 @@ fn open(backend: &Backend, rank: u32) -> Device {
 
 /// Runs `f(device)` on every rank at once, each on its own thread.
 fn on_every_rank(n: u32, tag: &str, f: impl Fn(&Device) + Sync) {
-    let backend = Backend::start(tag, n, &["--timeout-ms", "20000"]);
+    on_every_rank_of(n, tag, &[], f)
+}
+
+/// As [`on_every_rank`], with `extra` options for the daemon.
+fn on_every_rank_of(n: u32, tag: &str, extra: &[&str], f: impl Fn(&Device) + Sync) {
+    let args: Vec<&str> = ["--timeout-ms", "20000"]
+        .iter()
+        .chain(extra)
+        .copied()
+        .collect();
+    let backend = Backend::start(tag, n, &args);
     thread::scope(|s| {
         let handles: Vec<_> = (0..n)
             .map(|r| {
@@ -237,6 +247,174 @@ fn a_receive_and_a_send_posted_together_on_one_queue_complete_on_every_rank() {
         match dev.submit_comm(0, &split, &[], &[]) {
             Err(Error::InvalidArgument(m)) => assert!(m.contains("comm_call"), "{m}"),
             other => panic!("comm_split through submit_comm: {other:?}"),
+        }
+    });
+}
+
+/// The daemon's `max_bytes` in the tests of messages cut in pieces: a
+/// multiple of no element size but 1, so `P` differs by dtype (4099 bytes
+/// for u8, 4098 for f16, 4096 for f32 and f64).
+const MAX_BYTES: &str = "4099";
+
+/// Byte `k` of the message rank `i` sends rank `j` with `tag`: 251 is prime,
+/// so a piece out of place or missing shows.
+fn byte(i: u32, j: u32, tag: u64, k: usize) -> u8 {
+    ((k + 13 * i as usize + 29 * j as usize + 37 * tag as usize) % 251) as u8
+}
+
+/// A buffer of `bytes` bytes (at least one), each `byte(i, j, tag, k)`.
+fn message(dev: &Device, i: u32, j: u32, tag: u64, bytes: usize) -> dmlc_driver::DmaBuf {
+    let mut b = dev.alloc(bytes.max(1)).expect("alloc");
+    for (k, x) in b.as_mut_slice().iter_mut().enumerate() {
+        *x = byte(i, j, tag, k);
+    }
+    b
+}
+
+/// The bytes of `buf` that differ from what rank `i` sent rank `j` with
+/// `tag` (its first `bytes`).
+fn wrong_bytes(buf: &dmlc_driver::DmaBuf, i: u32, j: u32, tag: u64, bytes: usize) -> Vec<usize> {
+    let got = buf.as_slice();
+    (0..bytes)
+        .filter(|&k| got[k] != byte(i, j, tag, k))
+        .collect()
+}
+
+#[test]
+fn messages_over_max_bytes_go_in_pieces_and_arrive_whole() {
+    // Spec 5.X.6.13.4 (DRV-COMM-2): Device::send and Device::recv cut a
+    // message over max_bytes into pieces of P = max_bytes - max_bytes %
+    // element size, one request each; the receive's room is the message's
+    // size. Several times max_bytes, not a multiple of P, in both
+    // directions, from a named source and from any.
+    on_every_rank_of(2, "comms-pieces", &["--max-bytes", MAX_BYTES], |dev| {
+        let (r, other) = (dev.rank(), 1 - dev.rank());
+        assert_eq!(dev.config().max_bytes.get(), 4099);
+        for (tag, dtype, count) in [
+            (1u64, Dtype::U8, 3 * 4099 + 1234),
+            (2, Dtype::F16, 5 * 2049 + 7),
+            (3, Dtype::F32, 4 * 1024 + 777),
+            (4, Dtype::F64, 2 * 512 + 1),
+            // Exactly two pieces, then one element over a piece.
+            (5, Dtype::F32, 2 * 1024),
+            (6, Dtype::F64, 513),
+        ] {
+            let bytes = count as usize * dtype.size();
+            let p = dev.message_piece_bytes(dtype);
+            assert_eq!(p, 4099 - 4099 % dtype.size(), "{dtype}");
+            let pieces: Vec<_> = dev.message_pieces(dtype, bytes).collect();
+            assert_eq!(pieces.len(), bytes.div_ceil(p), "{dtype}: {bytes} bytes");
+            let msg = message(dev, r, other, tag, bytes);
+            let room = dev.alloc(bytes).unwrap();
+            let what = format!("{dtype} x {count} ({bytes} bytes, pieces of {p})");
+            let send = || {
+                dev.send(0, other, tag, dtype, &msg, count)
+                    .unwrap_or_else(|e| panic!("send {what}: {e}"))
+            };
+            let from = if tag % 2 == 0 { ANY_SOURCE } else { other };
+            let recv = || {
+                dev.recv(0, from, tag, dtype, &room, count)
+                    .unwrap_or_else(|e| panic!("receive {what}: {e}"))
+            };
+            let got = if r == 0 {
+                send();
+                recv()
+            } else {
+                let got = recv();
+                send();
+                got
+            };
+            assert_eq!((got.length, got.peer), (bytes as u64, other), "{what}");
+            let wrong = wrong_bytes(&room, other, r, tag, bytes);
+            assert!(
+                wrong.is_empty(),
+                "{what}: {} wrong bytes, first at {}",
+                wrong.len(),
+                wrong[0]
+            );
+        }
+
+        // A message of one piece into a room of several: an ordinary short
+        // message, the rest of the room left as it was.
+        let room = message(dev, 9, 9, 9, 3 * 4096);
+        if r == 0 {
+            dev.send(0, 1, 7, Dtype::F32, &message(dev, 0, 1, 7, 400), 100)
+                .unwrap();
+        } else {
+            let got = dev.recv(0, 0, 7, Dtype::F32, &room, 3 * 1024).unwrap();
+            assert_eq!((got.length, got.peer), (400, 0));
+            assert!(wrong_bytes(&room, 0, 1, 7, 400).is_empty());
+            let rest = &room.as_slice()[400..];
+            assert!(rest
+                .iter()
+                .enumerate()
+                .all(|(k, &x)| x == byte(9, 9, 9, k + 400)));
+        }
+        // An empty message is one request.
+        let empty = dev.alloc(8).unwrap();
+        if r == 1 {
+            dev.send(0, 0, 8, Dtype::F64, &empty, 0).unwrap();
+        } else {
+            let got = dev.recv(0, ANY_SOURCE, 8, Dtype::F64, &empty, 0).unwrap();
+            assert_eq!((got.length, got.peer), (0, 1));
+        }
+    });
+}
+
+#[test]
+fn a_room_over_max_bytes_of_another_size_than_the_message_fails() {
+    // Above max_bytes a receive must have the message's size (DRV-COMM-2):
+    // a larger room ends on a short piece (the receive fails, naming both
+    // sizes), a smaller one on a piece that completes with TRUNCATE on both
+    // ends, each naming the other end's whole size. Nothing is left over:
+    // the next message of the pair arrives whole.
+    on_every_rank_of(2, "comms-pieces-bad", &["--max-bytes", MAX_BYTES], |dev| {
+        let (small, large) = (10_000usize, 12_000usize); // 3 pieces of u8 each
+        let r = dev.rank();
+        let msg = message(dev, 0, 1, 1, large);
+        let mut room = dev.alloc(large).unwrap();
+        // Rank 0 sends 10000 bytes, rank 1 has room for 12000.
+        if r == 0 {
+            dev.send(0, 1, 1, Dtype::U8, &msg, small as u64).unwrap();
+        } else {
+            match dev.recv(0, 0, 1, Dtype::U8, &room, large as u64) {
+                Err(Error::InvalidArgument(m)) => {
+                    for want in ["10000 bytes", "12000 bytes", "rank 0", "4099", "DRV-COMM-2"] {
+                        assert!(m.contains(want), "{want:?} not in {m:?}");
+                    }
+                }
+                other => panic!("a room larger than the message: {other:?}"),
+            }
+            assert!(wrong_bytes(&room, 0, 1, 1, small).is_empty());
+        }
+        // Rank 0 sends 12000 bytes, rank 1 has room for 10000.
+        room.reclaim(); // the check above borrowed it
+        if r == 0 {
+            match dev.send(0, 1, 2, Dtype::U8, &msg, large as u64) {
+                Err(Error::Truncated { length, peer }) => {
+                    assert_eq!((length, peer), (small as u64, 1))
+                }
+                other => panic!("a send larger than the room: {other:?}"),
+            }
+        } else {
+            let err = dev
+                .recv(0, 0, 2, Dtype::U8, &room, small as u64)
+                .expect_err("a receive smaller than the message");
+            assert!(
+                matches!(err, Error::Truncated { length, peer: 0 } if length == large as u64),
+                "{err:?}"
+            );
+            assert!(err.to_string().contains("12000 bytes"), "{err}");
+        }
+        // The pair goes on: a message of three pieces, whole.
+        let msg = message(dev, 0, 1, 3, small);
+        room.reclaim();
+        if r == 0 {
+            dev.send(0, 1, 1, Dtype::U8, &msg, small as u64).unwrap();
+        } else {
+            let got = dev.recv(0, 0, 1, Dtype::U8, &room, small as u64).unwrap();
+            assert_eq!((got.length, got.peer), (small as u64, 0));
+            assert!(wrong_bytes(&room, 0, 1, 3, small).is_empty());
         }
     });
 }

@@ -8,7 +8,9 @@
 //! numbers every member of the communicator knows:
 //!
 //! - send and receive: pieces of `max_bytes` rounded down to whole
-//!   elements (spec 5.X.6.13.4, DRV-COMM-2), each one message;
+//!   elements (spec 5.X.6.13.4, DRV-COMM-2), each one message, where
+//!   `Device::send` and `Device::recv` cut (`Device::message_pieces`) and
+//!   a receive ends as theirs do (`Device::message_piece_done`);
 //! - the collectives of 5.X.6.3, all-to-all, gather and scatter: as the
 //!   bounce buffer cuts those of the group (`dmlc_host_chunk_bytes`, over
 //!   the communicator's size for the block collectives);
@@ -186,13 +188,6 @@ impl<'a> On<'a> {
         Ok(())
     }
 
-    /// Bytes of one message (send and receive): `max_bytes` rounded down
-    /// to whole elements.
-    fn piece(&self, dtype: Dtype) -> usize {
-        let max = usize::try_from(self.d.max_bytes).unwrap_or(usize::MAX);
-        (max - max % dtype.size()).max(dtype.size())
-    }
-
     /// Bytes of one block per request of a block collective: the bounce
     /// buffer's chunk over the communicator's size, whole elements, at
     /// least one.
@@ -268,15 +263,11 @@ pub unsafe extern "C" fn dmlc_send(
         // SAFETY: forwarded contract.
         let data = unsafe { input(buf, count, dtype, "buf") }?;
         let on = On::new(d, comm)?;
-        let piece = on.piece(dtype);
         with_stage(d, |stage| {
-            // A message of no element is one request too.
-            let pieces: Vec<&[u8]> = if data.is_empty() {
-                vec![data]
-            } else {
-                data.chunks(piece).collect()
-            };
-            for (k, part) in pieces.into_iter().enumerate() {
+            // Where the device's own send cuts (a message of no element is
+            // one request too).
+            for piece in on.dev().message_pieces(dtype, data.len()) {
+                let part = &data[piece.clone()];
                 let req = CommRequest {
                     peer,
                     tag,
@@ -295,7 +286,7 @@ pub unsafe extern "C" fn dmlc_send(
                     // one's (its last).
                     Err(Error::Truncated { length, peer }) => {
                         return Err(Error::Truncated {
-                            length: (k * piece) as u64 + length,
+                            length: piece.start as u64 + length,
                             peer,
                         }
                         .into())
@@ -335,13 +326,12 @@ pub unsafe extern "C" fn dmlc_recv(
         // SAFETY: forwarded contract.
         let room = unsafe { output(buf, count, dtype, "buf") }?;
         let on = On::new(d, comm)?;
-        let piece = on.piece(dtype);
         with_stage(d, |stage| {
             let total = room.len();
             let mut from = peer;
-            let mut at = 0;
-            loop {
-                let k = piece.min(total - at);
+            // Where the device's own receive cuts, and ends.
+            for piece in on.dev().message_pieces(dtype, total) {
+                let k = piece.len();
                 let req = CommRequest {
                     peer: from,
                     tag,
@@ -358,7 +348,7 @@ pub unsafe extern "C" fn dmlc_recv(
                     Err(Error::Truncated { length, peer }) => {
                         // The message's size as far as known: the pieces
                         // before, and this one's.
-                        got = (at as u64 + length, peer);
+                        got = (piece.start as u64 + length, peer);
                         return Err(Error::Truncated {
                             length: got.0,
                             peer,
@@ -368,34 +358,34 @@ pub unsafe extern "C" fn dmlc_recv(
                     Err(e) => return Err(e.into()),
                 };
                 let n = usize::try_from(reply.length).unwrap_or(usize::MAX).min(k);
-                room[at..at + n].copy_from_slice(&buf.as_slice()[..n]);
+                room[piece.start..piece.start + n].copy_from_slice(&buf.as_slice()[..n]);
                 // Later pieces come from the sender of the first.
                 from = reply.peer;
-                at += n;
-                got = (at as u64, from);
-                if at == total {
-                    return Ok(());
-                }
-                if n < k {
-                    if at <= piece {
-                        // A message of one piece, shorter than the room.
-                        return Ok(());
-                    }
+                got = ((piece.start + n) as u64, from);
+                match on
+                    .dev()
+                    .message_piece_done(dtype, total, piece, reply.length, from)
+                {
+                    Ok(true) => return Ok(()),
+                    Ok(false) => {}
                     // Spec 5.X.6.13.4: a message above max_bytes needs a
-                    // receive of its size, or both ends cut elsewhere.
-                    let mut f = Fail::from(Error::Truncated {
-                        length: at as u64,
-                        peer: from,
-                    });
-                    f.msg = format!(
-                        "message of {at} bytes from rank {from} into a receive of {total}: \
-                         above max_bytes ({} bytes a piece) a receive must have the message's \
-                         size (spec 5.X.6.13.4, DRV-COMM-2)",
-                        piece
-                    );
-                    return Err(f);
+                    // receive of its size, or both ends cut elsewhere. The
+                    // C library reports it as TRUNCATE, with the message's
+                    // size.
+                    Err(e) => {
+                        let mut f = Fail::from(Error::Truncated {
+                            length: got.0,
+                            peer: from,
+                        });
+                        f.msg = match e {
+                            Error::InvalidArgument(m) => m,
+                            e => e.to_string(),
+                        };
+                        return Err(f);
+                    }
                 }
             }
+            unreachable!("the last piece of a receive ends it")
         })
     });
     // SAFETY: NULL or writable per the contract.

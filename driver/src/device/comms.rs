@@ -2,9 +2,11 @@
 //! 5.X.6.13, feature bits 1 to 3): the communicators this member belongs
 //! to ([`Comms`], learnt from the device's answers), [`CommRequest`] and
 //! its local check, [`Device::comm_call`], and the blocking conveniences on
-//! [`DmaBuf`]s (queue 0).
+//! [`DmaBuf`]s (queue 0), whose send and receive cut a message over
+//! `max_bytes` in pieces as spec 5.X.6.13.4 says ([`Device::message_pieces`]).
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::time::Duration;
 
 use virtio_dmlc::comm::{
@@ -311,8 +313,70 @@ impl Device {
         Ok(done)
     }
 
+    /// Bytes of one piece of a message of `dtype` larger than one request
+    /// allows (spec 5.X.6.13.4): `P = max_bytes - max_bytes % element
+    /// size`, at least one element.
+    pub fn message_piece_bytes(&self, dtype: Dtype) -> usize {
+        piece_bytes(self.config.max_bytes.get(), dtype.size())
+    }
+
+    /// Where a message (or a receive's room) of `bytes` bytes of `dtype`
+    /// is cut (spec 5.X.6.13.4): the byte ranges of its pieces in order,
+    /// each [`Self::message_piece_bytes`] long but the last, which is
+    /// shorter; one empty range for an empty message. Each piece is one
+    /// send or receive, with the message's tag, on one queue, in this
+    /// order. [`Self::send`] and [`Self::recv`] cut here; a caller that
+    /// stages pieces through its own memory (the C library) cuts here too,
+    /// and ends a receive with [`Self::message_piece_done`].
+    pub fn message_pieces(
+        &self,
+        dtype: Dtype,
+        bytes: usize,
+    ) -> impl ExactSizeIterator<Item = Range<usize>> + Clone {
+        cut(self.message_piece_bytes(dtype), bytes)
+    }
+
+    /// Whether a receive of `room` bytes cut by [`Self::message_pieces`]
+    /// is over after `piece`, one of its pieces, received `got` bytes from
+    /// rank `from`: `Ok(true)` when the message is whole (the last piece
+    /// filled, or the first one short: a message of one request, shorter
+    /// than the room, as for any receive), `Ok(false)` when the next piece
+    /// follows. A later piece that comes short means a message above
+    /// `max_bytes` received with a room larger than its size, which spec
+    /// 5.X.6.13.4 forbids (DRV-COMM-2): `Error::InvalidArgument` naming
+    /// both sizes. (A room smaller than the message ends on a piece that
+    /// completes with `TRUNCATE`, `Error::Truncated`.)
+    pub fn message_piece_done(
+        &self,
+        dtype: Dtype,
+        room: usize,
+        piece: Range<usize>,
+        got: u64,
+        from: u32,
+    ) -> Result<bool> {
+        let got = usize::try_from(got).unwrap_or(usize::MAX).min(piece.len());
+        if got == piece.len() {
+            return Ok(piece.end >= room);
+        }
+        if piece.start == 0 {
+            return Ok(true);
+        }
+        Err(Error::InvalidArgument(format!(
+            "message of {} bytes from rank {from} into a receive of {room} bytes: a message \
+             above max_bytes (sent in pieces of {} bytes) must be received with room equal to \
+             its size (spec 5.X.6.13.4, DRV-COMM-2)",
+            piece.start + got,
+            self.message_piece_bytes(dtype)
+        )))
+    }
+
     /// Sends `count` elements of `buf` to rank `peer` of communicator
-    /// `comm`, matched by `tag`; returns once the receiver has them.
+    /// `comm`, matched by `tag`; returns once the receiver has them. A
+    /// message larger than `max_bytes` goes as several, cut by
+    /// [`Self::message_pieces`], one after the other on queue 0 (spec
+    /// 5.X.6.13.4): its receive must have room for exactly `count`
+    /// elements (DRV-COMM-2). A receive smaller than the message fails the
+    /// send with `Error::Truncated`, `length` the receive's whole room.
     pub fn send(
         &self,
         comm: u32,
@@ -322,18 +386,33 @@ impl Device {
         buf: &DmaBuf,
         count: u64,
     ) -> Result<()> {
-        let req = CommRequest {
-            peer,
-            tag,
-            ..CommRequest::new(CommOpcode::Send, dtype, comm, count)
-        };
-        let input = take(buf, count, dtype, "send")?;
-        self.comm_call(0, &req, &input, &[], None).map(drop)
+        let bytes = bytes_in(buf, count, dtype, "send")?;
+        for piece in self.message_pieces(dtype, bytes) {
+            let req = CommRequest {
+                peer,
+                tag,
+                ..CommRequest::new(CommOpcode::Send, dtype, comm, elems(dtype, &piece))
+            };
+            let input = slice_of(buf, &piece);
+            self.comm_call(0, &req, &input, &[], None)
+                .map_err(|e| after(piece.start, e))?;
+        }
+        Ok(())
     }
 
     /// Receives one message from rank `peer` (or [`ANY_SOURCE`]) of
     /// communicator `comm` with `tag` into `buf`, which has room for
-    /// `count` elements.
+    /// `count` elements; the message may be shorter. A room larger than
+    /// `max_bytes` is cut by [`Self::message_pieces`] into receives
+    /// posted one after the other on queue 0, the later ones from the
+    /// first one's sender (spec 5.X.6.13.4): the message must then be
+    /// exactly `count` elements (DRV-COMM-2), unless it fits one piece.
+    /// A larger message fails with `Error::Truncated` (`length` the
+    /// message's size as far as known), a smaller one of several pieces
+    /// with `Error::InvalidArgument` naming both sizes
+    /// ([`Self::message_piece_done`]); one that ends exactly where a piece
+    /// of the room ends leaves the next piece's receive waiting, until its
+    /// timeout. `Received::length` is the whole message's.
     pub fn recv(
         &self,
         comm: u32,
@@ -343,17 +422,27 @@ impl Device {
         buf: &DmaBuf,
         count: u64,
     ) -> Result<Received> {
-        let req = CommRequest {
-            peer,
-            tag,
-            ..CommRequest::new(CommOpcode::Recv, dtype, comm, count)
-        };
-        let output = take(buf, count, dtype, "receive")?;
-        let r = self.comm_call(0, &req, &[], &output, None)?.reply;
-        Ok(Received {
-            length: r.length,
-            peer: r.peer,
-        })
+        let room = bytes_in(buf, count, dtype, "receive")?;
+        let mut from = peer;
+        for piece in self.message_pieces(dtype, room) {
+            let req = CommRequest {
+                peer: from,
+                tag,
+                ..CommRequest::new(CommOpcode::Recv, dtype, comm, elems(dtype, &piece))
+            };
+            let output = slice_of(buf, &piece);
+            let r = self
+                .comm_call(0, &req, &[], &output, None)
+                .map_err(|e| after(piece.start, e))?
+                .reply;
+            // The later pieces come from the sender of the first.
+            from = r.peer;
+            let length = piece.start as u64 + r.length.min(piece.len() as u64);
+            if self.message_piece_done(dtype, room, piece, r.length, from)? {
+                return Ok(Received { length, peer: from });
+            }
+        }
+        unreachable!("the last piece of a receive ends it")
     }
 
     /// Splits communicator `comm` by `color` (`None`: join no new one) and
@@ -431,8 +520,52 @@ impl Device {
     }
 }
 
-/// The first `count` elements of `buf`, or an error naming `what`.
-fn take(buf: &DmaBuf, count: u64, dtype: Dtype, what: &str) -> Result<Vec<BufSlice>> {
+/// Bytes of one piece of a message cut at `max_bytes` (spec 5.X.6.13.4)
+/// with elements of `elem` bytes: whole elements, at least one.
+fn piece_bytes(max_bytes: u64, elem: usize) -> usize {
+    let max = usize::try_from(max_bytes).unwrap_or(usize::MAX);
+    (max - max % elem).max(elem)
+}
+
+/// The byte ranges of `bytes` cut in pieces of `piece` bytes, the last one
+/// shorter; one empty range when `bytes` is 0.
+fn cut(piece: usize, bytes: usize) -> impl ExactSizeIterator<Item = Range<usize>> + Clone {
+    (0..bytes.div_ceil(piece).max(1)).map(move |k| {
+        let start = k * piece;
+        start..start.saturating_add(piece).min(bytes)
+    })
+}
+
+/// The elements of `dtype` in the bytes of `piece`.
+fn elems(dtype: Dtype, piece: &Range<usize>) -> u64 {
+    (piece.len() / dtype.size()) as u64
+}
+
+/// `piece` of `buf` as a request's segments (none when empty).
+fn slice_of(buf: &DmaBuf, piece: &Range<usize>) -> Vec<BufSlice> {
+    if piece.is_empty() {
+        Vec::new()
+    } else {
+        vec![buf.slice(piece.start, piece.len())]
+    }
+}
+
+/// The error of a piece starting `start` bytes into its message: a
+/// `TRUNCATE` names the other end's whole size as far as known (the
+/// pieces before, and this one's).
+fn after(start: usize, e: Error) -> Error {
+    match e {
+        Error::Truncated { length, peer } => Error::Truncated {
+            length: start as u64 + length,
+            peer,
+        },
+        e => e,
+    }
+}
+
+/// The bytes of `count` elements of `dtype`, if `buf` holds them, or an
+/// error naming `what`.
+fn bytes_in(buf: &DmaBuf, count: u64, dtype: Dtype, what: &str) -> Result<usize> {
     let bytes = count
         .checked_mul(dtype.size() as u64)
         .and_then(|b| usize::try_from(b).ok())
@@ -443,11 +576,12 @@ fn take(buf: &DmaBuf, count: u64, dtype: Dtype, what: &str) -> Result<Vec<BufSli
             buf.len()
         )));
     }
-    Ok(if bytes == 0 {
-        Vec::new()
-    } else {
-        vec![buf.slice(0, bytes)]
-    })
+    Ok(bytes)
+}
+
+/// The first `count` elements of `buf`, or an error naming `what`.
+fn take(buf: &DmaBuf, count: u64, dtype: Dtype, what: &str) -> Result<Vec<BufSlice>> {
+    Ok(slice_of(buf, &(0..bytes_in(buf, count, dtype, what)?)))
 }
 
 /// A comm_create table read as `le32` ranks.
@@ -458,4 +592,31 @@ fn ranks_of(table: &[u8]) -> Option<Vec<u32>> {
             .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect()
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{cut, piece_bytes};
+
+    #[test]
+    fn messages_are_cut_in_whole_elements_of_max_bytes() {
+        // P = max_bytes - max_bytes % element size, at least one element.
+        assert_eq!(piece_bytes(4099, 1), 4099);
+        assert_eq!(piece_bytes(4099, 2), 4098);
+        assert_eq!(piece_bytes(4099, 4), 4096);
+        assert_eq!(piece_bytes(4099, 8), 4096);
+        assert_eq!(piece_bytes(3, 8), 8);
+        assert_eq!(piece_bytes(u64::MAX, 4), usize::MAX - usize::MAX % 4);
+        // (start, end) of each piece.
+        let pieces = |p, n| cut(p, n).map(|r| (r.start, r.end)).collect::<Vec<_>>();
+        assert_eq!(pieces(4096, 0), [(0, 0)]);
+        assert_eq!(pieces(4096, 5), [(0, 5)]);
+        assert_eq!(pieces(4096, 8192), [(0, 4096), (4096, 8192)]);
+        assert_eq!(
+            pieces(4096, 12_300),
+            [(0, 4096), (4096, 8192), (8192, 12_288), (12_288, 12_300)]
+        );
+        assert_eq!(cut(4096, 12_300).len(), 4);
+        assert_eq!(pieces(usize::MAX, 10), [(0, 10)]);
+    }
 }
