@@ -288,3 +288,167 @@ fn backend_restart_as_a_new_group_and_the_guests_reopen() {
         t.elapsed()
     ));
 }
+
+/// Spec 5.X.6.13.3, "Lost members" (DEV-COMM-5, DEV-COMM-6), through QEMU:
+/// three VMs run `debug comm-loss --victim 2`. Each splits communicator 0
+/// into A = {0, 2} and B = {0, 1} and runs a checked allreduce on each it
+/// is in; rank 2 then holds its device while ranks 0 and 1 post requests
+/// only it could finish (rank 0: a receive from it and an allreduce on A;
+/// rank 1: a send to it and a receive from any source on communicator 0;
+/// both: an allreduce on communicator 0). Once the backend holds them all
+/// (its metrics), rank 2's QEMU is killed. Every one of them must fail
+/// with PEER_LOST naming it, `peer` its rank in the request's
+/// communicator (1 in A, 2 in communicator 0), well before the backend's
+/// timeout; B then completes a checked allreduce, a new request on A fails
+/// at once (revoked), and A's and B's comm_free succeed.
+#[test]
+fn killed_vm_fails_every_communicator_it_was_in_and_spares_the_others() {
+    let test = "killed_vm_fails_every_communicator_it_was_in_and_spares_the_others";
+    let Some(env) = setup(test) else {
+        return;
+    };
+    // A long collective timeout: only the loss may end the requests.
+    let mut backend = Backend::start(&env, "commloss", 3, &["--timeout-ms", "200000"]);
+    let opts = Options {
+        timeout: Duration::from_secs(300),
+        ..env.opts.clone()
+    };
+    // Interrupts: waiting guests leave the 2 host cores to the others.
+    let command = guest("--interrupt debug comm-loss --victim 2 --count 1024");
+    let survivors: Vec<VmSpec> = (0..2).map(|r| vm(&command, &backend.socket(r))).collect();
+    let victim = vm(&command, &backend.socket(2));
+    let t = Instant::now();
+    let mut group = Vms::start(&env, &survivors, &opts);
+    let doomed = Vms::start(&env, &[victim], &opts);
+
+    let held = wait_console(&doomed, 0, Duration::from_secs(150), |c| {
+        c.contains("\nholding")
+    });
+    assert!(
+        held,
+        "rank 2 did not reach `holding`:\n{}",
+        console(&doomed, 0)
+    );
+    for i in 0..2 {
+        assert!(
+            wait_console(&group, i, Duration::from_secs(60), |c| c
+                .contains("\nposted ")),
+            "rank {i} did not post its requests:\n{}",
+            console(&group, i)
+        );
+    }
+    // Until the loss the backend holds them: before, 2 allreduces on A and
+    // 2 on B; then rank 0's allreduce on A, both allreduces on
+    // communicator 0, two receives and one send.
+    let taken = |m: &str, op: &str| {
+        metric(m, &format!("dmlc_requests_total{{opcode=\"{op}\"}}")).unwrap_or(0.0)
+    };
+    let waiting = Instant::now() + Duration::from_secs(30);
+    let before = loop {
+        let m = metrics_of(&backend);
+        if taken(&m, "allreduce") >= 7.0 && taken(&m, "recv") >= 2.0 && taken(&m, "send") >= 1.0 {
+            break m;
+        }
+        assert!(
+            Instant::now() < waiting,
+            "the backend did not take the survivors' requests:\n{m}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(
+        metric(&before, "dmlc_members_connected"),
+        Some(3.0),
+        "{before}"
+    );
+    assert_eq!(
+        metric(&before, "dmlc_errors_total{status=\"peer_lost\"}"),
+        Some(0.0),
+        "{before}"
+    );
+    for i in 0..2 {
+        let c = console(&group, i);
+        assert!(
+            !c.contains("\nlost "),
+            "rank {i}: ended before the loss:\n{c}"
+        );
+    }
+    let generation = metric(&before, "dmlc_generation").expect("generation metric");
+
+    // What each survivor must print: `peer` is rank 2's rank in the
+    // request's communicator.
+    let lost: [&[&str]; 2] = [
+        &[
+            "lost recv A from rank 2: peer lost peer=1",
+            "lost allreduce A: peer lost peer=1",
+            "lost allreduce comm 0: peer lost peer=2",
+        ],
+        &[
+            "lost send comm 0 to rank 2: peer lost peer=2",
+            "lost recv any comm 0: peer lost peer=2",
+            "lost allreduce comm 0: peer lost peer=2",
+        ],
+    ];
+    assert_eq!(kill_qemu(&env.qemu, &doomed), 1, "kill rank 2's QEMU");
+    let killed = Instant::now();
+    for (i, lines) in lost.iter().enumerate() {
+        let told = wait_console(&group, i, Duration::from_secs(60), |c| {
+            lines.iter().all(|l| c.contains(l)) || c.contains("\nWRONG ")
+        });
+        assert!(
+            told,
+            "rank {i} was not told of every loss:\n{}",
+            console(&group, i)
+        );
+    }
+    let notice = killed.elapsed();
+    progress(&format!(
+        "{test}: all 6 held requests failed with peer lost {notice:.1?} after the kill"
+    ));
+    for i in 0..2 {
+        let c = console(&group, i);
+        assert!(!c.contains("\nWRONG "), "rank {i}:\n{c}");
+    }
+    // The bound is 5 s in TCG VMs; a loaded 2-core CI box gets
+    // more. Far below the 200 s timeout either way: the loss ended them.
+    assert!(
+        notice < Duration::from_secs(20),
+        "peer lost after {notice:?}"
+    );
+
+    let out = group.wait_ok("survivors");
+    for (i, o) in out.iter().enumerate() {
+        let mut want = vec!["B after loss: ok", "B freed: ok", "comm-loss ok"];
+        if i == 0 {
+            want.extend(["A revoked: peer lost peer=1 after ", "A freed: ok"]);
+        }
+        for w in want {
+            assert!(
+                o.output.lines().any(|l| l.trim_end().starts_with(w)),
+                "rank {i}: no line {w:?}:\n{}",
+                o.output
+            );
+        }
+        assert!(!o.output.contains("WRONG "), "rank {i}:\n{}", o.output);
+    }
+    assert!(backend.alive(), "backend died:\n{}", backend.log_text());
+    let after = metrics_of(&backend);
+    assert!(
+        metric(&after, "dmlc_generation").is_some_and(|g| g > generation),
+        "generation did not change:\n{after}"
+    );
+    // The six requests held, and the one on the revoked A.
+    assert!(
+        metric(&after, "dmlc_errors_total{status=\"peer_lost\"}").is_some_and(|n| n >= 7.0),
+        "peer_lost errors:\n{after}"
+    );
+    assert!(
+        backend.wait_log(
+            "rank 2: frontend disconnected, member lost",
+            1,
+            Duration::from_secs(5)
+        ),
+        "{}",
+        backend.log_text()
+    );
+    progress(&format!("{test}: done in {:.1?}", t.elapsed()));
+}

@@ -5,8 +5,9 @@ use std::collections::VecDeque;
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use dmlc_driver::device::{Device, DmaBuf, Handle, Request};
+use dmlc_driver::device::{CommInfo, CommRequest, Device, DmaBuf, Handle, Request};
 use dmlc_driver::error::Error;
+use virtio_dmlc::comm::{CommOpcode, ANY_SOURCE, VIRTIO_DMLC_F_COMM, VIRTIO_DMLC_F_P2P};
 use virtio_dmlc::{buffer_elems, Dtype, Opcode, ReduceOp};
 
 use super::util::Stats;
@@ -61,6 +62,32 @@ pub enum DebugCmd {
         #[arg(long, default_value_t = 1)]
         late_rank: u32,
     },
+    /// A member lost while the others wait on it in communicators (spec
+    /// 5.X.6.13.3, "Lost members"), for 3 ranks or more. Every rank splits
+    /// communicator 0 twice: A, the lowest rank other than VICTIM and
+    /// VICTIM; B, every rank but VICTIM; it runs one checked u32 allreduce
+    /// on each it is in and prints `ready`. VICTIM then prints `holding`
+    /// and sleeps until killed. The others post, all before waiting for
+    /// any, requests only VICTIM can finish (A's survivor: a receive from
+    /// it and an allreduce on A; the others: a send to it and a receive
+    /// from any source on communicator 0; all: an allreduce on
+    /// communicator 0), print `posted N`, then `lost WHAT: OUTCOME` as each
+    /// ends (`peer lost peer=P`, P the victim's rank in the request's
+    /// communicator). Then: a checked allreduce on B (`B after loss: ok`),
+    /// on A's survivor a request on A that must fail at once (`A revoked:
+    /// peer lost peer=P`) and A's comm_free (`A freed: ok`), B's comm_free
+    /// (`B freed: ok`), and `comm-loss ok`. Any outcome other than the
+    /// spec's is printed as a `WRONG ...` line and ends with exit 1.
+    CommLoss {
+        /// The rank whose VM is killed.
+        #[arg(long)]
+        victim: u32,
+        #[arg(long, default_value_t = 1024)]
+        count: u64,
+        /// Longest wait for each request the loss must end.
+        #[arg(long, default_value_t = 300)]
+        wait_secs: u64,
+    },
 }
 
 /// A short classification of the error for tests to match.
@@ -99,6 +126,11 @@ pub fn run(dev: &Device, setup: &Setup, cmd: &DebugCmd) -> Result<(), CliError> 
             *rounds,
             *late_rank,
         ),
+        DebugCmd::CommLoss {
+            victim,
+            count,
+            wait_secs,
+        } => comm_loss(dev, *victim, *count, Duration::from_secs(*wait_secs)),
     }
 }
 
@@ -398,5 +430,276 @@ fn multiqueue(dev: &Device, inflight: usize, iters: u64, count: u64) -> Result<(
     println!(
         "multiqueue ok: {checked} requests on {queues} queue(s), up to {inflight} in flight each"
     );
+    Ok(())
+}
+
+/// Writes one line to stdout at once (the VM's console is read while the
+/// program runs).
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+/// Element `i` that group rank `r` gives in allreduce `case` of
+/// `comm-loss`.
+fn loss_value(case: u32, r: u32, i: u64) -> u32 {
+    (case << 24) ^ (r << 16) ^ (i as u32).wrapping_mul(0x9e37_79b9)
+}
+
+/// An outcome as `comm-loss` prints it.
+fn outcome(r: &Result<(), Error>) -> String {
+    match r {
+        Ok(()) => "ok".into(),
+        Err(Error::PeerLost { peer }) => format!("peer lost peer={peer}"),
+        Err(e) => format!("{}: {e}", kind(e)),
+    }
+}
+
+/// Prints `WRONG LINE` and keeps the line for the exit's error.
+fn wrong_line(wrong: &mut Vec<String>, line: String) {
+    say(&format!("WRONG {line}"));
+    wrong.push(line);
+}
+
+/// The outcome of `what` as printed; a wrong line unless it is PEER_LOST
+/// naming rank `peer` of the request's communicator.
+fn expect_lost(wrong: &mut Vec<String>, what: &str, got: &Result<(), Error>, peer: u32) -> String {
+    let got = outcome(got);
+    let want = format!("peer lost peer={peer}");
+    if got != want {
+        wrong_line(wrong, format!("{what}: got {got}, want {want}"));
+    }
+    got
+}
+
+/// One u32 sum allreduce on communicator `comm` (group ranks `members`),
+/// checked against the values this rank computes for every member.
+fn loss_allreduce(
+    dev: &Device,
+    comm: u32,
+    members: &[u32],
+    case: u32,
+    count: u64,
+    timeout: Duration,
+) -> Result<(), String> {
+    let bytes = count as usize * 4;
+    let mut input = dev.alloc(bytes).map_err(|e| format!("alloc: {e}"))?;
+    let mut output = dev.alloc(bytes).map_err(|e| format!("alloc: {e}"))?;
+    for (i, c) in input.as_mut_slice().chunks_exact_mut(4).enumerate() {
+        c.copy_from_slice(&loss_value(case, dev.rank(), i as u64).to_le_bytes());
+    }
+    output.as_mut_slice().fill(0xa5);
+    let req = Request {
+        comm,
+        tag: u64::from(case),
+        ..Request::new(Opcode::Allreduce, Dtype::U32, ReduceOp::Sum, count)
+    };
+    dev.call(0, &req, &[input.all()], &[output.all()], Some(timeout))
+        .map_err(|e| outcome(&Err(e)))?;
+    for (i, c) in output.as_slice().chunks_exact(4).enumerate() {
+        let got = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        let want = members
+            .iter()
+            .fold(0u32, |a, &m| a.wrapping_add(loss_value(case, m, i as u64)));
+        if got != want {
+            return Err(format!(
+                "wrong result: element {i}: expected {want:#x}, got {got:#x}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Checks what comm_split gave this rank against the members it should
+/// have (`None`: not a member, no communicator).
+fn check_split(
+    what: &str,
+    got: Option<CommInfo>,
+    members: &[u32],
+    rank: u32,
+) -> Result<(), CliError> {
+    let want = members.iter().position(|&m| m == rank).map(|r| r as u32);
+    match (got, want) {
+        (None, None) => Ok(()),
+        (Some(c), Some(r)) if c.id != 0 && c.rank == r && c.size == members.len() as u32 => Ok(()),
+        (got, want) => Err(CliError::Wrong(format!(
+            "comm_split of {what}: got {got:?}, want rank {want:?} of {} members {members:?}",
+            members.len()
+        ))),
+    }
+}
+
+fn comm_loss(dev: &Device, victim: u32, count: u64, wait: Duration) -> Result<(), CliError> {
+    let (rank, world) = (dev.rank(), dev.world_size());
+    if world < 3 || victim >= world {
+        return Err(CliError::Usage(format!(
+            "--victim {victim} needs a group of at least 3 with that rank (world size {world})"
+        )));
+    }
+    if count == 0 {
+        return Err(CliError::Usage("--count must be at least 1".into()));
+    }
+    if !dev.has_comm_feature(VIRTIO_DMLC_F_COMM) || !dev.has_comm_feature(VIRTIO_DMLC_F_P2P) {
+        return Err(CliError::Usage(
+            "the device did not negotiate communicators and send/receive (feature bits 1 and 2)"
+                .into(),
+        ));
+    }
+    // A: the lowest other rank and the victim, in group order; B: every
+    // rank but the victim.
+    let anchor = u32::from(victim == 0);
+    let a_members: Vec<u32> = (0..world).filter(|&r| r == anchor || r == victim).collect();
+    let b_members: Vec<u32> = (0..world).filter(|&r| r != victim).collect();
+    let victim_in_a = a_members.iter().position(|&m| m == victim).unwrap_or(0) as u32;
+    let a = dev
+        .comm_split(0, a_members.contains(&rank).then_some(1), 0)
+        .ctx("comm_split of A")?;
+    check_split("A", a, &a_members, rank)?;
+    let b = dev
+        .comm_split(0, b_members.contains(&rank).then_some(2), 0)
+        .ctx("comm_split of B")?;
+    check_split("B", b, &b_members, rank)?;
+    if let (Some(a), Some(b)) = (a, b) {
+        if a.id == b.id {
+            return Err(CliError::Wrong(format!("A and B got one id, {}", a.id)));
+        }
+    }
+    let before = Duration::from_secs(300);
+    if let Some(a) = a {
+        loss_allreduce(dev, a.id, &a_members, 1, count, before)
+            .map_err(|e| CliError::Wrong(format!("allreduce on A: {e}")))?;
+    }
+    if let Some(b) = b {
+        loss_allreduce(dev, b.id, &b_members, 2, count, before)
+            .map_err(|e| CliError::Wrong(format!("allreduce on B: {e}")))?;
+    }
+    say("ready");
+    if rank == victim {
+        say("holding");
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        }
+    }
+    // (check_split made sure every survivor is in B, and only the anchor
+    // in A.)
+    let Some(b) = b else {
+        return Err(CliError::Wrong(format!("rank {rank} is not in B")));
+    };
+
+    // Requests only the victim can finish, all posted before waiting for
+    // any. Each has its own buffer: a buffer is in flight as a whole.
+    let bytes = count as usize * 4;
+    let mut posted: Vec<(String, Handle, u32, DmaBuf)> = Vec::new();
+    let mut post_comm = |what: String, req: CommRequest, peer: u32| -> Result<(), CliError> {
+        let buf = dev.alloc(bytes).ctx("alloc")?;
+        let (input, output) = match req.opcode {
+            CommOpcode::Send => (vec![buf.all()], Vec::new()),
+            _ => (Vec::new(), vec![buf.all()]),
+        };
+        let h = dev
+            .submit_comm(0, &req, &input, &output)
+            .ctx(&format!("posting {what}"))?;
+        posted.push((what, h, peer, buf));
+        Ok(())
+    };
+    if let Some(a) = a {
+        let recv = CommRequest {
+            peer: victim_in_a,
+            tag: 10,
+            ..CommRequest::new(CommOpcode::Recv, Dtype::U32, a.id, count)
+        };
+        post_comm(format!("recv A from rank {victim}"), recv, victim_in_a)?;
+    } else {
+        let send = CommRequest {
+            peer: victim,
+            tag: 11,
+            ..CommRequest::new(CommOpcode::Send, Dtype::U32, 0, count)
+        };
+        post_comm(format!("send comm 0 to rank {victim}"), send, victim)?;
+        let any = CommRequest {
+            peer: ANY_SOURCE,
+            tag: 12,
+            ..CommRequest::new(CommOpcode::Recv, Dtype::U32, 0, count)
+        };
+        post_comm("recv any comm 0".into(), any, victim)?;
+    }
+    let mut post_allreduce = |what: &str, comm: u32, tag: u64, peer: u32| -> Result<(), CliError> {
+        let input = dev.alloc(bytes).ctx("alloc")?;
+        let output = dev.alloc(bytes).ctx("alloc")?;
+        let req = Request {
+            comm,
+            tag,
+            ..Request::new(Opcode::Allreduce, Dtype::U32, ReduceOp::Sum, count)
+        };
+        let h = dev
+            .submit(0, &req, &[input.all()], &[output.all()])
+            .ctx(&format!("posting {what}"))?;
+        posted.push((what.into(), h, peer, output));
+        drop(input);
+        Ok(())
+    };
+    if let Some(a) = a {
+        post_allreduce("allreduce A", a.id, 13, victim_in_a)?;
+    }
+    post_allreduce("allreduce comm 0", 0, 14, victim)?;
+    say(&format!("posted {}", posted.len()));
+
+    let mut wrong = Vec::new();
+    for (what, h, peer, _buf) in &posted {
+        let r = dev.wait(*h, Some(wait)).map(drop);
+        let got = expect_lost(&mut wrong, what, &r, *peer);
+        say(&format!("lost {what}: {got}"));
+    }
+    say(
+        "note: the driver's Error::PeerLost carries only `peer` (the rank in the request's \
+         communicator); `peer_world` is not visible through the Device API",
+    );
+    drop(posted);
+
+    // B keeps serving, its sequence numbers unchanged.
+    match loss_allreduce(dev, b.id, &b_members, 3, count, wait) {
+        Ok(()) => say("B after loss: ok"),
+        Err(e) => {
+            wrong_line(&mut wrong, format!("B after loss: {e}"));
+        }
+    }
+    if let Some(a) = a {
+        // Revoked: a new request fails at once, without the victim.
+        let t = Instant::now();
+        let r = {
+            let input = dev.alloc(bytes).ctx("alloc")?;
+            let output = dev.alloc(bytes).ctx("alloc")?;
+            let req = Request {
+                comm: a.id,
+                tag: 15,
+                ..Request::new(Opcode::Allreduce, Dtype::U32, ReduceOp::Sum, count)
+            };
+            dev.call(0, &req, &[input.all()], &[output.all()], Some(wait))
+                .map(drop)
+        };
+        let took = t.elapsed();
+        let got = expect_lost(&mut wrong, "A revoked", &r, victim_in_a);
+        say(&format!(
+            "A revoked: {got} after {:.1} ms",
+            took.as_secs_f64() * 1e3
+        ));
+        match dev.comm_free(a.id) {
+            Ok(()) => say("A freed: ok"),
+            Err(e) => {
+                wrong_line(&mut wrong, format!("comm_free of A: {}", outcome(&Err(e))));
+            }
+        }
+    }
+    match dev.comm_free(b.id) {
+        Ok(()) => say("B freed: ok"),
+        Err(e) => {
+            wrong_line(&mut wrong, format!("comm_free of B: {}", outcome(&Err(e))));
+        }
+    }
+    if !wrong.is_empty() {
+        return Err(CliError::Wrong(wrong.join("; ")));
+    }
+    say("comm-loss ok");
     Ok(())
 }
