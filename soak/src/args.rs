@@ -13,6 +13,8 @@ pub const QUEUE_SIZE: u16 = 256;
 /// Most groups and ranks one run may start.
 pub const MAX_GROUPS: u32 = 26;
 pub const MAX_RANKS: u32 = 64;
+/// Most --comm-ops (cycles per round).
+pub const MAX_COMM_OPS: u64 = 1_000_000;
 
 /// Why the options do not make a valid run.
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -27,8 +29,10 @@ pub enum ArgsError {
     Window { window: u32, max: u32 },
     #[error("--rounds must be at least 2 (a warm-up round and the rest), not {0}")]
     Rounds(u32),
-    #[error("nothing to do: --small and --large are both 0")]
+    #[error("nothing to do: --small, --large and --comm-ops are all 0")]
     NoWork,
+    #[error("--comm-ops must be at most {MAX_COMM_OPS}, not {0}")]
+    CommOps(u64),
     #[error("--kill-one needs at least 2 groups and 2 ranks")]
     KillNeedsTwo,
     #[error("--kill-daemon needs at least 2 groups")]
@@ -52,8 +56,11 @@ pub enum ArgsError {
 /// vhost-user (the host transport). Each rank runs --small allreduces of
 /// --small-bytes with --window requests in flight, and --large allreduces
 /// of --large-bytes, u64 sum, every request tagged with its sequence
-/// number and every result checked in full. The work is split into
-/// --rounds rounds of both kinds; the first round is the warm-up. After
+/// number and every result checked in full. The allreduces are split
+/// into --rounds rounds; each round ends with --comm-ops cycles of the
+/// communicator part (comm_split, comm_create, send/recv ring shifts,
+/// all-to-all and allreduce on a communicator, comm_free: communicators
+/// made and freed every round). The first round is the warm-up. After
 /// each round the daemon's RssAnon, VmRSS and open fds are sampled. Exit
 /// status 0 only if every check passed: no completion lost, duplicated or
 /// wrong, no error status, the generation unchanged, RssAnon growth after
@@ -67,7 +74,8 @@ pub enum ArgsError {
       dmlc-soak                                   # the full soak: 1e6 small + 1000 x 16 MiB, 2 groups of 4\n  \
       dmlc-soak --small 20000 --large 40 --json soak.json\n  \
       dmlc-soak --small 2000 --large 4 --kill-one  # close a rank of group B half way\n  \
-      dmlc-soak --small 2000 --large 4 --kill-daemon  # kill -9 group B's daemon half way\n\n\
+      dmlc-soak --small 2000 --large 4 --kill-daemon  # kill -9 group B's daemon half way\n  \
+      dmlc-soak --small 0 --large 0 --comm-ops 1000  # the communicator part alone\n\n\
       Exit status: 0 every check passed, 1 a check failed or the run could not start, 2 bad options."
 )]
 pub struct Args {
@@ -83,7 +91,8 @@ pub struct Args {
     #[arg(long, value_name = "N", default_value = "1_000_000", value_parser = parse_count)]
     pub small: u64,
 
-    /// Bytes of each small allreduce (u64 elements; K, M, G suffixes).
+    /// Bytes of each small allreduce, and of each message and block of the
+    /// communicator part (u64 elements; K, M, G suffixes).
     #[arg(long, value_name = "BYTES", default_value = "64", value_parser = parse_size)]
     pub small_bytes: u64,
 
@@ -98,6 +107,15 @@ pub struct Args {
     /// Bytes of each large allreduce (K, M, G suffixes).
     #[arg(long, value_name = "BYTES", default_value = "16M", value_parser = parse_size)]
     pub large_bytes: u64,
+
+    /// Cycles of the communicator part per round (0: none), after the
+    /// allreduces. A cycle, on every rank: comm_split of the group into
+    /// even and odd ranks, comm_create of pairs, a send/recv ring shift on
+    /// the group, the half and the pair, an all-to-all and an allreduce on
+    /// the half (messages and blocks of --small-bytes), comm_free of the
+    /// pair and the half. Every id, rank, length and byte is checked.
+    #[arg(long, value_name = "N", default_value = "25", value_parser = parse_count)]
+    pub comm_ops: u64,
 
     /// Rounds the work is split into; resources are sampled after each,
     /// and the first is the warm-up.
@@ -163,7 +181,12 @@ impl Args {
             return Err(ArgsError::Ranks(self.ranks));
         }
         for (flag, bytes, count) in [
-            ("--small-bytes", self.small_bytes, self.small),
+            // The communicator part's messages are of --small-bytes too.
+            (
+                "--small-bytes",
+                self.small_bytes,
+                self.small.max(self.comm_ops),
+            ),
             ("--large-bytes", self.large_bytes, self.large),
         ] {
             if count > 0 && (bytes == 0 || bytes % 8 != 0) {
@@ -180,8 +203,11 @@ impl Args {
         if self.rounds < 2 {
             return Err(ArgsError::Rounds(self.rounds));
         }
-        if self.small == 0 && self.large == 0 {
+        if self.small == 0 && self.large == 0 && self.comm_ops == 0 {
             return Err(ArgsError::NoWork);
+        }
+        if self.comm_ops > MAX_COMM_OPS {
+            return Err(ArgsError::CommOps(self.comm_ops));
         }
         if self.kill_one && self.kill_daemon {
             return Err(ArgsError::KillBoth);
@@ -251,6 +277,7 @@ mod tests {
             (2, 4, 1_000_000, 1000)
         );
         assert_eq!((a.small_bytes, a.large_bytes), (64, 16 << 20));
+        assert_eq!(a.comm_ops, 25);
         assert_eq!(a.max_rss_growth, 4 << 20);
         assert!(!a.poll && !a.kill_one && !a.kill_daemon);
         assert_eq!(a.validate(), Ok(()));
@@ -296,7 +323,18 @@ mod tests {
                 },
             ),
             (&["--rounds", "1"], ArgsError::Rounds(1)),
-            (&["--small", "0", "--large", "0"], ArgsError::NoWork),
+            (
+                &["--small", "0", "--large", "0", "--comm-ops", "0"],
+                ArgsError::NoWork,
+            ),
+            (&["--comm-ops", "1e7"], ArgsError::CommOps(10_000_000)),
+            (
+                &["--small", "0", "--small-bytes", "12"],
+                ArgsError::ElementSize {
+                    flag: "--small-bytes",
+                    bytes: 12,
+                },
+            ),
             (&["--kill-one", "--groups", "1"], ArgsError::KillNeedsTwo),
             (
                 &["--kill-one", "--small", "3"],
@@ -330,5 +368,9 @@ mod tests {
             args(&["--large", "0", "--large-bytes", "3"]).validate(),
             Ok(())
         );
+        let small_unused = ["--small", "0", "--comm-ops", "0", "--small-bytes", "12"];
+        assert_eq!(args(&small_unused).validate(), Ok(()));
+        // The communicator part alone is work.
+        assert_eq!(args(&["--small", "0", "--large", "0"]).validate(), Ok(()));
     }
 }

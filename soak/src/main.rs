@@ -23,7 +23,9 @@ use thiserror::Error;
 use crate::args::{Args, ArgsError, QUEUE_SIZE};
 use crate::daemon::{Daemon, DaemonError, DaemonSpec};
 use crate::pattern::Kind;
-use crate::rank::{Global, GroupShared, Kill, KillWhat, Plan, RankReport, INTERRUPTED};
+use crate::rank::{
+    comm_buf_elems, Global, GroupShared, Kill, KillWhat, Plan, RankReport, INTERRUPTED,
+};
 use crate::report::{DaemonKill, GroupResult, Limits};
 
 #[derive(Debug, Error)]
@@ -93,7 +95,13 @@ fn dma_bytes(args: &Args) -> usize {
         0
     };
     let small = 2 * args.window as usize * round_up(args.small_bytes as usize, 64);
-    round_up(large + small + (1 << 20), 1 << 20)
+    let comm = if args.comm_ops > 0 {
+        let elems = comm_buf_elems(args.ranks, (args.small_bytes / 8) as usize);
+        2 * round_up(elems * 8, 64)
+    } else {
+        0
+    };
+    round_up(large + small + comm + (1 << 20), 1 << 20)
 }
 
 fn plan_of(args: &Args) -> Plan {
@@ -105,6 +113,7 @@ fn plan_of(args: &Args) -> Plan {
         window: args.window as usize,
         large: args.large,
         large_elems: (args.large_bytes / 8) as usize,
+        comm_ops: args.comm_ops,
         rounds: args.rounds,
         poll: args.poll,
         kill: None,
@@ -167,6 +176,7 @@ struct ConfigJson {
     window: u32,
     large: u64,
     large_bytes: u64,
+    comm_ops: u64,
     rounds: u32,
     poll: bool,
     kill_one: bool,
@@ -186,6 +196,7 @@ fn config_json(args: &Args, plan: &Plan) -> ConfigJson {
         window: args.window,
         large: args.large,
         large_bytes: args.large_bytes,
+        comm_ops: args.comm_ops,
         rounds: args.rounds,
         poll: args.poll,
         kill_one: args.kill_one,
@@ -213,7 +224,7 @@ fn run(args: &Args) -> Result<bool, SoakError> {
     let plan = plan_of(args);
     println!(
         "dmlc-soak: {} groups x {} ranks, {} small of {} B (window {}), {} large of {} B, \
-         {} rounds, {} mode{}; daemon {}",
+         {} communicator cycles per round, {} rounds, {} mode{}; daemon {}",
         args.groups,
         args.ranks,
         args.small,
@@ -221,6 +232,7 @@ fn run(args: &Args) -> Result<bool, SoakError> {
         args.window,
         args.large,
         args.large_bytes,
+        args.comm_ops,
         args.rounds,
         if args.poll { "poll" } else { "interrupt" },
         args.kill_flag().map_or(String::new(), |f| format!(", {f}")),
@@ -281,6 +293,7 @@ fn run(args: &Args) -> Result<bool, SoakError> {
         let every = Duration::from_secs(args.progress_secs);
         let mut last = Instant::now();
         let mut prev: Vec<(u64, u64)> = vec![(0, 0); shared.len()];
+        let comm_total = args.comm_ops * u64::from(args.rounds);
         while !handles.iter().flatten().all(|h| h.is_finished()) {
             std::thread::sleep(tick);
             for (g, d) in daemons.iter_mut().enumerate() {
@@ -309,12 +322,13 @@ fn run(args: &Args) -> Result<bool, SoakError> {
                         sh.large_done.load(Ordering::Relaxed),
                     );
                     line.push_str(&format!(
-                        " {}: small {sm}/{} ({}), large {lg}/{} ({});",
+                        " {}: small {sm}/{} ({}), large {lg}/{} ({}), comm {}/{comm_total};",
                         sh.name,
                         args.small,
                         rate(sm, prev[g].0, dt),
                         args.large,
-                        rate(lg, prev[g].1, dt)
+                        rate(lg, prev[g].1, dt),
+                        sh.comm_done.load(Ordering::Relaxed)
                     ));
                     prev[g] = (sm, lg);
                 }

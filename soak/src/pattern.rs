@@ -8,12 +8,48 @@
 //! sequence number, so a result of another collective does not pass, and
 //! `word(r)` differs per rank, so a rank missing or counted twice does not
 //! pass either.
+//!
+//! The communicator part (`Kind::Comm`) moves inputs instead of summing
+//! them: a receiver checks what it got against the elements of its
+//! sender's input that it should have got ([`Pattern::check_input`]), and
+//! an allreduce on a communicator against the sum over its members only
+//! ([`Pattern::of`]).
 
 /// Which stream of collectives a sequence number belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
     Small = 0,
     Large = 1,
+    /// The communicator part of a round: every request of a cycle has its
+    /// own number ([`comm_seq`]).
+    Comm = 2,
+}
+
+/// The steps of one cycle of the communicator part that carry a tag of
+/// their own (comm_split and comm_free carry tag 0: they are numbered in
+/// their communicator like any collective); each request's sequence number
+/// is [`comm_seq`] of its cycle and step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// `sub`: the pair (comm_creates are matched by tag: spec 5.X.6.13.3).
+    Create = 0,
+    /// `sub`: which of the cycle's ring shifts.
+    Shift = 1,
+    Alltoall = 2,
+    Allreduce = 3,
+}
+
+/// Steps per cycle ([`Step`]).
+const STEPS: u64 = 4;
+/// Room for [`comm_seq`]'s `sub` (more than `--ranks` allows).
+const SUBS: u64 = 1 << 6;
+
+/// The sequence number (and tag, through [`Kind::tag`]) of a request of the
+/// communicator part: cycle `cycle`, step `step`, and `sub` (see [`Step`]);
+/// different for every request of the run.
+pub fn comm_seq(cycle: u64, step: Step, sub: u32) -> u64 {
+    debug_assert!(u64::from(sub) < SUBS);
+    (cycle * STEPS + step as u64) * SUBS + u64::from(sub)
 }
 
 impl std::fmt::Display for Kind {
@@ -21,6 +57,7 @@ impl std::fmt::Display for Kind {
         f.write_str(match self {
             Kind::Small => "small",
             Kind::Large => "large",
+            Kind::Comm => "communicator",
         })
     }
 }
@@ -46,7 +83,8 @@ fn splitmix64(mut x: u64) -> u64 {
 
 /// `(base, stride)` of collective `seq` of `kind`.
 fn seq_words(kind: Kind, seq: u64) -> (u64, u64) {
-    let base = splitmix64(seq.wrapping_mul(2).wrapping_add(kind as u64));
+    // Three kinds: no two (kind, seq) share a hash input.
+    let base = splitmix64(seq.wrapping_mul(3).wrapping_add(kind as u64));
     // Odd, so consecutive elements always differ.
     (base, splitmix64(base) | 1)
 }
@@ -57,7 +95,7 @@ fn rank_word(rank: u32) -> u64 {
 }
 
 /// Inputs and expected sums for a group of `world` ranks.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub struct Pattern {
     world: u64,
     rank_sum: u64,
@@ -73,10 +111,17 @@ pub struct Diff {
 
 impl Pattern {
     pub fn new(world: u32) -> Pattern {
-        Pattern {
-            world: u64::from(world),
-            rank_sum: (0..world).fold(0u64, |a, r| a.wrapping_add(rank_word(r))),
-        }
+        Pattern::of(0..world)
+    }
+
+    /// Sums over the group ranks `members` only (a communicator's).
+    pub fn of(members: impl IntoIterator<Item = u32>) -> Pattern {
+        members
+            .into_iter()
+            .fold(Pattern::default(), |p, r| Pattern {
+                world: p.world + 1,
+                rank_sum: p.rank_sum.wrapping_add(rank_word(r)),
+            })
     }
 
     /// Writes rank `rank`'s input for collective `seq` into `buf`.
@@ -101,34 +146,24 @@ impl Pattern {
     /// Checks every element of `buf` against the sum of collective `seq`.
     pub fn check(&self, kind: Kind, seq: u64, buf: &[u64]) -> Result<(), Diff> {
         let (first, step) = self.expected(kind, seq);
-        // OR-accumulate the differences chunk by chunk (vectorises), and
-        // look for the element only in a chunk that differs.
-        const CHUNK: usize = 512;
-        let mut start = first;
-        let chunk_step = step.wrapping_mul(CHUNK as u64);
-        for (c, chunk) in buf.chunks(CHUNK).enumerate() {
-            let mut want = start;
-            let mut acc = 0u64;
-            for &e in chunk {
-                acc |= e ^ want;
-                want = want.wrapping_add(step);
-            }
-            if acc != 0 {
-                let mut want = start;
-                for (i, &got) in chunk.iter().enumerate() {
-                    if got != want {
-                        return Err(Diff {
-                            index: c * CHUNK + i,
-                            got,
-                            want,
-                        });
-                    }
-                    want = want.wrapping_add(step);
-                }
-            }
-            start = start.wrapping_add(chunk_step);
-        }
-        Ok(())
+        check_run(first, step, buf)
+    }
+
+    /// Checks that `buf` is elements `offset..` of rank `rank`'s input for
+    /// `seq`: what a receiver of that part of the input must hold.
+    pub fn check_input(
+        &self,
+        kind: Kind,
+        seq: u64,
+        rank: u32,
+        offset: usize,
+        buf: &[u64],
+    ) -> Result<(), Diff> {
+        let (base, stride) = seq_words(kind, seq);
+        let first = base
+            .wrapping_add(rank_word(rank))
+            .wrapping_add(stride.wrapping_mul(offset as u64));
+        check_run(first, stride, buf)
     }
 
     /// The sequence number in `candidates` whose sum `buf` starts with, if
@@ -148,6 +183,38 @@ impl Pattern {
                 .all(|(i, &e)| e == first.wrapping_add(step.wrapping_mul(i as u64)))
         })
     }
+}
+
+/// Checks every element of `buf` against `first + i * step`.
+fn check_run(first: u64, step: u64, buf: &[u64]) -> Result<(), Diff> {
+    // OR-accumulate the differences chunk by chunk (vectorises), and look
+    // for the element only in a chunk that differs.
+    const CHUNK: usize = 512;
+    let mut start = first;
+    let chunk_step = step.wrapping_mul(CHUNK as u64);
+    for (c, chunk) in buf.chunks(CHUNK).enumerate() {
+        let mut want = start;
+        let mut acc = 0u64;
+        for &e in chunk {
+            acc |= e ^ want;
+            want = want.wrapping_add(step);
+        }
+        if acc != 0 {
+            let mut want = start;
+            for (i, &got) in chunk.iter().enumerate() {
+                if got != want {
+                    return Err(Diff {
+                        index: c * CHUNK + i,
+                        got,
+                        want,
+                    });
+                }
+                want = want.wrapping_add(step);
+            }
+        }
+        start = start.wrapping_add(chunk_step);
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -212,5 +279,62 @@ mod tests {
     fn tags_keep_kinds_apart() {
         assert_ne!(Kind::Small.tag(5), Kind::Large.tag(5));
         assert_eq!(Kind::Small.tag(5), 5);
+        assert_ne!(Kind::Comm.tag(5), Kind::Small.tag(5));
+        // Every request of the communicator part has its own number.
+        let mut seen = std::collections::HashSet::new();
+        for cycle in 0..50 {
+            for step in [Step::Create, Step::Shift, Step::Alltoall, Step::Allreduce] {
+                for sub in 0..32 {
+                    assert!(seen.insert(comm_seq(cycle, step, sub)));
+                }
+            }
+        }
+        // No kind's data is another's.
+        let (p, mut a, mut b) = (Pattern::new(1), [0u64; 4], [0u64; 4]);
+        for seq in 0..100 {
+            p.fill(Kind::Comm, seq, 0, &mut a);
+            for other in seq..seq + 3 {
+                p.fill(Kind::Small, other, 0, &mut b);
+                assert_ne!(a, b);
+                p.fill(Kind::Large, other, 0, &mut b);
+                assert_ne!(a, b);
+            }
+        }
+    }
+
+    #[test]
+    fn a_received_part_of_an_input_is_checked_against_its_sender() {
+        let p = Pattern::new(4);
+        let mut input = vec![0u64; 40];
+        p.fill(Kind::Comm, 77, 2, &mut input);
+        assert_eq!(p.check_input(Kind::Comm, 77, 2, 0, &input), Ok(()));
+        assert_eq!(p.check_input(Kind::Comm, 77, 2, 30, &input[30..]), Ok(()));
+        // Another block, sender, sequence number or kind does not pass.
+        assert!(p.check_input(Kind::Comm, 77, 2, 20, &input[30..]).is_err());
+        assert!(p.check_input(Kind::Comm, 77, 1, 30, &input[30..]).is_err());
+        assert!(p.check_input(Kind::Comm, 78, 2, 0, &input).is_err());
+        assert!(p.check_input(Kind::Small, 77, 2, 0, &input).is_err());
+        input[35] ^= 1;
+        let d = p
+            .check_input(Kind::Comm, 77, 2, 30, &input[30..])
+            .unwrap_err();
+        assert_eq!(d.index, 5);
+    }
+
+    #[test]
+    fn a_communicator_sums_its_members_only() {
+        let members = [3, 1];
+        let q = Pattern::of(members);
+        let (mut total, mut one) = (vec![0u64; 9], vec![0u64; 9]);
+        for r in members {
+            q.fill(Kind::Comm, 5, r, &mut one);
+            for (t, e) in total.iter_mut().zip(&one) {
+                *t = t.wrapping_add(*e);
+            }
+        }
+        assert_eq!(q.check(Kind::Comm, 5, &total), Ok(()));
+        // The sum of ranks 0 and 1 (a group of two) is not theirs.
+        assert!(Pattern::new(2).check(Kind::Comm, 5, &total).is_err());
+        assert!(Pattern::of([1, 2]).check(Kind::Comm, 5, &total).is_err());
     }
 }

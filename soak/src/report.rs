@@ -6,7 +6,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use crate::daemon::Usage;
-use crate::rank::{Plan, RankReport, RoundTime, Sample, AFTER_KILL_GRACE};
+use crate::rank::{CommOps, Plan, RankReport, RoundTime, Sample, AFTER_KILL_GRACE};
 
 /// The limits a group is checked against.
 #[derive(Clone, Copy, Debug)]
@@ -53,6 +53,10 @@ impl GroupResult {
 pub struct Figures {
     pub small: u64,
     pub large: u64,
+    /// Cycles of the communicator part rank 0 finished.
+    pub comm_cycles: u64,
+    /// Requests of the communicator part checked right, all ranks.
+    pub comm: CommOps,
     pub bytes: u64,
     /// Requests posted, all ranks.
     pub submitted: u64,
@@ -70,6 +74,8 @@ pub struct Figures {
     pub large_gbps: f64,
     pub large_traffic_gbps: f64,
     pub large_max_ms: f64,
+    /// The slowest request of the communicator part.
+    pub comm_max_ms: f64,
     pub warm: Option<Usage>,
     pub end: Option<Usage>,
     pub max_rss_anon_kib: u64,
@@ -111,11 +117,13 @@ pub fn evaluate(plan: &Plan, limits: &Limits, g: &GroupResult) -> Figures {
     let r0 = g.ranks.iter().find(|r| r.rank == 0);
     f.small = r0.map_or(0, |r| r.small_ok);
     f.large = r0.map_or(0, |r| r.large_ok);
+    f.comm_cycles = r0.map_or(0, |r| r.comm_cycles);
     f.bytes = f.small * (plan.small_elems as u64 * 8) + f.large * (plan.large_elems as u64 * 8);
     let mut lat = Vec::new();
     for r in &g.ranks {
-        f.submitted += r.small_submitted + r.large_submitted;
-        f.checked += r.small_ok + r.large_ok;
+        f.submitted += r.small_submitted + r.large_submitted + r.comm_submitted;
+        f.checked += r.small_ok + r.large_ok + r.comm.total();
+        f.comm.add(&r.comm);
         f.lost += r.lost;
         f.duplicated += r.duplicated;
         f.wrong += r.wrong;
@@ -129,6 +137,7 @@ pub fn evaluate(plan: &Plan, limits: &Limits, g: &GroupResult) -> Figures {
         lat.extend_from_slice(&r.small_ns);
         f.max_us = f.max_us.max(r.small_max_ns as f64 / 1e3);
         f.large_max_ms = f.large_max_ms.max(r.large_max_ns as f64 / 1e6);
+        f.comm_max_ms = f.comm_max_ms.max(r.comm_max_ns as f64 / 1e6);
     }
     if g.daemon_kill.is_some() {
         f.noticed_ms = g
@@ -246,6 +255,7 @@ fn check(plan: &Plan, limits: &Limits, g: &GroupResult, f: &mut Figures) {
             f.generation_changes
         ));
     }
+    let cycles = plan.comm_ops * u64::from(plan.rounds);
     if let Some(r) = g
         .ranks
         .iter()
@@ -256,11 +266,17 @@ fn check(plan: &Plan, limits: &Limits, g: &GroupResult, f: &mut Figures) {
             r.rank, r.small_ok, r.large_ok, plan.small, plan.large
         ));
     }
-    let stall_ms = limits.max_stall.as_secs_f64() * 1e3;
-    if f.max_us / 1e3 > stall_ms || f.large_max_ms > stall_ms {
+    if let Some(r) = g.ranks.iter().find(|r| r.comm_cycles != cycles) {
         fail.push(format!(
-            "a collective took {:.0} ms, over --max-stall-ms {stall_ms:.0}",
-            (f.max_us / 1e3).max(f.large_max_ms)
+            "rank {} finished {} cycles of the communicator part of {cycles}",
+            r.rank, r.comm_cycles
+        ));
+    }
+    let stall_ms = limits.max_stall.as_secs_f64() * 1e3;
+    let slowest = (f.max_us / 1e3).max(f.large_max_ms).max(f.comm_max_ms);
+    if slowest > stall_ms {
+        fail.push(format!(
+            "a collective took {slowest:.0} ms, over --max-stall-ms {stall_ms:.0}"
         ));
     }
     match (f.warm, f.end) {
@@ -367,10 +383,11 @@ pub fn table(groups: &[(GroupResult, Figures)]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<5} {:>9} {:>8} {:>10} {:>9} {:>4} {:>4} {:>5} {:>6} {:>9} {:>9} {:>9} {:>11} {:>20} {:>9} {:>6}",
+        "{:<5} {:>9} {:>8} {:>6} {:>10} {:>9} {:>4} {:>4} {:>5} {:>6} {:>9} {:>9} {:>9} {:>11} {:>20} {:>9} {:>6}",
         "group",
         "small",
         "large",
+        "comm",
         "bytes",
         "checked",
         "lost",
@@ -388,10 +405,11 @@ pub fn table(groups: &[(GroupResult, Figures)]) -> String {
     for (g, f) in groups {
         let _ = writeln!(
             s,
-            "{:<5} {:>9} {:>8} {:>10} {:>9} {:>4} {:>4} {:>5} {:>6} {:>9.1} {:>9.1} {:>9.0} {:>11.2} {:>20} {:>9} {:>6}",
+            "{:<5} {:>9} {:>8} {:>6} {:>10} {:>9} {:>4} {:>4} {:>5} {:>6} {:>9.1} {:>9.1} {:>9.0} {:>11.2} {:>20} {:>9} {:>6}",
             g.name,
             f.small,
             f.large,
+            f.comm_cycles,
             human_bytes(f.bytes),
             f.checked,
             f.lost,
@@ -436,6 +454,24 @@ pub fn details(groups: &[(GroupResult, Figures)], kill: Option<(u32, &str)>) -> 
             usage_pair(f, |u| u.vm_rss_kib),
             f.max_rss_anon_kib
         );
+        if f.comm.total() > 0 {
+            let c = &f.comm;
+            let _ = writeln!(
+                s,
+                "  communicator part: {} cycles; requests checked (all ranks): comm_split {}, \
+                 comm_create {}, send {}, recv {}, alltoall {}, allreduce {}, comm_free {}; \
+                 slowest {:.1} ms",
+                f.comm_cycles,
+                c.comm_split,
+                c.comm_create,
+                c.send,
+                c.recv,
+                c.alltoall,
+                c.allreduce,
+                c.comm_free,
+                f.comm_max_ms
+            );
+        }
         if g.victim {
             let _ = writeln!(
                 s,
@@ -472,12 +508,14 @@ fn kill_round_rates(g: &GroupResult, round: u32, what: &str) -> Option<String> {
         all[all.len() / 2].as_secs_f64()
     };
     Some(format!(
-        "round {round} ({what}): small part {:.2} s, large part {:.2} s; \
-         median round: {:.2} s and {:.2} s",
+        "round {round} ({what}): small part {:.2} s, large part {:.2} s, communicator part \
+         {:.2} s; median round: {:.2} s, {:.2} s and {:.2} s",
         at.small.as_secs_f64(),
         at.large.as_secs_f64(),
+        at.comm.as_secs_f64(),
         median(|t| t.small),
-        median(|t| t.large)
+        median(|t| t.large),
+        median(|t| t.comm)
     ))
 }
 
@@ -506,6 +544,8 @@ struct GroupJson<'a> {
     passed: bool,
     small_collectives: u64,
     large_collectives: u64,
+    comm_cycles: u64,
+    comm_ops: CommOps,
     bytes: u64,
     submitted: u64,
     completions_checked: u64,
@@ -519,6 +559,7 @@ struct GroupJson<'a> {
     large_gbps: Option<f64>,
     large_traffic_gbps: Option<f64>,
     large_max_ms: Option<f64>,
+    comm_max_ms: Option<f64>,
     warm_up: Option<Usage>,
     end: Option<Usage>,
     max_rss_anon_kib: u64,
@@ -570,6 +611,8 @@ impl<'a> GroupJson<'a> {
             passed: f.passed(),
             small_collectives: f.small,
             large_collectives: f.large,
+            comm_cycles: f.comm_cycles,
+            comm_ops: f.comm,
             bytes: f.bytes,
             submitted: f.submitted,
             completions_checked: f.checked,
@@ -587,6 +630,7 @@ impl<'a> GroupJson<'a> {
             large_gbps: num(f.large_gbps),
             large_traffic_gbps: num(f.large_traffic_gbps),
             large_max_ms: num(f.large_max_ms),
+            comm_max_ms: num(f.comm_max_ms),
             warm_up: f.warm,
             end: f.end,
             max_rss_anon_kib: f.max_rss_anon_kib,
@@ -645,6 +689,7 @@ mod tests {
             window: 4,
             large: 2,
             large_elems: 16,
+            comm_ops: 0,
             rounds: 2,
             poll: false,
             kill: None,
@@ -740,6 +785,68 @@ mod tests {
         let mut g = group(1000, 20);
         g.samples.pop();
         assert!(!evaluate(&plan(), &LIMITS, &g).passed());
+    }
+
+    /// Group A with 2 rounds of one cycle of the communicator part: per
+    /// rank, 2 splits, 2 creates, 6 sends and receives (3 shifts a cycle),
+    /// 2 all-to-alls and allreduces, 4 frees.
+    fn comm_group() -> (Plan, GroupResult) {
+        let plan = Plan {
+            comm_ops: 1,
+            ..plan()
+        };
+        let mut g = group(1000, 20);
+        for r in &mut g.ranks {
+            r.comm_cycles = 2;
+            r.comm_submitted = 24;
+            r.comm = CommOps {
+                comm_split: 2,
+                comm_create: 2,
+                send: 6,
+                recv: 6,
+                alltoall: 2,
+                allreduce: 2,
+                comm_free: 4,
+            };
+            r.comm_max_ns = 3_000_000;
+        }
+        (plan, g)
+    }
+
+    #[test]
+    fn the_communicator_part_is_counted_and_checked_like_allreduces() {
+        let (plan, g) = comm_group();
+        let f = evaluate(&plan, &LIMITS, &g);
+        assert!(f.passed(), "{:?}", f.failures);
+        assert_eq!((f.comm_cycles, f.comm.total(), f.comm.send), (2, 48, 12));
+        assert_eq!((f.submitted, f.checked), (72, 72));
+        assert_eq!(f.comm_max_ms, 3.0);
+        let d = details(&[(comm_group().1, f.clone())], None);
+        assert!(
+            d.contains("communicator part: 2 cycles; requests checked (all ranks): comm_split 4, comm_create 4, send 12, recv 12, alltoall 4, allreduce 4, comm_free 8"),
+            "{d}"
+        );
+        let j = json(&(), Duration::from_secs(1), true, &[(comm_group().1, f)]);
+        let doc: serde_json::Value = serde_json::from_str(&j).expect("valid JSON");
+        assert_eq!(doc["groups"][0]["comm_cycles"], 2, "{j}");
+        assert_eq!(doc["groups"][0]["comm_ops"]["recv"], 12, "{j}");
+        assert_eq!(doc["groups"][0]["comm_max_ms"], 3.0, "{j}");
+        // A wrong receive, a rank short of a cycle, a slow comm_split.
+        let (plan, mut g) = comm_group();
+        g.ranks[0].comm.recv -= 1;
+        g.ranks[0].wrong = 1;
+        g.ranks[1].comm_cycles = 1;
+        g.ranks[1].comm_max_ns = 11_000_000_000;
+        let f = evaluate(&plan, &LIMITS, &g);
+        assert_eq!(
+            f.failures,
+            [
+                "1 completions wrong",
+                "72 requests posted, 71 completed with a right result",
+                "rank 1 finished 1 cycles of the communicator part of 2",
+                "a collective took 11000 ms, over --max-stall-ms 10000",
+            ]
+        );
     }
 
     /// Group B with its daemon killed after half its work, every rank
@@ -885,6 +992,8 @@ mod tests {
             "passed",
             "small_collectives",
             "large_collectives",
+            "comm_cycles",
+            "comm_ops",
             "bytes",
             "submitted",
             "completions_checked",
@@ -898,6 +1007,7 @@ mod tests {
             "large_gbps",
             "large_traffic_gbps",
             "large_max_ms",
+            "comm_max_ms",
             "warm_up",
             "end",
             "max_rss_anon_kib",

@@ -1,6 +1,8 @@
 //! Runs the dmlc-soak binary: a tiny soak passes with every figure in its
-//! output and JSON, --kill-one closes a rank of group B only, --kill-daemon
-//! kills group B's daemon only, and bad options fail with a clear message.
+//! output and JSON (the communicator part's counts too, also with an odd
+//! number of ranks, and none with --comm-ops 0), --kill-one closes a rank
+//! of group B only, --kill-daemon kills group B's daemon only, and bad
+//! options fail with a clear message.
 
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
@@ -63,12 +65,14 @@ fn group<'a>(doc: &'a Value, name: &str) -> &'a Value {
 fn tiny_soak_passes_and_reports_every_figure() {
     let (out, j) = run_soak(
         "tiny",
-        "--small 3000 --large 4 --large-bytes 256K --window 8 --rounds 5 --progress-secs 0",
+        "--small 3000 --large 4 --large-bytes 256K --window 8 --rounds 5 --comm-ops 3 \
+         --progress-secs 0",
     );
     let t = text(&out);
     assert!(out.status.success(), "{t}");
     let stdout = String::from_utf8_lossy(&out.stdout);
     for col in [
+        "comm",
         "checked",
         "lost",
         "dup",
@@ -83,16 +87,34 @@ fn tiny_soak_passes_and_reports_every_figure() {
     let passed = stdout.lines().filter(|l| l.ends_with(" PASS")).count();
     assert_eq!(passed, 2, "{t}");
     assert!(stdout.contains("dmlc-soak: PASSED"), "{t}");
+    assert!(
+        stdout.contains("communicator part: 15 cycles; requests checked (all ranks):"),
+        "{t}"
+    );
     let doc = parse(&j);
     assert_eq!(doc["passed"], true, "{j}");
     assert_eq!(doc["config"]["small"], 3000, "{j}");
+    assert_eq!(doc["config"]["comm_ops"], 3, "{j}");
     for name in ["A", "B"] {
         let g = group(&doc, name);
         assert_eq!(g["small_collectives"], 3000, "{j}");
         assert_eq!(g["large_collectives"], 4, "{j}");
-        // 4 ranks checked every completion.
-        assert_eq!(g["completions_checked"], 12016, "{j}");
-        assert_eq!(g["submitted"], 12016, "{j}");
+        // 3 cycles in each of 5 rounds; per cycle, all 4 ranks: a split, a
+        // create, 3 ring shifts (the group, the half and the pair have 2
+        // ranks or more), an all-to-all, an allreduce, 2 frees.
+        assert_eq!(g["comm_cycles"], 15, "{j}");
+        assert_eq!(
+            g["comm_ops"],
+            serde_json::json!({
+                "comm_split": 60, "comm_create": 60, "send": 180, "recv": 180,
+                "alltoall": 60, "allreduce": 60, "comm_free": 120
+            }),
+            "{j}"
+        );
+        // 4 ranks checked every completion: 3004 allreduces and 180
+        // requests of the communicator part each.
+        assert_eq!(g["completions_checked"], 12736, "{j}");
+        assert_eq!(g["submitted"], 12736, "{j}");
         for zero in [
             "lost",
             "duplicated",
@@ -107,6 +129,43 @@ fn tiny_soak_passes_and_reports_every_figure() {
         assert!(g["small_latency_us"]["p99"].as_f64() > Some(0.0), "{j}");
     }
     assert_ne!(group(&doc, "A")["group_id"], group(&doc, "B")["group_id"]);
+}
+
+/// With 3 ranks, rank 1 is alone in its half and rank 2 in its pair: no
+/// ring shift there, the rest as with 4. --comm-ops 0 runs none of it.
+#[test]
+fn the_communicator_part_runs_on_odd_ranks_and_can_be_left_out() {
+    let common = "--small 200 --large 0 --groups 1 --ranks 3 --rounds 2 --progress-secs 0";
+    let (out, j) = run_soak("odd", &format!("{common} --comm-ops 2"));
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    let a = group(&parse(&j), "A").clone();
+    assert_eq!(a["passed"], true, "{j}");
+    assert_eq!(a["comm_cycles"], 4, "{j}");
+    // Per cycle: 3 splits, creates, all-to-alls and allreduces, 6 frees,
+    // and 7 sends and receives (the group's 3, the even half's 2, the
+    // first pair's 2).
+    assert_eq!(
+        a["comm_ops"],
+        serde_json::json!({
+            "comm_split": 12, "comm_create": 12, "send": 28, "recv": 28,
+            "alltoall": 12, "allreduce": 12, "comm_free": 24
+        }),
+        "{j}"
+    );
+    for zero in ["lost", "duplicated", "wrong", "failed"] {
+        assert_eq!(a[zero], 0, "{zero} in {j}");
+    }
+    assert_eq!(a["completions_checked"], 3 * 200 + 128, "{j}");
+
+    let (out, j) = run_soak("none", &format!("{common} --comm-ops 0"));
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    let a = group(&parse(&j), "A").clone();
+    assert_eq!(a["comm_cycles"], 0, "{j}");
+    assert_eq!(a["comm_ops"]["send"], 0, "{j}");
+    assert_eq!(a["completions_checked"], 3 * 200, "{j}");
+    assert!(!t.contains("communicator part:"), "{t}");
 }
 
 #[test]
@@ -160,7 +219,10 @@ fn kill_daemon_kills_b_s_daemon_and_a_still_passes() {
     assert_eq!(a["passed"], true, "{j}");
     assert_eq!(a["small_collectives"], 4000, "{j}");
     assert_eq!(a["large_collectives"], 2, "{j}");
-    assert_eq!(a["completions_checked"], 16008, "{j}");
+    // The default --comm-ops 25 in each of 4 rounds, 12 requests a cycle
+    // on each of 4 ranks.
+    assert_eq!(a["comm_cycles"], 100, "{j}");
+    assert_eq!(a["completions_checked"], 16008 + 4800, "{j}");
     for zero in [
         "lost",
         "duplicated",
@@ -221,6 +283,10 @@ fn bad_options_fail_with_a_clear_message() {
         ),
         (&["--window", "100"], "--window must be between 1 and 64"),
         (
+            &["--small", "0", "--large", "0", "--comm-ops", "0"],
+            "nothing to do: --small, --large and --comm-ops are all 0",
+        ),
+        (
             &["--kill-one", "--groups", "1"],
             "--kill-one needs at least 2 groups",
         ),
@@ -271,6 +337,8 @@ fn help_gives_defaults_and_an_example() {
         "[default: 1_000_000]",
         "[default: 16M]",
         "[default: 4M]",
+        "--comm-ops <N>",
+        "[default: 25]",
         "Examples:",
         "--kill-one",
         "--kill-daemon",
