@@ -41,9 +41,7 @@ def show_size(b: int) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--ranks", type=int, default=2, help="VMs, one rank each (default 2)"
-    )
+    p.add_argument("--ranks", type=int, default=2, help="VMs, one rank each (default 2)")
     p.add_argument(
         "--opcode",
         choices=["sendrecv", "alltoall"],
@@ -74,16 +72,10 @@ def main() -> None:
         default="4",
         help="smallest message per rank, K/M/G suffixes (default 4)",
     )
-    p.add_argument(
-        "--maxbytes", default="64M", help="largest message per rank (default 64M)"
-    )
-    p.add_argument(
-        "--factor", type=int, default=4, help="size step between rows (default 4)"
-    )
+    p.add_argument("--maxbytes", default="64M", help="largest message per rank (default 64M)")
+    p.add_argument("--factor", type=int, default=4, help="size step between rows (default 4)")
     p.add_argument("--memory", default="2G", help="RAM per VM")
-    p.add_argument(
-        "--timeout", type=int, default=3600, help="seconds for the whole job"
-    )
+    p.add_argument("--timeout", type=int, default=3600, help="seconds for the whole job")
     a = p.parse_args()
 
     subprocess.run(
@@ -161,9 +153,7 @@ def main() -> None:
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for s in sizes:
-        cells = [show_size(s)] + [
-            f"{per[x][s]:.1f}" if s in per[x] else "" for x in paths
-        ]
+        cells = [show_size(s)] + [f"{per[x][s]:.1f}" if s in per[x] else "" for x in paths]
         dev = per.get("device", {}).get(s)
         for x in others:
             if "device" in per:
