@@ -431,12 +431,10 @@ def ddp(backend: str, store_path: str) -> None:
         dist.all_gather(outs, torch.tensor([k * world + rank]))
         bad += [o.item() for o in outs] != [k * world + q for q in range(world)]
     check(bad == 0, f"{bad} of 200 list all_gathers returned before their outputs were filled")
-    # Errors name the op and the backend.
-    try:
-        dist.all_to_all_single(torch.zeros(world), torch.zeros(world))
-        check(backend != "dmlc", "all_to_all was accepted")
-    except (NotImplementedError, RuntimeError) as e:
-        check(backend != "dmlc" or "all_to_all" in str(e), str(e))
+    # all_to_all_single on either backend: element i from rank i.
+    got = torch.zeros(world, dtype=torch.int64)
+    dist.all_to_all_single(got, torch.tensor([rank * world + j for j in range(world)]))
+    check(got.tolist() == [i * world + rank for i in range(world)], f"all_to_all_single: {got}")
     # Gloo tears its pairs down racily when a peer is still in its last op
     # (it aborted a CI run at exit); meet first so no traffic is in flight.
     dist.barrier()
@@ -535,12 +533,12 @@ def torch_values(store_path: str) -> None:
     )
     _raises(ValueError, "MAX", lambda: dist.all_reduce(z, op=dist.ReduceOp.MAX))
     _raises(ValueError, "AVG", lambda: dist.all_reduce(b, op=dist.ReduceOp.AVG))
+    _raises(NotImplementedError, "monitored_barrier", dist.monitored_barrier)
     _raises(
-        NotImplementedError,
-        "all_to_all",
-        lambda: dist.all_to_all_single(torch.zeros(world), torch.zeros(world)),
+        ValueError,
+        "all_to_all_single",
+        lambda: dist.all_to_all_single(torch.zeros(world + 1), torch.zeros(world + 1)),
     )
-    _raises(NotImplementedError, "send", lambda: dist.send(torch.zeros(1), dst=(rank + 1) % world))
     # Sparse: the sum of every rank's entries, duplicates added.
     idx = torch.tensor([[rank, 2, 5]])
     sp = torch.sparse_coo_tensor(idx, torch.tensor([1.0, 2.0, 0.5]), (8,), check_invariants=True)
@@ -670,6 +668,284 @@ def torch_peer_lost(store_path: str) -> None:
     except lost as e:
         check(e.peer == 1, f"peer {e.peer}: {e}")
     _raises(RuntimeError, "Error: collective", lambda: net(torch.ones(3, 4)).sum().backward())
+
+
+def _ints(i: int, j: int, n: int, dtype: Any = None, base: int = 0) -> Any:
+    """`_val(i, j, base + k)` for k below `n`, as a tensor of `dtype`
+    (int64 by default): what rank `i` sends rank `j`."""
+    import torch
+
+    t = torch.from_numpy(_val(i, j, np.arange(base, base + n)))
+    return t if dtype is None else t.to(dtype)
+
+
+def _small(i: int, j: int, n: int, dtype: Any) -> Any:
+    """As `_ints` for the dtypes the device lacks (int16, bool): small
+    values that still say where they came from."""
+    import torch
+
+    t = (torch.arange(n) + 7 * i + 3 * j) % 120
+    return t % 2 == 1 if dtype == torch.bool else t.to(dtype)
+
+
+def torch_p2p_blocks(store_path: str) -> None:
+    """Send and receive, all-to-all, gather and scatter through dist.*,
+    against a daemon whose max_bytes (65540) makes the large message
+    several: every rank checks what it got against the values it computes
+    itself for the sender (`_val`), and what the backend still refuses."""
+    import torch
+    import torch.distributed as dist
+
+    from dmlc.torch_backend import recv_anysource
+
+    _torch_group(store_path)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    to, frm = (rank + 1) % world, (rank - 1) % world
+
+    # Blocking send and recv: rank 0 to every other rank (tag: its rank),
+    # then every other rank back to rank 0 as int16 (moved as bytes).
+    if rank == 0:
+        for r in range(1, world):
+            dist.send(_ints(0, r, 5, torch.float32), dst=r, tag=r)
+        for r in range(1, world):
+            back = torch.zeros(6, dtype=torch.int16)
+            dist.recv(back, src=r, tag=100 + r)
+            check(torch.equal(back, _small(r, 0, 6, torch.int16)), f"int16 from {r}: {back}")
+    else:
+        got = torch.zeros(5)
+        dist.recv(got, src=0, tag=rank)
+        check(torch.equal(got, _ints(0, rank, 5, torch.float32)), f"float32 from 0: {got}")
+        dist.send(_small(rank, 0, 6, torch.int16), dst=0, tag=100 + rank)
+
+    # isend and irecv in a ring: a message above max_bytes (40000 float32,
+    # cut into three by both ends), a float64 one of an odd size, bools,
+    # and a receive into a tensor that is not contiguous.
+    big, room = _ints(rank, to, 40_000, torch.float32), torch.zeros(40_000)
+    f64, room64 = (
+        _ints(rank, to, 10_007, torch.float64, 5),
+        torch.zeros(10_007, dtype=torch.float64),
+    )
+    bits, room_b = _small(rank, to, 9, torch.bool), torch.zeros(9, dtype=torch.bool)
+    grid = torch.zeros(3, 8, dtype=torch.int64)
+    strided = grid[:, :4]
+    works = [
+        dist.irecv(room, src=frm, tag=5),
+        dist.irecv(room64, src=frm, tag=6),
+        dist.irecv(room_b, src=frm, tag=7),
+        dist.irecv(strided, src=frm, tag=8),
+        dist.isend(big, dst=to, tag=5),
+        dist.isend(f64, dst=to, tag=6),
+        dist.isend(bits, dst=to, tag=7),
+        dist.isend(_ints(rank, to, 12).reshape(3, 4), dst=to, tag=8),
+    ]
+    for w in works:
+        w.wait()
+    check(torch.equal(room, _ints(frm, rank, 40_000, torch.float32)), "a message above max_bytes")
+    check(torch.equal(room64, _ints(frm, rank, 10_007, torch.float64, 5)), "float64 message")
+    check(torch.equal(room_b, _small(frm, rank, 9, torch.bool)), f"bool message: {room_b}")
+    check(torch.equal(strided, _ints(frm, rank, 12).reshape(3, 4)), f"strided receive: {grid}")
+    check(not grid[:, 4:].any(), f"the receive wrote outside its view: {grid}")
+
+    # From any source: rank 0 hears from every other rank, in whatever
+    # order, and learns each sender; torch's own dist.recv(src=None) gets
+    # the message and then fails to ask the Work for its sender.
+    if rank == 0:
+        senders = set()
+        for _ in range(world - 1):
+            got = torch.zeros(4, dtype=torch.int64)
+            src = recv_anysource(got, tag=77)
+            check(torch.equal(got, _ints(src, 0, 4)), f"from any source, sender {src}: {got}")
+            senders.add(src)
+        check(senders == set(range(1, world)), f"senders {senders}")
+        got = torch.zeros(4, dtype=torch.int64)
+        dist.irecv(got, tag=78).wait()
+        check(torch.equal(got, _ints(1, 0, 4, base=78)), f"irecv from any source: {got}")
+        got = torch.zeros(4, dtype=torch.int64)
+        _raises(RuntimeError, "sourceRank", lambda: dist.recv(got, tag=79))
+        check(torch.equal(got, _ints(1, 0, 4, base=79)), f"dist.recv from any source: {got}")
+    else:
+        dist.send(_ints(rank, 0, 4), dst=0, tag=77)
+        if rank == 1:
+            dist.send(_ints(1, 0, 4, base=78), dst=0, tag=78)
+            dist.send(_ints(1, 0, 4, base=79), dst=0, tag=79)
+
+    # batch_isend_irecv: two messages around the ring, each with its tag.
+    outs = [torch.zeros(3, dtype=torch.int64), torch.zeros(2, dtype=torch.int32)]
+    ops = [
+        dist.P2POp(dist.isend, _ints(rank, to, 3), to, tag=11),
+        dist.P2POp(dist.irecv, outs[0], frm, tag=11),
+        dist.P2POp(dist.isend, _ints(rank, to, 2, torch.int32, 9), to, tag=12),
+        dist.P2POp(dist.irecv, outs[1], frm, tag=12),
+    ]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    check(torch.equal(outs[0], _ints(frm, rank, 3)), f"batch tag 11: {outs[0]}")
+    check(torch.equal(outs[1], _ints(frm, rank, 2, torch.int32, 9)), f"batch tag 12: {outs[1]}")
+
+    # all_to_all, lists: equal sizes, then sizes that differ per pair (0
+    # to 3 elements, int16: moved as bytes).
+    ins = [_ints(rank, j, 3, torch.int32) for j in range(world)]
+    outs = [torch.zeros(3, dtype=torch.int32) for _ in range(world)]
+    dist.all_to_all(outs, ins)
+    check(all(torch.equal(outs[i], _ints(i, rank, 3, torch.int32)) for i in range(world)), "a2a")
+
+    def count(i: int, j: int) -> int:
+        return (i + 2 * j) % 4
+
+    ins = [_small(rank, j, count(rank, j), torch.int16) for j in range(world)]
+    outs = [torch.full((count(i, rank),), -1, dtype=torch.int16) for i in range(world)]
+    dist.all_to_all(outs, ins)
+    want = [_small(i, rank, count(i, rank), torch.int16) for i in range(world)]
+    check(all(torch.equal(o, w) for o, w in zip(outs, want)), f"uneven all_to_all: {outs}")
+
+    # all_to_all_single: rows of 3, two to each rank; then (i + j) % 3 + 1
+    # rows of 2 from rank i to rank j, with split sizes, asynchronously.
+    inp = torch.cat([_ints(rank, j, 6, torch.float64).reshape(2, 3) for j in range(world)])
+    out = torch.zeros(2 * world, 3, dtype=torch.float64)
+    dist.all_to_all_single(out, inp)
+    want = torch.cat([_ints(i, rank, 6, torch.float64).reshape(2, 3) for i in range(world)])
+    check(torch.equal(out, want), f"all_to_all_single: {out}")
+
+    def rows(i: int, j: int) -> int:
+        return (i + j) % 3 + 1
+
+    inp = torch.cat([_ints(rank, j, 2 * rows(rank, j)).reshape(-1, 2) for j in range(world)])
+    splits_in = [rows(rank, j) for j in range(world)]
+    splits_out = [rows(i, rank) for i in range(world)]
+    out = torch.zeros(sum(splits_out), 2, dtype=torch.int64)
+    w = dist.all_to_all_single(out, inp, splits_out, splits_in, async_op=True)
+    w.get_future().wait()
+    want = torch.cat([_ints(i, rank, 2 * rows(i, rank)).reshape(-1, 2) for i in range(world)])
+    check(torch.equal(out, want), f"uneven all_to_all_single: {out}")
+
+    # gather to the last rank, scatter from rank 0 (into a strided tensor).
+    root = world - 1
+    mine = _ints(rank, root, 4, torch.float32)
+    got_list = [torch.zeros(4) for _ in range(world)] if rank == root else None
+    dist.gather(mine, got_list, dst=root)
+    if rank == root:
+        assert got_list is not None
+        want_list = [_ints(i, root, 4, torch.float32) for i in range(world)]
+        check(all(torch.equal(g, w) for g, w in zip(got_list, want_list)), f"gather: {got_list}")
+    pairs = torch.zeros(5, 2, dtype=torch.int64)
+    parts = [_ints(0, j, 5) for j in range(world)] if rank == 0 else None
+    w = dist.scatter(pairs[:, 1], parts, src=0, async_op=True)
+    w.wait()
+    check(torch.equal(pairs[:, 1], _ints(0, rank, 5)) and not pairs[:, 0].any(), f"scatter {pairs}")
+
+    # Still refused, at the call, naming the op.
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([1.0]), (3,))
+    _raises(NotImplementedError, "send", lambda: dist.isend(sparse, dst=to))
+    _raises(NotImplementedError, "monitored_barrier", dist.monitored_barrier)
+    _raises(
+        ValueError,
+        "split sizes",
+        lambda: dist.all_to_all_single(torch.zeros(4), torch.zeros(4), [1] * world, [9] * world),
+    )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def torch_groups(store_path: str) -> None:
+    """Subgroups on 3 or 4 ranks, each on a device communicator of its
+    own, against a daemon of at most 4 communicators (the group's
+    included): two overlapping ones ([0, 1] and [1, 2], made at once on
+    ranks 0 and 2) and [0, last], each with collectives and messages;
+    their destruction frees the communicators (more groups are made after
+    than fit at once); a group of every rank stays on the device's group."""
+    import torch
+    import torch.distributed as dist
+
+    from dmlc.torch_backend import BackendDmlc, recv_anysource
+
+    _torch_group(store_path)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    last = world - 1
+    cpu = torch.device("cpu")
+    # split_group needs a backend that splits: torch's refusal, not a
+    # RecursionError from the property it asks.
+    _raises(RuntimeError, "splitting", lambda: dist.split_group(split_ranks=[[0, 1]]))
+    g01 = dist.new_group([0, 1])
+    g12 = dist.new_group([1, 2])
+    ends = dist.new_group([last, 0])  # torch sorts: [0, last]
+    groups = {(0, 1): g01, (1, 2): g12, (0, last): ends}
+    for members, g in groups.items():
+        if rank not in members:
+            check(g == dist.GroupMember.NON_GROUP_MEMBER, f"{members}: {g}")
+            continue
+        check(dist.get_process_group_ranks(g) == list(members), f"ranks of {members}")
+        b = g._get_backend(cpu)  # type: ignore[union-attr]
+        check(isinstance(b, BackendDmlc), f"{members}: backend {type(b)}")
+        at = members.index(rank)
+        check(b.comm.id != 0 and (b.comm.rank, b.comm.size) == (at, 2), f"{members}: {b.comm}")
+        # Sum of the members' own values.
+        t = torch.full((3,), float(rank + 1))
+        dist.all_reduce(t, group=g)
+        check(torch.equal(t, torch.full((3,), float(sum(m + 1 for m in members)))), f"{t}")
+
+    # Messages: 0 to 1 on [0, 1], 2 to 1 on [1, 2] (received from any
+    # source: the sender as a global rank), then 1 to 2 by group rank.
+    if rank == 0:
+        dist.send(_ints(0, 1, 4), dst=1, group=g01)
+    elif rank == 1:
+        got = torch.zeros(4, dtype=torch.int64)
+        dist.recv(got, src=0, group=g01)
+        check(torch.equal(got, _ints(0, 1, 4)), f"on [0, 1]: {got}")
+        got = torch.zeros(4, dtype=torch.int64)
+        src = recv_anysource(got, group=g12, tag=3)
+        check(src == 2 and torch.equal(got, _ints(2, 1, 4)), f"on [1, 2], from {src}: {got}")
+        dist.send(_ints(1, 2, 5), group=g12, group_dst=1)
+    elif rank == 2:
+        dist.send(_ints(2, 1, 4), dst=1, group=g12, tag=3)
+        got = torch.zeros(5, dtype=torch.int64)
+        dist.recv(got, group=g12, group_src=0)
+        check(torch.equal(got, _ints(1, 2, 5)), f"on [1, 2] by group rank: {got}")
+
+    # [0, last]: global ranks 0 and last are its ranks 0 and 1.
+    if rank in (0, last):
+        outs = [torch.zeros(2, dtype=torch.int64) for _ in range(2)]
+        dist.all_gather(outs, _ints(rank, 0, 2), group=ends)
+        check(torch.equal(outs[0], _ints(0, 0, 2)) and torch.equal(outs[1], _ints(last, 0, 2)), "")
+        t = _ints(rank, 9, 3)
+        dist.broadcast(t, src=last, group=ends)
+        check(torch.equal(t, _ints(last, 9, 3)), f"broadcast from {last} on [0, {last}]: {t}")
+        got = torch.zeros(3, dtype=torch.int64)
+        peer = last if rank == 0 else 0
+        works = [dist.isend(_ints(rank, peer, 3), dst=peer, group=ends)]
+        works.append(dist.irecv(got, src=peer, group=ends))
+        for w in works:
+            w.wait()
+        check(torch.equal(got, _ints(peer, rank, 3)), f"isend/irecv on [0, {last}]: {got}")
+
+    # The whole group is unaffected, and a group of every rank shares its
+    # communicator.
+    every = dist.new_group()
+    check(every._get_backend(cpu).comm.id == 0, "a group of every rank")  # type: ignore[union-attr]
+    t = torch.ones(2)
+    dist.all_reduce(t, group=every)
+    dist.all_reduce(t)
+    check(torch.equal(t, torch.full((2,), float(world * world))), f"{t}")
+
+    # Destroyed groups free their communicators: 3 more groups, one at a
+    # time, would not fit otherwise.
+    for g in (g01, g12, ends, every):
+        dist.destroy_process_group(g)
+    for k in range(3):
+        g = dist.new_group(list(range(1, world)))
+        if rank >= 1:
+            t = torch.tensor([float(k + rank)])
+            dist.all_reduce(t, group=g)
+            want = sum(k + r for r in range(1, world))
+            check(t.item() == want, f"group {k} of ranks 1 to {last}: {t}")
+        dist.destroy_process_group(g)
+    # A group made by its members only.
+    if rank in (0, last):
+        local = dist.new_group([0, last], use_local_synchronization=True)
+        t = torch.tensor([rank])
+        dist.all_reduce(t, group=local)
+        check(t.item() == last, f"local group: {t}")
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def mixed_cuts(dev: Device) -> None:
@@ -921,6 +1197,8 @@ TORCH_SCENARIOS: dict[str, Callable[[str], None]] = {
     "torch_values": torch_values,
     "torch_failures": torch_failures,
     "torch_peer_lost": torch_peer_lost,
+    "torch_p2p_blocks": torch_p2p_blocks,
+    "torch_groups": torch_groups,
 }
 
 SCENARIOS: dict[str, Callable[[Device], Any]] = {

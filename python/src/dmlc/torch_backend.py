@@ -5,29 +5,65 @@ through the ``torch.distributed.backends`` entry point where supported);
 then ``dist.init_process_group("dmlc")`` opens the device from the job's
 environment (see :meth:`dmlc.Device.from_env`) and DDP runs unmodified.
 
-The creator returns a :class:`BackendDmlc`, a ``torch.distributed.Backend``
-for the CPU device, which torch places inside a ProcessGroup of its own
-making, as it does gloo: ``destroy_process_group``, ``pg.name()`` and
-sequence numbers work as they do there.
+The creator (torch's extended API: it learns each group's global ranks and
+name) returns a :class:`BackendDmlc`, a ``torch.distributed.Backend`` for
+the CPU device, which torch places inside a ProcessGroup of its own making,
+as it does gloo: ``destroy_process_group``, ``pg.name()`` and sequence
+numbers work as they do there.
 
-Every collective is queued on the device's worker thread and returns at
-once a :class:`DeviceWork`, completed from that thread, so DDP's backward
-overlaps the exchange. A collective that fails fails its Work both ways
-torch looks: ``wait()`` raises the device's exception (a
+Each group runs on one communicator of the device (spec 5.X.6.13): the
+default group, and any group of every rank in rank order, on communicator
+0 (the device's group); any other group (``new_group(ranks)``,
+``new_subgroups``, ...) on one that its members make with
+:meth:`dmlc.Device.comm_create` when torch creates the group on them (torch
+calls the creator on the group's members only), tagged with a hash of
+torch's group name, which every member of a group agrees on, so that groups
+made at once stay apart. ``destroy_process_group`` frees it (torch's
+``shutdown`` hook). Ranks and roots are the group's, as torch passes them.
+
+Every op is queued on the device's worker thread (sends and receives on
+one each) and returns at once a :class:`DeviceWork`, completed from that
+thread, so DDP's backward overlaps the exchange. An op that fails fails
+its Work both ways torch looks: ``wait()`` raises the device's exception (a
 :class:`dmlc.DmlcError` with its status, peer and detail), and the Work's
 future is failed in C++ (what DDP's reducer and comm hooks wait on), so
 ``backward()`` raises instead of reading an exception as a gradient.
 Tensors go to the device from their own memory over the kernel driver
 (``DMLC_DEVICE=kernel``) and from tensors made by
 :meth:`dmlc.Device.empty`; others are copied into device memory and back.
-Dtypes the device lacks are carried or refused as :mod:`dmlc.torch_tensors`
-says; ops the device lacks raise NotImplementedError naming the op.
+
+The ops: allreduce (dense, and sparse with SUM), broadcast, reduce,
+allgather, reduce_scatter, barrier; send, recv and recv_anysource (torch's
+tag is the device's; messages above the device's max_bytes are cut by the
+C library, spec DRV-COMM-2); all_to_all (the device's alltoallv: the sizes
+of the list form may differ between members), all_to_all_single (alltoall
+without split sizes, alltoallv with them); gather and scatter of equal
+blocks. Dtypes the device lacks are carried or refused as
+:mod:`dmlc.torch_tensors` says; what the backend cannot do raises
+NotImplementedError naming the op.
+
+Limits torch or the device set:
+
+- torch wraps a Python backend's Work in one that forwards only ``wait()``
+  and ``get_future()``, so ``dist.recv(t, src=None)`` receives the message
+  and then raises torch's RuntimeError from ``_source_rank()``; use
+  :func:`recv_anysource` here, which returns the sender's global rank.
+- A send completes once a receive took it, and a process's sends go one
+  at a time in the order it made them (its receives too), so a send waits
+  for the receives of the sends before it: a receiver that waits for a
+  later message of a process before it takes an earlier one waits until
+  the timeout. A ring, or ``batch_isend_irecv`` of one send and one
+  receive per peer, is fine.
+- The v forms, so all_to_all and all_to_all_single with split sizes, are
+  one request each: each member's data must fit the device's max_bytes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -35,13 +71,35 @@ import torch
 import torch.distributed as dist
 
 from . import _capi
-from .device import Device, ReduceOp
-from .errors import CollectiveTimeoutError
-from .torch_tensors import as_bytes, for_reduction
+from .device import Comm, Device, ReduceOp
+from .errors import CollectiveTimeoutError, DmlcError
+from .torch_tensors import as_bytes, as_input, as_output, for_reduction, moved_numel
 
-__all__ = ["BackendDmlc", "DeviceWork", "device", "register"]
+__all__ = ["BackendDmlc", "DeviceWork", "device", "group_tag", "recv_anysource", "register"]
 
 BACKEND = "dmlc"
+
+
+def _tag(tag: int) -> int:
+    """torch's tag of a send or receive (a C int, which may be negative) as
+    the device's (a 64-bit number): equal tags map to equal tags."""
+    return tag % (1 << 64)
+
+
+def group_tag(group_name: str) -> int:
+    """The comm_create tag of the torch group named `group_name`: 64 bits of
+    its SHA-256, the same in every process (Python's ``hash`` of a str is
+    salted per process).
+
+    torch names a group the same on every member (the name prefixes the
+    group's keys in the store, which the members share): ``str(n)`` of a
+    counter that every rank advances at each ``new_group``, or a SHA-1 of
+    the ranks and that counter (``use_local_synchronization=True``). So
+    groups created at once, such as ``[0, 1]`` and ``[1, 2]`` (rank 1 makes
+    both while ranks 0 and 2 each make one), get different tags, and the
+    device matches each creation with its own members.
+    """
+    return int.from_bytes(hashlib.sha256(group_name.encode()).digest()[:8], "little")
 
 
 def _op(opts: Any) -> ReduceOp:
@@ -79,7 +137,9 @@ class DeviceWork(dist.Work):
     ``dist.*`` calls hand back torch's wrapper of this Work (PyWorkHolder in
     torch 2.15), which forwards ``wait()`` and ``get_future()`` only: its
     ``is_completed()`` stays False and ``is_success()`` True whatever
-    happens. Poll ``get_future().done()`` instead.
+    happens, and its ``_source_rank()`` raises. Poll
+    ``get_future().done()`` instead; for the sender of a receive from any
+    source, see :func:`recv_anysource`.
     """
 
     def __init__(self, name: str, result: Any, timeout: timedelta) -> None:
@@ -89,6 +149,8 @@ class DeviceWork(dist.Work):
         self._timeout = timeout
         self._done = threading.Event()
         self._error: BaseException | None = None
+        # A receive's sender, as a rank of the group (None: not a receive).
+        self._source: int | None = None
         self._start: torch.futures.Future[None] = torch.futures.Future()
         self._future: torch.futures.Future[Any] | None = None
         self._future_lock = threading.Lock()
@@ -98,9 +160,11 @@ class DeviceWork(dist.Work):
             raise self._error
         return self._result
 
-    def finish(self, error: BaseException | None) -> None:
-        """Completes the Work (from the device's worker thread)."""
+    def finish(self, error: BaseException | None, source: int | None = None) -> None:
+        """Completes the Work (from the device's worker thread); `source`
+        is a receive's sender."""
         self._error = error
+        self._source = source
         # The future's callbacks (C++) run before any waiter resumes: a
         # caller that returns from wait() and exits finds no completion
         # still running in the worker thread.
@@ -118,6 +182,17 @@ class DeviceWork(dist.Work):
         if self._error is not None:
             raise self._error
         return True
+
+    def _source_rank(self) -> int:
+        """The sender of a receive (its rank in the group), once it has
+        completed: waits as ``wait()`` does, and raises its error."""
+        self.wait()
+        if self._source is None:
+            raise RuntimeError(f"dmlc: {self._name} has no source rank: only a receive has one")
+        return self._source
+
+    def source_rank(self) -> int:
+        return self._source_rank()
 
     def is_completed(self) -> bool:
         return self._done.is_set()
@@ -138,14 +213,24 @@ class DeviceWork(dist.Work):
 
 
 class BackendDmlc(dist._Backend):
-    """The CPU backend of a process group whose collectives run on one
-    virtio-dmlc device."""
+    """The CPU backend of a process group whose ops run on one virtio-dmlc
+    device, on communicator `comm` (the device's group by default; its
+    rank and size are the group's)."""
 
-    def __init__(self, device: Device, rank: int, size: int, timeout: timedelta) -> None:
+    def __init__(
+        self,
+        device: Device,
+        rank: int,
+        size: int,
+        timeout: timedelta,
+        comm: Comm | None = None,
+    ) -> None:
         super().__init__(rank, size)
         self.device = device
+        self.comm = device.world if comm is None else comm
         self._timeout = timeout
         self._seq = 0
+        self._freed = False
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return BACKEND
@@ -154,15 +239,68 @@ class BackendDmlc(dist._Backend):
     def _backend_name(self) -> str:
         return BACKEND
 
+    # torch 2.15 reads a backend's capabilities through properties that, on
+    # a Python backend without its own, look themselves up again and
+    # recurse (RecursionError): batch_isend_irecv reads supports_coalescing,
+    # split_group supports_splitting. The backend has none of them.
+
+    @property
+    def supports_coalescing(self) -> bool:
+        return False
+
+    @property
+    def supports_splitting(self) -> bool:
+        return False
+
+    @property
+    def supports_shrinking(self) -> bool:
+        return False
+
+    @property
+    def supports_reconfigure(self) -> bool:
+        return False
+
+    @property
+    def supports_window(self) -> bool:
+        return False
+
+    @property
+    def _supports_time_estimate(self) -> bool:
+        return False
+
     def _get_sequence_number_for_group(self) -> int:
-        """How many collectives this process has started on the group."""
+        """How many ops this process has started on the group."""
         return self._seq
 
+    def shutdown(self) -> None:
+        """torch's hook when the group is destroyed: frees its communicator,
+        collectively over its members (nothing for communicator 0). A
+        failure warns: destroy_process_group does not expect one."""
+        if self.comm.id == 0 or self._freed:
+            return
+        self._freed = True
+        try:
+            self.device.comm_free(self.comm)
+        except DmlcError as e:
+            warnings.warn(
+                f"dmlc: freeing communicator {self.comm.id} of the group failed: {e}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
     def _work(
-        self, name: str, result: Any, start: Callable[[], Any], then: Callable[[], None] | None
+        self,
+        name: str,
+        result: Any,
+        start: Callable[[], Any],
+        then: Callable[[], None] | None,
+        *,
+        receive: bool = False,
     ) -> DeviceWork:
         """A Work completed when the device's work from `start()` is, after
-        `then` (which copies results into the caller's tensors).
+        `then` (which copies results into the caller's tensors); with
+        `receive`, the device's work is a receive whose sender the Work
+        reports.
 
         One callback does both: a second callback on the device's work could
         run first, in the caller's thread, if it completes in between, and
@@ -183,7 +321,7 @@ class BackendDmlc(dist._Backend):
                     then()
                 except Exception as x:  # noqa: BLE001 (handed to the waiter)
                     e = x
-            work.finish(e)
+            work.finish(e, works[-1].wait().source if e is None and receive else None)
 
         works[-1].add_done_callback(done)
         return work
@@ -219,7 +357,7 @@ class BackendDmlc(dist._Backend):
         return self._work(
             "allreduce",
             tensors,
-            lambda: self.device.allreduce(c.tensor, op=c.op, async_op=True),
+            lambda: self.device.allreduce(c.tensor, op=c.op, comm=self.comm, async_op=True),
             c.back,
         )
 
@@ -231,7 +369,10 @@ class BackendDmlc(dist._Backend):
         return self._work(
             "allreduce_coalesced",
             tensors,
-            lambda: [self.device.allreduce(c.tensor, op=c.op, async_op=True) for c in carried],
+            lambda: [
+                self.device.allreduce(c.tensor, op=c.op, comm=self.comm, async_op=True)
+                for c in carried
+            ],
             self._then(*(c.back for c in carried)),
         )
 
@@ -246,7 +387,7 @@ class BackendDmlc(dist._Backend):
         indices, values = s.indices().contiguous(), s.values().contiguous()
         world = self.size()
         counts = torch.empty(world, dtype=torch.int64)
-        self.device.allgather(torch.tensor([indices.shape[1]]), counts)
+        self.device.allgather(torch.tensor([indices.shape[1]]), counts, comm=self.comm)
         most = int(counts.max())
         pad_i = torch.zeros((indices.shape[0], most), dtype=indices.dtype)
         pad_i[:, : indices.shape[1]] = indices
@@ -256,9 +397,12 @@ class BackendDmlc(dist._Backend):
         all_v = torch.empty((world, *pad_v.shape), dtype=pad_v.dtype)
 
         def gather_all() -> Any:
-            self.device.allgather(pad_i, all_i)
+            self.device.allgather(pad_i, all_i, comm=self.comm)
             return self.device.allgather(
-                as_bytes(pad_v, "allreduce"), as_bytes(all_v, "allreduce"), async_op=True
+                as_bytes(pad_v, "allreduce"),
+                as_bytes(all_v, "allreduce"),
+                comm=self.comm,
+                async_op=True,
             )
 
         def sum_into_t() -> None:
@@ -275,7 +419,10 @@ class BackendDmlc(dist._Backend):
         t = as_bytes(self._one(tensors, "broadcast"), "broadcast")
         root = opts.rootRank if opts is not None else 0
         return self._work(
-            "broadcast", tensors, lambda: self.device.broadcast(t, root, async_op=True), None
+            "broadcast",
+            tensors,
+            lambda: self.device.broadcast(t, root, comm=self.comm, async_op=True),
+            None,
         )
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> DeviceWork:
@@ -284,7 +431,7 @@ class BackendDmlc(dist._Backend):
         return self._work(
             "reduce",
             tensors,
-            lambda: self.device.reduce(c.tensor, c.op, root, async_op=True),
+            lambda: self.device.reduce(c.tensor, c.op, root, comm=self.comm, async_op=True),
             c.back,
         )
 
@@ -312,7 +459,7 @@ class BackendDmlc(dist._Backend):
         pairs = []
         for inp in input_tensors:
             gathered = torch.empty((self.size(), *inp.shape), dtype=inp.dtype)
-            pairs.append((as_bytes(inp.contiguous(), name), as_bytes(gathered, name), gathered))
+            pairs.append((as_input(inp, name), as_bytes(gathered, name), gathered))
 
         def scatter_back() -> None:
             for outs, (_, _, gathered) in zip(output_lists, pairs):
@@ -322,19 +469,21 @@ class BackendDmlc(dist._Backend):
         return self._work(
             name,
             output_lists,
-            lambda: [self.device.allgather(s, d, async_op=True) for s, d, _ in pairs],
+            lambda: [
+                self.device.allgather(s, d, comm=self.comm, async_op=True) for s, d, _ in pairs
+            ],
             scatter_back,
         )
 
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> DeviceWork:
-        src = as_bytes(input.contiguous(), "all_gather_into_tensor")
+        src = as_input(input, "all_gather_into_tensor")
         dst = as_bytes(output, "all_gather_into_tensor")
         return self._work(
             "all_gather_into_tensor",
             output,
-            lambda: self.device.allgather(src, dst, async_op=True),
+            lambda: self.device.allgather(src, dst, comm=self.comm, async_op=True),
             None,
         )
 
@@ -366,7 +515,9 @@ class BackendDmlc(dist._Backend):
         return self._work(
             name,
             result,
-            lambda: self.device.reduce_scatter(ci.tensor, co.tensor, ci.op, async_op=True),
+            lambda: self.device.reduce_scatter(
+                ci.tensor, co.tensor, ci.op, comm=self.comm, async_op=True
+            ),
             co.back,
         )
 
@@ -376,57 +527,298 @@ class BackendDmlc(dist._Backend):
         return self.reduce_scatter_single(output, input, opts)
 
     def barrier(self, opts: Any = None) -> DeviceWork:
-        return self._work("barrier", None, lambda: self.device.barrier(async_op=True), None)
+        return self._work(
+            "barrier", None, lambda: self.device.barrier(comm=self.comm, async_op=True), None
+        )
+
+    # ---- send and receive (spec 5.X.6.13.4) -----------------------------------
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> DeviceWork:
+        t = as_input(self._one(tensors, "send"), "send")
+        return self._work(
+            "send",
+            tensors,
+            lambda: self.device.send(t, dst, _tag(tag), comm=self.comm, async_op=True),
+            None,
+        )
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> DeviceWork:
+        return self._recv("recv", tensors, src, tag)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> DeviceWork:
+        """A receive from any member; the Work's ``_source_rank()`` is the
+        sender's rank in the group (see :func:`recv_anysource` for why
+        torch's own ``dist.recv(src=None)`` cannot ask it)."""
+        return self._recv("recv_anysource", tensors, None, tag)
+
+    def _recv(
+        self, name: str, tensors: list[torch.Tensor], src: int | None, tag: int
+    ) -> DeviceWork:
+        out, back = as_output(self._one(tensors, name), name)
+        return self._work(
+            name,
+            tensors,
+            lambda: self.device.recv(out, src, _tag(tag), comm=self.comm, async_op=True),
+            back,
+            receive=True,
+        )
+
+    # ---- all-to-all, gather and scatter (spec 5.X.6.13.5) ----------------------
+
+    @staticmethod
+    def _one_dtype(tensors: Sequence[torch.Tensor], what: str) -> None:
+        kinds = {t.dtype for t in tensors}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"dmlc: {what} takes tensors of one dtype, not {sorted(map(str, kinds))}"
+            )
+
+    def _per_member(self, tensors: Sequence[torch.Tensor], what: str) -> None:
+        if len(tensors) != self.size():
+            raise ValueError(
+                f"dmlc: {what} takes one tensor per member of the group ({self.size()}), "
+                f"not {len(tensors)}"
+            )
+
+    def _equal_blocks(self, tensors: Sequence[torch.Tensor], like: torch.Tensor, what: str) -> None:
+        """The root's list of a gather or scatter: one block per member,
+        each with `like`'s dtype and number of elements."""
+        self._per_member(tensors, what)
+        for t in tensors:
+            if t.dtype != like.dtype or t.numel() != like.numel():
+                raise ValueError(
+                    f"dmlc: {what} moves equal blocks: each tensor of the list must have "
+                    f"{like.numel()} elements of {like.dtype}, not {t.numel()} of {t.dtype}"
+                )
+
+    @staticmethod
+    def _flat(tensors: Sequence[torch.Tensor], what: str) -> tuple[torch.Tensor, list[int]]:
+        """`tensors` one after the other in one tensor of the device's form
+        (see :func:`dmlc.torch_tensors.as_bytes`), and each one's elements
+        in it."""
+        parts = [as_input(t, what).reshape(-1) for t in tensors]
+        return torch.cat(parts), [p.numel() for p in parts]
+
+    @staticmethod
+    def _unflat(flat: torch.Tensor, counts: list[int], outs: Sequence[torch.Tensor]) -> None:
+        """Copies the pieces of `flat` (`counts` elements each, in the
+        device's form) into `outs`."""
+        for o, piece in zip(outs, flat.split(counts)):
+            o.copy_(piece.view(o.dtype).reshape(o.shape))
+
+    def alltoall(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> DeviceWork:
+        """``input_tensors[j]`` to member j, ``output_tensors[i]`` from
+        member i. Always the device's alltoallv: whether every block of the
+        group has one size is not known to any one member (its own lists
+        can be even while another's are not), and the members must agree on
+        the request."""
+        name = "all_to_all"
+        self._per_member(input_tensors, name)
+        self._per_member(output_tensors, name)
+        self._one_dtype([*input_tensors, *output_tensors], name)
+        send, sends = self._flat(input_tensors, name)
+        recvs = [moved_numel(t, name) for t in output_tensors]
+        got = torch.empty(sum(recvs), dtype=send.dtype)
+        return self._work(
+            name,
+            output_tensors,
+            lambda: self.device.alltoallv(send, got, sends, recvs, comm=self.comm, async_op=True),
+            lambda: self._unflat(got, recvs, output_tensors),
+        )
+
+    def _split(self, splits: Sequence[int], t: torch.Tensor, what: str) -> list[int]:
+        """Elements of `t`'s device form for each member: `splits` rows of
+        `t` (its first dimension) each, or equal parts without."""
+        n, rows = self.size(), (t.shape[0] if t.dim() else 1)
+        if not splits:
+            if rows % n:
+                raise ValueError(
+                    f"dmlc: {what}: {rows} rows do not split into {n} equal parts "
+                    "(pass split sizes)"
+                )
+            splits = [rows // n] * n
+        if len(splits) != n or sum(splits) != rows or min(splits) < 0:
+            raise ValueError(
+                f"dmlc: {what}: split sizes {list(splits)} are not {n} counts of the "
+                f"tensor's {rows} rows"
+            )
+        row = moved_numel(t, what) // rows if rows else 0
+        return [int(x) * row for x in splits]
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> DeviceWork:
+        """Rows of `input` to each member, rows of `output` from each:
+        equal parts without split sizes (the device's alltoall, cut into
+        requests as the C library cuts it), the given ones with either
+        (alltoallv, one request), as gloo decides: the members must agree
+        on giving split sizes, as they must there."""
+        name = "all_to_all_single"
+        self._one_dtype([output, input], name)
+        sends = self._split(input_split_sizes, input, name)
+        recvs = self._split(output_split_sizes, output, name)
+        src = as_input(input, name)
+        dst, back = as_output(output, name)
+        if not input_split_sizes and not output_split_sizes:
+
+            def start() -> Any:
+                return self.device.alltoall(src, dst, comm=self.comm, async_op=True)
+
+        else:
+
+            def start() -> Any:
+                return self.device.alltoallv(src, dst, sends, recvs, comm=self.comm, async_op=True)
+
+        return self._work(name, output, start, back)
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> DeviceWork:
+        """The older name of :meth:`all_to_all_single` (torch 2.15 asks for
+        that one first)."""
+        return self.all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
+
+    def gather(
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> DeviceWork:
+        """Every member's tensor into the root's list (``output_tensors`` is
+        ``[list]`` on the root, ``[]`` elsewhere), equal blocks."""
+        name = "gather"
+        root = opts.rootRank if opts is not None else 0
+        inp = self._one(input_tensors, name)
+        src = as_input(inp, name)
+        if self.rank() != root:
+            return self._work(
+                name,
+                output_tensors,
+                lambda: self.device.gather(src, None, root, comm=self.comm, async_op=True),
+                None,
+            )
+        outs = self._one(output_tensors, name)
+        self._equal_blocks(outs, inp, name)
+        got = torch.empty(self.size() * src.numel(), dtype=src.dtype)
+        return self._work(
+            name,
+            output_tensors,
+            lambda: self.device.gather(src, got, root, comm=self.comm, async_op=True),
+            lambda: self._unflat(got, [src.numel()] * self.size(), outs),
+        )
+
+    def scatter(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[list[torch.Tensor]],
+        opts: Any = None,
+    ) -> DeviceWork:
+        """The root's list (``input_tensors`` is ``[list]`` on the root,
+        ``[]`` elsewhere) to every member's tensor, equal blocks."""
+        name = "scatter"
+        root = opts.rootRank if opts is not None else 0
+        out = self._one(output_tensors, name)
+        data = None
+        if self.rank() == root:
+            ins = self._one(input_tensors, name)
+            self._equal_blocks(ins, out, name)
+            data, _ = self._flat(ins, name)
+        dst, back = as_output(out, name)
+        return self._work(
+            name,
+            output_tensors,
+            lambda: self.device.scatter(data, dst, root, comm=self.comm, async_op=True),
+            back,
+        )
 
     # ---- what it does not have ------------------------------------------------
 
     def _missing(self, name: str) -> Any:
         raise NotImplementedError(
-            f"dmlc: {name} is not supported: the device has allreduce, broadcast, reduce, "
-            "allgather, reduce_scatter and barrier"
+            f"dmlc: {name} is not supported: the backend has allreduce, broadcast, reduce, "
+            "allgather, reduce_scatter, barrier, send, recv, all_to_all, gather and scatter"
         )
 
-    def send(self, *args: Any, **kw: Any) -> Any:
-        return self._missing("send")
-
-    def recv(self, *args: Any, **kw: Any) -> Any:
-        return self._missing("recv")
-
-    def recv_anysource(self, *args: Any, **kw: Any) -> Any:
-        return self._missing("recv_anysource")
-
-    def alltoall(self, *args: Any, **kw: Any) -> Any:
-        return self._missing("all_to_all")
-
-    def all_to_all_single(self, *args: Any, **kw: Any) -> Any:
-        return self._missing("all_to_all_single")
-
-    def alltoall_base(self, *args: Any, **kw: Any) -> Any:
-        return self._missing("all_to_all_single")
-
-    def gather(self, *args: Any, **kw: Any) -> Any:
-        return self._missing("gather")
-
-    def scatter(self, *args: Any, **kw: Any) -> Any:
-        return self._missing("scatter")
+    def monitored_barrier(self, *args: Any, **kw: Any) -> Any:
+        return self._missing("monitored_barrier")
 
 
 _device: Device | None = None
 
 
-def _create(store: Any, rank: int, size: int, timeout: timedelta) -> BackendDmlc:
-    """torch's creator: one device per process, shared by every group on it."""
+def _create(opts: Any, backend_options: Any = None) -> BackendDmlc:
+    """torch's creator (its extended API: `opts` is a
+    ``_DistributedBackendOptions``), called on the members of the group
+    only: one device per process, shared by every group on it; the group
+    on communicator 0 if it is every rank in rank order, else on a
+    communicator that its members create now."""
     global _device
     if _device is None:
         _device = Device.from_env()
     dev = _device
-    if (rank, size) != (dev.rank, dev.world_size):
+    rank, size = opts.group_rank, opts.group_size
+    # [] for the default group, which is every rank.
+    ranks = list(opts.global_ranks_in_group) or list(range(size))
+    if not 0 <= rank < size == len(ranks) or not all(0 <= r < dev.world_size for r in ranks):
         raise RuntimeError(
-            f"dmlc: a group of {size} with this process as rank {rank} is not the device's "
-            f"group ({dev.world_size} members, this one rank {dev.rank}); subgroups "
-            "(new_group with other ranks) are not supported"
+            f"dmlc: a group of global ranks {ranks} with this process as its rank {rank} "
+            f"does not fit the device's group of {dev.world_size}"
         )
-    return BackendDmlc(dev, rank, size, timeout)
+    if ranks[rank] != dev.rank:
+        raise RuntimeError(
+            f"dmlc: this process is global rank {ranks[rank]} of torch but rank {dev.rank} of "
+            "the device: the default group must be the device's group, in its rank order"
+        )
+    if ranks == list(range(dev.world_size)):
+        return BackendDmlc(dev, rank, size, opts.timeout)
+    if not dev.has_comms:
+        raise RuntimeError(
+            f"dmlc: the group of global ranks {ranks} needs the device's communicators (spec "
+            "5.X.6.13), which this device does not offer (over the kernel transport or across "
+            "hosts): only groups of every rank work on it"
+        )
+    comm = dev.comm_create(ranks, tag=group_tag(str(opts.group_id)))
+    return BackendDmlc(dev, rank, size, opts.timeout, comm)
+
+
+def recv_anysource(tensor: torch.Tensor, group: Any = None, tag: int = 0) -> int:
+    """``dist.recv(tensor, src=None, group=group, tag=tag)`` on a "dmlc"
+    group, returning the sender's global rank as torch's does.
+
+    torch's own receives the message and then raises a RuntimeError
+    ("sourceRank() may only be called on work objects that correspond to a
+    recv or recv-from-any call"): it asks the Work for its source rank, and
+    the wrapper torch puts around a Python backend's Work (PyWorkHolder,
+    torch 2.15) forwards only ``wait()`` and ``get_future()``, so the
+    backend cannot answer. This asks the backend's own Work.
+    """
+    pg = dist.group.WORLD if group is None else group
+    if pg is None:
+        raise RuntimeError("dmlc: recv_anysource before init_process_group")
+    backend = pg._get_backend(torch.device("cpu"))
+    if not isinstance(backend, BackendDmlc):
+        raise TypeError(
+            f"dmlc: recv_anysource needs a group of backend dmlc, not {type(backend).__name__}"
+        )
+    # As dist.recv does: a complex tensor travels as its real view.
+    t = torch.view_as_real(tensor) if tensor.is_complex() else tensor
+    source = backend.recv_anysource([t], tag)._source_rank()
+    return dist.get_global_rank(pg, source)
 
 
 def device() -> Device | None:
@@ -438,7 +830,7 @@ def device() -> Device | None:
 def register() -> None:
     """Registers backend "dmlc" with torch.distributed (idempotent)."""
     if BACKEND.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
 
 
 register()

@@ -13,7 +13,8 @@ with an error that names the dtype and what the device has:
 - ``complex64`` and ``complex128`` go as pairs of ``float32``/``float64``:
   SUM and AVG are element-wise on the real and imaginary parts; PRODUCT,
   MIN, MAX and the bitwise ops are refused.
-- Broadcast and allgather move bytes: any dense dtype goes, as ``uint8``.
+- Broadcast, allgather, send and receive, all-to-all, gather and scatter
+  move bytes: any dense dtype goes, as ``uint8``.
 - Sparse tensors: ``allreduce`` with SUM is built from allgathers (see the
   backend); every other op refuses them.
 """
@@ -27,7 +28,7 @@ import torch
 
 from .device import ReduceOp, _torch_dtypes
 
-__all__ = ["Carried", "as_bytes", "for_reduction"]
+__all__ = ["Carried", "as_bytes", "as_input", "as_output", "for_reduction", "moved_numel"]
 
 _HAS = "float32, float64, float16, bfloat16, int8, uint8, int32, uint32, int64 and uint64"
 _CARRIED = "bool, int16, uint16, complex64 and complex128 by conversion"
@@ -60,7 +61,7 @@ class Carried:
     back: Callable[[], None] | None = None
 
 
-def _dense_cpu(t: torch.Tensor, what: str) -> None:
+def _dense_cpu(t: torch.Tensor, what: str, *, contiguous: bool = True) -> None:
     if t.layout != torch.strided:
         raise NotImplementedError(
             f"dmlc: {what} of a {t.layout} tensor is not supported (the device works on "
@@ -68,7 +69,7 @@ def _dense_cpu(t: torch.Tensor, what: str) -> None:
         )
     if t.device.type != "cpu":
         raise ValueError(f"dmlc: {what} works on CPU tensors; this one is on {t.device}")
-    if not t.is_contiguous():
+    if contiguous and not t.is_contiguous():
         raise ValueError(f"dmlc: {what} needs contiguous tensors (call .contiguous() first)")
 
 
@@ -103,3 +104,33 @@ def as_bytes(t: torch.Tensor, what: str) -> torch.Tensor:
     if t.dtype in _torch_dtypes():
         return t
     return t.reshape(-1).view(torch.uint8)
+
+
+def as_input(t: torch.Tensor, what: str) -> torch.Tensor:
+    """`t` as :func:`as_bytes` gives it, for a tensor the device only reads:
+    a contiguous copy first where it is not contiguous."""
+    if t.layout == torch.strided and t.device.type == "cpu":
+        t = t.contiguous()
+    return as_bytes(t, what)
+
+
+def as_output(t: torch.Tensor, what: str) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """What the device writes for `t`, and what copies it into `t` after:
+    :func:`as_bytes` of `t` itself where it is contiguous (nothing to copy),
+    of a contiguous tensor like it otherwise."""
+    _dense_cpu(t, what, contiguous=False)
+    if t.is_contiguous():
+        return as_bytes(t, what), None
+    room = torch.empty(t.shape, dtype=t.dtype)
+
+    def back() -> None:
+        t.copy_(room)
+
+    return as_bytes(room, what), back
+
+
+def moved_numel(t: torch.Tensor, what: str) -> int:
+    """How many elements :func:`as_bytes` makes of a tensor like `t`
+    (which need not be contiguous): its own, or its bytes."""
+    _dense_cpu(t, what, contiguous=False)
+    return t.numel() if t.dtype in _torch_dtypes() else t.numel() * t.element_size()
