@@ -6,11 +6,13 @@
 # frontends, faults) over real vhost-user sockets, the Python package and
 # its torch backend (pytest, with torch in a cached venv), the multi-host
 # tests (two network namespaces, MPI between the daemons), a short soak, a short
-# fuzzing run, the kernel driver's build (kernel-driver/build.sh --check), the
-# patched XGBoost's cached build and its C++ test (xgboost-patches/), and
-# last the system tests, which boot QEMU VMs with the virtio-dmlc device
-# (tests/system/), the kernel driver's among them, and the launcher's
-# multi-host tests (TCG VMs in two network namespaces).
+# fuzzing run, the Debian packages installed and used in a clean Debian 12
+# root with the service unit (packaging/test-debs.sh), the kernel driver's
+# build (kernel-driver/build.sh --check), the patched XGBoost's cached build
+# and its C++ test (xgboost-patches/), and last the system tests, which boot
+# QEMU VMs with the virtio-dmlc device (tests/system/), the kernel driver's
+# among them, and the launcher's multi-host tests (TCG VMs in two network
+# namespaces).
 #
 # Every stage prints its duration when it ends, and a summary of all of them
 # comes last (also when a stage fails).
@@ -163,6 +165,24 @@ cargo test --manifest-path fuzz/Cargo.toml --locked --lib
 step "fuzzing: 60 s per target (cargo-fuzz, cached after the first install)"
 # The long run is fuzz/run.sh 600 (fuzz/README.md, docs/reliability.md).
 fuzz/run.sh 60
+
+step "packages: the .debs (packaging/build-debs.sh) installed and used in a clean Debian 12 root, the service unit"
+# packaging/test-debs.sh: apt-get install of the five packages in a chroot of
+# a cached mmdebstrap root, the daemon's --help, the library through
+# pkg-config and a C program, the DKMS module built for the guest kernel's
+# headers; inside it packaging/test-service.sh: systemd-analyze verify and
+# the daemon run from the unit's ExecStart= and config (docs/packaging.md).
+# Before the VM stages, which end the run early when QEMU cannot be built.
+# Needs root (chroot, mount and network namespaces).
+if [ "$(id -u)" -eq 0 ]; then
+  packaging/build-debs.sh --out target/debian >/dev/null
+  packaging/test-debs.sh --debs target/debian
+elif under_ci; then
+  echo "error: the package tests need root (mmdebstrap, chroot, namespaces)" >&2
+  exit 1
+else
+  echo "SKIP package tests: they need root (mmdebstrap, chroot, namespaces)" >&2
+fi
 
 step "system tests: patched QEMU (built once, then cached)"
 if import_env DMLC_QEMU DMLC_QEMU_FIRMWARE -- qemu-patches/build-qemu.sh --env; then
