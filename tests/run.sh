@@ -7,7 +7,8 @@
 # its torch backend (pytest, with torch in a cached venv), the multi-host
 # tests (two network namespaces, MPI between the daemons), a short soak, a short
 # fuzzing run, the Debian packages installed and used in a clean Debian 12
-# root with the service unit (packaging/test-debs.sh), the kernel driver's
+# root with the service unit (packaging/test-debs.sh), two libvirt domains
+# with the device (packaging/test-libvirt.sh), the kernel driver's
 # build (kernel-driver/build.sh --check), the patched XGBoost's cached build
 # and its C++ test (xgboost-patches/), and last the system tests, which boot
 # QEMU VMs with the virtio-dmlc device (tests/system/), the kernel driver's
@@ -209,6 +210,21 @@ export DMLC_BACKEND_BIN=$PWD/target/release/vhost-device-dmlc
 # the host's userland, with the release C library.
 export DMLC_LIBRARY=$PWD/target/release/libdmlc_guest.so
 export DMLC_PYTHON=$venv/bin/python
+
+step "libvirt: 2 domains of packaging/libvirt/dmlc-domain.xml pass the self-test against one daemon"
+# packaging/test-libvirt.sh: Debian's libvirt (installed with apt-get when
+# missing), virtlogd, virtlockd and libvirtd started by hand in a private
+# mount namespace, virt-xml-validate, virsh define and start of 2 domains with
+# the patched QEMU as emulator, run as libvirt-qemu (docs/qemu.md, "libvirt";
+# about 20 s, plus the install the first time). Needs root.
+if [ "$(id -u)" -eq 0 ]; then
+  packaging/test-libvirt.sh
+elif under_ci; then
+  echo "error: the libvirt test needs root (apt-get, libvirtd, mount namespaces)" >&2
+  exit 1
+else
+  echo "SKIP libvirt test: it needs root (apt-get, libvirtd, mount namespaces)" >&2
+fi
 
 step "kernel driver: virtio_dmlc.ko against Debian's headers for the guest kernel (cached), W=1, sparse, checkpatch"
 # kernel-driver/build.sh fetches the headers (and checkpatch.pl from the
