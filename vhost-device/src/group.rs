@@ -223,7 +223,7 @@ impl Group {
         let shared = Arc::new(Shared {
             world,
             num_queues,
-            metrics: Metrics::new(),
+            metrics: Metrics::new(world),
             state: Mutex::new(State {
                 era: 0,
                 published: 0,

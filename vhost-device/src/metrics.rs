@@ -55,6 +55,9 @@ pub struct Metrics {
     dropped: AtomicU64,
     /// Straggler skew (from effective arrivals: injected delays count).
     skew: Histogram,
+    /// Per member of communicator 0, by rank: how often it arrived last
+    /// at a collective, and its summed time behind the first arrival.
+    members: Box<[MemberArrivals]>,
     /// Modelled collectives: how much later than the modelled time their
     /// completions were made.
     model_error: Histogram,
@@ -118,6 +121,13 @@ impl Histogram {
     }
 }
 
+/// One member's arrival counters (see [`Metrics::arrival`]).
+#[derive(Debug, Default)]
+struct MemberArrivals {
+    last: AtomicU64,
+    lag_ns: AtomicU64,
+}
+
 /// One request counted in `dmlc_requests_pending` until it is dropped.
 #[derive(Debug)]
 pub struct Held(Arc<AtomicU64>);
@@ -129,9 +139,12 @@ impl Drop for Held {
 }
 
 impl Metrics {
-    /// A set of counters, all zero.
-    pub fn new() -> Self {
-        Self::default()
+    /// A set of counters, all zero, for a group of `world` members.
+    pub fn new(world: u32) -> Self {
+        Self {
+            members: (0..world).map(|_| MemberArrivals::default()).collect(),
+            ..Self::default()
+        }
     }
 
     /// A valid-looking request of `opcode` was taken from a ring.
@@ -177,6 +190,19 @@ impl Metrics {
     /// Time from a collective's first arrival to its last.
     pub fn skew(&self, skew: Duration) {
         self.skew.observe(skew);
+    }
+
+    /// Member `rank` arrived at a collective `lag` after its first member,
+    /// and was its last if `last` (per-rank straggler counters).
+    pub fn arrival(&self, rank: u32, lag: Duration, last: bool) {
+        let Some(m) = self.members.get(rank as usize) else {
+            return;
+        };
+        let ns = u64::try_from(lag.as_nanos()).unwrap_or(u64::MAX);
+        m.lag_ns.fetch_add(ns, Ordering::Relaxed);
+        if last {
+            m.last.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// A modelled collective's completions were made `error` after its
@@ -387,6 +413,34 @@ impl Metrics {
             "Time from the first member's arrival to the last member's arrival, per collective \
              (an injected delay counts as part of its member's arrival).",
         );
+        header(
+            &mut out,
+            "dmlc_member_last_arrivals_total",
+            "Collectives at which this member arrived last (of those with more than one member), \
+             by rank in communicator 0.",
+            "counter",
+        );
+        for (rank, m) in self.members.iter().enumerate() {
+            let v = load(&m.last);
+            let _ = writeln!(
+                out,
+                "dmlc_member_last_arrivals_total{{rank=\"{rank}\"}} {v}"
+            );
+        }
+        header(
+            &mut out,
+            "dmlc_member_arrival_lag_seconds_total",
+            "Summed time from each collective's first arrival to this member's arrival, by rank \
+             in communicator 0 (an injected delay counts as part of its member's arrival).",
+            "counter",
+        );
+        for (rank, m) in self.members.iter().enumerate() {
+            let v = load(&m.lag_ns) as f64 / 1e9;
+            let _ = writeln!(
+                out,
+                "dmlc_member_arrival_lag_seconds_total{{rank=\"{rank}\"}} {v}"
+            );
+        }
         self.model_error.render(
             &mut out,
             "dmlc_model_error_seconds",
@@ -498,7 +552,7 @@ mod tests {
 
     #[test]
     fn render_counts_events() {
-        let m = Metrics::new();
+        let m = Metrics::new(3);
         m.request(Opcode::Allreduce);
         m.collective_done(Opcode::Allreduce);
         m.collective_done(Opcode::Allreduce);
@@ -540,8 +594,48 @@ mod tests {
     }
 
     #[test]
+    fn per_member_arrivals_count_the_last_and_sum_the_lag() {
+        let m = Metrics::new(3);
+        // Rank 2 last twice, rank 0 once; a rank beyond the group is ignored.
+        m.arrival(0, Duration::ZERO, false);
+        m.arrival(2, Duration::from_millis(3), true);
+        m.arrival(2, Duration::from_millis(1), true);
+        m.arrival(0, Duration::from_millis(5), true);
+        m.arrival(7, Duration::from_secs(1), true);
+        let t = m.render();
+        assert_eq!(
+            value(&t, "dmlc_member_last_arrivals_total{rank=\"0\"}"),
+            "1"
+        );
+        assert_eq!(
+            value(&t, "dmlc_member_last_arrivals_total{rank=\"1\"}"),
+            "0"
+        );
+        assert_eq!(
+            value(&t, "dmlc_member_last_arrivals_total{rank=\"2\"}"),
+            "2"
+        );
+        assert_eq!(
+            value(&t, "dmlc_member_arrival_lag_seconds_total{rank=\"2\"}"),
+            "0.004"
+        );
+        assert_eq!(
+            value(&t, "dmlc_member_arrival_lag_seconds_total{rank=\"0\"}"),
+            "0.005"
+        );
+        assert!(!t.contains("rank=\"3\""));
+        for name in [
+            "dmlc_member_last_arrivals_total",
+            "dmlc_member_arrival_lag_seconds_total",
+        ] {
+            assert!(t.contains(&format!("# HELP {name} ")));
+            assert!(t.contains(&format!("# TYPE {name} counter")));
+        }
+    }
+
+    #[test]
     fn skew_histogram_is_cumulative() {
-        let m = Metrics::new();
+        let m = Metrics::new(3);
         m.skew(Duration::from_micros(3));
         m.skew(Duration::from_millis(2));
         m.skew(Duration::from_secs(100));

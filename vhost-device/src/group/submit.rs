@@ -358,6 +358,13 @@ impl Group {
         let last = arrivals.iter().map(counted).max().unwrap_or(w.first);
         let first = arrivals.iter().map(counted).min().unwrap_or(w.first);
         sh.metrics.skew(last.saturating_duration_since(first));
+        // The last to arrive: the first member with the latest arrival.
+        let latest = arrivals.iter().position(|a| counted(a) == last);
+        for (i, a) in arrivals.iter().enumerate() {
+            let lag = counted(a).saturating_duration_since(first);
+            sh.metrics
+                .arrival(a.rank, lag, arrivals.len() > 1 && latest == Some(i));
+        }
         if let Some(what) = sched.as_ref().and_then(|s| s.slowed.as_ref()) {
             sh.metrics.injected_bandwidth();
             log::info!(
