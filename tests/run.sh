@@ -103,7 +103,7 @@ import_env DMLC_VIRTIOFSD -- vm-harness/build-virtiofsd.sh --env
 step "cargo test --workspace"
 cargo test --workspace --locked --no-fail-fast
 
-step "python: the dmlc package and its torch backend (ruff; pytest over the host transport)"
+step "python: the dmlc package and its torch backend (ruff; pytest and torch's distributed suite over the host transport)"
 # A cached virtual environment with torch (python/venv.sh: a few minutes the
 # first time, for the torch download), the package installed into it as a
 # user would (`pip install ./python`), then the suites against the debug
@@ -118,6 +118,12 @@ py_files=(python bench/torch-ddp.py bench/tcg-cpu.py bench/guest-allreduce.py be
 (cd python && DMLC_LIBRARY="$PWD/../target/debug/libdmlc_guest.so" \
   DMLC_BACKEND_BIN="$PWD/../target/debug/vhost-device-dmlc" \
   "$venv/bin/python" -m pytest -q -p no:cacheprovider tests)
+# PyTorch's own distributed suite (DistributedTest._DistTestBase of the wheel)
+# on "dmlc" next to gloo, subset ci (every op; about 25 s, gloo's results
+# cached per torch version): fails on any failure not in its exclusions.toml.
+"$venv/bin/pip" install --disable-pip-version-check -q -r python/tests/torch_suite/requirements.txt
+DMLC_LIBRARY="$PWD/target/debug/libdmlc_guest.so" DMLC_BACKEND_BIN="$PWD/target/debug/vhost-device-dmlc" \
+  "$venv/bin/python" python/tests/torch_suite/run.py --subset ci
 # The tracker wrapper of dmlc-qemu --tracker rabit: rank = DMLC_TASK_ID with 12
 # workers on the host (about 10 s).
 "$venv/bin/python" -m pytest -q -p no:cacheprovider launcher/tests/test_rabit_tracker.py

@@ -32,13 +32,16 @@ Tensors go to the device from their own memory over the kernel driver
 (``DMLC_DEVICE=kernel``) and from tensors made by
 :meth:`dmlc.Device.empty`; others are copied into device memory and back.
 
-The ops: allreduce (dense, and sparse with SUM), broadcast, reduce,
-allgather, reduce_scatter, barrier; send, recv and recv_anysource (torch's
+The ops: allreduce (dense, and sparse with SUM), allreduce_coalesced,
+broadcast, reduce, allgather, allgather_coalesced (one output list per
+member, as gloo), reduce_scatter, barrier, monitored_barrier (gloo's, on
+send and receive); send, recv and recv_anysource (torch's
 tag is the device's; messages above the device's max_bytes are cut by the
 C library, spec DRV-COMM-2); all_to_all (the device's alltoallv: the sizes
 of the list form may differ between members), all_to_all_single (alltoall
 without split sizes, alltoallv with them); gather and scatter of equal
-blocks. Dtypes the device lacks are carried or refused as
+blocks. Tensors of no elements move nothing (every member's has none).
+Dtypes the device lacks are carried or refused as
 :mod:`dmlc.torch_tensors` says; what the backend cannot do raises
 NotImplementedError naming the op.
 
@@ -60,8 +63,10 @@ Limits torch or the device set:
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -78,6 +83,9 @@ from .torch_tensors import as_bytes, as_input, as_output, for_reduction, moved_n
 __all__ = ["BackendDmlc", "DeviceWork", "device", "group_tag", "recv_anysource", "register"]
 
 BACKEND = "dmlc"
+# The device tag of monitored_barrier's messages: out of the range of
+# torch's tags (C ints, which _tag maps to 0..2**31-1 and 2**64-2**31..).
+_MONITORED = 0x6D6F6E69_74626172
 
 
 def _tag(tag: int) -> int:
@@ -176,8 +184,8 @@ class DeviceWork(dist.Work):
         if not self._done.wait(limit.total_seconds()):
             raise CollectiveTimeoutError(
                 _capi.ERR_WAIT_TIMEOUT,
-                f"dmlc: {self._name} did not complete within {limit} (the process group's "
-                "timeout; the device's own is the backend's --timeout-ms)",
+                f"dmlc: {self._name} did not complete within {limit}: it hit the process "
+                "group's timeout (the device's own is the backend's --timeout-ms)",
             )
         if self._error is not None:
             raise self._error
@@ -326,6 +334,22 @@ class BackendDmlc(dist._Backend):
         works[-1].add_done_callback(done)
         return work
 
+    def _finished(
+        self, name: str, result: Any, then: Callable[[], None] | None = None
+    ) -> DeviceWork:
+        """A Work already complete, after `then`: an op with nothing to move
+        (tensors of no elements, which every member has alike)."""
+        self._seq += 1
+        work = DeviceWork(name, result, self._timeout)
+        error: BaseException | None = None
+        if then is not None:
+            try:
+                then()
+            except Exception as x:  # noqa: BLE001 (handed to the waiter)
+                error = x
+        work.finish(error)
+        return work
+
     @staticmethod
     def _one(tensors: list[Any], what: str) -> Any:
         if len(tensors) != 1:
@@ -354,6 +378,8 @@ class BackendDmlc(dist._Backend):
         if t.layout == torch.sparse_coo:
             return self._sparse_allreduce(t, op, tensors)
         c = for_reduction(t, op, "allreduce")
+        if not t.numel():
+            return self._finished("allreduce", tensors)
         return self._work(
             "allreduce",
             tensors,
@@ -363,9 +389,11 @@ class BackendDmlc(dist._Backend):
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> DeviceWork:
         op = _op(opts)
-        carried = [for_reduction(t, op, "allreduce_coalesced") for t in tensors]
-        if not carried:
+        carried = [for_reduction(t, op, "allreduce_coalesced") for t in tensors if t.numel()]
+        if not tensors:
             return self.barrier()
+        if not carried:
+            return self._finished("allreduce_coalesced", tensors)
         return self._work(
             "allreduce_coalesced",
             tensors,
@@ -418,6 +446,8 @@ class BackendDmlc(dist._Backend):
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> DeviceWork:
         t = as_bytes(self._one(tensors, "broadcast"), "broadcast")
         root = opts.rootRank if opts is not None else 0
+        if not t.numel():
+            return self._finished("broadcast", tensors)
         return self._work(
             "broadcast",
             tensors,
@@ -428,6 +458,8 @@ class BackendDmlc(dist._Backend):
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> DeviceWork:
         c = for_reduction(self._one(tensors, "reduce"), _op(opts), "reduce")
         root = opts.rootRank if opts is not None else 0
+        if not c.tensor.numel():
+            return self._finished("reduce", tensors)
         return self._work(
             "reduce",
             tensors,
@@ -441,9 +473,11 @@ class BackendDmlc(dist._Backend):
         input_tensors: list[torch.Tensor],
         opts: Any = None,
     ) -> DeviceWork:
-        self._one(input_tensors, "allgather")
-        self._one(output_tensors, "allgather")
-        return self.allgather_coalesced(output_tensors, input_tensors, opts)
+        """``output_tensors[0][r]`` gets member r's ``input_tensors[0]``."""
+        inp = self._one(input_tensors, "allgather")
+        outs = self._one(output_tensors, "allgather")
+        self._per_member(outs, "allgather")
+        return self._allgather("allgather", output_tensors, [inp], lambda r, _: outs[r])
 
     def allgather_coalesced(
         self,
@@ -451,28 +485,45 @@ class BackendDmlc(dist._Backend):
         input_tensors: list[torch.Tensor],
         opts: Any = None,
     ) -> DeviceWork:
-        """Each input into its list of outputs, through one gathered tensor
-        per input that is copied into the list when the device is done."""
-        if not input_tensors:
-            return self.barrier()
-        name = "allgather"
-        pairs = []
-        for inp in input_tensors:
-            gathered = torch.empty((self.size(), *inp.shape), dtype=inp.dtype)
-            pairs.append((as_input(inp, name), as_bytes(gathered, name), gathered))
+        """``output_lists[r][j]`` gets member r's ``input_tensors[j]`` (one
+        list per member, as gloo and torch's all_gather_coalesced have it)."""
+        name = "allgather_coalesced"
+        self._per_member(output_lists, name)
+        for outs in output_lists:
+            if len(outs) != len(input_tensors):
+                raise ValueError(
+                    f"dmlc: {name}: each member's output list must have one tensor per "
+                    f"input ({len(input_tensors)}), not {len(outs)}"
+                )
+        return self._allgather(name, output_lists, input_tensors, lambda r, j: output_lists[r][j])
 
-        def scatter_back() -> None:
-            for outs, (_, _, gathered) in zip(output_lists, pairs):
-                for o, g in zip(outs, gathered):
-                    o.copy_(g)
+    def _allgather(
+        self,
+        name: str,
+        result: Any,
+        inputs: list[torch.Tensor],
+        out: Callable[[int, int], torch.Tensor],
+    ) -> DeviceWork:
+        """Each input gathered into one tensor, then copied into ``out(r, j)``
+        (member r's block of input j) when the device is done. Inputs with no
+        elements move nothing (every member's has none)."""
+        gathered = [torch.empty((self.size(), *t.shape), dtype=t.dtype) for t in inputs]
+        moves = [
+            (as_input(t, name), as_bytes(g, name)) for t, g in zip(inputs, gathered) if t.numel()
+        ]
 
+        def copy_out() -> None:
+            for j, g in enumerate(gathered):
+                for r in range(self.size()):
+                    out(r, j).copy_(g[r])
+
+        if not moves:
+            return self._finished(name, result, copy_out)
         return self._work(
             name,
-            output_lists,
-            lambda: [
-                self.device.allgather(s, d, comm=self.comm, async_op=True) for s, d, _ in pairs
-            ],
-            scatter_back,
+            result,
+            lambda: [self.device.allgather(s, d, comm=self.comm, async_op=True) for s, d in moves],
+            copy_out,
         )
 
     def all_gather_single(
@@ -480,6 +531,8 @@ class BackendDmlc(dist._Backend):
     ) -> DeviceWork:
         src = as_input(input, "all_gather_into_tensor")
         dst = as_bytes(output, "all_gather_into_tensor")
+        if not src.numel():
+            return self._finished("all_gather_into_tensor", output)
         return self._work(
             "all_gather_into_tensor",
             output,
@@ -512,6 +565,8 @@ class BackendDmlc(dist._Backend):
         self, name: str, result: Any, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp
     ) -> DeviceWork:
         ci, co = for_reduction(inp, op, name), for_reduction(out, op, name)
+        if not co.tensor.numel():
+            return self._finished(name, result)
         return self._work(
             name,
             result,
@@ -746,16 +801,79 @@ class BackendDmlc(dist._Backend):
             back,
         )
 
-    # ---- what it does not have ------------------------------------------------
+    # ---- monitored barrier ---------------------------------------------------------
 
-    def _missing(self, name: str) -> Any:
-        raise NotImplementedError(
-            f"dmlc: {name} is not supported: the backend has allreduce, broadcast, reduce, "
-            "allgather, reduce_scatter, barrier, send, recv, all_to_all, gather and scatter"
-        )
+    def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> None:
+        """gloo's monitored barrier, on the device's send and receive: every
+        member sends rank 0 a byte and waits for its answer; rank 0 waits
+        for each member in turn within the timeout (``opts.timeout``) and
+        names the first that did not arrive, or all of them with
+        `wait_all_ranks`, in gloo's words, before it answers anyone.
 
-    def monitored_barrier(self, *args: Any, **kw: Any) -> Any:
-        return self._missing("monitored_barrier")
+        A receive that timed out stays posted on the device until the
+        backend's own timeout ends it.
+        """
+        limit = getattr(opts, "timeout", None)
+        if not isinstance(limit, timedelta) or limit < timedelta(0):
+            limit = self._timeout
+        seconds = limit.total_seconds()
+        ms = int(seconds * 1000)
+        start = time.monotonic()
+        me, size = self.rank(), self.size()
+
+        def left() -> float:
+            return seconds - (time.monotonic() - start)
+
+        if me != 0:
+            try:
+                token = torch.ones(1, dtype=torch.uint8)
+                self.device.send(token, 0, _MONITORED, comm=self.comm, async_op=True).wait(
+                    max(left(), 0.0)
+                )
+                self.device.recv(token, 0, _MONITORED, comm=self.comm, async_op=True).wait(
+                    max(left(), 0.0)
+                )
+            except (DmlcError, concurrent.futures.TimeoutError) as e:
+                raise RuntimeError(
+                    f"Rank {me} successfully reached monitoredBarrier, but received errors "
+                    "while waiting for send/recv from rank 0. Please check rank 0 logs for "
+                    f"faulty rank. (dmlc: {e or 'no answer within the timeout'})"
+                ) from e
+            return
+        works = {
+            r: self.device.recv(
+                torch.zeros(1, dtype=torch.uint8), r, _MONITORED, comm=self.comm, async_op=True
+            )
+            for r in range(1, size)
+        }
+        failed: list[int] = []
+        processed: list[int] = []
+        for r, w in works.items():
+            # As gloo: with wait_all_ranks each member gets the whole timeout.
+            wait = seconds if wait_all_ranks else left()
+            if not wait_all_ranks and wait <= 0:
+                raise RuntimeError(
+                    f"[Rank 0]: Rank 0 timed out in monitoredBarrier after {ms} ms; "
+                    f"successfully processed ranks: {processed}"
+                )
+            try:
+                w.wait(max(wait, 0.0))
+                processed.append(r)
+            except (DmlcError, concurrent.futures.TimeoutError) as e:
+                if not wait_all_ranks:
+                    raise RuntimeError(
+                        f"[Rank 0]: Rank {r} failed to pass monitoredBarrier in {ms} ms"
+                    ) from e
+                failed.append(r)
+        if failed:
+            raise RuntimeError(
+                f"[Rank 0]: Ranks {', '.join(map(str, failed))} failed to pass "
+                f"monitoredBarrier in {ms} ms"
+            )
+        token = torch.ones(1, dtype=torch.uint8)
+        for r in range(1, size):
+            # Bounded by the device's own timeout: the member is waiting.
+            self.device.send(token, r, _MONITORED, comm=self.comm, async_op=True).wait()
 
 
 _device: Device | None = None
