@@ -223,10 +223,13 @@ pub enum DeviceSpec {
 /// What [`init`] reads from the environment.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Config {
-    /// `DMLC_TASK_ID`.
+    /// `DMLC_TASK_ID` (or torchrun's `RANK`).
     pub rank: Option<u32>,
-    /// `DMLC_NUM_WORKER`.
+    /// `DMLC_NUM_WORKER` (or torchrun's `WORLD_SIZE`).
     pub world_size: Option<u32>,
+    /// The variables `rank` and `world_size` were read from, for errors.
+    pub rank_var: &'static str,
+    pub world_var: &'static str,
     /// `DMLC_TRANSPORT`.
     pub transport: TransportKind,
     /// `DMLC_DEVICE` or `DMLC_SOCKET`.
@@ -324,6 +327,8 @@ impl Config {
         }
         let rank = rank_from.map(|(r, _)| r);
         let world_size = world_from.map(|(w, _)| w);
+        let rank_var = rank_from.map_or("DMLC_TASK_ID", |(_, v)| v);
+        let world_var = world_from.map_or("DMLC_NUM_WORKER", |(_, v)| v);
         let transport = match var("DMLC_TRANSPORT").as_deref() {
             None | Some("device") => TransportKind::Device,
             Some("tcp") => TransportKind::Tcp,
@@ -402,6 +407,8 @@ impl Config {
         Ok(Config {
             rank,
             world_size,
+            rank_var,
+            world_var,
             transport,
             device,
             open,
@@ -476,11 +483,11 @@ pub fn open_device(cfg: &Config) -> Result<Device> {
                     source,
                 })?,
         };
-    agree("rank", dev.rank(), "DMLC_TASK_ID", cfg.rank)?;
+    agree("rank", dev.rank(), cfg.rank_var, cfg.rank)?;
     agree(
         "world size",
         dev.world_size(),
-        "DMLC_NUM_WORKER",
+        cfg.world_var,
         cfg.world_size,
     )?;
     Ok(dev)
@@ -1021,6 +1028,12 @@ mod tests {
             e.to_string(),
             "the device says world size 1, but DMLC_NUM_WORKER is 2"
         );
+        // Named by the variable the value came from: torchrun's here.
+        let e = Rabit::with_config(
+            &cfg(&[("DMLC_SOCKET", &socket), ("RANK", "1"), ("WORLD_SIZE", "2")]).unwrap(),
+        )
+        .unwrap_err();
+        assert_eq!(e.to_string(), "the device says rank 0, but RANK is 1");
     }
 
     #[test]
