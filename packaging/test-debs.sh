@@ -94,19 +94,9 @@ kver=${kver#linux-headers-}
 [ -n "$kver" ] || die "tests/image/build-image.sh --headers named no kernel"
 
 # The mirror, as tests/image/build-image.sh finds it.
-mirror_uri() {
-    [ -n "${DMLC_DEBIAN_MIRROR:-}" ] && {
-        echo "$DMLC_DEBIAN_MIRROR"
-        return
-    }
-    local uri
-    uri=$(cat /etc/apt/sources.list.d/*.sources /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null |
-        sed -nE 's/^URIs:[[:space:]]*//p; s/^deb[[:space:]]+(\[[^]]*\][[:space:]]+)?([^[:space:]]+).*/\2/p' |
-        tr ' ' '\n' | grep -E '/debian/?$' | head -n 1 || true)
-    uri=${uri:-http://deb.debian.org/debian}
-    echo "${uri%/}"
-}
-mirror=$(mirror_uri)
+# shellcheck source=/dev/null
+. "$(dirname "${BASH_SOURCE[0]}")/../tests/lib/debian-mirror.sh"
+mirror=$(debian_mirror)
 security=${mirror%/debian}/debian-security
 # The headers: the very .debs build-image.sh downloaded and keeps (the mirror
 # drops a kernel's packages once a newer ABI replaces it), else the mirror's.

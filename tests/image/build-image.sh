@@ -123,23 +123,9 @@ fi
 
 # A private apt configuration, so the machine's sources and state stay as
 # they are and the packages always come from Debian bookworm.
-mirror_uri() {
-    [ -n "${DMLC_DEBIAN_MIRROR:-}" ] && {
-        echo "$DMLC_DEBIAN_MIRROR"
-        return
-    }
-    local uri
-    # deb822 "URIs:" fields and one-line "deb URI" entries; not comments.
-    uri=$(cat /etc/apt/sources.list.d/*.sources /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null |
-        sed -nE 's/^URIs:[[:space:]]*//p; s/^deb[[:space:]]+(\[[^]]*\][[:space:]]+)?([^[:space:]]+).*/\2/p' |
-        tr ' ' '\n' | grep -E '/debian/?$' | head -n 1 || true)
-    if [ -n "$uri" ]; then
-        echo "${uri%/}"
-        return
-    fi
-    echo http://deb.debian.org/debian
-}
-mirror=$(mirror_uri)
+# shellcheck source=/dev/null
+. "$(dirname "${BASH_SOURCE[0]}")/../lib/debian-mirror.sh"
+mirror=$(debian_mirror)
 security=${mirror%/debian}/debian-security
 cat >"$cache/apt/sources.list" <<EOF
 deb [signed-by=$keyring] $mirror bookworm main
