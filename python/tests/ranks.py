@@ -1206,12 +1206,44 @@ def comms(dev: Device) -> None:
     dev.barrier()
 
 
+def torch_all_to_all_single_contiguity(store_path: str) -> None:
+    """all_to_all_single refuses a non-contiguous input with gloo's and
+    nccl's ValueError, which torch's test_c10d_common.py expects of every
+    backend (python/tests/torch_suite/c10d.py found dmlc moving a copy),
+    and still fills a non-contiguous output, as gloo does."""
+    import torch
+    import torch.distributed as dist
+
+    _torch_group(store_path)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # Member j sends row i of its input to member i: the input is the
+    # transpose of `base`, so row i is column i of base, plus 100 j.
+    base = torch.arange(world * world, dtype=torch.float32).reshape(world, world)
+    mine = base + 100 * rank
+    want = torch.stack([base[:, rank] + 100 * j for j in range(world)])
+    # Refused at the call, before anything reaches the device, with and
+    # without split sizes (so the group is not left waiting).
+    for splits in ([], [1] * world):
+        _raises(
+            ValueError,
+            "Tensors must be contiguous",
+            lambda s=splits: dist.all_to_all_single(torch.empty(world, world), mine.t(), s, s),
+        )
+    out = torch.empty(world, world)
+    dist.all_to_all_single(out, mine.t().contiguous())
+    check(torch.equal(out, want), f"all_to_all_single: {out.tolist()}, want {want.tolist()}")
+    out_t = torch.empty(world, world).t()
+    dist.all_to_all_single(out_t, mine.t().contiguous())
+    check(torch.equal(out_t, want), f"non-contiguous output: {out_t.tolist()}")
+
+
 TORCH_SCENARIOS: dict[str, Callable[[str], None]] = {
     "torch_values": torch_values,
     "torch_failures": torch_failures,
     "torch_peer_lost": torch_peer_lost,
     "torch_p2p_blocks": torch_p2p_blocks,
     "torch_groups": torch_groups,
+    "torch_all_to_all_single_contiguity": torch_all_to_all_single_contiguity,
 }
 
 SCENARIOS: dict[str, Callable[[Device], Any]] = {

@@ -65,3 +65,18 @@ def test_subgroups_run_on_communicators_of_their_own(ranks: int, tmp_path: Path)
     # Each rank's own count: the checks of the groups it is in, one for
     # each it is not in.
     assert counts == {3: [16, 17, 20], 4: [16, 17, 13, 16]}[ranks], counts
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_all_to_all_single_refuses_a_non_contiguous_input_as_gloo_does(
+    ranks: int, tmp_path: Path
+) -> None:
+    need("torch")
+    b = start_backend(tmp_path, ranks, "--timeout-ms", "20000")
+    try:
+        store = str(tmp_path / "store")
+        counts = checks_passed(b.run("torch_all_to_all_single_contiguity", args=(store,)))
+    finally:
+        b.proc.terminate()
+        b.proc.wait(10)
+    assert counts == [4] * ranks, counts

@@ -720,6 +720,13 @@ class BackendDmlc(dist._Backend):
         on giving split sizes, as they must there."""
         name = "all_to_all_single"
         self._one_dtype([output, input], name)
+        if not input.is_contiguous():
+            # gloo and nccl refuse it, and torch's backend-agnostic test
+            # (test_c10d_common.py) expects every backend to.
+            raise ValueError(
+                f"dmlc: {name}: Tensors must be contiguous, and the input is not "
+                "(as in gloo and nccl; call .contiguous() first)"
+            )
         sends = self._split(input_split_sizes, input, name)
         recvs = self._split(output_split_sizes, output, name)
         src = as_input(input, name)

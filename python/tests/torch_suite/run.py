@@ -448,6 +448,17 @@ def lift(dt: Any, gated: dict[str, str]) -> None:
         setattr(base, helper, g)
 
 
+def default_library() -> None:
+    """DMLC_LIBRARY, when unset: the workspace's debug build, else its release build."""
+    if os.environ.get("DMLC_LIBRARY"):
+        return
+    for profile in ("debug", "release"):
+        lib = REPO / "target" / profile / "libdmlc_guest.so"
+        if lib.is_file():
+            os.environ["DMLC_LIBRARY"] = str(lib)
+            return
+
+
 def daemon_binary() -> Path:
     if os.environ.get("DMLC_BACKEND_BIN"):
         return Path(os.environ["DMLC_BACKEND_BIN"])
@@ -492,56 +503,80 @@ def daemon(base: Path, world: int) -> Iterator[subprocess.Popen[bytes]]:
             proc.wait()
 
 
-def make_case(dt: Any, backend: str) -> type:
-    import torch.multiprocessing as tmp
-    from torch.testing._internal import common_distributed as cd
+class Ranks:
+    """Mixin for a torch MultiProcessTestCase: each test gets a fresh
+    temporary folder, with ``with_daemon`` a fresh backend daemon there with
+    one socket per rank, forked ranks, rank i's ``DMLC_SOCKET`` (socket i) and
+    ``RANK``, and the skip reason a rank logged instead of torch's "look at
+    subprocess log". Put it before torch's classes; a test calls
+    ``_fork_ranks()`` where torch's would start its processes."""
 
-    class Case(dt.TestDistBackend, dt.DistributedTest._DistTestBase):  # type: ignore[misc,name-defined]
+    with_daemon: bool = False
+    _sockets: str = ""
+    _skips: str = ""
+
+    def _before_fork(self, folder: str) -> None:
+        """Called with the test's folder before the ranks start."""
+
+    def _fork_ranks(self) -> None:
+        import torch.multiprocessing as tmp
+
+        self._stack = contextlib.ExitStack()
+        d = self._stack.enter_context(tempfile.TemporaryDirectory(prefix="dmlc-suite-"))
+        type(self)._skips = d
+        self._before_fork(d)
+        if self.with_daemon:
+            base = Path(d) / "d.sock"
+            self._stack.enter_context(daemon(base, int(self.world_size)))
+            type(self)._sockets = str(base)
+        self._start_processes(tmp.get_context("fork").Process)
+
+    def tearDown(self) -> None:
+        try:
+            super().tearDown()
+        finally:
+            stack = getattr(self, "_stack", None)
+            if stack is not None:
+                stack.close()
+
+    @classmethod
+    def _run(cls, rank: int, test_name: str, file_name: str, pipe: Any, **kw: Any) -> None:
+        from torch.testing._internal import common_distributed as cd
+
+        if cls._sockets:
+            os.environ["DMLC_SOCKET"] = f"{cls._sockets}{rank}"
+            os.environ["RANK"] = str(rank)
+        skips = Path(cls._skips) / f"{SKIP_FILE}.{rank}"
+
+        class Skips(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                if "skipping test" in record.msg:
+                    skips.write_text(str(record.args[-1]) if record.args else record.msg)
+
+        cd.logger.addHandler(Skips(logging.INFO))
+        cd.logger.setLevel(logging.INFO)
+        super()._run(rank, test_name, file_name, pipe, **kw)
+
+    def _check_return_codes(self, fn: Any, elapsed_time: float) -> None:
+        try:
+            super()._check_return_codes(fn, elapsed_time)
+        except unittest.SkipTest as e:
+            reasons = sorted({p.read_text() for p in Path(self._skips).glob(f"{SKIP_FILE}.*")})
+            raise unittest.SkipTest("; ".join(reasons) or str(e)) from None
+
+
+def make_case(dt: Any, backend: str) -> type:
+    class Case(Ranks, dt.TestDistBackend, dt.DistributedTest._DistTestBase):  # type: ignore[misc,name-defined]
         """One test: a daemon (dmlc), then world-size forked ranks."""
 
-        _sockets: str = ""
-        _skips: str = ""
+        with_daemon = backend == "dmlc"
 
         def setUp(self) -> None:
             super().setUp()
-            self._stack = contextlib.ExitStack()
-            d = self._stack.enter_context(tempfile.TemporaryDirectory(prefix="dmlc-suite-"))
-            type(self)._skips = d
-            dt.INIT_METHOD = "file://" + os.path.join(d, "init")
-            if backend == "dmlc":
-                base = Path(d) / "d.sock"
-                self._stack.enter_context(daemon(base, int(self.world_size)))
-                type(self)._sockets = str(base)
-            self._start_processes(tmp.get_context("fork").Process)
+            self._fork_ranks()
 
-        def tearDown(self) -> None:
-            try:
-                super().tearDown()
-            finally:
-                self._stack.close()
-
-        @classmethod
-        def _run(cls, rank: int, test_name: str, file_name: str, pipe: Any, **kw: Any) -> None:
-            if cls._sockets:
-                os.environ["DMLC_SOCKET"] = f"{cls._sockets}{rank}"
-                os.environ["RANK"] = str(rank)
-            skips = Path(cls._skips) / f"{SKIP_FILE}.{rank}"
-
-            class Skips(logging.Handler):
-                def emit(self, record: logging.LogRecord) -> None:
-                    if "skipping test" in record.msg:
-                        skips.write_text(str(record.args[-1]) if record.args else record.msg)
-
-            cd.logger.addHandler(Skips(logging.INFO))
-            cd.logger.setLevel(logging.INFO)
-            super()._run(rank, test_name, file_name, pipe, **kw)
-
-        def _check_return_codes(self, fn: Any, elapsed_time: float) -> None:
-            try:
-                super()._check_return_codes(fn, elapsed_time)
-            except unittest.SkipTest as e:
-                reasons = sorted({p.read_text() for p in Path(self._skips).glob(f"{SKIP_FILE}.*")})
-                raise unittest.SkipTest("; ".join(reasons) or str(e)) from None
+        def _before_fork(self, folder: str) -> None:
+            dt.INIT_METHOD = "file://" + os.path.join(folder, "init")
 
     Case.__name__ = Case.__qualname__ = f"TestDistBackend{backend.upper()}"
     return Case
@@ -588,12 +623,8 @@ class Result(unittest.TestResult):
 
 def worker(args: argparse.Namespace) -> int:
     os.environ["DISTRIBUTED_TESTS_DEFAULT_TIMEOUT"] = str(args.timeout)
-    if args.backend == "dmlc" and not os.environ.get("DMLC_LIBRARY"):
-        for profile in ("debug", "release"):
-            lib = REPO / "target" / profile / "libdmlc_guest.so"
-            if lib.is_file():
-                os.environ["DMLC_LIBRARY"] = str(lib)
-                break
+    if args.backend == "dmlc":
+        default_library()
     dt, gated, version = import_suite(args.backend, args.world_size)
     from torch.testing._internal import common_distributed as cd
 
