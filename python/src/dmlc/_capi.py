@@ -215,6 +215,7 @@ def _candidates() -> list[Path]:
     """Where to look for the library, in order."""
     found: list[Path] = []
     here = Path(__file__).resolve().parent
+    # The copy the wheel bundles (`pip install ./python` builds it: setup.py).
     found.append(here / LIBRARY_NAME)
     # A source checkout (editable install, or the tests): the workspace's
     # target folder, release build first.
@@ -228,22 +229,30 @@ def _candidates() -> list[Path]:
 def load() -> ctypes.CDLL:
     """Loads libdmlc_guest.so and declares its functions.
 
-    ``$DMLC_LIBRARY`` wins; otherwise a copy next to this package, the
-    workspace's ``target/release`` or ``target/debug`` when the package runs
-    from a source checkout, then the system's library path.
+    ``$DMLC_LIBRARY`` wins; otherwise the copy installed with this package
+    (``dmlc/libdmlc_guest.so``, which ``pip install`` builds and bundles),
+    the workspace's ``target/release`` or ``target/debug`` when the package
+    runs from a source checkout, then the system's library path.
     """
     explicit = os.environ.get(LIBRARY_ENV)
-    if explicit:
-        path = explicit
-    else:
-        path = next((str(p) for p in _candidates() if p.is_file()), LIBRARY_NAME)
+    candidates = [] if explicit else _candidates()
+    path = explicit or next((str(p) for p in candidates if p.is_file()), LIBRARY_NAME)
     try:
         lib = ctypes.CDLL(path)
     except OSError as e:
+        build = f"`cargo build --release -p dmlc-capi`: target/release/{LIBRARY_NAME}"
+        if explicit:
+            raise ImportError(
+                f"cannot load the virtio-dmlc C library {path} named by {LIBRARY_ENV}: {e}. "
+                f"Unset {LIBRARY_ENV} to use the copy installed with this package, or point "
+                f"it at a built one ({build})"
+            ) from e
+        looked = ", ".join(str(p) for p in candidates)
+        where = path if path != LIBRARY_NAME else f"none at {looked} nor on the library path"
         raise ImportError(
-            f"cannot load the virtio-dmlc C library ({path}): {e}. Build it with "
-            f"`cargo build --release -p dmlc-capi` and set {LIBRARY_ENV} to "
-            f"target/release/{LIBRARY_NAME}"
+            f"cannot load the virtio-dmlc C library {LIBRARY_NAME} ({where}): {e}. "
+            f"`pip install ./python` builds it and installs it with the package; or set "
+            f"{LIBRARY_ENV} to a built one ({build})"
         ) from e
     _check_abi(lib, path)
     _declare(lib, path)
