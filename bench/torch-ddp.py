@@ -28,84 +28,39 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-TRAIN = ROOT / "examples" / "torch" / "train.py"
+import torchjobs
+
+ROOT = torchjobs.ROOT
+TRAIN = torchjobs.EXAMPLES / "train.py"
 
 
 def run_host(
     backend: str, ranks: int, steps: int, hidden: int, batch: int, port: int
 ) -> dict[str, float]:
-    target = ROOT / "target" / "release"
+    argv = [str(TRAIN), "--backend", backend, "--steps", str(steps), "--hidden", str(hidden)]
+    argv += ["--batch", str(batch), "--json", "-"]
     with tempfile.TemporaryDirectory(prefix="dmlc-ddp-") as tmp:
-        daemon = None
-        if backend == "dmlc":
-            daemon = subprocess.Popen(
-                [
-                    str(target / "vhost-device-dmlc"),
-                    "--socket-path",
-                    f"{tmp}/d.sock",
-                    "--socket-count",
-                    str(ranks),
-                    "--log-level",
-                    "warn",
-                ]
-            )
-            deadline = time.monotonic() + 20
-            while not all(Path(f"{tmp}/d.sock{r}").exists() for r in range(ranks)):
-                if time.monotonic() > deadline or daemon.poll() is not None:
-                    raise SystemExit("the backend did not start")
-                time.sleep(0.01)
-        env = dict(
-            os.environ,
-            DMLC_LIBRARY=str(target / "libdmlc_guest.so"),
-            MASTER_PORT=str(port),
-            PYTHONPATH=str(ROOT / "python" / "src"),
-        )
-        procs = []
-        for r in range(ranks):
-            renv = dict(env, RANK=str(r), WORLD_SIZE=str(ranks), DMLC_SOCKET=f"{tmp}/d.sock{r}")
-            procs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        str(TRAIN),
-                        "--backend",
-                        backend,
-                        "--steps",
-                        str(steps),
-                        "--hidden",
-                        str(hidden),
-                        "--batch",
-                        str(batch),
-                        "--json",
-                        f"{tmp}/r{r}.json",
-                    ],
-                    env=renv,
-                    stdout=subprocess.DEVNULL,
-                )
-            )
-        codes = [p.wait(600) for p in procs]
-        if daemon is not None:
-            daemon.terminate()
-            daemon.wait(10)
-        if any(codes):
-            raise SystemExit(f"{backend} with {ranks} ranks failed: exit codes {codes}")
-        results = [json.loads(Path(f"{tmp}/r{r}.json").read_text()) for r in range(ranks)]
+        codes, outputs = torchjobs.run_host(argv, backend, ranks, port, tmp)
+    if any(codes):
+        raise SystemExit(f"{backend} with {ranks} ranks failed: exit codes {codes}")
+    results = [
+        json.loads(line.removeprefix("json: "))
+        for out in outputs
+        for line in out.splitlines()
+        if line.startswith("json: ")
+    ]
+    if len(results) != ranks:
+        raise SystemExit(f"{backend} with {ranks} ranks: {len(results)} ranks printed results")
     if len({r["params_sha256"] for r in results}) != 1:
         raise SystemExit(f"{backend} with {ranks} ranks: the ranks ended with different models")
     return results[0]
 
-
-RESULT = re.compile(r"^\[rank (\d+)\] json: (.*)$")
 
 # --wait-modes: backend label suffix -> DMLC_POLL.
 WAITS = {"poll": "1", "interrupt": "0", "hybrid": "hybrid"}
@@ -114,36 +69,30 @@ WAITS = {"poll": "1", "interrupt": "0", "hybrid": "hybrid"}
 def run_vms(a: argparse.Namespace, backend: str, ranks: int) -> dict[str, float]:
     """One job of `ranks` TCG VMs through the launcher; rank 0's results.
     `backend` is train.py's, or "dmlc-kernel": "dmlc" over the kernel driver."""
-    target = ROOT / "target" / "release"
-    env = dict(
-        os.environ,
-        DMLC_LIBRARY=str(target / "libdmlc_guest.so"),
-        PYTHONPATH=str(ROOT / "python" / "src"),
-    )
-    cmd = [str(target / "dmlc-qemu"), "submit", "-n", str(ranks), "--host-root"]
-    cmd += ["--memory", "2G", "--timeout", str(a.timeout)]
+    log_dir = None
     if a.log_dir:
         runs = len(list(a.log_dir.glob(f"{backend}-{ranks}-*")))
-        cmd += ["--log-dir", str(a.log_dir / f"{backend}-{ranks}-{runs}")]
+        log_dir = a.log_dir / f"{backend}-{ranks}-{runs}"
+    flags = []
     if backend == "dmlc-kernel":
-        cmd += ["--kernel-driver", str(a.kernel_module)]
+        flags += ["--kernel-driver", str(a.kernel_module)]
     train_backend, _, variant = backend.partition("-")
     if variant in WAITS:
-        cmd += ["--env", f"DMLC_POLL={WAITS[variant]}"]
-    cmd += ["--transport", "tcp" if backend == "gloo" else "device", "--", sys.executable]
-    cmd += [str(TRAIN), "--backend", train_backend, "--steps", str(a.steps)]
-    cmd += ["--hidden", str(a.hidden), "--batch", str(a.batch)]
-    cmd += ["--eval-samples", "256", "--json", "-"] + ["--bucket-view"] * a.bucket_view
-    cmd += ["--interleave"] * a.interleave
-    with tempfile.TemporaryDirectory(prefix="dmlc-ddp-") as tmp:
-        t = time.monotonic()
-        p = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, check=False)
-        took = time.monotonic() - t
-    results = {}
-    for line in p.stdout.splitlines():
-        m = RESULT.match(line)
-        if m:
-            results[int(m.group(1))] = json.loads(m.group(2))
+        flags += ["--env", f"DMLC_POLL={WAITS[variant]}"]
+    argv = [str(TRAIN), "--backend", train_backend, "--steps", str(a.steps)]
+    argv += ["--hidden", str(a.hidden), "--batch", str(a.batch)]
+    argv += ["--eval-samples", "256", "--json", "-"] + ["--bucket-view"] * a.bucket_view
+    argv += ["--interleave"] * a.interleave
+    transport = "tcp" if backend == "gloo" else "device"
+    p, took = torchjobs.submit(
+        ranks, argv, transport=transport, timeout=a.timeout, log_dir=log_dir, flags=flags
+    )
+    results = {
+        r: json.loads(line.removeprefix("json: "))
+        for r, lines in torchjobs.rank_lines(p.stdout).items()
+        for line in lines
+        if line.startswith("json: ")
+    }
     if p.returncode or len(results) != ranks:
         sys.stderr.write(p.stdout[-4000:] + p.stderr[-4000:])
         raise SystemExit(f"{backend} on {ranks} VMs failed: exit status {p.returncode}")
@@ -215,17 +164,12 @@ def main() -> None:
             for line in built.splitlines()
             if line.startswith("DMLC_KMOD=")
         )
-    crates = ["-p", "dmlc-capi", "-p", "vhost-device-dmlc"] + (["-p", "dmlc-qemu"] * a.vms)
-    subprocess.run(["cargo", "build", "--release", "-q", *crates], cwd=ROOT, check=True)
-    # train.py's default data file (scikit-learn's digits), fetched once.
-    fetch = ROOT / "examples" / "digits" / "fetch-data.sh"
-    subprocess.run([str(fetch)], check=True, stdout=subprocess.DEVNULL)
-    load = Path("/proc/loadavg").read_text().split()[:3]
+    # The binaries, and train.py's default data file (scikit-learn's digits).
+    torchjobs.build(a.vms)
     where = "TCG VMs (1 vCPU, 2 GiB each)" if a.vms else "host processes"
     print(
         f"# torch-ddp.py: MLP 64-{a.hidden}-{a.hidden}-10, batch {a.batch} per rank, "
-        f"{a.steps} steps, {a.repeat} repetitions, in {where}; {os.cpu_count()} CPUs, "
-        f"load average {' '.join(load)}",
+        f"{a.steps} steps, {a.repeat} repetitions, in {where}; {torchjobs.machine()}",
         flush=True,
     )
     rows = []

@@ -27,106 +27,15 @@ two sets of parameters.
 from __future__ import annotations
 
 import argparse
-import gzip
-import hashlib
 import json
-import os
 import statistics
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
+from common import DEFAULT_DATA, flat, init, load, model, rank_and_world, replay, sha256
 from torch.nn.parallel import DistributedDataParallel
-
-DEFAULT_DATA = Path.home() / ".cache/virtio-dmlc/data/digits.csv.gz"
-
-
-def env_int(*names: str, default: int | None = None) -> int:
-    for n in names:
-        if n in os.environ:
-            return int(os.environ[n])
-    if default is None:
-        raise SystemExit(f"set one of {', '.join(names)}")
-    return default
-
-
-def load(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """scikit-learn's digits.csv.gz: 64 pixels (0..16) and a label per row."""
-    if not path.exists():
-        raise SystemExit(f"{path} not found: examples/digits/fetch-data.sh fetches it (or --data)")
-    with gzip.open(path, "rt") as f:
-        rows = np.loadtxt(f, delimiter=",", dtype=np.float32)
-    return torch.from_numpy(rows[:, :64] / 16.0), torch.from_numpy(rows[:, 64]).long()
-
-
-def model(hidden: int) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, hidden),
-        torch.nn.ReLU(),
-        torch.nn.Linear(hidden, hidden),
-        torch.nn.ReLU(),
-        torch.nn.Linear(hidden, 10),
-    )
-
-
-class NoComm(dist.ProcessGroup):
-    """Collectives that complete at once and move nothing (the "nocomm"
-    baseline): what DDP's step costs with an exchange of zero."""
-
-    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
-        return "nocomm"
-
-    def _done(self, value: object) -> dist.Work:
-        from torch._C._distributed_c10d import _create_work_from_future  # noqa: PLC0415
-
-        fut: torch.futures.Future[object] = torch.futures.Future()
-        fut.set_result(value)
-        return _create_work_from_future(fut)
-
-    def allreduce(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:
-        return self._done(tensors)
-
-    def broadcast(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:
-        return self._done(tensors)
-
-    def allgather(
-        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: object = None
-    ) -> dist.Work:
-        for o in outputs[0]:
-            o.copy_(inputs[0])  # every rank "holds" this rank's value
-        return self._done(outputs)
-
-    def barrier(self, opts: object = None) -> dist.Work:
-        return self._done(None)
-
-
-def init(backend: str, rank: int, world: int) -> None:
-    if backend == "nocomm":
-        if "NOCOMM" not in dist.Backend._plugins:
-            dist.Backend.register_backend(
-                "nocomm", lambda _s, r, n, _t: NoComm(r, n), devices=["cpu"]
-            )
-        dist.init_process_group("nocomm", store=dist.HashStore(), rank=rank, world_size=world)
-        return
-    if backend == "dmlc":
-        import dmlc.torch_backend  # noqa: F401, PLC0415 (registers "dmlc" on older torch)
-
-        store: dist.Store = dist.HashStore()  # unused by "dmlc": the device is the group
-    else:
-        peers = os.environ.get("DMLC_TCP_PEERS", "").split(",")
-        default_addr = peers[0].rsplit(":", 1)[0] if peers[0] else "127.0.0.1"
-        addr = os.environ.get("MASTER_ADDR", default_addr)
-        port = int(os.environ.get("MASTER_PORT", "29500"))
-        # In the launcher's VMs the host name resolves to 127.0.0.1: tell gloo
-        # which interface carries the peers' addresses.
-        if peers[0] and "GLOO_SOCKET_IFNAME" not in os.environ:
-            if Path("/sys/class/net/eth0").exists():
-                os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
-        store = dist.TCPStore(addr, port, world, rank == 0)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
 
 
 def main() -> None:
@@ -171,8 +80,7 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="also write the results here ('-': print them)")
     a = p.parse_args()
 
-    rank = env_int("RANK", "DMLC_TASK_ID")
-    world = env_int("WORLD_SIZE", "DMLC_NUM_WORKER")
+    rank, world = rank_and_world()
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     init(a.backend, rank, world)
@@ -189,17 +97,15 @@ def main() -> None:
     def single_process() -> torch.Tensor:
         """The same steps in this process alone: the mean of every rank's
         loss, whose gradient DDP's averaged gradients must equal."""
-        ref = model(a.hidden)
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=a.lr)
-        for s in range(a.steps):
-            ref_opt.zero_grad()
+
+        def loss(ref: torch.nn.Module, s: int) -> torch.Tensor:
             losses = [
                 torch.nn.functional.cross_entropy(ref(bx), by)
                 for bx, by in (batch(s, r) for r in range(world))
             ]
-            (sum(losses) / world).backward()
-            ref_opt.step()
-        return torch.cat([q.detach().reshape(-1) for q in ref.parameters()])
+            return sum(losses) / world  # type: ignore[return-value]
+
+        return flat(replay(model(a.hidden), a.lr, a.steps, loss).parameters())
 
     compute: list[float] = []
 
@@ -232,9 +138,9 @@ def main() -> None:
     ex, ey = (x[: a.eval_samples], y[: a.eval_samples]) if a.eval_samples else (x, y)
     with torch.no_grad():
         acc = (net(ex).argmax(1) == ey).float().mean().item()
-    flat = torch.cat([q.detach().reshape(-1) for q in net.parameters()])
-    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
-    reference_error = (flat - single_process()).abs().max().item() if a.reference else None
+    final = flat(net.parameters())
+    digest = sha256(final)
+    reference_error = (final - single_process()).abs().max().item() if a.reference else None
     staged = None
     if a.backend == "dmlc":
         from dmlc.torch_backend import device  # noqa: PLC0415

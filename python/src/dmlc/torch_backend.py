@@ -34,7 +34,9 @@ Tensors go to the device from their own memory over the kernel driver
 
 The ops: allreduce (dense, and sparse with SUM), allreduce_coalesced,
 broadcast, reduce, allgather, allgather_coalesced (one output list per
-member, as gloo), reduce_scatter, barrier, monitored_barrier (gloo's, on
+member, as gloo), reduce_scatter, all_gather_into_tensor and
+reduce_scatter_tensor and their coalesced forms (which torch's functional
+collectives call, so DTensor and FSDP2), barrier, monitored_barrier (gloo's, on
 send and receive); send, recv and recv_anysource (torch's
 tag is the device's; messages above the device's max_bytes are cut by the
 C library, spec DRV-COMM-2); all_to_all (the device's alltoallv: the sizes
@@ -543,6 +545,38 @@ class BackendDmlc(dist._Backend):
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         return self.all_gather_single(output, input, opts)
 
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> DeviceWork:
+        """``outputs[j]`` gets every member's ``inputs[j]``, block r from
+        member r: all_gather_into_tensor of each pair, in one Work (what
+        the functional collectives call, and so DTensor's
+        ``full_tensor()`` and ``redistribute()``)."""
+        name = "all_gather_into_tensor_coalesced"
+        self._pairs(outputs, inputs, name)
+        moves = [
+            (as_input(i, name), as_bytes(o, name)) for o, i in zip(outputs, inputs) if i.numel()
+        ]
+        if not moves:
+            return self._finished(name, outputs)
+        return self._work(
+            name,
+            outputs,
+            lambda: [self.device.allgather(s, d, comm=self.comm, async_op=True) for s, d in moves],
+            None,
+        )
+
+    # The name torch used before all_gather_single_coalesced (it still asks
+    # for it where a Python backend lacks the new one).
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    @staticmethod
+    def _pairs(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], what: str) -> None:
+        if len(outputs) != len(inputs):
+            raise ValueError(
+                f"dmlc: {what} takes one output per input ({len(inputs)}), not {len(outputs)}"
+            )
+
     def reduce_scatter(
         self,
         output_tensors: list[torch.Tensor],
@@ -580,6 +614,37 @@ class BackendDmlc(dist._Backend):
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> Any:
         return self.reduce_scatter_single(output, input, opts)
+
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> DeviceWork:
+        """``outputs[j]`` gets block `rank` of the reduction of every
+        member's ``inputs[j]``: reduce_scatter_tensor of each pair, in one
+        Work (the functional collectives' reduce_scatter_tensor)."""
+        name = "reduce_scatter_tensor_coalesced"
+        self._pairs(outputs, inputs, name)
+        op = _op(opts)
+        pairs = [
+            (for_reduction(i.contiguous(), op, name), for_reduction(o, op, name))
+            for o, i in zip(outputs, inputs)
+        ]
+        pairs = [(ci, co) for ci, co in pairs if co.tensor.numel()]
+        if not pairs:
+            return self._finished(name, outputs)
+        return self._work(
+            name,
+            outputs,
+            lambda: [
+                self.device.reduce_scatter(
+                    ci.tensor, co.tensor, ci.op, comm=self.comm, async_op=True
+                )
+                for ci, co in pairs
+            ],
+            self._then(*(co.back for _, co in pairs)),
+        )
+
+    # The older name of reduce_scatter_single_coalesced.
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def barrier(self, opts: Any = None) -> DeviceWork:
         return self._work(
