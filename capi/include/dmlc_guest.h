@@ -48,7 +48,10 @@ extern "C" {
  * every existing call as it was do not raise it (a program of the same ABI
  * built before them runs unchanged): communicators, send and receive,
  * all-to-all, gather and scatter (dmlc_comm_*, dmlc_send, ...) came so;
- * DMLC_ERR_TRUNCATE and DMLC_MISMATCH_TABLE arise only from them. */
+ * DMLC_ERR_TRUNCATE and DMLC_MISMATCH_TABLE arise only from them; and
+ * the check of non-finite inputs (dmlc_set_check_finite,
+ * DMLC_CHECK_FINITE), off unless asked for, whose DMLC_ERR_NONFINITE
+ * arises only with it. */
 #define DMLC_ABI_VERSION 1u
 
 /* The library's ABI version (DMLC_ABI_VERSION of the header it was built
@@ -59,8 +62,8 @@ uint32_t dmlc_abi_version(void);
 const char *dmlc_version(void);
 
 /* ---- Status codes -------------------------------------------------------
- * 0..8 are the device's response statuses (VirtioDmlcResp.status; 8 only
- * from send and receive);
+ * 0..9 are the device's response statuses (VirtioDmlcResp.status; 8 only
+ * from send and receive, 9 only with dmlc_set_check_finite);
  * 100 and up are the driver's own errors. */
 typedef enum dmlc_status {
     DMLC_OK = 0,                   /* completed; outputs hold the result */
@@ -73,6 +76,10 @@ typedef enum dmlc_status {
     DMLC_ERR_RESET = 7,            /* the group was reset meanwhile */
     DMLC_ERR_TRUNCATE = 8,         /* a message was larger than its receive (above
                                     * max_bytes: of another size; see dmlc_recv) */
+    DMLC_ERR_NONFINITE = 9,        /* with dmlc_set_check_finite: an input held a NaN or an
+                                    * infinity; peer: the lowest such rank,
+                                    * dmlc_last_error_length(): its lowest such element;
+                                    * the outputs hold the result all the same */
 
     DMLC_ERR_INVALID_ARGUMENT = 100, /* NULL pointer, bad queue, buffer too small, ... */
     DMLC_ERR_NO_STATUS = 101,        /* device returned the request without a status */
@@ -278,6 +285,19 @@ int dmlc_reaches_any_memory(const dmlc_device *dev);
  * sends device memory directly must cut at the same places for its requests
  * to pair with those of a member using the host forms. 0 if dev is NULL. */
 uint64_t dmlc_host_chunk_bytes(const dmlc_device *dev);
+
+/* Non-finite origin (spec 5.X.6.14, device feature bit 4): with `on` != 0,
+ * every later floating-point reduction (allreduce, reduce, reduce_scatter,
+ * host forms and communicators included) is checked: if any member's input
+ * holds a NaN or an infinity, it fails with DMLC_ERR_NONFINITE, the lowest
+ * such rank (of the request's communicator) in the completion's peer and
+ * dmlc_last_error_completion's, the lowest such element of its input in
+ * dmlc_last_error_length() (for the host forms, counted in the caller's
+ * whole buffer); the outputs hold the result as without the check. Other
+ * requests are unchanged. dmlc_open_env turns it on for DMLC_CHECK_FINITE=1.
+ * DMLC_ERR_INVALID_ARGUMENT if the device lacks bit 4 (a group across hosts,
+ * the kernel driver) or dev is NULL. */
+int dmlc_set_check_finite(dmlc_device *dev, int on);
 
 /* How waits spend their time on this device: DMLC_WAIT_INTERRUPT,
  * DMLC_WAIT_POLL or DMLC_WAIT_HYBRID (a hybrid wait on a transport with no
@@ -620,7 +640,8 @@ void dmlc_last_error_completion(dmlc_completion *out);
 
 /* The length of the last failing call's DMLC_ERR_TRUNCATE on this thread, in
  * bytes: for dmlc_send the receive's room, for dmlc_recv the message's size
- * (as far as known); 0 if that call failed otherwise or none failed. */
+ * (as far as known); for DMLC_ERR_NONFINITE the element's index; 0 if that
+ * call failed otherwise or none failed. */
 uint64_t dmlc_last_error_length(void);
 
 #ifdef __cplusplus

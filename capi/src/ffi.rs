@@ -36,7 +36,7 @@ mod env;
 mod host;
 pub use comm::*;
 pub use comm_host::*;
-pub use env::{dmlc_open_env, dmlc_reaches_any_memory};
+pub use env::{dmlc_open_env, dmlc_reaches_any_memory, dmlc_set_check_finite};
 pub use host::{
     dmlc_allgather_host, dmlc_allreduce_host, dmlc_broadcast_host, dmlc_reduce_host,
     dmlc_reduce_scatter_host,
@@ -199,6 +199,7 @@ impl From<Error> for Fail {
         let (detail, peer) = detail_of(&e);
         let length = match e {
             Error::Truncated { length, .. } => length,
+            Error::NonFinite { index, .. } => index,
             _ => 0,
         };
         LAST_REPORT.with(|r| r.set((status_of(&e), detail, peer, length)));
@@ -221,6 +222,7 @@ fn status_of(e: &Error) -> c_int {
         Error::TooBig { .. } => virtio_dmlc::STATUS_TOO_BIG as c_int,
         Error::Reset => virtio_dmlc::STATUS_RESET as c_int,
         Error::Truncated { .. } => virtio_dmlc::STATUS_TRUNCATE as c_int,
+        Error::NonFinite { .. } => virtio_dmlc::STATUS_NONFINITE as c_int,
         Error::NoStatus => DMLC_ERR_NO_STATUS,
         Error::UnknownStatus { .. } => DMLC_ERR_UNKNOWN_STATUS,
         Error::WaitTimeout => DMLC_ERR_WAIT_TIMEOUT,
@@ -254,6 +256,7 @@ fn detail_of(e: &Error) -> (u32, u32) {
         Error::PeerLost { peer } | Error::Timeout { peer } | Error::Truncated { peer, .. } => {
             (0, *peer)
         }
+        Error::NonFinite { rank, .. } => (0, *rank),
         _ => (0, NO_PEER),
     }
 }
@@ -1155,6 +1158,7 @@ pub extern "C" fn dmlc_strerror(status: c_int) -> *const c_char {
         6 => c"request too big",
         7 => c"group reset",
         8 => c"message larger than its receive",
+        9 => c"non-finite input (NaN or infinity)",
         DMLC_ERR_INVALID_ARGUMENT => c"invalid argument",
         DMLC_ERR_NO_STATUS => c"device returned no status",
         DMLC_ERR_UNKNOWN_STATUS => c"unknown device status",
@@ -1238,6 +1242,20 @@ mod tests {
         assert_eq!(dmlc_last_error_length(), 12);
         assert_eq!(guard(|| Err(Fail::invalid("x"))), DMLC_ERR_INVALID_ARGUMENT);
         assert_eq!(dmlc_last_error_length(), 0);
+        // Spec 5.X.6.14: NONFINITE names the rank as the peer and the
+        // element as the length.
+        let non_finite = Error::NonFinite { rank: 1, index: 77 };
+        assert_eq!(guard(|| Err(non_finite.into())), 9);
+        assert_eq!(dmlc_last_error_length(), 77);
+        let mut why = DmlcCompletion {
+            status: 0,
+            detail: 5,
+            peer: 0,
+            generation: 0,
+        };
+        // SAFETY: `why` is writable.
+        unsafe { dmlc_last_error_completion(&mut why) };
+        assert_eq!((why.status, why.detail, why.peer), (9, 0, 1));
     }
 
     #[test]

@@ -63,6 +63,7 @@
 //! | `DMLC_TCP_PEERS` | TCP only: `ip:port,...` of every worker in rank order |
 //! | `DMLC_TCP_CONNECT_TIMEOUT_S` | TCP only: how long to wait for slow peers (default 60) |
 //! | `DMLC_TCP_IO_TIMEOUT_S` | TCP only: how long a collective waits for a silent peer (default 120, 0 = forever) |
+//! | `DMLC_CHECK_FINITE` | `1`: the device checks every floating-point reduction's inputs for NaN and infinity and fails it naming the lowest such rank and element (spec 5.X.6.14; not across hosts, not over the kernel driver); `0` (the default): off |
 //!
 //! With neither `DMLC_DEVICE` nor `DMLC_SOCKET` and at most one worker, the
 //! program runs alone (world size 1, [`is_distributed`] false), as rabit does
@@ -242,6 +243,10 @@ pub struct Config {
     pub connect_timeout: Duration,
     /// `DMLC_TCP_IO_TIMEOUT_S` (`None`: forever).
     pub io_timeout: Option<Duration>,
+    /// `DMLC_CHECK_FINITE=1`: the device checks every floating-point
+    /// reduction's inputs for NaN and infinity (spec 5.X.6.14,
+    /// `Device::set_check_finite`); `0` or unset: off.
+    pub check_finite: bool,
 }
 
 fn bad(var: &'static str, value: &str, reason: impl Into<String>) -> RabitError {
@@ -404,6 +409,11 @@ impl Config {
             Some(v) => Some(parse_secs("DMLC_TCP_IO_TIMEOUT_S", &v)?).filter(|d| !d.is_zero()),
             None => Some(tcp::DEFAULT_IO_TIMEOUT),
         };
+        let check_finite = match var("DMLC_CHECK_FINITE").as_deref() {
+            None | Some("0") => false,
+            Some("1") => true,
+            Some(other) => return Err(bad("DMLC_CHECK_FINITE", other, "expected 0 or 1")),
+        };
         Ok(Config {
             rank,
             world_size,
@@ -415,6 +425,7 @@ impl Config {
             tcp_peers,
             connect_timeout,
             io_timeout,
+            check_finite,
         })
     }
 }
@@ -490,6 +501,10 @@ pub fn open_device(cfg: &Config) -> Result<Device> {
         cfg.world_var,
         cfg.world_size,
     )?;
+    if cfg.check_finite {
+        dev.set_check_finite(true)
+            .map_err(|e| bad("DMLC_CHECK_FINITE", "1", e.to_string()))?;
+    }
     Ok(dev)
 }
 
@@ -790,6 +805,13 @@ mod tests {
         );
         assert_eq!(c.io_timeout, None);
         assert_eq!(c.connect_timeout, Duration::from_millis(2500));
+        assert!(!c.check_finite);
+        assert!(cfg(&[("DMLC_CHECK_FINITE", "1")]).unwrap().check_finite);
+        assert!(!cfg(&[("DMLC_CHECK_FINITE", "0")]).unwrap().check_finite);
+        assert!(cfg(&[("DMLC_CHECK_FINITE", "yes")])
+            .unwrap_err()
+            .to_string()
+            .contains("DMLC_CHECK_FINITE"));
         let c = cfg(&[
             ("DMLC_TRANSPORT", "tcp"),
             ("DMLC_TCP_PEERS", "127.0.0.1:1,127.0.0.1:2"),

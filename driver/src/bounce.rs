@@ -97,13 +97,15 @@ impl Bounce {
     ) -> Result<()> {
         whole_elements(dtype, data.len())?;
         let step = self.step(dtype);
-        for piece in data.chunks_mut(step) {
+        let mut found = NonFinite::default();
+        for (k, piece) in data.chunks_mut(step).enumerate() {
             let buf = self.buffer(dev, piece.len())?;
             buf.as_mut_slice()[..piece.len()].copy_from_slice(piece);
-            dev.allreduce_in_place(dtype, op, buf, count(dtype, piece.len()))?;
+            let done = dev.allreduce_in_place(dtype, op, buf, count(dtype, piece.len()));
+            found.take(done, |i| count(dtype, k * step) + i)?;
             piece.copy_from_slice(&buf.as_slice()[..piece.len()]);
         }
-        Ok(())
+        found.result()
     }
 
     /// Allreduce of `input` into `output` (the same length).
@@ -124,13 +126,15 @@ impl Bounce {
             )));
         }
         let step = self.step(dtype);
-        for (src, dst) in input.chunks(step).zip(output.chunks_mut(step)) {
+        let mut found = NonFinite::default();
+        for (k, (src, dst)) in input.chunks(step).zip(output.chunks_mut(step)).enumerate() {
             let buf = self.buffer(dev, src.len())?;
             buf.as_mut_slice()[..src.len()].copy_from_slice(src);
-            dev.allreduce_in_place(dtype, op, buf, count(dtype, src.len()))?;
+            let done = dev.allreduce_in_place(dtype, op, buf, count(dtype, src.len()));
+            found.take(done, |i| count(dtype, k * step) + i)?;
             dst.copy_from_slice(&buf.as_slice()[..src.len()]);
         }
-        Ok(())
+        found.result()
     }
 
     /// Broadcast of the root's `data` into every member's `data`.
@@ -168,15 +172,17 @@ impl Bounce {
         whole_elements(dtype, data.len())?;
         let is_root = root == dev.rank();
         let step = self.step(dtype);
-        for piece in data.chunks_mut(step) {
+        let mut found = NonFinite::default();
+        for (k, piece) in data.chunks_mut(step).enumerate() {
             let buf = self.buffer(dev, piece.len())?;
             buf.as_mut_slice()[..piece.len()].copy_from_slice(piece);
-            dev.reduce_in_place(dtype, op, root, buf, count(dtype, piece.len()))?;
+            let done = dev.reduce_in_place(dtype, op, root, buf, count(dtype, piece.len()));
+            found.take(done, |i| count(dtype, k * step) + i)?;
             if is_root {
                 piece.copy_from_slice(&buf.as_slice()[..piece.len()]);
             }
         }
-        Ok(())
+        found.result()
     }
 
     /// `output` gets block `rank` of the reduction of every member's `input`
@@ -202,6 +208,7 @@ impl Bounce {
         // Each request carries the same slice of every block: `world` slots
         // of `k` bytes, the result landing in slot `rank` (in place).
         let piece_max = (self.chunk_bytes / world / dtype.size()).max(1) * dtype.size();
+        let mut found = NonFinite::default();
         let mut off = 0;
         while off < n {
             let k = piece_max.min(n - off);
@@ -210,11 +217,15 @@ impl Bounce {
                 let src = j * n + off;
                 buf.as_mut_slice()[j * k..(j + 1) * k].copy_from_slice(&input[src..src + k]);
             }
-            dev.reduce_scatter_in_place(dtype, op, buf, count(dtype, k))?;
+            let done = dev.reduce_scatter_in_place(dtype, op, buf, count(dtype, k));
+            // Element `i` of the request is element `i % kc` of slot
+            // `i / kc`, which holds block `j`'s elements from `off`.
+            let (kc, nc, offc) = (count(dtype, k), count(dtype, n), count(dtype, off));
+            found.take(done, |i| i / kc * nc + offc + i % kc)?;
             output[off..off + k].copy_from_slice(&buf.as_slice()[rank * k..(rank + 1) * k]);
             off += k;
         }
-        Ok(())
+        found.result()
     }
 
     /// `output` (`world_size` times as long as `input`) gets every member's
@@ -357,6 +368,39 @@ impl Bounce {
             off += k;
         }
         Ok(())
+    }
+}
+
+/// The lowest non-finite input of a collective cut into requests (spec
+/// 5.X.6.14): each request's [`Error::NonFinite`] is kept, its index moved
+/// into the caller's whole input, and the pieces go on, so that every
+/// member runs every piece and the caller's output is whole; the lowest
+/// rank, then the lowest index, is reported once all have run.
+#[derive(Default)]
+struct NonFinite(Option<(u32, u64)>);
+
+impl NonFinite {
+    /// Takes one piece's outcome; `whole` maps its element index to the
+    /// caller's input. Any other error ends the collective.
+    fn take<T>(&mut self, done: Result<T>, whole: impl Fn(u64) -> u64) -> Result<()> {
+        match done {
+            Ok(_) => Ok(()),
+            Err(Error::NonFinite { rank, index }) => {
+                let new = (rank, whole(index));
+                if self.0.is_none_or(|f| new < f) {
+                    self.0 = Some(new);
+                }
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn result(self) -> Result<()> {
+        match self.0 {
+            Some((rank, index)) => Err(Error::NonFinite { rank, index }),
+            None => Ok(()),
+        }
     }
 }
 

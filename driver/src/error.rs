@@ -44,6 +44,14 @@ pub enum Error {
     /// other end's rank in the communicator.
     #[error("message truncated: the other end ({}) has {length} bytes", Rank(*peer))]
     Truncated { length: u64, peer: u32 },
+    /// The check of [`crate::device::Device::set_check_finite`] (spec
+    /// 5.X.6.14): the input of `rank` (in the request's communicator) held
+    /// a NaN or an infinity at element `index`, the lowest rank and then
+    /// the lowest element with one. The outputs hold the result all the
+    /// same (NaNs included). The slice forms ([`crate::bounce::Bounce`])
+    /// count `index` in the caller's whole input.
+    #[error("non-finite input: rank {rank}'s input holds a NaN or an infinity at element {index}")]
+    NonFinite { rank: u32, index: u64 },
     /// The device returned the chain without a status (used length 0): it
     /// could not find the response descriptor.
     #[error("device returned the request without a status (no valid response descriptor)")]

@@ -49,6 +49,9 @@ trait Num: Copy + Default + 'static {
     fn max_of(self, x: Self) -> Self;
     /// `self / world` (integers truncate toward zero).
     fn div_world(self, world: u32) -> Self;
+    /// Neither NaN nor infinite (integers: always). Branch-free, so that
+    /// the checked kernels' loops vectorise.
+    fn finite(self) -> bool;
 }
 
 /// Bitwise operations of the integer accumulator types.
@@ -90,6 +93,10 @@ macro_rules! float_num {
             fn div_world(self, world: u32) -> Self {
                 self / world as $t
             }
+            #[inline(always)]
+            fn finite(self) -> bool {
+                self.is_finite()
+            }
         }
     )*};
 }
@@ -121,6 +128,10 @@ macro_rules! int_num {
             #[inline(always)]
             fn div_world(self, world: u32) -> Self {
                 $div!(self, world, $t)
+            }
+            #[inline(always)]
+            fn finite(self) -> bool {
+                true
             }
         }
         impl Bits for $t {
@@ -392,6 +403,50 @@ op!(Bxor: Bits, xor);
 // else accesses meanwhile; each source is valid for reads of `n` `E::Raw`
 // (any alignment) and may be written by another process meanwhile; `stage`
 // points to room for `n` aligned `E::Raw` of ours.
+//
+// With `CHECK` (the checked kernels of the float dtypes, spec 5.X.6.14) a
+// body also ORs, per source, whether any element it read was non-finite,
+// in the loop that reads it (a widened f16 or bf16 is non-finite exactly
+// when the element is), and only when a source was flagged finds the
+// exact element by reading that source's range again (`first_bad`), before
+// anything of that range is written. It returns the lowest flagged source
+// and the lowest non-finite element in it: a [`NonFinite`].
+
+/// The first non-finite input of a checked kernel pass: `(source, element)`,
+/// the lowest source of the pass with a non-finite element in the range and
+/// the lowest such element, counted from the start of the call.
+pub type NonFinite = (usize, usize);
+
+/// The lower of two [`NonFinite`]s, lexicographically (source, then
+/// element): the one every split of a reduction agrees on.
+pub fn lowest(a: Option<NonFinite>, b: Option<NonFinite>) -> Option<NonFinite> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, None) => a,
+        (None, b) => b,
+    }
+}
+
+/// The lowest source flagged in `bad` and its first non-finite element in
+/// `from..to`. Run only when a pass flagged a source, before the range is
+/// written. A guest that changed the element meanwhile (spec DRV-OP-3
+/// forbids it) leaves it unfound: the range's first element is named.
+#[cold]
+#[inline(never)]
+unsafe fn first_bad<E: Elem>(
+    srcs: &[*const E::Raw],
+    bad: &[bool],
+    from: usize,
+    to: usize,
+) -> Option<NonFinite> {
+    let k = bad.iter().position(|&b| b)?;
+    let at = (from..to)
+        // SAFETY: the source is readable for `to` elements (contract of
+        // the body that flagged it).
+        .find(|&i| !unsafe { read::<E>(srcs[k], i) }.finite())
+        .unwrap_or(from);
+    Some((k, at))
+}
 
 /// The sources of one pass: `K` pointers read from `srcs`.
 #[inline(always)]
@@ -411,59 +466,79 @@ unsafe fn read<E: Elem>(src: *const E::Raw, i: usize) -> E::Acc {
 
 /// `acc = src` (one source needs no op; NaNs are quieted all the same).
 #[inline(always)]
-unsafe fn load_body<E: Elem>(acc: *mut u8, srcs: *const *const u8, n: usize) {
+unsafe fn load_body<E: Elem, const CHECK: bool>(
+    acc: *mut u8,
+    srcs: *const *const u8,
+    n: usize,
+) -> Option<NonFinite> {
     // SAFETY: `acc` is our scratch, aligned and holding `n` accumulators
     // (contract above); any bit pattern is a valid number.
     let acc = unsafe { slice::from_raw_parts_mut(acc.cast::<E::Acc>(), n) };
     // SAFETY: one source pointer (contract of `first`).
-    let [src] = unsafe { sources::<E, 1>(srcs) };
+    let s = unsafe { sources::<E, 1>(srcs) };
+    let mut bad = false;
     for (i, a) in acc.iter_mut().enumerate() {
         // SAFETY: `i < n`.
-        *a = unsafe { read::<E>(src, i) }.quiet();
+        let x = unsafe { read::<E>(s[0], i) };
+        bad |= CHECK && !x.finite();
+        *a = x.quiet();
     }
+    // SAFETY: the source is readable for `n` elements.
+    (CHECK && bad).then(|| unsafe { first_bad::<E>(&s, &[bad], 0, n) })?
 }
 
 /// `acc = s0 op s1 op .. op s(K-1)`, left to right.
 #[inline(always)]
-unsafe fn first_body<E: Elem, O: Op<E::Acc>, const K: usize>(
+unsafe fn first_body<E: Elem, O: Op<E::Acc>, const K: usize, const CHECK: bool>(
     acc: *mut u8,
     srcs: *const *const u8,
     n: usize,
-) {
+) -> Option<NonFinite> {
     // SAFETY: as in `load_body`.
     let acc = unsafe { slice::from_raw_parts_mut(acc.cast::<E::Acc>(), n) };
     // SAFETY: `K` source pointers (contract of `first`).
     let s = unsafe { sources::<E, K>(srcs) };
+    let mut bad = [false; K];
     for (i, a) in acc.iter_mut().enumerate() {
         // SAFETY: `i < n` for every source.
         let mut v = unsafe { read::<E>(s[0], i) };
-        for &src in &s[1..] {
+        bad[0] |= CHECK && !v.finite();
+        for (b, &src) in bad.iter_mut().zip(&s).skip(1) {
             // SAFETY: as above.
-            v = O::apply(v, unsafe { read::<E>(src, i) });
+            let x = unsafe { read::<E>(src, i) };
+            *b |= CHECK && !x.finite();
+            v = O::apply(v, x);
         }
         *a = v;
     }
+    // SAFETY: every source is readable for `n` elements.
+    (CHECK && bad.contains(&true)).then(|| unsafe { first_bad::<E>(&s, &bad, 0, n) })?
 }
 
 /// `acc = acc op s0 op .. op s(K-1)`, left to right.
 #[inline(always)]
-unsafe fn fold_body<E: Elem, O: Op<E::Acc>, const K: usize>(
+unsafe fn fold_body<E: Elem, O: Op<E::Acc>, const K: usize, const CHECK: bool>(
     acc: *mut u8,
     srcs: *const *const u8,
     n: usize,
-) {
+) -> Option<NonFinite> {
     // SAFETY: as in `load_body`.
     let acc = unsafe { slice::from_raw_parts_mut(acc.cast::<E::Acc>(), n) };
     // SAFETY: `K` source pointers (contract of `fold`).
     let s = unsafe { sources::<E, K>(srcs) };
+    let mut bad = [false; K];
     for (i, a) in acc.iter_mut().enumerate() {
         let mut v = *a;
-        for &src in &s {
+        for (b, &src) in bad.iter_mut().zip(&s) {
             // SAFETY: `i < n` for every source.
-            v = O::apply(v, unsafe { read::<E>(src, i) });
+            let x = unsafe { read::<E>(src, i) };
+            *b |= CHECK && !x.finite();
+            v = O::apply(v, x);
         }
         *a = v;
     }
+    // SAFETY: every source is readable for `n` elements.
+    (CHECK && bad.contains(&true)).then(|| unsafe { first_bad::<E>(&s, &bad, 0, n) })?
 }
 
 /// Returns true if the result is in `stage`, false if it is in `acc`.
@@ -563,14 +638,23 @@ struct Through {
 /// `r = s0 op .. op s(K-1)`, finished as [`finish_body`] finishes (avg,
 /// narrowing), written to every destination; with streaming stores for
 /// whole lines if `streaming` (the destinations are then 64-aligned at
-/// element `from`, which the caller ensures).
+/// element `from`, which the caller ensures). With `CHECK`, each block's
+/// flagged sources are searched before the block is written (in place,
+/// writing it overwrites the inputs).
 #[inline(always)]
-unsafe fn through_body<E: Elem, O: Op<E::Acc>, L: StreamLines, const K: usize, const FOLD: bool>(
+unsafe fn through_body<
+    E: Elem,
+    O: Op<E::Acc>,
+    L: StreamLines,
+    const K: usize,
+    const FOLD: bool,
+    const CHECK: bool,
+>(
     t: &Through,
     from: usize,
     n: usize,
     streaming: bool,
-) {
+) -> Option<NonFinite> {
     // SAFETY: `K` source pointers (contract of `through`).
     let s = unsafe { sources::<E, K>(t.srcs) };
     let acc = t.acc.cast::<E::Acc>();
@@ -584,9 +668,11 @@ unsafe fn through_body<E: Elem, O: Op<E::Acc>, L: StreamLines, const K: usize, c
     } else {
         CACHED_BLOCK
     };
+    let mut found: Option<NonFinite> = None;
     let mut i = from;
     while i < n {
         let m = cap.min(n - i);
+        let mut bad = [false; K];
         if streaming {
             // The inputs of the block one page on, never past the range.
             let ahead = PREFETCH_AHEAD / size;
@@ -602,15 +688,29 @@ unsafe fn through_body<E: Elem, O: Op<E::Acc>, L: StreamLines, const K: usize, c
                 unsafe { acc.add(i + j).read() }
             } else {
                 // SAFETY: every source is readable for `n` elements.
-                unsafe { read::<E>(s[0], i + j) }
+                let x = unsafe { read::<E>(s[0], i + j) };
+                bad[0] |= CHECK && !x.finite();
+                x
             };
             // One source needs no op; its NaNs are quieted all the same.
             let mut v = if !FOLD && K == 1 { v.quiet() } else { v };
-            for &src in &s[usize::from(!FOLD)..] {
+            for (b, &src) in bad.iter_mut().zip(&s).skip(usize::from(!FOLD)) {
                 // SAFETY: as above.
-                v = O::apply(v, unsafe { read::<E>(src, i + j) });
+                let x = unsafe { read::<E>(src, i + j) };
+                *b |= CHECK && !x.finite();
+                v = O::apply(v, x);
             }
             *a = if O::AVG { v.div_world(t.world) } else { v };
+        }
+        // Sources below the lowest one found so far only: a higher one
+        // cannot win.
+        let below = found.map_or(K, |(k, _)| k);
+        if CHECK && bad[..below].contains(&true) {
+            // SAFETY: every source is readable for `n >= i + m` elements,
+            // and nothing of this block is written yet.
+            found = lowest(found, unsafe {
+                first_bad::<E>(&s, &bad[..below], i, i + m)
+            });
         }
         let block = if E::SAME {
             accs.0.as_ptr().cast::<u8>()
@@ -635,6 +735,7 @@ unsafe fn through_body<E: Elem, O: Op<E::Acc>, L: StreamLines, const K: usize, c
         }
         i += m;
     }
+    found
 }
 
 /// The most sources one kernel pass reads. Reading several inputs per pass
@@ -654,10 +755,10 @@ pub fn groups(n: usize) -> impl Iterator<Item = usize> {
     (0..count).map(move |g| n / count + usize::from(g < n % count))
 }
 
-type GroupFn = unsafe fn(*mut u8, *const *const u8, usize);
+type GroupFn = unsafe fn(*mut u8, *const *const u8, usize) -> Option<NonFinite>;
 type FinishFn = unsafe fn(*mut u8, *mut u8, usize, u32) -> bool;
 /// `(operands, from, n, streaming)`.
-type ThroughFn = unsafe fn(&Through, usize, usize, bool);
+type ThroughFn = unsafe fn(&Through, usize, usize, bool) -> Option<NonFinite>;
 
 /// The kernels of one dtype, op and ISA; `first[k - 1]` and `fold[k - 1]`
 /// read `k` sources.
@@ -678,29 +779,33 @@ macro_rules! isa_kernels {
             use super::*;
 
             $(#[target_feature(enable = $features)])?
-            pub(super) unsafe fn load<E: Elem>(acc: *mut u8, srcs: *const *const u8, n: usize) {
-                // SAFETY: the caller keeps the kernel contract.
-                unsafe { load_body::<E>(acc, srcs, n) }
-            }
-
-            $(#[target_feature(enable = $features)])?
-            pub(super) unsafe fn first<E: Elem, O: Op<E::Acc>, const K: usize>(
+            pub(super) unsafe fn load<E: Elem, const C: bool>(
                 acc: *mut u8,
                 srcs: *const *const u8,
                 n: usize,
-            ) {
+            ) -> Option<NonFinite> {
                 // SAFETY: the caller keeps the kernel contract.
-                unsafe { first_body::<E, O, K>(acc, srcs, n) }
+                unsafe { load_body::<E, C>(acc, srcs, n) }
             }
 
             $(#[target_feature(enable = $features)])?
-            pub(super) unsafe fn fold<E: Elem, O: Op<E::Acc>, const K: usize>(
+            pub(super) unsafe fn first<E: Elem, O: Op<E::Acc>, const K: usize, const C: bool>(
                 acc: *mut u8,
                 srcs: *const *const u8,
                 n: usize,
-            ) {
+            ) -> Option<NonFinite> {
                 // SAFETY: the caller keeps the kernel contract.
-                unsafe { fold_body::<E, O, K>(acc, srcs, n) }
+                unsafe { first_body::<E, O, K, C>(acc, srcs, n) }
+            }
+
+            $(#[target_feature(enable = $features)])?
+            pub(super) unsafe fn fold<E: Elem, O: Op<E::Acc>, const K: usize, const C: bool>(
+                acc: *mut u8,
+                srcs: *const *const u8,
+                n: usize,
+            ) -> Option<NonFinite> {
+                // SAFETY: the caller keeps the kernel contract.
+                unsafe { fold_body::<E, O, K, C>(acc, srcs, n) }
             }
 
             $(#[target_feature(enable = $features)])?
@@ -715,38 +820,50 @@ macro_rules! isa_kernels {
             }
 
             $(#[target_feature(enable = $features)])?
-            pub(super) unsafe fn through<E: Elem, O: Op<E::Acc>, const K: usize, const FOLD: bool>(
+            pub(super) unsafe fn through<
+                E: Elem,
+                O: Op<E::Acc>,
+                const K: usize,
+                const FOLD: bool,
+                const C: bool,
+            >(
                 t: &Through,
                 from: usize,
                 n: usize,
                 streaming: bool,
-            ) {
+            ) -> Option<NonFinite> {
                 // SAFETY: the caller keeps the kernel contract.
-                unsafe { through_body::<E, O, $lines, K, FOLD>(t, from, n, streaming) }
+                unsafe { through_body::<E, O, $lines, K, FOLD, C>(t, from, n, streaming) }
             }
 
-            pub(super) fn fns<E: Elem, O: Op<E::Acc>>() -> Fns {
+            /// The kernels; with `C`, the checked ones (spec 5.X.6.14).
+            pub(super) fn fns<E: Elem, O: Op<E::Acc>, const C: bool>() -> Fns {
                 Fns {
-                    first: [load::<E>, first::<E, O, 2>, first::<E, O, 3>, first::<E, O, 4>],
+                    first: [
+                        load::<E, C>,
+                        first::<E, O, 2, C>,
+                        first::<E, O, 3, C>,
+                        first::<E, O, 4, C>,
+                    ],
                     fold: [
-                        fold::<E, O, 1>,
-                        fold::<E, O, 2>,
-                        fold::<E, O, 3>,
-                        fold::<E, O, 4>,
+                        fold::<E, O, 1, C>,
+                        fold::<E, O, 2, C>,
+                        fold::<E, O, 3, C>,
+                        fold::<E, O, 4, C>,
                     ],
                     finish: finish::<E, O>,
                     through: [
                         [
-                            through::<E, O, 1, false>,
-                            through::<E, O, 2, false>,
-                            through::<E, O, 3, false>,
-                            through::<E, O, 4, false>,
+                            through::<E, O, 1, false, C>,
+                            through::<E, O, 2, false, C>,
+                            through::<E, O, 3, false, C>,
+                            through::<E, O, 4, false, C>,
                         ],
                         [
-                            through::<E, O, 1, true>,
-                            through::<E, O, 2, true>,
-                            through::<E, O, 3, true>,
-                            through::<E, O, 4, true>,
+                            through::<E, O, 1, true, C>,
+                            through::<E, O, 2, true, C>,
+                            through::<E, O, 3, true, C>,
+                            through::<E, O, 4, true, C>,
                         ],
                     ],
                 }
@@ -762,15 +879,15 @@ isa_kernels!(avx2, store::AvxLines, "avx2,f16c");
 /// The kernels of one ISA, and the types it represents f16 with.
 trait IsaKernels {
     type F16: Elem<Raw = u16, Acc = f32>;
-    fn fns<E: Elem, O: Op<E::Acc>>() -> Fns;
+    fn fns<E: Elem, O: Op<E::Acc>, const C: bool>() -> Fns;
 }
 
 struct Baseline;
 
 impl IsaKernels for Baseline {
     type F16 = F16;
-    fn fns<E: Elem, O: Op<E::Acc>>() -> Fns {
-        baseline::fns::<E, O>()
+    fn fns<E: Elem, O: Op<E::Acc>, const C: bool>() -> Fns {
+        baseline::fns::<E, O, C>()
     }
 }
 
@@ -780,8 +897,8 @@ struct Avx2;
 #[cfg(target_arch = "x86_64")]
 impl IsaKernels for Avx2 {
     type F16 = F16c;
-    fn fns<E: Elem, O: Op<E::Acc>>() -> Fns {
-        avx2::fns::<E, O>()
+    fn fns<E: Elem, O: Op<E::Acc>, const C: bool>() -> Fns {
+        avx2::fns::<E, O, C>()
     }
 }
 
@@ -820,13 +937,13 @@ impl Isa {
     }
 }
 
-fn arith<I: IsaKernels, E: Elem>(op: ReduceOp) -> Option<Fns> {
+fn arith<I: IsaKernels, E: Elem, const C: bool>(op: ReduceOp) -> Option<Fns> {
     Some(match op {
-        ReduceOp::Sum => I::fns::<E, Sum>(),
-        ReduceOp::Prod => I::fns::<E, Prod>(),
-        ReduceOp::Min => I::fns::<E, Min>(),
-        ReduceOp::Max => I::fns::<E, Max>(),
-        ReduceOp::Avg => I::fns::<E, Avg>(),
+        ReduceOp::Sum => I::fns::<E, Sum, C>(),
+        ReduceOp::Prod => I::fns::<E, Prod, C>(),
+        ReduceOp::Min => I::fns::<E, Min, C>(),
+        ReduceOp::Max => I::fns::<E, Max, C>(),
+        ReduceOp::Avg => I::fns::<E, Avg, C>(),
         ReduceOp::Band | ReduceOp::Bor | ReduceOp::Bxor => return None,
     })
 }
@@ -836,20 +953,34 @@ where
     E::Acc: Bits,
 {
     match op {
-        ReduceOp::Band => Some(I::fns::<E, Band>()),
-        ReduceOp::Bor => Some(I::fns::<E, Bor>()),
-        ReduceOp::Bxor => Some(I::fns::<E, Bxor>()),
-        _ => arith::<I, E>(op),
+        ReduceOp::Band => Some(I::fns::<E, Band, false>()),
+        ReduceOp::Bor => Some(I::fns::<E, Bor, false>()),
+        ReduceOp::Bxor => Some(I::fns::<E, Bxor, false>()),
+        _ => arith::<I, E, false>(op),
     }
 }
 
-/// The kernels of `dtype` and `op` in ISA `I`.
-fn table<I: IsaKernels>(dtype: Dtype, op: ReduceOp) -> Option<Fns> {
+/// The kernels of a float `dtype` and `op` in ISA `I`, checked with `C`;
+/// `None` for an integer dtype or an op floats lack.
+fn floats<I: IsaKernels, const C: bool>(dtype: Dtype, op: ReduceOp) -> Option<Fns> {
     match dtype {
-        Dtype::F32 => arith::<I, Plain<f32>>(op),
-        Dtype::F64 => arith::<I, Plain<f64>>(op),
-        Dtype::F16 => arith::<I, I::F16>(op),
-        Dtype::Bf16 => arith::<I, Bf16>(op),
+        Dtype::F32 => arith::<I, Plain<f32>, C>(op),
+        Dtype::F64 => arith::<I, Plain<f64>, C>(op),
+        Dtype::F16 => arith::<I, I::F16, C>(op),
+        Dtype::Bf16 => arith::<I, Bf16, C>(op),
+        _ => None,
+    }
+}
+
+/// The kernels of `dtype` and `op` in ISA `I`; with `check`, for a float
+/// dtype, the checked ones (integers have no non-finite values: theirs
+/// are the same either way).
+fn table<I: IsaKernels>(dtype: Dtype, op: ReduceOp, check: bool) -> Option<Fns> {
+    if check {
+        return floats::<I, true>(dtype, op).or_else(|| table::<I>(dtype, op, false));
+    }
+    match dtype {
+        Dtype::F32 | Dtype::F64 | Dtype::F16 | Dtype::Bf16 => floats::<I, false>(dtype, op),
         Dtype::I8 => integer::<I, Plain<i8>>(op),
         Dtype::U8 => integer::<I, Plain<u8>>(op),
         Dtype::I32 => integer::<I, Plain<i32>>(op),
@@ -888,10 +1019,19 @@ impl Kernel {
 
     /// As [`Kernel::new`] for a given ISA; `None` also if the CPU lacks it.
     pub fn with_isa(dtype: Dtype, op: ReduceOp, isa: Isa) -> Option<Kernel> {
+        Kernel::with_check(dtype, op, isa, false)
+    }
+
+    /// As [`Kernel::with_isa`]; with `check`, the checked kernels (spec
+    /// 5.X.6.14): [`Kernel::first`], [`Kernel::fold`] and
+    /// [`Kernel::through`] also return the first non-finite input they
+    /// read, found in the same loop (for an integer dtype, which has
+    /// none, the kernels are the unchecked ones).
+    pub fn with_check(dtype: Dtype, op: ReduceOp, isa: Isa, check: bool) -> Option<Kernel> {
         let fns = match isa {
-            Isa::Baseline => table::<Baseline>(dtype, op),
+            Isa::Baseline => table::<Baseline>(dtype, op, check),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 if has_avx2() => table::<Avx2>(dtype, op),
+            Isa::Avx2 if has_avx2() => table::<Avx2>(dtype, op, check),
             Isa::Avx2 => None,
         }?;
         let acc_size = match dtype {
@@ -936,12 +1076,21 @@ impl Kernel {
     }
 
     /// `acc[at..at + n] = srcs[0][..n] op srcs[1][..n] op ..`, left to
-    /// right, for 1 to [`MAX_GROUP`] sources.
+    /// right, for 1 to [`MAX_GROUP`] sources. A checked kernel
+    /// ([`Kernel::with_check`]) returns the lowest source that held a NaN
+    /// or an infinity and its lowest such element ([`NonFinite`]); an
+    /// unchecked one, `None`.
     ///
     /// # Safety
     /// Each source must be valid for reads of `n` elements (any alignment);
     /// the memory may be changed by another process meanwhile.
-    pub unsafe fn first(&self, scratch: &mut Scratch, at: usize, srcs: &[*const u8], n: usize) {
+    pub unsafe fn first(
+        &self,
+        scratch: &mut Scratch,
+        at: usize,
+        srcs: &[*const u8],
+        n: usize,
+    ) -> Option<NonFinite> {
         let f = self.fns.first[Self::group(srcs)];
         let acc = self.acc_ptr(scratch, at, n);
         // SAFETY: `acc` addresses `n` accumulators of our scratch (checked
@@ -952,11 +1101,17 @@ impl Kernel {
     }
 
     /// `acc[at..at + n] = acc[at..at + n] op srcs[0][..n] op ..`, left to
-    /// right, for 1 to [`MAX_GROUP`] sources.
+    /// right, for 1 to [`MAX_GROUP`] sources; returns as [`Kernel::first`].
     ///
     /// # Safety
     /// As for [`Kernel::first`].
-    pub unsafe fn fold(&self, scratch: &mut Scratch, at: usize, srcs: &[*const u8], n: usize) {
+    pub unsafe fn fold(
+        &self,
+        scratch: &mut Scratch,
+        at: usize,
+        srcs: &[*const u8],
+        n: usize,
+    ) -> Option<NonFinite> {
         let f = self.fns.fold[Self::group(srcs)];
         let acc = self.acc_ptr(scratch, at, n);
         // SAFETY: as in `first`.
@@ -1006,7 +1161,9 @@ impl Kernel {
     ///
     /// Each block of a few lines is read from every source before any of
     /// it is written, so a destination may be the very memory of a source
-    /// at the same position (in place).
+    /// at the same position (in place). Returns as [`Kernel::first`] (the
+    /// sources only: the accumulator's were checked by the earlier
+    /// passes), the element found before its block is written.
     ///
     /// # Safety
     /// Each source must be valid for reads and each destination for writes
@@ -1020,7 +1177,7 @@ impl Kernel {
         n: usize,
         world: u32,
         stores: Stores,
-    ) {
+    ) -> Option<NonFinite> {
         assert!(world > 0, "world size is zero");
         let k = Self::group(srcs);
         let (acc, fold) = match acc {
@@ -1054,10 +1211,7 @@ impl Kernel {
         // every destination is 64-aligned.
         unsafe {
             match head {
-                Some(head) => {
-                    f(&t, 0, head, false);
-                    f(&t, head, n, true);
-                }
+                Some(head) => lowest(f(&t, 0, head, false), f(&t, head, n, true)),
                 None => f(&t, 0, n, false),
             }
         }

@@ -45,6 +45,6 @@ mod scratch;
 mod store;
 
 pub use host::{reduce_in_place, reduce_into, ReduceError};
-pub use kernel::{groups, Isa, Kernel, CHUNK_BYTES, MAX_GROUP};
+pub use kernel::{groups, lowest, Isa, Kernel, NonFinite, CHUNK_BYTES, MAX_GROUP};
 pub use scratch::Scratch;
 pub use store::{fence, Stores, STREAM_CHUNK_BYTES, STREAM_FROM};

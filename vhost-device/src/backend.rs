@@ -1100,15 +1100,15 @@ mod tests {
 
     /// The device offers VIRTIO_F_VERSION_1; of the device-specific bits
     /// 1 to 23 (spec 5.X.3), bits 1 to 3 (communicators, send and receive,
-    /// all-to-all, gather and scatter) on one host (none across hosts:
-    /// `group/tests/comms.rs`), the rest reserved; and not the ring
-    /// features it must not offer: ACCESS_PLATFORM (33), RING_PACKED (34)
-    /// and IN_ORDER (35).
+    /// all-to-all, gather and scatter) and 4 (non-finite origin) on one
+    /// host (none across hosts: `group/tests/comms.rs`), the rest
+    /// reserved; and not the ring features it must not offer:
+    /// ACCESS_PLATFORM (33), RING_PACKED (34) and IN_ORDER (35).
     #[test]
     fn offered_features_are_the_specs() {
-        let offered = DEVICE_FEATURES | 0b111 << virtio_dmlc::comm::VIRTIO_DMLC_F_COMM;
+        let offered = DEVICE_FEATURES | 0b1111 << virtio_dmlc::comm::VIRTIO_DMLC_F_COMM;
         assert_ne!(offered & (1 << virtio_dmlc::VIRTIO_F_VERSION_1), 0);
-        for reserved in 4..=23 {
+        for reserved in 5..=23 {
             assert_eq!(offered & (1 << reserved), 0, "bit {reserved}");
         }
         for forbidden in [33, 34, 35] {

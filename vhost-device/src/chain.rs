@@ -20,7 +20,8 @@ use virtio_dmlc::comm::{
 };
 use virtio_dmlc::{
     bad, buffer_elems, too_big, unsupported, Dtype, Opcode, ReduceOp, Status, VirtioDmlcReq,
-    FLAGS_KNOWN, FLAG_IN_PLACE, REQ_HEADER_SIZE, RESP_SIZE,
+    FLAGS_KNOWN, FLAG_CHECK_FINITE, FLAG_IN_PLACE, REQ_HEADER_SIZE, RESP_SIZE,
+    VIRTIO_DMLC_F_NONFINITE,
 };
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::DescriptorChain;
@@ -51,6 +52,11 @@ pub struct Limits {
 pub const SERVED_COMM_FEATURES: u64 = 1 << VIRTIO_DMLC_F_COMM
     | 1 << virtio_dmlc::comm::VIRTIO_DMLC_F_P2P
     | 1 << virtio_dmlc::comm::VIRTIO_DMLC_F_BLOCKS;
+
+/// The device-specific feature bits beyond bit 0 that this backend serves
+/// on one host: those of [`SERVED_COMM_FEATURES`] and bit 4 (non-finite
+/// origin, spec 5.X.6.14, which needs bit 1).
+pub const SERVED_FEATURES: u64 = SERVED_COMM_FEATURES | 1 << VIRTIO_DMLC_F_NONFINITE;
 
 /// What a request does: an opcode of 5.X.6.1, or one of feature bits 1
 /// to 3 (5.X.6.13.2).
@@ -573,7 +579,12 @@ pub fn parse_in(
 
     // Flags, root and peer.
     let flags = header.flags.get();
-    if flags & !FLAGS_KNOWN != 0 {
+    let known = if limits.features & (1 << VIRTIO_DMLC_F_NONFINITE) != 0 {
+        FLAGS_KNOWN | FLAG_CHECK_FINITE
+    } else {
+        FLAGS_KNOWN
+    };
+    if flags & !known != 0 {
         return fail(reject, ChainError::BadRequest(bad::FLAGS));
     }
     let in_place = flags & FLAG_IN_PLACE != 0;

@@ -29,7 +29,7 @@ use std::ptr;
 
 use virtio_dmlc::{Dtype, ReduceOp};
 
-use dmlc_reduce::{groups, Kernel, Scratch, Stores, MAX_GROUP};
+use dmlc_reduce::{groups, lowest, Isa, Kernel, NonFinite, Scratch, Stores, MAX_GROUP};
 
 /// Source bytes per step of a copy to several destinations: the chunk is
 /// read from memory once and from cache for the other destinations.
@@ -259,18 +259,61 @@ pub unsafe fn reduce_range_tuned(
     len: usize,
     tuning: Tuning,
 ) {
+    // SAFETY: the caller's promises.
+    unsafe { reduce_range_with(dtype, op, world, inputs, outputs, len, tuning, false) };
+}
+
+/// [`reduce_range_tuned`] that also checks the inputs for NaN and infinity
+/// in the loops that read them (spec 5.X.6.14), writing the outputs as
+/// the unchecked reduction would: returns the lowest input (its index in
+/// `inputs`) with a non-finite element and the lowest such element of it,
+/// counted from the start of the range. For an integer dtype, `None`.
+///
+/// # Panics
+/// As [`reduce_range`].
+///
+/// # Safety
+/// As [`reduce_range`].
+pub unsafe fn reduce_range_checked(
+    dtype: Dtype,
+    op: ReduceOp,
+    world: u32,
+    inputs: &[SegRef<'_>],
+    outputs: &[SegRef<'_>],
+    len: usize,
+    tuning: Tuning,
+) -> Option<NonFinite> {
+    // SAFETY: the caller's promises.
+    unsafe { reduce_range_with(dtype, op, world, inputs, outputs, len, tuning, true) }
+}
+
+/// [`reduce_range_tuned`], checked or not.
+///
+/// # Safety
+/// As [`reduce_range`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn reduce_range_with(
+    dtype: Dtype,
+    op: ReduceOp,
+    world: u32,
+    inputs: &[SegRef<'_>],
+    outputs: &[SegRef<'_>],
+    len: usize,
+    tuning: Tuning,
+    check: bool,
+) -> Option<NonFinite> {
     let Tuning {
         chunk_bytes,
         stores,
     } = tuning;
-    let kernel =
-        Kernel::new(dtype, op).unwrap_or_else(|| panic!("{op} is not defined for {dtype}"));
+    let kernel = Kernel::with_check(dtype, op, Isa::best(), check)
+        .unwrap_or_else(|| panic!("{op} is not defined for {dtype}"));
     let size = dtype.size();
     assert!(!inputs.is_empty(), "reduction without inputs");
     assert!(world > 0, "world size is zero");
     assert_eq!(len % size, 0, "length is not a whole number of elements");
     if len == 0 {
-        return;
+        return None;
     }
     let chunk_elems = (chunk_bytes / kernel.acc_size()).max(1);
     let whole = |n: usize| {
@@ -288,6 +331,9 @@ pub unsafe fn reduce_range_tuned(
     } else {
         chunk_elems * size
     };
+    // The lowest (input, element) found so far, elements counted from the
+    // start of the range.
+    let mut found: Option<NonFinite> = None;
     STATE.with_borrow_mut(|st| {
         let State {
             scratch,
@@ -322,13 +368,15 @@ pub unsafe fn reduce_range_tuned(
                     // SAFETY: every piece lies in an input segment, which
                     // the caller guarantees readable; the kernel reads
                     // them through raw pointers only.
-                    unsafe {
+                    let bad = unsafe {
                         if start == 0 {
-                            kernel.first(scratch, at, srcs, n);
+                            kernel.first(scratch, at, srcs, n)
                         } else {
-                            kernel.fold(scratch, at, srcs, n);
+                            kernel.fold(scratch, at, srcs, n)
                         }
-                    }
+                    };
+                    let chunk_at = whole(done) + at;
+                    found = lowest(found, bad.map(|(k, i)| (start + k, chunk_at + i)));
                 });
                 start = end;
             }
@@ -347,7 +395,10 @@ pub unsafe fn reduce_range_tuned(
                 // SAFETY: the sources lie in input segments (readable) and
                 // the destinations in output segments (writable), by the
                 // caller's promise; no guest memory overlaps our scratch.
-                unsafe { kernel.through(acc, &last_srcs[..last], dsts, n, world, stores) }
+                let bad =
+                    unsafe { kernel.through(acc, &last_srcs[..last], dsts, n, world, stores) };
+                let chunk_at = whole(done) + at;
+                found = lowest(found, bad.map(|(k, i)| (earlier + k, chunk_at + i)));
             });
             done += bytes;
         }
@@ -355,6 +406,7 @@ pub unsafe fn reduce_range_tuned(
     if stores == Stores::Streaming {
         dmlc_reduce::fence();
     }
+    found
 }
 
 /// Copies `len` bytes from `src` into every destination in `dsts`.

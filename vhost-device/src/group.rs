@@ -85,7 +85,7 @@ use std::time::{Duration, Instant};
 use virtio_dmlc::comm::{CommOpcode, VirtioDmlcConfigComm};
 use virtio_dmlc::{Dtype, Opcode, ReduceOp, VirtioDmlcConfig, VIRTIO_DMLC_F_REQ_TIMEOUT};
 
-use crate::chain::SERVED_COMM_FEATURES;
+use crate::chain::SERVED_FEATURES;
 use crate::fault::{FaultState, Faults};
 use crate::metrics::Metrics;
 use crate::timing::Timing;
@@ -352,14 +352,16 @@ impl Group {
         }
     }
 
-    /// The feature bits of spec 5.X.6.13 the group offers: those this
-    /// backend serves ([`SERVED_COMM_FEATURES`]), none across hosts (spec
-    /// DEV-COMM-8: the inter-host stage runs only the opcodes of 5.X.6.1).
+    /// The device-specific feature bits beyond bit 0 the group offers:
+    /// those this backend serves ([`SERVED_FEATURES`]: bits 1 to 3 of spec
+    /// 5.X.6.13, bit 4 of 5.X.6.14), none across hosts (spec DEV-COMM-8:
+    /// the inter-host stage runs only the opcodes of 5.X.6.1, and does
+    /// not check its reductions).
     pub fn comm_features(&self) -> u64 {
         if self.shared.cfg.remote.is_some() {
             0
         } else {
-            SERVED_COMM_FEATURES
+            SERVED_FEATURES
         }
     }
 
@@ -492,10 +494,14 @@ impl Group {
         if rank >= self.shared.world {
             return;
         }
-        // Bits 1 to 3 count only where offered: a driver that acknowledges
-        // one it was not offered keeps the layout of 5.X.6.1.
-        let comm_bits = 0b111 << virtio_dmlc::comm::VIRTIO_DMLC_F_COMM;
-        let acked = acked & (!comm_bits | self.comm_features());
+        // Bits 1 to 4 count only where offered: a driver that acknowledges
+        // one it was not offered keeps the layout of 5.X.6.1. Bit 4 counts
+        // only with bit 1 (spec DRV-NF-1), whose response carries its index.
+        let comm_bits = 0b1111 << virtio_dmlc::comm::VIRTIO_DMLC_F_COMM;
+        let mut acked = acked & (!comm_bits | self.comm_features());
+        if acked & (1 << virtio_dmlc::comm::VIRTIO_DMLC_F_COMM) == 0 {
+            acked &= !(1 << virtio_dmlc::VIRTIO_DMLC_F_NONFINITE);
+        }
         self.shared.features[rank as usize].store(acked, Ordering::Release);
         let mut st = lock(&self.shared.state);
         st.members[rank as usize].req_timeout = acked & (1 << VIRTIO_DMLC_F_REQ_TIMEOUT) != 0;

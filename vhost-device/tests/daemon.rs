@@ -213,10 +213,11 @@ fn each_socket_reads_its_own_rank_from_config_space() {
     for rank in 0..2 {
         let mut m = Member::connect(&daemon.socket(rank));
         // Offered besides: communicators, send/receive and all-to-all,
-        // gather, scatter (bits 1 to 3), which the other tests here do not
-        // acknowledge.
+        // gather, scatter (bits 1 to 3), and the non-finite check (bit 4),
+        // which the other tests here do not acknowledge.
         let comm = 0b111 << virtio_dmlc::comm::VIRTIO_DMLC_F_COMM;
-        assert_eq!(m.features, expected_features() | comm);
+        let nonfinite = 1 << virtio_dmlc::VIRTIO_DMLC_F_NONFINITE;
+        assert_eq!(m.features, expected_features() | comm | nonfinite);
         assert!(m.protocol.contains(
             VhostUserProtocolFeatures::CONFIG
                 | VhostUserProtocolFeatures::MQ

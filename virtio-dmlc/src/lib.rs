@@ -38,6 +38,13 @@ pub const PCI_DEVICE_ID_DMLC: u16 = 0x1040 + VIRTIO_ID_DMLC as u16;
 /// Without it the device uses its own collective timeout for every request.
 pub const VIRTIO_DMLC_F_REQ_TIMEOUT: u32 = 0;
 
+/// Feature bit: non-finite origin (spec 5.X.6.14). A request with
+/// [`FLAG_CHECK_FINITE`] on a floating-point reduction completes with
+/// [`Status::NonFinite`], naming the lowest rank whose input held a NaN or
+/// an infinity and the lowest such element in it. Needs
+/// [`comm::VIRTIO_DMLC_F_COMM`], whose 40-byte response carries the index.
+pub const VIRTIO_DMLC_F_NONFINITE: u32 = 4;
+
 /// Transport feature bits this device offers (from the virtio spec).
 pub const VIRTIO_RING_F_INDIRECT_DESC: u32 = 28;
 pub const VIRTIO_RING_F_EVENT_IDX: u32 = 29;
@@ -131,7 +138,12 @@ pub const NO_PEER: u32 = u32::MAX;
 /// In-place: the request has no input segments; the output buffer holds
 /// this member's input (see each opcode for where).
 pub const FLAG_IN_PLACE: u32 = 1 << 0;
-/// All flag bits defined by this version.
+/// Check the inputs of a floating-point reduction for NaN and infinity
+/// (spec 5.X.6.14). Only with [`VIRTIO_DMLC_F_NONFINITE`] negotiated;
+/// otherwise a reserved bit.
+pub const FLAG_CHECK_FINITE: u32 = 1 << 1;
+/// All flag bits defined without feature bits (a driver that negotiated
+/// [`VIRTIO_DMLC_F_NONFINITE`] may also set [`FLAG_CHECK_FINITE`]).
 pub const FLAGS_KNOWN: u32 = FLAG_IN_PLACE;
 
 macro_rules! numbered {
@@ -296,6 +308,12 @@ numbered! {
         /// spec 5.X.6.13.4); the response's `length` names the other end's
         /// size.
         Truncate = 8, STATUS_TRUNCATE, "truncate";
+        /// A request with [`FLAG_CHECK_FINITE`] (feature bit 4, spec
+        /// 5.X.6.14): some member's input held a NaN or an infinity;
+        /// `peer` is the lowest such rank and the 40-byte response's
+        /// `length` the lowest such element index in its input. The
+        /// outputs hold the result as without the flag.
+        NonFinite = 9, STATUS_NONFINITE, "nonfinite";
     }
 }
 

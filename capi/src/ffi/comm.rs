@@ -381,7 +381,8 @@ pub unsafe extern "C" fn dmlc_comm_call(
             }
             Err(e) => {
                 (completion.detail, completion.peer) = detail_of(&e);
-                if let Error::Truncated { length, .. } = e {
+                if let Error::Truncated { length, .. } | Error::NonFinite { index: length, .. } = e
+                {
                     completion.length = length;
                 }
                 // The driver's errors carry no peer_world: known only on

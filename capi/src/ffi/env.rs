@@ -130,6 +130,29 @@ pub unsafe extern "C" fn dmlc_host_chunk_bytes(dev: *const DmlcDevice) -> u64 {
     }
 }
 
+/// Turns the check of non-finite inputs (spec 5.X.6.14) on (`on` != 0) or
+/// off for `dev`'s later requests: a floating-point reduction whose inputs
+/// hold a NaN or an infinity on any member then fails with
+/// `DMLC_ERR_NONFINITE`, the rank in the completion's (and
+/// `dmlc_last_error_completion`'s) `peer` and the element in
+/// `dmlc_last_error_length`; the outputs hold the result all the same.
+/// `DMLC_CHECK_FINITE=1` turns it on in `dmlc_open_env`.
+/// `DMLC_ERR_INVALID_ARGUMENT` if the device lacks feature bit 4 (across
+/// hosts, or over the kernel driver) or dev is NULL.
+///
+/// # Safety
+///
+/// `dev` is NULL or an open device.
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_set_check_finite(dev: *const DmlcDevice, on: c_int) -> c_int {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let d = unsafe { device(dev) }?;
+        d.dev.set_check_finite(on != 0)?;
+        Ok(())
+    })
+}
+
 /// How waits spend their time on `dev`: `DMLC_WAIT_INTERRUPT`,
 /// `DMLC_WAIT_POLL` or `DMLC_WAIT_HYBRID` (`Wait::code`); -1 if dev is NULL.
 ///

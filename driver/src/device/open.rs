@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -12,8 +12,8 @@ use virtio_dmlc::comm::{
     VirtioDmlcConfigComm, VIRTIO_DMLC_F_BLOCKS, VIRTIO_DMLC_F_COMM, VIRTIO_DMLC_F_P2P,
 };
 use virtio_dmlc::{
-    VirtioDmlcConfig, CONFIG_SIZE, VIRTIO_DMLC_F_REQ_TIMEOUT, VIRTIO_F_VERSION_1,
-    VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
+    VirtioDmlcConfig, CONFIG_SIZE, VIRTIO_DMLC_F_NONFINITE, VIRTIO_DMLC_F_REQ_TIMEOUT,
+    VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
 };
 use zerocopy::FromBytes;
 
@@ -51,6 +51,9 @@ pub struct Device {
     pub(super) known_group: AtomicU64,
     /// [`WAIT_MARGIN`](super::WAIT_MARGIN), shorter in tests.
     pub(super) wait_margin: Duration,
+    /// Every request carries `FLAG_CHECK_FINITE` (feature bit 4, spec
+    /// 5.X.6.14): [`Device::set_check_finite`].
+    pub(super) check_finite: AtomicBool,
 }
 
 /// What carries a device's requests: each operation of [`Device`] that
@@ -88,9 +91,12 @@ impl Device {
             want |= bit(VIRTIO_RING_F_EVENT_IDX);
         }
         // Communicators, send and receive, all-to-all, gather and scatter
-        // (spec 5.X.6.13), when offered; bits 2 and 3 only with bit 1.
-        let comm_bits =
-            bit(VIRTIO_DMLC_F_COMM) | bit(VIRTIO_DMLC_F_P2P) | bit(VIRTIO_DMLC_F_BLOCKS);
+        // (spec 5.X.6.13), and non-finite origin (5.X.6.14), when offered;
+        // bits 2 to 4 only with bit 1.
+        let comm_bits = bit(VIRTIO_DMLC_F_COMM)
+            | bit(VIRTIO_DMLC_F_P2P)
+            | bit(VIRTIO_DMLC_F_BLOCKS)
+            | bit(VIRTIO_DMLC_F_NONFINITE);
         if transport.device_features() & bit(VIRTIO_DMLC_F_COMM) != 0 {
             want |= comm_bits;
         }
@@ -158,6 +164,7 @@ impl Device {
             known_generation: AtomicU32::new(config.generation.get()),
             known_group: AtomicU64::new(config.group_id.get()),
             wait_margin: opts.wait_margin,
+            check_finite: AtomicBool::new(false),
         })
     }
 
@@ -195,6 +202,7 @@ impl Device {
             known_generation: AtomicU32::new(config.generation.get()),
             known_group: AtomicU64::new(config.group_id.get()),
             wait_margin: opts.wait_margin,
+            check_finite: AtomicBool::new(false),
         })
     }
 
@@ -232,6 +240,30 @@ impl Device {
     /// Negotiated feature bits.
     pub fn features(&self) -> u64 {
         self.features
+    }
+
+    /// Turns the check of non-finite inputs (spec 5.X.6.14) on or off for
+    /// every later request: a floating-point reduction whose inputs, on any
+    /// member, hold a NaN or an infinity then fails with
+    /// [`Error::NonFinite`], naming the lowest such rank and element (its
+    /// outputs hold the result all the same); other requests are
+    /// unchanged. Fails with [`Error::InvalidArgument`] if feature bit 4
+    /// was not negotiated (a device across hosts, or the kernel driver).
+    pub fn set_check_finite(&self, on: bool) -> Result<()> {
+        if on && self.features & bit(VIRTIO_DMLC_F_NONFINITE) == 0 {
+            return Err(Error::InvalidArgument(
+                "the device does not offer the check of non-finite inputs \
+                 (feature bit 4: not across hosts, not over the kernel driver)"
+                    .into(),
+            ));
+        }
+        self.check_finite.store(on, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Whether requests carry the check of [`Device::set_check_finite`].
+    pub fn check_finite(&self) -> bool {
+        self.check_finite.load(Ordering::Relaxed)
     }
 
     /// True in poll mode.

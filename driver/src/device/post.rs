@@ -51,13 +51,18 @@ impl Device {
 
     /// The header this device's requests carry: with feature bit 1, the
     /// 48-byte one naming communicator `comm` (peer, key and table 0 and
-    /// empty; see [`Device::comm_header`]).
+    /// empty; see [`Device::comm_header`]); with the check of
+    /// [`Device::set_check_finite`], `FLAG_CHECK_FINITE` set.
     pub(super) fn header_of<'a>(
         &self,
         base: VirtioDmlcReq,
         comm: u32,
         table: &'a [u8],
     ) -> Header<'a> {
+        let mut base = base;
+        if self.check_finite() {
+            base.flags = (base.flags.get() | virtio_dmlc::FLAG_CHECK_FINITE).into();
+        }
         if self.comms.is_none() {
             return Header::Base(base);
         }

@@ -491,6 +491,10 @@ pub(crate) fn completion_result(c: &Completion) -> Result<Done> {
             length: c.reply.length,
             peer,
         }),
+        Some(Status::NonFinite) => Err(Error::NonFinite {
+            rank: peer,
+            index: c.reply.length,
+        }),
         None => Err(Error::UnknownStatus {
             status: r.status.get(),
         }),

@@ -921,3 +921,21 @@ fn bits_2_and_3_are_not_accepted_without_bit_1() {
     dev.allreduce_in_place(Dtype::F32, ReduceOp::Sum, &buf, 4)
         .unwrap();
 }
+
+/// Bit 4 (non-finite origin) offered without bit 1 is not accepted (spec
+/// DRV-NF-1), and the check cannot be turned on without it.
+#[test]
+fn bit_4_is_not_accepted_without_bit_1() {
+    use virtio_dmlc::VIRTIO_DMLC_F_NONFINITE;
+    let mem = Arc::new(MemfdMemory::new(8 << 20, crate::virtqueue::tests::GUEST_BASE).unwrap());
+    let mut t = FakeTransport::new(world_of_one(), Arc::clone(&mem));
+    t.offer(bit(VIRTIO_DMLC_F_NONFINITE));
+    let dev = Device::open(Box::new(t), mem, &opts(true)).unwrap();
+    assert_eq!(dev.features() & bit(VIRTIO_DMLC_F_NONFINITE), 0);
+    assert!(matches!(
+        dev.set_check_finite(true),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(!dev.check_finite());
+    dev.set_check_finite(false).unwrap();
+}

@@ -152,6 +152,11 @@ pub struct BenchArgs {
     /// size.
     #[arg(long, value_name = "L", value_parser = clap::value_parser!(u32).range(1..))]
     pub members_per_host: Option<u32>,
+    /// Ask the device to check every float reduction's inputs for NaN and
+    /// infinity (spec 5.X.6.14; the bench's data are finite): measures the
+    /// check's cost.
+    #[arg(long)]
+    pub check_finite: bool,
 }
 
 impl BenchArgs {
@@ -387,6 +392,13 @@ pub fn run(dev: &Device, args: &BenchArgs, setup: &Setup) -> Result<bool, CliErr
                 dev.world_size()
             )));
         }
+    }
+    if args.check_finite {
+        dev.set_check_finite(true)
+            .map_err(|source| CliError::Driver {
+                what: "--check-finite".into(),
+                source,
+            })?;
     }
     let plan = plan(args, dev.world_size(), dev.config().max_bytes.get())?;
     let mut engine = DeviceEngine::new(dev, args.queue, plan.pool_bytes)?;

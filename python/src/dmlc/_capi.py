@@ -38,6 +38,7 @@ ERR_UNSUPPORTED = 5
 ERR_TOO_BIG = 6
 ERR_RESET = 7
 ERR_TRUNCATE = 8
+ERR_NONFINITE = 9
 ERR_INVALID_ARGUMENT = 100
 ERR_NO_STATUS = 101
 ERR_UNKNOWN_STATUS = 102
@@ -325,6 +326,7 @@ def signatures() -> dict[str, tuple[object, list[object]]]:
         "dmlc_allgather_host": (c_int, [dev, c_void_p, c_void_p, c_uint64, c_int]),
         "dmlc_reduce_scatter_host": (c_int, [dev, c_void_p, c_void_p, c_uint64, c_int, c_int]),
         "dmlc_last_error_length": (c_uint64, []),
+        "dmlc_set_check_finite": (c_int, [dev, c_int]),
         # Communicators, send and receive, all-to-all, gather and scatter.
         "dmlc_comm_features": (c_int, [dev]),
         "dmlc_max_comms": (c_int32, [dev]),

@@ -46,7 +46,7 @@ from typing import Any, Literal, Optional, Union
 import numpy as np
 
 from . import _capi
-from .errors import DmlcError, TruncatedError, error_for
+from .errors import DmlcError, NonFiniteError, TruncatedError, error_for
 
 __all__ = ["Comm", "Device", "Dtype", "Received", "ReduceOp", "Work"]
 
@@ -389,7 +389,12 @@ class Device:
 
     @classmethod
     def _open(
-        cls, opener: str, where: bytes | None, poll: Wait | None, dma_bytes: int | None
+        cls,
+        opener: str,
+        where: bytes | None,
+        poll: Wait | None,
+        dma_bytes: int | None,
+        check_finite: bool = False,
     ) -> Device:
         """Calls the C ABI's ``opener(where, options, &device)``."""
         lib = cls.library()
@@ -397,7 +402,14 @@ class Device:
         opts = cls._options(poll, dma_bytes)
         rc = getattr(lib, opener)(where, ctypes.byref(opts), ctypes.byref(out))
         _raise_if(lib, rc)
-        return cls(out.value or 0, lib, wraps=opener == "dmlc_open_kernel")
+        dev = cls(out.value or 0, lib, wraps=opener == "dmlc_open_kernel")
+        if check_finite:
+            try:
+                dev.set_check_finite(True)
+            except BaseException:
+                dev.close()
+                raise
+        return dev
 
     @classmethod
     def open_host(
@@ -406,16 +418,24 @@ class Device:
         *,
         poll: Wait | None = None,
         dma_bytes: int | None = None,
+        check_finite: bool = False,
     ) -> Device:
-        """The device served by the backend at `socket` (this process plays the VM)."""
-        return cls._open("dmlc_open_host_ex", os.fsencode(socket), poll, dma_bytes)
+        """The device served by the backend at `socket` (this process plays
+        the VM); `check_finite`: see :meth:`set_check_finite`."""
+        return cls._open("dmlc_open_host_ex", os.fsencode(socket), poll, dma_bytes, check_finite)
 
     @classmethod
     def open_pci(
-        cls, addr: str | None = None, *, poll: Wait | None = None, dma_bytes: int | None = None
+        cls,
+        addr: str | None = None,
+        *,
+        poll: Wait | None = None,
+        dma_bytes: int | None = None,
+        check_finite: bool = False,
     ) -> Device:
         """The PCI device from inside a guest (root and hugepages needed)."""
-        return cls._open("dmlc_open_pci", addr.encode() if addr else None, poll, dma_bytes)
+        where = addr.encode() if addr else None
+        return cls._open("dmlc_open_pci", where, poll, dma_bytes, check_finite)
 
     @classmethod
     def open_kernel(
@@ -423,6 +443,17 @@ class Device:
     ) -> Device:
         """The device through the virtio_dmlc kernel module's node (no root needed)."""
         return cls._open("dmlc_open_kernel", os.fsencode(node) if node else None, poll, dma_bytes)
+
+    def set_check_finite(self, on: bool = True) -> None:
+        """Turns the check of non-finite inputs (spec 5.X.6.14) on or off for
+        the later collectives: a floating-point allreduce, reduce or
+        reduce-scatter whose input holds a NaN or an infinity on any member
+        then raises :class:`dmlc.NonFiniteError` naming the lowest such rank
+        and element, on every member; its output holds the reduction all the
+        same. ``DMLC_CHECK_FINITE=1`` turns it on in :meth:`from_env` (and so
+        under the torch backend). Raises :class:`dmlc.DmlcError` where the
+        device lacks it (a group across hosts, the kernel driver)."""
+        self._check(self._lib_.dmlc_set_check_finite(self._dev, 1 if on else 0))
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Device:
@@ -433,7 +464,8 @@ class Device:
         ``DMLC_POLL=hybrid`` (the default) spins up to 200 us before it
         sleeps, ``poll`` (or ``1``) polls, ``interrupt`` (or ``0``) sleeps on
         the interrupt at once;
-        ``DMLC_DMA_BYTES`` sizes the device memory. A rank given by the
+        ``DMLC_DMA_BYTES`` sizes the device memory; ``DMLC_CHECK_FINITE=1``
+        turns on :meth:`set_check_finite`. A rank given by the
         launcher (``DMLC_TASK_ID``, ``DMLC_NUM_WORKER``) or torchrun
         (``RANK``, ``WORLD_SIZE``) must match the device's. The C library
         reads all of it (``dmlc_open_env``), as the rabit API and XGBoost's
@@ -1230,7 +1262,7 @@ class Device:
                 raise TruncatedError(
                     rc, msg or _strerror(lib, rc), done.detail, peer, length=length, room=room
                 )
-            raise error_for(rc, msg or _strerror(lib, rc), done.detail, peer)
+            raise error_for(rc, msg or _strerror(lib, rc), done.detail, peer, length=done.length)
         return done
 
     def _host_error(self, rc: int, *, length: int, room: int) -> DmlcError:
@@ -1271,7 +1303,8 @@ class Device:
             why = _capi.Completion()
             lib.dmlc_last_error_completion(ctypes.byref(why))
             peer = None if why.peer == _capi.NO_PEER else why.peer
-            raise error_for(rc, msg or _strerror(lib, rc), why.detail, peer)
+            length = lib.dmlc_last_error_length()
+            raise error_for(rc, msg or _strerror(lib, rc), why.detail, peer, length=length)
 
     def _direct(self, addr: int, nbytes: int, seg: _capi.Segment) -> bool:
         """Points `seg` at the caller's memory if the device can reach it:
@@ -1361,7 +1394,8 @@ class Device:
         if rc != _capi.OK:
             msg = (lib.dmlc_last_error_message() or b"").decode(errors="replace")
             peer = None if done.peer == _capi.NO_PEER else done.peer
-            raise error_for(rc, msg or _strerror(lib, rc), done.detail, peer)
+            length = lib.dmlc_last_error_length()
+            raise error_for(rc, msg or _strerror(lib, rc), done.detail, peer, length=length)
 
     def _run_pieces(
         self,
@@ -1379,13 +1413,26 @@ class Device:
         size = _SIZES[dtype]
         step = max(1, self._host_chunk // size) * size
         out_at, in_at = self._seg.offset, self._in_seg.offset
+        # A non-finite input (spec 5.X.6.14) fails one piece: the others
+        # still run, as the host forms run them, and the lowest (rank,
+        # element), counted in the whole buffer, is raised at the end.
+        found: NonFiniteError | None = None
         try:
             for lo in range(0, nbytes, step):
                 k = min(step, nbytes - lo)
                 self._seg.offset, self._in_seg.offset = out_at + lo, in_at + lo
-                self._run(opcode, dtype, op, root, k, k, in_bytes=0 if in_place else k, comm=comm)
+                try:
+                    self._run(
+                        opcode, dtype, op, root, k, k, in_bytes=0 if in_place else k, comm=comm
+                    )
+                except NonFiniteError as e:
+                    where = (e.rank, e.index + lo // size)
+                    if found is None or where < (found.rank, found.index):
+                        found = NonFiniteError(*where)
         finally:
             self._unwrap()
+        if found is not None:
+            raise found
 
     def _run_direct(
         self,
@@ -1471,4 +1518,5 @@ def _raise_if(lib: ctypes.CDLL, rc: int) -> None:
         if why.status != rc:
             why.detail, why.peer = 0, _capi.NO_PEER
         peer = None if why.peer == _capi.NO_PEER else why.peer
-        raise error_for(rc, msg or _strerror(lib, rc), why.detail, peer)
+        length = lib.dmlc_last_error_length()
+        raise error_for(rc, msg or _strerror(lib, rc), why.detail, peer, length=length)

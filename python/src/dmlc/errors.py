@@ -11,6 +11,7 @@ __all__ = [
     "DmlcError",
     "EnvironmentSettingError",
     "MismatchError",
+    "NonFiniteError",
     "PeerLostError",
     "RequestDroppedError",
     "ResetError",
@@ -94,6 +95,31 @@ class TruncatedError(DmlcError):
         self.room = room
 
 
+class NonFiniteError(DmlcError, FloatingPointError):
+    """With the check of non-finite inputs on (``Device.set_check_finite``,
+    ``check_finite=True`` or ``DMLC_CHECK_FINITE=1``): a floating-point
+    reduction's input held a NaN or an infinity. ``rank`` is the lowest rank
+    (of the collective's communicator) whose input held one, ``index`` the
+    lowest such element of its input (counted in the whole tensor or array
+    the collective was given). Every member gets the same pair; the output
+    holds the reduction all the same (NaNs included)."""
+
+    def __init__(self, rank: int, index: int, message: str | None = None) -> None:
+        super().__init__(
+            _capi.ERR_NONFINITE,
+            message
+            or f"non-finite input: rank {rank}'s input holds a NaN or an infinity "
+            f"at element {index}",
+            0,
+            rank,
+        )
+        self.rank = rank
+        self.index = index
+
+    def __reduce__(self) -> tuple[type[NonFiniteError], tuple[int, int, str]]:
+        return (NonFiniteError, (self.rank, self.index, str(self)))
+
+
 class TransportError(DmlcError, ConnectionError):
     """The connection to the device failed or was lost."""
 
@@ -134,6 +160,11 @@ _BY_STATUS: dict[int, type[DmlcError]] = {
 }
 
 
-def error_for(status: int, message: str, detail: int = 0, peer: int | None = None) -> DmlcError:
-    """The exception of `status`, with the driver's message."""
+def error_for(
+    status: int, message: str, detail: int = 0, peer: int | None = None, *, length: int = 0
+) -> DmlcError:
+    """The exception of `status`, with the driver's message; `length` is the
+    element index of a NONFINITE (``dmlc_last_error_length``)."""
+    if status == _capi.ERR_NONFINITE and peer is not None:
+        return NonFiniteError(peer, length, message)
     return _BY_STATUS.get(status, DmlcError)(status, message, detail, peer)

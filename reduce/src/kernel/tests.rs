@@ -709,3 +709,141 @@ fn kernels_refuse_ranges_beyond_the_scratch() {
     // SAFETY: the source holds 32 f32; the kernel must refuse at 17.
     unsafe { k.first(&mut scratch, 0, &[src.as_ptr()], 17) };
 }
+
+/// Bits of every kind of non-finite value of a float dtype: NaNs
+/// (signalling, of either sign, quiet), +Inf and -Inf.
+fn non_finite(dtype: Dtype) -> Vec<u64> {
+    let (nans, _) = nans(dtype);
+    let infs: [u64; 2] = match dtype {
+        Dtype::F32 => [0x7f80_0000, 0xff80_0000],
+        Dtype::F64 => [0x7ff0_0000_0000_0000, 0xfff0_0000_0000_0000],
+        Dtype::F16 => [0x7c00, 0xfc00],
+        Dtype::Bf16 => [0x7f80, 0xff80],
+        _ => unreachable!(),
+    };
+    nans.iter().chain(&infs).copied().collect()
+}
+
+/// Reduces `inputs` with `k` as the data path does (`run_through`, the
+/// sources at an odd address) into one output, or in place into the last
+/// input, and returns the output and the lowest non-finite input the
+/// passes reported, as (input, element).
+fn run_checked(
+    k: &Kernel,
+    inputs: &[Vec<u8>],
+    stores: Stores,
+    in_place: bool,
+) -> (Vec<u8>, Option<NonFinite>) {
+    let size = k.elem_size();
+    let n = inputs[0].len() / size;
+    let mut shifted: Vec<Vec<u8>> = inputs
+        .iter()
+        .map(|b| {
+            let mut v = vec![0x5a];
+            v.extend_from_slice(b);
+            v
+        })
+        .collect();
+    let mut out = vec![0u8; n * size];
+    let srcs: Vec<*const u8> = shifted.iter().map(|b| b[1..].as_ptr()).collect();
+    let dst = if in_place {
+        shifted.last_mut().unwrap()[1..].as_mut_ptr()
+    } else {
+        out.as_mut_ptr()
+    };
+    let groups: Vec<usize> = groups(srcs.len()).collect();
+    let (before, last) = groups.split_at(groups.len() - 1);
+    let mut scratch = Scratch::with_bytes(n.max(1) * k.acc_size());
+    let mut found = None;
+    let mut next = 0;
+    for (g, &len) in before.iter().enumerate() {
+        let group = &srcs[next..next + len];
+        // SAFETY: live buffers of `n` elements each.
+        let f = unsafe {
+            if g == 0 {
+                k.first(&mut scratch, 0, group, n)
+            } else {
+                k.fold(&mut scratch, 0, group, n)
+            }
+        };
+        found = lowest(found, f.map(|(s, i)| (s + next, i)));
+        next += len;
+    }
+    let acc = (next > 0).then_some((&mut scratch, 0));
+    // SAFETY: as above; `dst` is `out` or the last input, `n` elements.
+    let f = unsafe { k.through(acc, &srcs[next..], &[dst], n, inputs.len() as u32, stores) };
+    crate::fence();
+    found = lowest(found, f.map(|(s, i)| (s + next, i)));
+    assert_eq!(next + last[0], inputs.len());
+    if in_place {
+        out.copy_from_slice(&shifted.last().unwrap()[1..]);
+    }
+    (out, found)
+}
+
+/// The checked kernels of every float dtype and ISA, for worlds that use
+/// every kind of pass, name the lowest rank with a non-finite input and
+/// the lowest such element in it, whatever the kind (NaN of any sign or
+/// payload, +Inf, -Inf), the stores and in place; finite inputs whose
+/// reduction overflows are not flagged; the output is the unchecked
+/// kernels' (bit for bit but for the unspecified payloads of NaN sums);
+/// integer kernels ignore the check.
+#[test]
+fn checked_kernels_name_the_lowest_rank_and_element() {
+    let mut rng = Rng::new(39);
+    for isa in Isa::available() {
+        for dtype in [Dtype::F32, Dtype::F64, Dtype::F16, Dtype::Bf16] {
+            let bad = non_finite(dtype);
+            let size = dtype.size();
+            for op in [ReduceOp::Sum, ReduceOp::Max] {
+                let plain = Kernel::with_isa(dtype, op, isa).unwrap();
+                let k = Kernel::with_check(dtype, op, isa, true).unwrap();
+                for world in [1usize, 2, 3, 5, 9] {
+                    for n in [1usize, 40, 300, 2000] {
+                        for trial in 0..4 {
+                            let mut inputs: Vec<Vec<u8>> =
+                                (0..world).map(|_| rng.elems(dtype, n)).collect();
+                            let mut want: Option<NonFinite> = None;
+                            for _ in 0..trial {
+                                let (r, i) = (rng.below(world), rng.below(n));
+                                let b = bad[rng.below(bad.len())];
+                                inputs[r][i * size..(i + 1) * size].copy_from_slice(&raw(dtype, b));
+                                want = lowest(want, Some((r, i)));
+                            }
+                            for stores in [Stores::Cached, Stores::Streaming] {
+                                for in_place in [false, true] {
+                                    let (got_out, got) = run_checked(&k, &inputs, stores, in_place);
+                                    let (plain_out, none) =
+                                        run_checked(&plain, &inputs, stores, in_place);
+                                    let what = format!(
+                                        "{isa:?} {dtype} {op} N={world} n={n} {stores:?} \
+                                         in place {in_place}"
+                                    );
+                                    assert_eq!(got, want, "{what}");
+                                    assert_eq!(none, None, "{what}: unchecked");
+                                    // NaN payloads of sum are not specified.
+                                    if let Err(e) = reference::check(dtype, &got_out, &plain_out) {
+                                        panic!("{what}: output: {e}");
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // Finite inputs whose sum overflows are finite inputs.
+        let k = Kernel::with_check(Dtype::F16, ReduceOp::Sum, isa, true).unwrap();
+        let big = raw(Dtype::F16, 0x7bff).repeat(8);
+        let (out, found) = run_checked(&k, &[big.clone(), big], Stores::Cached, false);
+        assert_eq!(found, None);
+        assert_eq!(&out[..2], &raw(Dtype::F16, 0x7c00)[..]);
+        // Integers have no non-finite value: the check changes nothing.
+        let k = Kernel::with_check(Dtype::I32, ReduceOp::Sum, isa, true).unwrap();
+        let ones = raw(Dtype::I32, 0x7f80_0000).repeat(4);
+        assert_eq!(
+            run_checked(&k, &[ones.clone(), ones], Stores::Cached, false).1,
+            None
+        );
+    }
+}

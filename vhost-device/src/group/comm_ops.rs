@@ -119,6 +119,8 @@ impl Group {
                     moved_from: sh.recorder.is_some().then(Instant::now),
                     done_at: Mutex::new(Vec::new()),
                     sched: None,
+                    check: false,
+                    non_finite: Mutex::new(None),
                 };
                 self.launch(job, false);
             }

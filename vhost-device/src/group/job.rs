@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Instant;
 
-use virtio_dmlc::{Dtype, ReduceOp, Status, NO_PEER};
+use virtio_dmlc::{Dtype, ReduceOp, Status, FLAG_CHECK_FINITE, NO_PEER};
 
 use super::pieces::{BufAt, Piece};
 use super::shared::{Cause, Shared};
@@ -81,6 +81,27 @@ pub(super) struct Job {
     /// With a timing model, by member: once its completion is made (or
     /// withheld), when (None: dropped or withheld).
     pub(super) done_at: Mutex<Vec<Option<Option<Instant>>>>,
+    /// Some member asked for the check of spec 5.X.6.14 (a float
+    /// reduction): the reductions use the checked kernels.
+    pub(super) check: bool,
+    /// With `check`: the lowest non-finite input found by any range, as
+    /// (member, element of its input), members in rank order; every range
+    /// reports its own lowest and this keeps the lexicographic minimum, so
+    /// the split over threads does not change it.
+    pub(super) non_finite: Mutex<Option<(usize, u64)>>,
+}
+
+/// Whether a collective of `arrivals` reducing `reduce` is checked for
+/// non-finite inputs (spec 5.X.6.14): a float reduction and some member's
+/// request with `FLAG_CHECK_FINITE` (the flag passed the local checks, so
+/// that member negotiated feature bit 4).
+pub(super) fn wants_check(arrivals: &[Arrival], reduce: Option<(Dtype, ReduceOp)>) -> bool {
+    reduce.is_some_and(|(dtype, _)| dtype.is_float()) && arrivals.iter().any(asks_check)
+}
+
+/// The member's request carries `FLAG_CHECK_FINITE`.
+fn asks_check(a: &Arrival) -> bool {
+    a.req.header.flags.get() & FLAG_CHECK_FINITE != 0
 }
 
 /// A collective counted in `State::running` until [`Running::end`] (or
@@ -259,7 +280,17 @@ impl Job {
                 // Streaming stores are fenced before `reduce_range_tuned`
                 // returns, so before `work` counts the range done.
                 unsafe {
-                    datapath::reduce_range_tuned(
+                    if !self.check {
+                        datapath::reduce_range_tuned(
+                            dtype,
+                            op,
+                            self.shared.world,
+                            &ins,
+                            &outs,
+                            len,
+                            tuning,
+                        );
+                    } else if let Some((k, elem)) = datapath::reduce_range_checked(
                         dtype,
                         op,
                         self.shared.world,
@@ -267,7 +298,9 @@ impl Job {
                         &outs,
                         len,
                         tuning,
-                    );
+                    ) {
+                        self.found_non_finite(inputs[k], start, elem, dtype.size());
+                    }
                 }
             }
             Piece::Copy { src, dsts, .. } => {
@@ -278,6 +311,43 @@ impl Job {
                     datapath::copy_range(src, &dsts, len);
                 }
             }
+        }
+    }
+
+    /// Records a non-finite input found in a range that starts `start`
+    /// bytes into `at`: element `elem` of the range, counted in the
+    /// member's input (5.X.6.4: in place, from where its input starts in
+    /// the buffer); keeps the lowest (member, element).
+    fn found_non_finite(&self, at: BufAt, start: usize, elem: usize, size: usize) {
+        let req = &self.arrivals[at.member].req;
+        let input_start = if at.output {
+            req.in_place_offset.unwrap_or(0)
+        } else {
+            0
+        };
+        let index = ((at.base - input_start + start) / size + elem) as u64;
+        let mut found = lock(&self.non_finite);
+        let new = (at.member, index);
+        if found.is_none_or(|f| new < f) {
+            *found = Some(new);
+        }
+    }
+
+    /// The outcome of member `i`'s request once the data has moved without
+    /// failure: OK (or the outcome kept in `ok`), or, for a member that
+    /// asked for the check when an input was non-finite, NONFINITE naming
+    /// the lowest such rank (`peer`) and element (`length`).
+    fn outcome(&self, i: usize) -> Outcome {
+        let ok = self.ok.get(i).copied().unwrap_or(Outcome::OK);
+        if !self.check || !asks_check(&self.arrivals[i]) {
+            return ok;
+        }
+        match *lock(&self.non_finite) {
+            Some((member, index)) => Outcome {
+                length: index,
+                ..Outcome::fail(Status::NonFinite, 0, self.arrivals[member].rank)
+            },
+            None => ok,
         }
     }
 
@@ -381,9 +451,7 @@ impl Job {
     /// a timing model.
     fn deliver_all(&self, moved_to: Option<Instant>, late: bool) {
         let sh = &self.shared;
-        let done_at = sh.deliver_together(&self.arrivals, |i| {
-            self.ok.get(i).copied().unwrap_or(Outcome::OK)
-        });
+        let done_at = sh.deliver_together(&self.arrivals, |i| self.outcome(i));
         self.running.delivered();
         self.record(&done_at, moved_to, late);
     }
@@ -414,7 +482,7 @@ impl Job {
                 next = Some(next.map_or(due, |n| n.min(due)));
                 continue;
             }
-            let delivered = sh.deliver(a, Outcome::OK);
+            let delivered = sh.deliver(a, self.outcome(i));
             let at = Instant::now();
             sh.metrics.model_error(at.saturating_duration_since(due));
             done[i] = Some(delivered.then_some(at));

@@ -12,7 +12,7 @@ use virtio_queue::DescriptorChain;
 
 use super::blocks;
 use super::comms::Found;
-use super::job::{Job, Outgoing, Running};
+use super::job::{wants_check, Job, Outgoing, Running};
 use super::matching::mismatch_mask;
 use super::pieces::{plan, split, Piece};
 use super::shared::{Cause, Gate, Shape};
@@ -438,6 +438,7 @@ impl Group {
         let reduce = reference.dtype.zip(reference.op);
         let opcode = reference.code;
         let n_arrivals = arrivals.len();
+        let check = wants_check(&arrivals, reduce);
         let job = Job {
             shared: sh.clone(),
             key,
@@ -460,6 +461,8 @@ impl Group {
                 Vec::new()
             }),
             sched,
+            check,
+            non_finite: Mutex::new(None),
         };
         self.launch(job, panic_now);
     }

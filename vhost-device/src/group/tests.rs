@@ -2061,6 +2061,7 @@ fn a_header_rewritten_after_arrival_has_no_effect() {
 
 mod blocks;
 mod comms;
+mod nonfinite;
 mod timed;
 
 /// `split` cuts every piece into page-aligned ranges that cover it in
