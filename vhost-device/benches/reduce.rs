@@ -23,6 +23,9 @@
 //!                      S apart, the same alignment, a worst case for caches)
 //!   --pool-mib M       memory cycled through (default: twice the LLC, at least 1 GiB)
 //!   --kernels          also measure every dtype/op kernel in cache, per ISA
+//!   --check-finite     also measure each reduction with the non-finite
+//!                      check of spec 5.X.6.14 (`reduce_range_checked`),
+//!                      alternated with the unchecked one (column "check")
 //!   --json FILE        also write the results as JSON
 //! ```
 //!
@@ -40,7 +43,9 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use dmlc_reduce::{Isa, Kernel, Scratch, Stores, STREAM_FROM};
-use vhost_device_dmlc::datapath::{reduce_range_tuned, HostSeg, SegRef, Tuning};
+use vhost_device_dmlc::datapath::{
+    reduce_range_checked, reduce_range_tuned, HostSeg, SegRef, Tuning,
+};
 use virtio_dmlc::{Dtype, ReduceOp};
 
 struct Opts {
@@ -56,6 +61,7 @@ struct Opts {
     skew: usize,
     pool: usize,
     kernels: bool,
+    check_finite: bool,
     json: Option<String>,
 }
 
@@ -140,6 +146,7 @@ fn parse_args() -> Opts {
         skew: 0,
         pool: (2 * llc_bytes()).max(1 << 30),
         kernels: false,
+        check_finite: false,
         json: None,
     };
     let mut args = std::env::args().skip(1);
@@ -168,6 +175,7 @@ fn parse_args() -> Opts {
             "--skew" => opts.skew = parse_size(&value()),
             "--pool-mib" => opts.pool = value().parse::<usize>().unwrap() << 20,
             "--kernels" => opts.kernels = true,
+            "--check-finite" => opts.check_finite = true,
             "--json" => opts.json = Some(value()),
             other => {
                 panic!("unknown option {other:?} (see the comment at the top of reduce/benches/reduce.rs)")
@@ -188,6 +196,8 @@ struct Layout {
     /// Segments of every buffer of every set: set, then inputs then outputs.
     segs: Vec<HostSeg>,
     segs_per_buf: usize,
+    /// Checked reductions that reported a non-finite input (none should).
+    flagged: std::sync::atomic::AtomicUsize,
 }
 
 // SAFETY: the layout only describes the pool; threads that use it work on
@@ -226,6 +236,7 @@ impl Layout {
             sets,
             segs,
             segs_per_buf,
+            flagged: Default::default(),
         }
     }
 
@@ -240,8 +251,10 @@ impl Layout {
             .wrapping_add((set * 2 * self.members + b) * self.stride)
     }
 
-    /// Reduces bytes `[from, to)` of every member of `set`.
-    fn reduce(&self, set: usize, from: usize, to: usize, tuning: Tuning) {
+    /// Reduces bytes `[from, to)` of every member of `set`, with the
+    /// non-finite check or without. The pool holds only finite values, so
+    /// a check that finds one is a wrong result, counted in `flagged`.
+    fn reduce(&self, set: usize, from: usize, to: usize, tuning: Tuning, checked: bool) {
         let n = self.members;
         let refs = |b: usize| SegRef {
             segs: self.buf(set, b),
@@ -259,15 +272,23 @@ impl Layout {
         // SAFETY: every list describes `size` bytes of the pool, which
         // lives for the whole run; `[from, to)` lies within them.
         unsafe {
-            reduce_range_tuned(
+            let (ins, outs, len) = (&ins[..n], &outs[..n], to - from);
+            if !checked {
+                reduce_range_tuned(Dtype::F32, ReduceOp::Sum, n as u32, ins, outs, len, tuning);
+            } else if reduce_range_checked(
                 Dtype::F32,
                 ReduceOp::Sum,
                 n as u32,
-                &ins[..n],
-                &outs[..n],
-                to - from,
+                ins,
+                outs,
+                len,
                 tuning,
             )
+            .is_some()
+            {
+                self.flagged
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
         };
     }
 
@@ -415,6 +436,8 @@ struct Row {
     threads: usize,
     chunk: usize,
     stores: Stores,
+    /// With the non-finite check (`--check-finite`).
+    checked: bool,
     /// Medians of the repeats: wall clock and CPU time per op.
     reduce: Sample,
     memcpy: Sample,
@@ -460,11 +483,12 @@ fn measure(layout: &Layout, opts: &Opts, threads: usize) -> Vec<Row> {
         Box::new(|set, from, to| layout.memcpy(set, from, to)),
         Box::new(move |set, from, to| layout.memcpy_nt(set, from, to, &kernel)),
     ];
+    // (tuning, checked) of each reduction measured.
     let mut tunings = Vec::new();
     for &chunk_bytes in &opts.chunks {
         for &stores in &opts.stores {
             let stores = stores.resolve(layout.members, layout.size);
-            tunings.push(Tuning {
+            let tuning = Tuning {
                 // 0: the engine's.
                 chunk_bytes: if chunk_bytes == 0 {
                     stores.chunk_bytes()
@@ -472,12 +496,16 @@ fn measure(layout: &Layout, opts: &Opts, threads: usize) -> Vec<Row> {
                     chunk_bytes
                 },
                 stores,
-            });
+            };
+            tunings.push((tuning, false));
+            if opts.check_finite {
+                tunings.push((tuning, true));
+            }
         }
     }
-    for &tuning in &tunings {
+    for &(tuning, checked) in &tunings {
         ops.push(Box::new(move |set, from, to| {
-            layout.reduce(set, from, to, tuning)
+            layout.reduce(set, from, to, tuning, checked)
         }));
     }
     const REDUCE: usize = 2;
@@ -501,7 +529,7 @@ fn measure(layout: &Layout, opts: &Opts, threads: usize) -> Vec<Row> {
         .iter()
         .zip(&samples[REDUCE..])
         .zip(&ops[REDUCE..])
-        .map(|((&tuning, s), op)| {
+        .map(|((&(tuning, checked), s), op)| {
             // Correctness of the code measured: reduce set 0 the same way
             // and check it.
             let mut zero = 0;
@@ -512,10 +540,12 @@ fn measure(layout: &Layout, opts: &Opts, threads: usize) -> Vec<Row> {
                 threads,
                 chunk: tuning.chunk_bytes,
                 stores: tuning.stores,
+                checked,
                 reduce: medians(s),
                 memcpy,
                 memcpy_nt,
-                wrong: layout.wrong(0),
+                wrong: layout.wrong(0)
+                    + layout.flagged.swap(0, std::sync::atomic::Ordering::Relaxed),
             }
         })
         .collect()
@@ -626,10 +656,11 @@ fn main() {
             for &t in &threads {
                 for row in measure(&layout, &opts, t) {
                     eprintln!(
-                        "N={members} S={} threads={t} chunk={} {}: {:.1} us, ratio {:.2} (vs nt copy {:.2}), CPU-time ratio {:.2}",
+                        "N={members} S={} threads={t} chunk={} {}{}: {:.1} us, ratio {:.2} (vs nt copy {:.2}), CPU-time ratio {:.2}",
                         human(size),
                         human(row.chunk),
                         stores_name(row.stores),
+                        if row.checked { " checked" } else { "" },
                         row.reduce.wall * 1e6,
                         row.ratio(),
                         row.memcpy_nt.wall / row.reduce.wall,
@@ -641,18 +672,19 @@ fn main() {
         }
     }
     let mut table = String::from(
-        "| N | size | threads | chunk | stores | reduce us | reduce GB/s | memcpy GB/s | nt copy GB/s | ratio | ratio to best copy | CPU-time ratio | #wrong |\n\
-         |---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| N | size | threads | chunk | stores | check | reduce us | reduce GB/s | memcpy GB/s | nt copy GB/s | ratio | ratio to best copy | CPU-time ratio | #wrong |\n\
+         |---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in &rows {
         writeln!(
             table,
-            "| {} | {} | {} | {} | {} | {:.2} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {:.2} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2} | {} |",
             r.members,
             human(r.size),
             r.threads,
             human(r.chunk),
             stores_name(r.stores),
+            if r.checked { "on" } else { "off" },
             r.reduce.wall * 1e6,
             r.traffic() / r.reduce.wall / 1e9,
             r.traffic() / r.memcpy.wall / 1e9,
@@ -678,6 +710,7 @@ fn main() {
                     "threads": r.threads,
                     "chunk": r.chunk,
                     "stores": stores_name(r.stores),
+                    "checked": r.checked,
                     "reduce_s": r.reduce.wall,
                     "memcpy_s": r.memcpy.wall,
                     "memcpy_nt_s": r.memcpy_nt.wall,
