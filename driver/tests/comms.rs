@@ -40,7 +40,14 @@ fn on_every_rank_of(n: u32, tag: &str, extra: &[&str], f: impl Fn(&Device) + Syn
         let handles: Vec<_> = (0..n)
             .map(|r| {
                 let (backend, f) = (&backend, &f);
-                s.spawn(move || f(&open(backend, r)))
+                s.spawn(move || {
+                    let dev = open(backend, r);
+                    f(&dev);
+                    // A rank that closed its device early would be lost to
+                    // the others' requests still pending on communicators
+                    // it is in (communicator 0, at least): leave together.
+                    dev.barrier().expect("the closing barrier");
+                })
             })
             .collect();
         for h in handles {
