@@ -61,14 +61,23 @@ class Backend:
         return Path(f"{self.base}{rank}")
 
     def run(
-        self, scenario: str, *, timeout: float = 120, args: tuple[str, ...] = ()
+        self,
+        scenario: str,
+        *,
+        timeout: float = 120,
+        args: tuple[str, ...] = (),
+        argv: list[str] | None = None,
     ) -> list[subprocess.CompletedProcess[str]]:
-        """Runs `scenario` on every rank at once; returns each rank's result."""
+        """Runs `scenario` of ranks.py on every rank at once, or with `argv`
+        that command line after the interpreter (`scenario` then only names
+        it in messages); returns each rank's result."""
         env = dict(os.environ)
         env.setdefault("DMLC_LIBRARY", str(_binary("DMLC_LIBRARY", "libdmlc_guest.so")))
         procs = [
             subprocess.Popen(
-                [sys.executable, str(RANKS), scenario, str(self.socket(r)), *args],
+                [sys.executable, *argv]
+                if argv is not None
+                else [sys.executable, str(RANKS), scenario, str(self.socket(r)), *args],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, _binary, checks_passed, need, start_backend, under_ci
+from conftest import REPO, checks_passed, need, start_backend, under_ci
 
 EXAMPLES = REPO / "examples" / "torch"
 ERROR = re.compile(r"^rank (\d+): max \|params - single process\| (\S+) \(tolerance (\S+): ok\)$")
@@ -49,39 +49,16 @@ def run_ranks(tmp: Path, ranks: int, argv: list[str], timeout: float = 120) -> l
     """`argv` (after the Python interpreter) in `ranks` processes over a
     fresh backend; each rank's output, after checking its exit status."""
     b = start_backend(tmp, ranks, "--timeout-ms", "20000")
-    env = dict(os.environ)
-    env.setdefault("DMLC_LIBRARY", str(_binary("DMLC_LIBRARY", "libdmlc_guest.so")))
     try:
-        procs = [
-            subprocess.Popen(
-                [sys.executable, *argv],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                env={
-                    **env,
-                    "RANK": str(r),
-                    "WORLD_SIZE": str(ranks),
-                    "DMLC_SOCKET": str(b.socket(r)),
-                },
-            )
-            for r in range(ranks)
-        ]
-        outs = []
-        for r, p in enumerate(procs):
-            try:
-                out, _ = p.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                out, _ = p.communicate()
-                pytest.fail(f"{argv}: rank {r} did not finish in {timeout} s:\n{out}")
-            assert p.returncode == 0, f"{argv}: rank {r} exited {p.returncode}:\n{out}"
-            outs.append(out)
-        return outs
+        results = b.run(" ".join(argv), timeout=timeout, argv=argv)
     finally:
         b.proc.terminate()
         b.proc.wait(10)
+    for r, res in enumerate(results):
+        assert res.returncode == 0, (
+            f"{argv}: rank {r} exited {res.returncode}:\n{res.stdout}{res.stderr}"
+        )
+    return [res.stdout for res in results]
 
 
 @pytest.mark.parametrize(
