@@ -107,7 +107,8 @@ run_job() {
 # passed N ATTEMPT: N rank lines of a successful allreduce in attempt ATTEMPT.
 passed() {
   local n
-  n=$(grep -c "equals the formula (attempt $2, library $site/dmlc/libdmlc_guest.so)" "$out" || true)
+  # -o counts occurrences, not lines: robust even if two ranks' lines meet.
+  n=$(grep -o "equals the formula (attempt $2, library $site/dmlc/libdmlc_guest.so)" "$out" | wc -l || true)
   [ "$n" = "$1" ] || die "$n ranks, not $1, passed in attempt $2"
   grep -q "^dmlc-run: $venv/bin/vhost-device-dmlc serves" "$out" ||
     die "the daemon was not the one installed in $venv/bin"

@@ -51,11 +51,15 @@ def main() -> int:
     expect = np.arange(COUNT, dtype=np.float64) * (world * (world + 1) // 2)
     assert np.array_equal(t.numpy(), expect), "allreduce differs from the formula"
     dist.destroy_process_group()
-    print(
+    line = (
         f"rank {rank} of {world}: allreduce of {COUNT} float64 equals the formula "
-        f"(attempt {attempt}, library {library})",
-        flush=True,
+        f"(attempt {attempt}, library {library})\n"
     )
+    # One write(2) of the whole line: the ranks share torchrun's stdout, and
+    # print() may write the text and its newline separately, so two ranks'
+    # lines could run together.
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), line.encode())
     return 0
 
 
