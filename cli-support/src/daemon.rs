@@ -97,6 +97,32 @@ impl Sockets {
     }
 }
 
+/// Sends one request line to the daemon's control socket
+/// (`--control-socket`, one request per connection) and returns the body
+/// of an `ok` answer, or the daemon's `error: ...` text (or why no answer
+/// came) as the error. `patience` bounds the wait for the answer.
+pub fn control_request(
+    socket: &Path,
+    request: &str,
+    patience: std::time::Duration,
+) -> Result<String, String> {
+    use std::io::{Read, Write};
+    let shown = socket.display();
+    let mut s = std::os::unix::net::UnixStream::connect(socket)
+        .map_err(|e| format!("cannot connect to {shown}: {e}"))?;
+    let _ = s.set_read_timeout(Some(patience));
+    s.write_all(format!("{request}\n").as_bytes())
+        .map_err(|e| format!("cannot send to {shown}: {e}"))?;
+    let mut reply = String::new();
+    s.read_to_string(&mut reply)
+        .map_err(|e| format!("no answer from {shown}: {e}"))?;
+    match reply.split_once('\n') {
+        Some(("ok", body)) => Ok(body.to_owned()),
+        Some((status, _)) => Err(status.strip_prefix("error: ").unwrap_or(status).to_owned()),
+        None => Err(format!("no answer from {shown}")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::os::unix::net::UnixListener;

@@ -6,7 +6,8 @@
 //!   as `16M`, with [`SizeError`] when the text is not one;
 //! - [`daemon`]: the backend daemon's socket names ([`daemon::socket_path`])
 //!   and the wait for a daemon just started to serve them
-//!   ([`daemon::Sockets`]).
+//!   ([`daemon::Sockets`]); one request to its control socket
+//!   ([`daemon::control_request`]).
 
 pub mod daemon;
 

@@ -566,6 +566,7 @@ pub fn run(a: DemoArgs) -> i32 {
             host_root: None,
             tracker: None,
             place: None,
+            debug: Default::default(),
         })
         .collect();
     // Both runs use the same image: build it (if the cache lacks it) before

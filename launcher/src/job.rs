@@ -27,6 +27,7 @@ use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
 use tempfile::TempDir;
 
+use crate::freeze::{DebugOptions, Freezer};
 use crate::prepare::{self, PrepareError};
 use crate::signals;
 
@@ -194,6 +195,9 @@ pub struct Job {
     pub tracker: Option<Tracker>,
     /// This host's part of a job across hosts; `None`: the whole job here.
     pub place: Option<Place>,
+    /// Control socket, freeze and gdbstubs (docs/debugging.md).
+    #[serde(default)]
+    pub debug: DebugOptions,
 }
 
 /// What [`Job::run_reporting`] calls when the monitor has decided the end:
@@ -216,6 +220,8 @@ pub enum JobError {
     BackendSlow { log: String },
     #[error("cannot start the VMs")]
     Cluster(#[source] vm::Error),
+    #[error("the backend refused `freeze {words}`: {why}")]
+    Freeze { words: String, why: String },
 }
 
 /// How a job ended.
@@ -462,8 +468,39 @@ impl Job {
         if self.place.is_some() {
             backend_args.push("--mpi".into());
         }
+        let control = self.debug.wanted().then(|| {
+            self.debug
+                .control_socket
+                .clone()
+                .unwrap_or_else(|| tmp.path().join("control.sock"))
+        });
+        if let Some(c) = &control {
+            backend_args.push("--control-socket".into());
+            backend_args.push(c.into());
+        }
         backend_args.extend(self.backend_args.iter().cloned());
         let mut backend = Backend::start(&self.backend, &sock, local, &backend_args, &backend_log)?;
+        if let Some(c) = &control {
+            if !self.debug.freeze.is_empty() {
+                let words = self.debug.freeze.join(" ");
+                let armed = dmlc_cli_support::daemon::control_request(
+                    c,
+                    &format!("freeze {words}"),
+                    Duration::from_secs(30),
+                )
+                .map_err(|why| JobError::Freeze { words, why })?;
+                crate::progress(armed.trim_end());
+            }
+            crate::progress(&format!(
+                "control socket: {} (dmlc-ctl --socket {} state | freeze | inspect | thaw)",
+                c.display(),
+                c.display()
+            ));
+        }
+        let qmp = |i: usize| {
+            tmp.path()
+                .join(format!("rank{}.qmp", self.first_rank() + i))
+        };
 
         let token = unique();
         let specs: Vec<vm::VmSpec> = (0..local)
@@ -476,6 +513,16 @@ impl Job {
                 spec.env = self.environment(self.first_rank() + i);
                 if let Some(cpu) = &self.cpu {
                     spec.qemu_args.extend(["-cpu".to_owned(), cpu.clone()]);
+                }
+                if control.is_some() {
+                    let path = qmp(i).display().to_string();
+                    spec.qemu_args
+                        .extend(["-qmp".to_owned(), format!("unix:{path},server=on,wait=off")]);
+                }
+                if let Some(port) = self.debug.gdb {
+                    let port = u32::from(port) + i as u32;
+                    spec.qemu_args
+                        .extend(["-gdb".to_owned(), format!("tcp:127.0.0.1:{port}")]);
                 }
                 if let Some(root) = &self.host_root {
                     spec = spec.host_root().cwd(root.cwd.clone());
@@ -531,7 +578,21 @@ impl Job {
             &token,
             self.log_dir.as_deref(),
         );
-        let end = monitor.run(out, &mut backend, self.timeout);
+        if let Some(port) = self.debug.gdb {
+            crate::progress(&format!(
+                "gdbstubs: rank r at 127.0.0.1:{}+r (gdb -ex 'target remote 127.0.0.1:PORT')",
+                port
+            ));
+        }
+        let mut freezer = control.as_deref().map(|c| {
+            Freezer::new(
+                c,
+                (0..local).map(qmp).collect(),
+                self.first_rank(),
+                self.debug.gdb,
+            )
+        });
+        let end = monitor.run(out, &mut backend, self.timeout, freezer.as_mut());
         let programs_done = Instant::now();
         monitor.flush(out);
         on_end(&end, &monitor.statuses(), monitor.failed_at);
@@ -971,6 +1032,7 @@ impl Monitor {
         out: &mut dyn Write,
         backend: &mut Backend,
         timeout: Option<Duration>,
+        mut freezer: Option<&mut Freezer>,
     ) -> End {
         let start = Instant::now();
         let n = self.consoles.len();
@@ -1041,8 +1103,16 @@ impl Monitor {
                     return End::Failed { rank, status };
                 }
             }
-            if let Some(t) = timeout {
-                if start.elapsed() >= t {
+            if let Some(f) = freezer.as_deref_mut() {
+                f.poll();
+            }
+            // Time frozen does not count towards the job's timeout.
+            let frozen = freezer
+                .as_deref()
+                .map_or(Duration::ZERO, |f| f.frozen_total);
+            let frozen_now = freezer.as_deref().is_some_and(Freezer::frozen);
+            if let (Some(t), false) = (timeout, frozen_now) {
+                if start.elapsed().saturating_sub(frozen) >= t {
                     let pending: Vec<String> = self
                         .consoles
                         .iter()
@@ -1141,6 +1211,7 @@ mod tests {
             host_root: None,
             tracker: None,
             place: None,
+            debug: Default::default(),
         }
     }
 

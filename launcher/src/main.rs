@@ -3,6 +3,7 @@
 //! way dmlc-submit runs one with its local, ssh or mpi backends.
 
 mod demo;
+mod freeze;
 mod hosts;
 mod job;
 mod prepare;
@@ -272,6 +273,38 @@ struct SubmitArgs {
     /// --mpirun-arg=10.1.0.0/24, or --mpirun-arg=--allow-run-as-root.
     #[arg(long, value_name = "ARG", allow_hyphen_values = true)]
     mpirun_arg: Vec<OsString>,
+
+    /// Give the backend a control socket at PATH, for dmlc-ctl (state,
+    /// freeze, inspect, thaw, timing; docs/debugging.md) [default: none,
+    /// or one in the launcher's private directory with --freeze-* or
+    /// --gdb, whose path is printed].
+    #[arg(long, value_name = "PATH")]
+    control_socket: Option<PathBuf>,
+
+    /// Freeze the job at collective SEQ (counted from 0) of queue 0 of the
+    /// whole group: once every rank has arrived and before any data moves,
+    /// the collective is held and every VM stopped; `dmlc-ctl thaw`
+    /// resumes (docs/debugging.md).
+    #[arg(long, value_name = "SEQ", conflicts_with = "freeze_tag")]
+    freeze_at: Option<u64>,
+
+    /// With --freeze-at: the queue SEQ counts on.
+    #[arg(long, value_name = "Q", requires = "freeze_at")]
+    freeze_queue: Option<u16>,
+
+    /// Freeze at the first collective whose requests carry tag T.
+    #[arg(long, value_name = "T")]
+    freeze_tag: Option<u64>,
+
+    /// Freeze instead of failing a collective with MISMATCH, TIMEOUT or
+    /// NONFINITE (a NaN or infinity in a checked input, DMLC_CHECK_FINITE=1).
+    #[arg(long)]
+    freeze_on_error: bool,
+
+    /// Give VM i a gdbstub on 127.0.0.1:PORT+i (QEMU's -gdb) [PORT default:
+    /// 1234].
+    #[arg(long, value_name = "PORT", num_args = 0..=1, default_missing_value = "1234")]
+    gdb: Option<u16>,
 
     /// The program and its arguments.
     #[arg(value_name = "PROGRAM", required = true, num_args = 1..,
@@ -546,6 +579,17 @@ struct Across {
 /// The hosts of `--hosts` or `--hostfile`, checked against the job (`None`
 /// for a job on this machine alone).
 fn across_hosts(a: &SubmitArgs) -> Option<Across> {
+    let debugging = a.control_socket.is_some()
+        || a.freeze_at.is_some()
+        || a.freeze_tag.is_some()
+        || a.freeze_on_error
+        || a.gdb.is_some();
+    if debugging && (a.hostfile.is_some() || !a.hosts.is_empty()) {
+        usage_error(
+            "--control-socket, --freeze-* and --gdb work on one host only: a job across \
+             hosts cannot be frozen yet",
+        );
+    }
     let hosts = match &a.hostfile {
         Some(f) => {
             let text = std::fs::read_to_string(f)
@@ -611,6 +655,24 @@ fn across_hosts(a: &SubmitArgs) -> Option<Across> {
 /// The job of `submit`, after checking what clap cannot.
 fn submit_job(a: SubmitArgs) -> Job {
     check_dma(&a.machine);
+    let mut freeze = Vec::new();
+    if let Some(seq) = a.freeze_at {
+        freeze.extend(["--at".to_owned(), seq.to_string()]);
+        if let Some(q) = a.freeze_queue {
+            freeze.extend(["--queue".to_owned(), q.to_string()]);
+        }
+    }
+    if let Some(t) = a.freeze_tag {
+        freeze.extend(["--tag".to_owned(), t.to_string()]);
+    }
+    if a.freeze_on_error {
+        freeze.push("--on-error".to_owned());
+    }
+    let debug = freeze::DebugOptions {
+        control_socket: a.control_socket.clone(),
+        freeze,
+        gdb: a.gdb,
+    };
     // With a tracker the VMs get the virtio-net segment whatever the
     // transport: the workers meet the tracker there. `--transport device`
     // then only says that the collectives should use the device (a patched
@@ -689,6 +751,7 @@ fn submit_job(a: SubmitArgs) -> Job {
         }),
         tracker,
         place: None,
+        debug,
     }
 }
 

@@ -4,86 +4,14 @@
 //! group goes on, with no loss and no generation change. Migration is
 //! refused with a message that names the device (docs/qemu.md).
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use dmlc_vm::qmp::Qmp;
 use dmlc_vm::Options;
-use serde_json::{json, Value};
+use serde_json::json;
 
 use crate::common::{console, guest, metric, progress, setup, vm, wait_console, Backend, Vms};
-
-/// A QMP connection to one QEMU (`-qmp unix:PATH,server=on,wait=off`).
-struct Qmp {
-    reader: BufReader<UnixStream>,
-    writer: UnixStream,
-}
-
-impl Qmp {
-    /// Connects (retrying while QEMU starts) and leaves capabilities
-    /// negotiation mode.
-    fn connect(path: &Path, patience: Duration) -> Qmp {
-        let deadline = Instant::now() + patience;
-        let stream = loop {
-            match UnixStream::connect(path) {
-                Ok(s) => break s,
-                Err(_) if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(100));
-                }
-                Err(e) => panic!("QMP socket {}: {e}", path.display()),
-            }
-        };
-        stream
-            .set_read_timeout(Some(Duration::from_secs(60)))
-            .expect("QMP read timeout");
-        let writer = stream.try_clone().expect("dup QMP socket");
-        let mut qmp = Qmp {
-            reader: BufReader::new(stream),
-            writer,
-        };
-        let greeting = qmp.read_message();
-        assert!(greeting.get("QMP").is_some(), "QMP greeting: {greeting}");
-        qmp.execute("qmp_capabilities", json!({}))
-            .unwrap_or_else(|e| panic!("qmp_capabilities: {e}"));
-        qmp
-    }
-
-    fn read_message(&mut self) -> Value {
-        let mut line = String::new();
-        let n = self.reader.read_line(&mut line).expect("QMP read");
-        assert!(n > 0, "QEMU closed its QMP socket");
-        serde_json::from_str(&line).unwrap_or_else(|e| panic!("QMP message {line:?}: {e}"))
-    }
-
-    /// Runs `command`; its `return` value, or the error's description.
-    fn execute(&mut self, command: &str, arguments: Value) -> Result<Value, String> {
-        let msg = json!({ "execute": command, "arguments": arguments });
-        writeln!(self.writer, "{msg}").expect("QMP write");
-        loop {
-            let reply = self.read_message();
-            // Events (STOP, RESUME, ...) come on the same stream.
-            if reply.get("event").is_some() {
-                continue;
-            }
-            if let Some(ret) = reply.get("return") {
-                return Ok(ret.clone());
-            }
-            if let Some(err) = reply.get("error") {
-                return Err(err["desc"].as_str().unwrap_or("?").to_owned());
-            }
-            panic!("unexpected QMP reply to {command}: {reply}");
-        }
-    }
-
-    /// The VM's run state (`running`, `paused`, ...).
-    fn status(&mut self) -> String {
-        let s = self
-            .execute("query-status", json!({}))
-            .unwrap_or_else(|e| panic!("query-status: {e}"));
-        s["status"].as_str().unwrap_or("?").to_owned()
-    }
-}
 
 /// `iter K ok` lines in a console.
 fn ok_iters(text: &str) -> usize {
@@ -128,12 +56,14 @@ fn paused_vm_keeps_its_requests_and_the_group_goes_on() {
     ]);
     let t = Instant::now();
     let group = Vms::start(&env, &specs, &opts);
-    let mut qmp = Qmp::connect(&qmp_sock, Duration::from_secs(30));
+    let mut qmp =
+        Qmp::connect(&qmp_sock, Duration::from_secs(30)).unwrap_or_else(|e| panic!("QMP: {e}"));
 
     // Migration and snapshots are refused, naming the device.
     let refused = qmp
         .execute("migrate", json!({ "uri": "exec:cat > /dev/null" }))
-        .expect_err("migration of a VM with the dmlc device must be refused");
+        .expect_err("migration of a VM with the dmlc device must be refused")
+        .to_string();
     assert!(
         refused.contains("vhost-user-dmlc"),
         "the refusal does not name the device: {refused}"
@@ -147,7 +77,7 @@ fn paused_vm_keeps_its_requests_and_the_group_goes_on() {
     );
     qmp.execute("stop", json!({}))
         .unwrap_or_else(|e| panic!("stop: {e}"));
-    assert_eq!(qmp.status(), "paused");
+    assert_eq!(qmp.status().unwrap_or_else(|e| panic!("{e}")), "paused");
     let paused_at = ok_iters(&console(&group, 0));
     std::thread::sleep(PAUSE);
     let during = ok_iters(&console(&group, 0));
@@ -163,7 +93,7 @@ fn paused_vm_keeps_its_requests_and_the_group_goes_on() {
     assert_eq!(metric(&m, "dmlc_members_connected"), Some(2.0), "{m}");
     qmp.execute("cont", json!({}))
         .unwrap_or_else(|e| panic!("cont: {e}"));
-    assert_eq!(qmp.status(), "running");
+    assert_eq!(qmp.status().unwrap_or_else(|e| panic!("{e}")), "running");
 
     for i in 0..2 {
         assert!(

@@ -23,13 +23,22 @@
 //!   the file's rules; 0 removes it);
 //! - `load FILE`: replaces the whole timing configuration with FILE (the
 //!   `--timing` format; the daemon's own path, so relative to its working
-//!   directory).
+//!   directory);
+//! - `freeze --at SEQ [--queue Q]`, `freeze --tag T`, `freeze --on-error`
+//!   (the last combines with either), `freeze --off`: arms (or disarms) a
+//!   freeze ([`crate::group::freeze`], spec 5.X.6.15);
+//! - `frozen`: the freeze state as JSON (what the launcher follows);
+//! - `thaw`: resumes a frozen job;
+//! - `inspect`: the held collective, member by member, as JSON;
+//! - `stopped ID`, `resumed ID`: the launcher says it stopped, or resumed,
+//!   every VM of freeze `ID`.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 use std::time::Duration;
 
+use crate::group::freeze::Trigger;
 use crate::group::Group;
 use crate::timing::Timing;
 
@@ -128,9 +137,65 @@ pub fn answer(
             group.set_timing(t).map_err(String::from)?;
             Ok(format!("timing from {file}\n"))
         }
+        ["freeze", args @ ..] => {
+            let (trigger, on_error) = freeze_args(args)?;
+            group.freeze(trigger, on_error)
+        }
+        ["frozen"] => Ok(format!("{:#}\n", group.freeze_json())),
+        ["thaw"] => group.thaw(),
+        ["inspect"] => group.inspect().map(|j| format!("{j:#}\n")),
+        ["stopped", id] => group.frozen_stopped(number(id, "ID")?),
+        ["resumed", id] => group.frozen_resumed(number(id, "ID")?),
         _ => Err(format!(
             "unknown request {request:?}; the requests are state, metrics, trace, dump, \
-             summary [WINDOW_MS], delay RANK US, load FILE"
+             summary [WINDOW_MS], delay RANK US, load FILE, freeze (--at SEQ [--queue Q] | \
+             --tag T | --on-error | --off), frozen, thaw, inspect"
         )),
     }
+}
+
+fn number<T: std::str::FromStr>(word: &str, what: &str) -> Result<T, String> {
+    word.parse()
+        .map_err(|_| format!("{what} must be a whole number, not {word:?}"))
+}
+
+/// The arguments of `freeze`: what to freeze at, and whether on errors.
+/// No argument, or `--off`: disarm.
+fn freeze_args(args: &[&str]) -> Result<(Option<Trigger>, bool), String> {
+    let usage = "freeze takes --at SEQ [--queue Q], --tag T, --on-error (alone or with one \
+                 of the others) or --off";
+    let (mut at, mut queue, mut tag, mut on_error, mut off) = (None, None, None, false, false);
+    let mut words = args.iter();
+    while let Some(w) = words.next() {
+        let mut value = |name: &str| {
+            words
+                .next()
+                .ok_or_else(|| format!("{w} needs a value ({name})"))
+                .map(|v| v.to_string())
+        };
+        match *w {
+            "--at" => at = Some(number::<u64>(&value("SEQ")?, "SEQ")?),
+            "--queue" => queue = Some(number::<u16>(&value("Q")?, "Q")?),
+            "--tag" => tag = Some(number::<u64>(&value("T")?, "T")?),
+            "--on-error" => on_error = true,
+            "--off" => off = true,
+            other => return Err(format!("unknown argument {other:?}: {usage}")),
+        }
+    }
+    let trigger = match (at, tag) {
+        (Some(seq), None) => Some(Trigger::At {
+            queue: queue.unwrap_or(0),
+            seq,
+        }),
+        (None, Some(t)) if queue.is_none() => Some(Trigger::Tag(t)),
+        (None, None) if queue.is_none() => None,
+        _ => return Err(usage.into()),
+    };
+    if off && (trigger.is_some() || on_error) {
+        return Err(usage.into());
+    }
+    if !off && trigger.is_none() && !on_error {
+        return Err(usage.into());
+    }
+    Ok((trigger, on_error))
 }

@@ -71,6 +71,8 @@
 //!   and flight-recorder records;
 //! - `timers.rs`: the `dmlc-delay` and `dmlc-timer` threads and the `Later`
 //!   heap;
+//! - `freeze.rs`: holding a collective before its data moves (`dmlc-ctl
+//!   freeze`, `thaw`, `inspect`); `inspect.rs`: a member's input summarised;
 //! - [`remote`]: the inter-host stage.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -94,6 +96,8 @@ use crate::trace::Recorder;
 mod blocks;
 mod comm_ops;
 mod comms;
+pub mod freeze;
+mod inspect;
 mod job;
 mod matching;
 mod p2p;
@@ -239,6 +243,7 @@ impl Group {
                 shutdown: false,
                 modelled: vec![(Instant::now(), 0); per_queue(usize::from(num_queues))],
                 timing: timing.clone(),
+                freeze: freeze::Freeze::default(),
             }),
             timer_cv: Condvar::new(),
             quiet_cv: Condvar::new(),
@@ -467,6 +472,7 @@ impl Group {
             "running_collectives": st.running.len(),
             "requests_pending": sh.metrics.pending(),
             "held_completions": held,
+            "freeze": freeze::freeze_json(&st),
             "timing": st.timing.as_ref().map(|t| serde_json::json!({
                 "model": format!("{:?}", t.model),
                 "modelled_world_size": t.model.world(),

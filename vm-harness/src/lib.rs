@@ -9,6 +9,7 @@
 mod cluster;
 mod console;
 mod error;
+pub mod qmp;
 mod setup;
 mod spec;
 

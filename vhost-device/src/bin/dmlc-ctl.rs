@@ -7,10 +7,12 @@
 //! dmlc-ctl --socket PATH load ring.toml   # a new timing configuration
 //! dmlc-ctl --socket PATH trace > trace.json
 //! dmlc-ctl --socket PATH summary 1000     # the slowest member per second
+//! dmlc-ctl --socket PATH freeze --at 40    # hold collective 40 of queue 0
+//! dmlc-ctl --socket PATH freeze --on-error # hold instead of failing
+//! dmlc-ctl --socket PATH inspect           # the held collective, per rank
+//! dmlc-ctl --socket PATH thaw              # resume the VMs, run it
 //! ```
 
-use std::io::{Read, Write};
-use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -19,7 +21,16 @@ use clap::Parser;
 
 /// Live control of a vhost-device-dmlc daemon started with
 /// --control-socket: state, metrics, trace, dump, summary [WINDOW_MS],
-/// delay RANK US, load FILE.
+/// delay RANK US, load FILE, freeze, frozen, inspect, thaw.
+///
+/// Freezing (docs/debugging.md): `freeze --at SEQ [--queue Q]` (collective
+/// SEQ of queue Q, default 0, of communicator 0), `freeze --tag T` (the
+/// first collective whose requests carry tag T) or `freeze --on-error`
+/// (any collective about to fail with MISMATCH, TIMEOUT or NONFINITE)
+/// holds that collective once every member has arrived and before any of
+/// its data moves; `dmlc-qemu` then stops every VM. `inspect` prints the
+/// held collective rank by rank (`--json`: as the daemon sends it);
+/// `thaw` resumes the VMs and runs it; `freeze --off` disarms.
 #[derive(Debug, Parser)]
 #[command(name = "dmlc-ctl", version)]
 struct Args {
@@ -27,8 +38,13 @@ struct Args {
     #[arg(long, value_name = "PATH")]
     socket: PathBuf,
 
+    /// `inspect` and `frozen`: print the daemon's JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+
     /// The request and its arguments: state | metrics | trace | dump |
-    /// summary [WINDOW_MS] | delay RANK US | load FILE.
+    /// summary [WINDOW_MS] | delay RANK US | load FILE | freeze (--at SEQ
+    /// [--queue Q] | --tag T | --on-error | --off) | frozen | inspect | thaw.
     #[arg(value_name = "REQUEST", required = true, num_args = 1.., allow_hyphen_values = true,
           trailing_var_arg = true)]
     request: Vec<String>,
@@ -38,7 +54,11 @@ fn main() -> ExitCode {
     let args = Args::parse();
     match run(&args) {
         Ok(body) => {
-            print!("{body}");
+            let shown = match args.request.first().map(String::as_str) {
+                Some("inspect") if !args.json => render_inspect(&body),
+                _ => body,
+            };
+            print!("{shown}");
             ExitCode::SUCCESS
         }
         Err(e) => {
@@ -49,19 +69,75 @@ fn main() -> ExitCode {
 }
 
 fn run(args: &Args) -> Result<String, String> {
-    let shown = args.socket.display();
-    let mut s =
-        UnixStream::connect(&args.socket).map_err(|e| format!("cannot connect to {shown}: {e}"))?;
-    let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
-    let line = format!("{}\n", args.request.join(" "));
-    s.write_all(line.as_bytes())
-        .map_err(|e| format!("cannot send to {shown}: {e}"))?;
-    let mut reply = String::new();
-    s.read_to_string(&mut reply)
-        .map_err(|e| format!("no answer from {shown}: {e}"))?;
-    match reply.split_once('\n') {
-        Some(("ok", body)) => Ok(body.to_owned()),
-        Some((status, _)) => Err(status.strip_prefix("error: ").unwrap_or(status).to_owned()),
-        None => Err(format!("no answer from {shown}")),
+    dmlc_cli_support::daemon::control_request(
+        &args.socket,
+        &args.request.join(" "),
+        Duration::from_secs(30),
+    )
+}
+
+/// The daemon's `inspect` JSON as a table, one rank per line (the JSON
+/// itself if it cannot be read as one).
+fn render_inspect(body: &str) -> String {
+    let Ok(j) = serde_json::from_str::<serde_json::Value>(body) else {
+        return body.to_owned();
+    };
+    // Display of a JSON value ignores width: every cell goes through text.
+    let text = |v: &serde_json::Value| match v {
+        serde_json::Value::Null => "-".to_owned(),
+        serde_json::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    // Extremes of a float input in 5 significant digits (the JSON has all).
+    let short = |v: &serde_json::Value| match v.as_str().map(str::parse::<f64>) {
+        Some(Ok(x)) if v.as_str().is_some_and(|s| s.contains('e')) => format!("{x:.4e}"),
+        _ => text(v),
+    };
+    let mut out = format!(
+        "freeze {} ({}, held {:.1} s): {}\ncollective: communicator {}, queue {}, sequence {}\n",
+        j["id"],
+        text(&j["phase"]),
+        j["held_ms"].as_f64().unwrap_or(0.0) / 1e3,
+        text(&j["reason"]),
+        j["comm"],
+        j["queue"],
+        j["seq"]
+    );
+    out +=
+        &format!(
+        "{:>4} {:>11} {:<14} {:<5} {:<4} {:>10} {:>6} {:>10} {:>12} {:>12} {:>6} {:>6} {:>10}\n",
+        "rank", "arrived_ms", "opcode", "dtype", "op", "count", "tag", "elements", "min", "max",
+        "nan", "inf", "first_bad"
+    );
+    let mut last = None;
+    for m in j["members"].as_array().into_iter().flatten() {
+        if m["arrived"] != serde_json::Value::Bool(true) {
+            out += &format!("{:>4} (not arrived)\n", text(&m["rank"]));
+            continue;
+        }
+        if m["last"] == serde_json::Value::Bool(true) {
+            last = Some(m["rank"].clone());
+        }
+        let (h, i) = (&m["header"], &m["input"]);
+        out += &format!(
+            "{:>4} {:>11.3} {:<14} {:<5} {:<4} {:>10} {:>6} {:>10} {:>12} {:>12} {:>6} {:>6} {:>10}\n",
+            text(&m["rank"]),
+            m["arrived_ms_after_first"].as_f64().unwrap_or(0.0),
+            text(&h["opcode"]),
+            text(&h["dtype"]),
+            text(&h["op"]),
+            text(&h["count"]),
+            text(&h["tag"]),
+            text(&i["elements"]),
+            short(&i["min"]),
+            short(&i["max"]),
+            text(&i["nan"]),
+            text(&i["inf"]),
+            text(&i["first_non_finite"]),
+        );
     }
+    if let Some(r) = last {
+        out += &format!("rank {r} arrived last\n");
+    }
+    out
 }

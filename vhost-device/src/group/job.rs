@@ -95,8 +95,11 @@ pub(super) struct Job {
 /// non-finite inputs (spec 5.X.6.14): a float reduction and some member's
 /// request with `FLAG_CHECK_FINITE` (the flag passed the local checks, so
 /// that member negotiated feature bit 4).
-pub(super) fn wants_check(arrivals: &[Arrival], reduce: Option<(Dtype, ReduceOp)>) -> bool {
-    reduce.is_some_and(|(dtype, _)| dtype.is_float()) && arrivals.iter().any(asks_check)
+pub(super) fn wants_check<'a>(
+    arrivals: impl IntoIterator<Item = &'a Arrival>,
+    reduce: Option<(Dtype, ReduceOp)>,
+) -> bool {
+    reduce.is_some_and(|(dtype, _)| dtype.is_float()) && arrivals.into_iter().any(asks_check)
 }
 
 /// The member's request carries `FLAG_CHECK_FINITE`.

@@ -59,6 +59,13 @@ impl P2p {
         }
     }
 
+    /// Moves every deadline on by `d` (the time a freeze held the group).
+    pub(super) fn postpone(&mut self, d: std::time::Duration) {
+        for w in &mut self.waits {
+            w.deadline = w.deadline.checked_add(d).unwrap_or(w.deadline);
+        }
+    }
+
     /// The earliest deadline of those that wait.
     pub(super) fn next_deadline(&self) -> Option<Instant> {
         self.waits.iter().map(|w| w.deadline).min()

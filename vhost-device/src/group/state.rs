@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use virtio_dmlc::{Status, NO_PEER};
 
 use super::comms::Comms;
+use super::freeze::Freeze;
 use super::p2p::P2p;
 use super::shared::Gate;
 use super::Completion;
@@ -63,6 +64,8 @@ pub(super) struct State {
     /// The timing configuration in force (`Shared::timing` at start; may be
     /// replaced with [`Group::set_timing`](super::Group::set_timing)).
     pub(super) timing: Option<Arc<Timing>>,
+    /// `dmlc-ctl freeze`: the armed triggers and the held collective.
+    pub(super) freeze: Freeze,
 }
 
 /// Where the requests of one collective meet.

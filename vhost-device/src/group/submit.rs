@@ -3,7 +3,7 @@
 //! (or failing on purpose) a collective whose members have all arrived.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use virtio_dmlc::comm::{CommOpcode, BAD_COMM, COMM_WORLD, MISMATCH_TABLE};
@@ -302,6 +302,21 @@ impl Group {
             }
             return;
         }
+        if let Some(waiting) = self.hold_if_frozen(&mut st, key, waiting) {
+            self.start_filled(st, key, waiting);
+        }
+    }
+
+    /// Starts collective `key`, whose members have all arrived (`st` is
+    /// the locked state, from which its slot was taken): a comm_create
+    /// completes, a collective goes to the inter-host stage or runs.
+    pub(super) fn start_filled(
+        &self,
+        mut st: MutexGuard<'_, State>,
+        key: SlotKey,
+        waiting: Waiting,
+    ) {
+        let sh = &*self.shared;
         // Counted as running under the state lock, so that a loss after
         // this point waits for it.
         let running = Running::start(&self.shared, &mut st);

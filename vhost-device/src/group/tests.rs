@@ -2061,6 +2061,7 @@ fn a_header_rewritten_after_arrival_has_no_effect() {
 
 mod blocks;
 mod comms;
+mod freeze;
 mod nonfinite;
 mod timed;
 

@@ -142,6 +142,12 @@ pub(super) fn timer_loop(sh: &Arc<Shared>) {
         if st.shutdown {
             return;
         }
+        if st.freeze.holding() {
+            // Frozen time never counts towards a timeout: the release
+            // moves every deadline on and wakes this thread.
+            st = sh.timer_cv.wait(st).unwrap_or_else(PoisonError::into_inner);
+            continue;
+        }
         let now = Instant::now();
         let mut next: Option<Instant> = None;
         let mut expired = Vec::new();
@@ -158,6 +164,20 @@ pub(super) fn timer_loop(sh: &Arc<Shared>) {
         if let Some(d) = st.p2p.next_deadline() {
             if next.is_none_or(|n| d < n) {
                 next = Some(d);
+            }
+        }
+        if let (Some(&key), true, None) = (expired.first(), st.freeze.on_timeout(), &sh.cfg.remote)
+        {
+            // Freeze-on-error: the first expired collective is held
+            // instead of failed (its absent members stay absent).
+            if let Some(Slot::Waiting(w)) = st.slots.get(&key) {
+                let missing = w.missing();
+                let ranks = (0..missing.len())
+                    .filter(|&r| missing[r])
+                    .map(|r| sh.global(w.world_rank(r)))
+                    .collect();
+                st.freeze.hold_timeout(key, ranks);
+                continue;
             }
         }
         let mut failed = Vec::new();
