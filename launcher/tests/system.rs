@@ -13,6 +13,10 @@
 //!   that check although the ranks agree;
 //! - stock XGBoost across 2 VMs over TCP (`--tracker rabit`, the host's
 //!   userland): both ranks print the same model hash and a sane accuracy;
+//! - a job frozen at a collective (`--freeze-at`) has every VM stopped
+//!   and that collective held, stays frozen 30 s past the collective
+//!   timeout, and once thawed ends with the weights of an unfrozen run
+//!   (system/freeze.rs);
 //! - a failed worker, Ctrl-C, a timeout and a VM whose QEMU fails each
 //!   stop every VM and the backend and leave no process and no temporary
 //!   file behind.
@@ -37,6 +41,9 @@ use dmlc_vm as vm;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tempfile::TempDir;
+
+#[path = "system/freeze.rs"]
+mod freeze;
 
 /// Progress on the real stderr (past the test harness's capture).
 fn progress(line: &str) {
@@ -262,9 +269,9 @@ fn rank_value<'a>(out: &'a str, rank: u32, prefix: &str) -> &'a str {
         .unwrap_or_else(|| panic!("rank {rank} printed no {prefix:?} line"))
 }
 
-#[test]
-fn digits_trains_on_two_vms_through_the_device() {
-    let Some(env) = setup("digits") else { return };
+/// The digits trainer and the `--files` word that puts its data in the
+/// guests.
+fn digits() -> (PathBuf, String) {
     let trainer = env_or_workspace_file(
         "DMLC_TRAINER_BIN",
         "dmlc-example-digits",
@@ -280,9 +287,15 @@ fn digits_trains_on_two_vms_through_the_device() {
         String::from_utf8_lossy(&out.stderr)
     );
     let data = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    (trainer, format!("{data}:/data/digits.csv.gz"))
+}
+
+#[test]
+fn digits_trains_on_two_vms_through_the_device() {
+    let Some(env) = setup("digits") else { return };
+    let (trainer, files) = digits();
     let logs = env.tmp.path().with_file_name("launcher-digits-logs");
     let _ = fs::remove_dir_all(&logs);
-    let files = format!("{data}:/data/digits.csv.gz");
     // The flight recorder of the job's daemon, written when the job ends.
     let trace = env.tmp.path().with_file_name("launcher-digits-trace.json");
     let _ = fs::remove_file(&trace);

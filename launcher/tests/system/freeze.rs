@@ -1,0 +1,139 @@
+//! A job frozen at a consistent cut (docs/debugging.md): `submit
+//! --freeze-at N` holds collective N once both ranks have arrived, the
+//! launcher stops both VMs (checked here through their QMP sockets), the
+//! backend says both ranks sit in collective N with nothing completed
+//! past it, and after 30 s more than the collective timeout a `thaw`
+//! resumes the job, which ends with no TIMEOUT and the same weights as the
+//! same job unfrozen; the guests' own clocks did not count the freeze.
+
+use std::path::PathBuf;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use dmlc_cli_support::daemon::control_request;
+use dmlc_vm::qmp::Qmp;
+
+use super::{digits, progress, rank_value, setup, Running};
+
+/// The collective timeout of both runs (the daemon's --timeout-ms).
+const TIMEOUT_MS: u64 = 5000;
+/// The collective the job freezes at.
+const AT: u64 = 10;
+
+fn fingerprints(out: &str) -> Vec<String> {
+    (0..2)
+        .map(|r| rank_value(out, r, &format!("rank {r} model fingerprint ")).to_owned())
+        .collect()
+}
+
+#[test]
+fn a_frozen_job_outlives_the_timeout_and_ends_as_an_unfrozen_one() {
+    let Some(env) = setup("freeze") else { return };
+    let (trainer, files) = digits();
+    let timeout = format!("--backend-arg=--timeout-ms={TIMEOUT_MS}");
+    let job = |extra: &[&str]| {
+        let mut args = vec!["submit", "-n", "2", "--timeout", "400", &timeout];
+        args.extend_from_slice(extra);
+        args.extend([
+            "--files",
+            &files,
+            "--",
+            trainer.to_str().unwrap(),
+            "--steps",
+            "20",
+        ]);
+        env.command(&args)
+    };
+
+    let (code, plain, _, took) = Running::start(job(&[])).finish(Duration::from_secs(400));
+    assert_eq!(code, Some(0), "the unfrozen run failed");
+    progress(&format!("freeze: the unfrozen run took {took:.1?}"));
+    let want = fingerprints(&plain);
+
+    let ctl = env.tmp.path().join("ctl.sock");
+    let at = AT.to_string();
+    let mut run = Running::start(job(&[
+        "--control-socket",
+        ctl.to_str().unwrap(),
+        "--freeze-at",
+        &at,
+    ]));
+    // The launcher says so on stderr once both VMs are stopped.
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let err = loop {
+        let err = run.stderr.lock().unwrap().clone();
+        if err.contains("frozen (freeze 1)") && err.contains("rank 1: QMP ") {
+            break err;
+        }
+        assert!(
+            Instant::now() < deadline && run.child.try_wait().unwrap().is_none(),
+            "the job did not freeze:\n{err}\n{}",
+            run.stdout.lock().unwrap()
+        );
+        thread::sleep(Duration::from_millis(100));
+    };
+    let frozen_at = Instant::now();
+    let qmp: Vec<PathBuf> = (0..2)
+        .map(|r| {
+            let head = format!("  rank {r}: QMP ");
+            let line = err.lines().find_map(|l| l.strip_prefix(&head)).unwrap();
+            PathBuf::from(line.split(';').next().unwrap().trim())
+        })
+        .collect();
+    let paused = |when: &str| {
+        for (r, path) in qmp.iter().enumerate() {
+            let status = Qmp::connect(path, Duration::from_secs(30))
+                .and_then(|mut q| q.status())
+                .unwrap_or_else(|e| panic!("rank {r}: {e}"));
+            assert_eq!(status, "paused", "rank {r}'s VM {when}");
+        }
+    };
+    paused("once frozen");
+
+    let ask = |what: &str| {
+        control_request(&ctl, what, Duration::from_secs(30))
+            .unwrap_or_else(|e| panic!("{what}: {e}"))
+    };
+    let state: serde_json::Value = serde_json::from_str(&ask("state")).unwrap();
+    let held = &state["freeze"]["held"];
+    assert_eq!(held["phase"], "frozen", "{state:#}");
+    assert_eq!(
+        (held["queue"].as_u64(), held["seq"].as_u64()),
+        (Some(0), Some(AT))
+    );
+    // Both ranks posted collective AT and nothing after it, and both of
+    // their requests are still pending: no rank's collective AT completed.
+    for m in state["members"].as_array().unwrap() {
+        assert_eq!(m["next_seq"][0].as_u64(), Some(AT + 1), "{state:#}");
+    }
+    assert_eq!(state["requests_pending"].as_u64(), Some(2), "{state:#}");
+    let inspect: serde_json::Value = serde_json::from_str(&ask("inspect")).unwrap();
+    for m in inspect["members"].as_array().unwrap() {
+        assert_eq!(m["header"]["opcode"], "allreduce", "{inspect:#}");
+        assert_eq!(m["input"]["nan"], 0, "{inspect:#}");
+    }
+
+    let hold = Duration::from_millis(TIMEOUT_MS) + Duration::from_secs(30);
+    thread::sleep(hold.saturating_sub(frozen_at.elapsed()));
+    paused("after the hold");
+    assert!(ask("thaw").contains("thawing"));
+    let (code, out, err, took) = run.finish(Duration::from_secs(300));
+    progress(&format!("freeze: the frozen run took {took:.1?}"));
+    assert_eq!(code, Some(0), "the frozen run failed");
+    assert!(err.contains("thawed (freeze 1)"), "no thaw line");
+    for word in ["TIMEOUT", "timed out", "FAIL"] {
+        assert!(!out.contains(word), "{word} in the output");
+    }
+    assert_eq!(fingerprints(&out), want, "the frozen run's weights differ");
+    // The guests' CLOCK_MONOTONIC stopped with their VMs: each rank's own
+    // time for the whole training (the frozen collective in it) is less
+    // than the time the VMs were stopped (spec 5.X.6.15, "Frozen time").
+    for r in 0..2 {
+        let ms: f64 = rank_value(&out, r, "time total_ms ").parse().unwrap();
+        assert!(
+            ms < hold.as_secs_f64() * 1e3 - 1e3,
+            "rank {r}: the guest counted {ms} ms of training across a {hold:?} freeze"
+        );
+    }
+    env.assert_nothing_left();
+}
