@@ -17,7 +17,7 @@ use dmlc_example_digits::data::{self, DataError, DEFAULT_TEST_SIZE};
 use dmlc_example_digits::model::{Arch, DEFAULT_HIDDEN};
 use dmlc_example_digits::report::{median, Phases, Report};
 use dmlc_example_digits::train::{
-    check_identical, check_single, train, Collective, CommError, Settings, TrainError,
+    check_identical, check_single, train, Collective, CommError, InjectNan, Settings, TrainError,
     DEFAULT_TOLERANCE,
 };
 
@@ -81,6 +81,30 @@ struct Args {
     /// path is replaced by the rank.
     #[arg(long, value_name = "FILE")]
     json: Option<String>,
+
+    /// Debugging aid: rank R puts a NaN in element I (default 0) of its
+    /// gradient at step S, before the allreduce. With DMLC_CHECK_FINITE=1
+    /// the device fails that allreduce naming rank R and element I
+    /// (docs/debugging.md); without it every rank's weights turn NaN.
+    #[arg(long, value_name = "R:S[:I]", value_parser = parse_inject)]
+    inject_nan: Option<InjectNan>,
+}
+
+/// Parses `--inject-nan R:S[:I]`.
+fn parse_inject(s: &str) -> Result<InjectNan, String> {
+    let words: Vec<&str> = s.split(':').collect();
+    let num = |w: &str| {
+        w.parse::<u64>()
+            .map_err(|_| format!("{s:?}: expected RANK:STEP[:INDEX], whole numbers"))
+    };
+    match words.as_slice() {
+        [r, st] | [r, st, _] => Ok(InjectNan {
+            rank: u32::try_from(num(r)?).map_err(|e| e.to_string())?,
+            step: u32::try_from(num(st)?).map_err(|e| e.to_string())?,
+            index: words.get(2).map_or(Ok(0), |i| num(i))? as usize,
+        }),
+        _ => Err(format!("{s:?}: expected RANK:STEP[:INDEX]")),
+    }
 }
 
 /// The `--model` choices.
@@ -112,6 +136,7 @@ impl Args {
             l2: self.l2.unwrap_or(l2),
             batch: self.batch.unwrap_or(batch),
             seed: self.seed,
+            inject_nan: self.inject_nan,
         }
     }
 }

@@ -71,6 +71,12 @@ pub enum TrainError {
         #[source]
         source: CommError,
     },
+    #[error("step {step}: the gradient allreduce failed")]
+    Step {
+        step: u32,
+        #[source]
+        source: CommError,
+    },
     #[error("ranks disagree on the training data or the settings")]
     Inconsistent,
     #[error("step {step}: the exchange summed {got} samples, expected {expected}")]
@@ -101,6 +107,18 @@ pub struct Settings {
     pub batch: usize,
     /// Seed of rank 0's initial weights.
     pub seed: u64,
+    /// A NaN put in one rank's gradient at one step, to debug with
+    /// (docs/debugging.md).
+    pub inject_nan: Option<InjectNan>,
+}
+
+/// Where `--inject-nan` puts its NaN: element `index` of rank `rank`'s
+/// gradient at step `step`, before the allreduce.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InjectNan {
+    pub rank: u32,
+    pub step: u32,
+    pub index: usize,
 }
 
 impl Default for Settings {
@@ -112,6 +130,7 @@ impl Default for Settings {
             l2: 1e-4,
             batch: 0,
             seed: 42,
+            inject_nan: None,
         }
     }
 }
@@ -126,6 +145,11 @@ impl Settings {
         h.write(&self.l2.to_bits().to_le_bytes());
         h.write(&(self.batch as u64).to_le_bytes());
         h.write(&self.seed.to_le_bytes());
+        if let Some(i) = self.inject_nan {
+            h.write(&i.rank.to_le_bytes());
+            h.write(&i.step.to_le_bytes());
+            h.write(&(i.index as u64).to_le_bytes());
+        }
         h.finish()
     }
 }
@@ -209,12 +233,17 @@ pub fn train<C: Collective + ?Sized>(
         let loss = model.gradient(data, mine, &mut buf[..np]);
         buf[np] = loss as f32;
         buf[np + 1] = count as f32;
+        if let Some(i) = settings.inject_nan {
+            if (i.rank as usize, i.step) == (rank, step) && i.index < buf.len() {
+                buf[i.index] = f32::NAN;
+            }
+        }
         let compute = t0.elapsed();
 
         let t1 = Instant::now();
         comm_
             .allreduce_sum_f32(&mut buf)
-            .map_err(comm("the gradient allreduce"))?;
+            .map_err(|source| TrainError::Step { step, source })?;
         let exchange = t1.elapsed();
 
         // Counts are small integers, exact in f32.
@@ -419,6 +448,7 @@ mod tests {
             l2: 0.0,
             batch: 8,
             seed: 5,
+            inject_nan: None,
         };
         let t = train(&mut Single, &settings, &data, |_| {}).unwrap();
         let first: f64 = t.steps[..10].iter().map(|s| s.loss).sum();
