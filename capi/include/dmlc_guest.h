@@ -51,7 +51,7 @@ extern "C" {
  * DMLC_ERR_TRUNCATE and DMLC_MISMATCH_TABLE arise only from them; and
  * the check of non-finite inputs (dmlc_set_check_finite,
  * DMLC_CHECK_FINITE), off unless asked for, whose DMLC_ERR_NONFINITE
- * arises only with it. */
+ * arises only with it; and dmlc_set_tag, tag 0 unless called. */
 #define DMLC_ABI_VERSION 1u
 
 /* The library's ABI version (DMLC_ABI_VERSION of the header it was built
@@ -298,6 +298,14 @@ uint64_t dmlc_host_chunk_bytes(const dmlc_device *dev);
  * DMLC_ERR_INVALID_ARGUMENT if the device lacks bit 4 (a group across hosts,
  * the kernel driver) or dev is NULL. */
 int dmlc_set_check_finite(dmlc_device *dev, int on);
+
+/* Tags the later collectives of dev that name tag 0 with `tag` (0: none),
+ * e.g. a trainer's step number, which `dmlc-ctl freeze --tag` can name
+ * (docs/debugging.md). Every member must set the same tag for a collective
+ * (the device compares it: DMLC_ERR_MISMATCH otherwise). Sends, receives
+ * and dmlc_comm_create keep their own tag. DMLC_ERR_INVALID_ARGUMENT if dev
+ * is NULL. */
+int dmlc_set_tag(dmlc_device *dev, uint64_t tag);
 
 /* How waits spend their time on this device: DMLC_WAIT_INTERRUPT,
  * DMLC_WAIT_POLL or DMLC_WAIT_HYBRID (a hybrid wait on a transport with no

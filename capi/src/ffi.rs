@@ -36,7 +36,7 @@ mod env;
 mod host;
 pub use comm::*;
 pub use comm_host::*;
-pub use env::{dmlc_open_env, dmlc_reaches_any_memory, dmlc_set_check_finite};
+pub use env::{dmlc_open_env, dmlc_reaches_any_memory, dmlc_set_check_finite, dmlc_set_tag};
 pub use host::{
     dmlc_allgather_host, dmlc_allreduce_host, dmlc_broadcast_host, dmlc_reduce_host,
     dmlc_reduce_scatter_host,

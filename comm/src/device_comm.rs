@@ -85,6 +85,10 @@ impl Communicator for DeviceComm {
         "device"
     }
 
+    fn set_tag(&mut self, tag: u64) {
+        self.dev.set_tag(tag);
+    }
+
     fn allreduce_raw(&mut self, dtype: Dtype, op: ReduceOp, data: &mut [u8]) -> Result<()> {
         check_allreduce(dtype, op, data.len())?;
         Ok(self.bounce.allreduce_in_place(&self.dev, dtype, op, data)?)

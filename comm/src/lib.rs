@@ -63,6 +63,14 @@ pub trait Communicator: Send {
     /// Name of the path: "device", "tcp" or "self".
     fn transport(&self) -> &'static str;
 
+    /// Tags every later collective with `tag` (0: none), e.g. a trainer's
+    /// step number, which `dmlc-ctl freeze --tag` can name
+    /// (docs/debugging.md); every member must set the same. Only the
+    /// device carries tags: the default ignores it.
+    fn set_tag(&mut self, tag: u64) {
+        let _ = tag;
+    }
+
     /// Allreduce in place of `data`, elements of `dtype` (little-endian
     /// bytes; the length must be a multiple of the element size).
     fn allreduce_raw(&mut self, dtype: Dtype, op: ReduceOp, data: &mut [u8]) -> Result<()>;
@@ -138,6 +146,9 @@ impl<C: Communicator + ?Sized> Communicator for Box<C> {
     }
     fn transport(&self) -> &'static str {
         (**self).transport()
+    }
+    fn set_tag(&mut self, tag: u64) {
+        (**self).set_tag(tag)
     }
     fn allreduce_raw(&mut self, dtype: Dtype, op: ReduceOp, data: &mut [u8]) -> Result<()> {
         (**self).allreduce_raw(dtype, op, data)

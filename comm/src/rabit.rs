@@ -575,6 +575,11 @@ impl Rabit {
         self.comm.world_size() > 1
     }
 
+    /// Tags every later collective ([`Communicator::set_tag`]).
+    pub fn set_tag(&mut self, tag: u64) {
+        self.comm.set_tag(tag);
+    }
+
     /// "device", "tcp" or "self".
     pub fn transport(&self) -> &'static str {
         self.comm.transport()
@@ -722,6 +727,14 @@ pub fn get_world_size() -> u32 {
 /// True if there is more than one worker.
 pub fn is_distributed() -> bool {
     get_world_size() > 1
+}
+
+/// Tags every later collective with `tag` (0: none), e.g. the step
+/// number ([`Communicator::set_tag`]); before [`init`] it does nothing.
+pub fn set_tag(tag: u64) {
+    if let Some(r) = global().as_mut() {
+        r.set_tag(tag);
+    }
 }
 
 /// [`Rabit::allreduce`] on the process-wide worker.

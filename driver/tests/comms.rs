@@ -425,3 +425,34 @@ fn a_room_over_max_bytes_of_another_size_than_the_message_fails() {
         }
     });
 }
+
+/// `Device::set_tag` tags collectives, which the device compares between
+/// members, and leaves sends and receives to their own tag: the same tag on
+/// both ranks reduces, a send tagged 3 still meets a receive of tag 3, and
+/// different tags fail the next allreduce with a mismatch of the tag.
+#[test]
+fn set_tag_tags_collectives_but_not_messages() {
+    on_every_rank(2, "comms-tag", |dev| {
+        let r = dev.rank();
+        let buf = filled(dev, 4, |k| (k + u64::from(r)) as f32);
+        dev.set_tag(7);
+        assert_eq!(dev.tag(), 7);
+        dev.allreduce_in_place(Dtype::F32, ReduceOp::Sum, &buf, 4)
+            .unwrap();
+        assert_eq!(elems(&buf, 4), vec![1.0, 3.0, 5.0, 7.0]);
+        let msg = filled(dev, 4, |k| k as f32);
+        let room = dev.alloc(4 * 4).unwrap();
+        match r {
+            0 => dev.send(0, 1, 3, Dtype::F32, &msg, 4).map(|_| ()),
+            _ => dev.recv(0, 0, 3, Dtype::F32, &room, 4).map(|_| ()),
+        }
+        .unwrap();
+        dev.set_tag(8 + u64::from(r));
+        let other = filled(dev, 4, |k| k as f32);
+        match dev.allreduce_in_place(Dtype::F32, ReduceOp::Sum, &other, 4) {
+            Err(Error::Mismatch { fields, .. }) => assert!(fields.contains("tag"), "{fields}"),
+            other => panic!("different tags: {other:?}"),
+        }
+        dev.set_tag(0);
+    });
+}

@@ -305,6 +305,19 @@ def mismatch(dev: Device) -> None:
     b = np.ones(8, dtype=np.int32)
     dev.allreduce(b)
     check(bool((b == dev.world_size).all()), "collective after a mismatch")
+    # set_tag: a different tag per rank is a mismatch of the tag; the same
+    # tag on both reduces.
+    dev.set_tag(5 + dev.rank)
+    try:
+        dev.allreduce(np.ones(8, dtype=np.int32))
+        check(False, "different tags completed")
+    except dmlc.MismatchError as e:
+        check(e.fields == ["tag"], f"fields {e.fields}")
+    dev.set_tag(5)
+    c = np.ones(8, dtype=np.int32)
+    dev.allreduce(c)
+    check(bool((c == dev.world_size).all()), "collective with the same tag")
+    dev.set_tag(0)
 
 
 def lost(dev: Device) -> None:

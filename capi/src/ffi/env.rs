@@ -153,6 +153,26 @@ pub unsafe extern "C" fn dmlc_set_check_finite(dev: *const DmlcDevice, on: c_int
     })
 }
 
+/// Tags `dev`'s later collectives that name tag 0 with `tag` (0: none),
+/// e.g. a trainer's step number, which `dmlc-ctl freeze --tag` can name
+/// (docs/debugging.md); every member must set the same tag for a
+/// collective (the device compares it). Sends, receives and
+/// dmlc_comm_create keep their own tag. `DMLC_ERR_INVALID_ARGUMENT` if dev
+/// is NULL.
+///
+/// # Safety
+///
+/// `dev` is NULL or an open device.
+#[no_mangle]
+pub unsafe extern "C" fn dmlc_set_tag(dev: *const DmlcDevice, tag: u64) -> c_int {
+    guard(|| {
+        // SAFETY: forwarded contract.
+        let d = unsafe { device(dev) }?;
+        d.dev.set_tag(tag);
+        Ok(())
+    })
+}
+
 /// How waits spend their time on `dev`: `DMLC_WAIT_INTERRUPT`,
 /// `DMLC_WAIT_POLL` or `DMLC_WAIT_HYBRID` (`Wait::code`); -1 if dev is NULL.
 ///

@@ -54,6 +54,9 @@ pub struct Device {
     /// Every request carries `FLAG_CHECK_FINITE` (feature bit 4, spec
     /// 5.X.6.14): [`Device::set_check_finite`].
     pub(super) check_finite: AtomicBool,
+    /// The tag of every later collective that names none:
+    /// [`Device::set_tag`].
+    pub(super) tag: AtomicU64,
 }
 
 /// What carries a device's requests: each operation of [`Device`] that
@@ -165,6 +168,7 @@ impl Device {
             known_group: AtomicU64::new(config.group_id.get()),
             wait_margin: opts.wait_margin,
             check_finite: AtomicBool::new(false),
+            tag: AtomicU64::new(0),
         })
     }
 
@@ -203,6 +207,7 @@ impl Device {
             known_group: AtomicU64::new(config.group_id.get()),
             wait_margin: opts.wait_margin,
             check_finite: AtomicBool::new(false),
+            tag: AtomicU64::new(0),
         })
     }
 
@@ -259,6 +264,22 @@ impl Device {
         }
         self.check_finite.store(on, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Gives every later collective whose request names tag 0 the tag
+    /// `tag` (0: none), so that a trainer can put its step number in the
+    /// requests of the step: the device compares the tag between members
+    /// (every member must set the same one for a collective), and
+    /// `dmlc-ctl freeze --tag T` can name the step (docs/debugging.md).
+    /// Sends, receives and comm_create keep their own tag, which matches
+    /// them.
+    pub fn set_tag(&self, tag: u64) {
+        self.tag.store(tag, Ordering::Relaxed);
+    }
+
+    /// The tag of [`Device::set_tag`].
+    pub fn tag(&self) -> u64 {
+        self.tag.load(Ordering::Relaxed)
     }
 
     /// Whether requests carry the check of [`Device::set_check_finite`].

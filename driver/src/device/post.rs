@@ -5,7 +5,7 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use virtio_dmlc::comm::VirtioDmlcReqComm;
+use virtio_dmlc::comm::{CommOpcode, VirtioDmlcReqComm};
 use virtio_dmlc::{VirtioDmlcReq, VIRTIO_DMLC_F_REQ_TIMEOUT, VIRTIO_RING_F_INDIRECT_DESC};
 
 use crate::error::{Error, Result};
@@ -52,7 +52,8 @@ impl Device {
     /// The header this device's requests carry: with feature bit 1, the
     /// 48-byte one naming communicator `comm` (peer, key and table 0 and
     /// empty; see [`Device::comm_header`]); with the check of
-    /// [`Device::set_check_finite`], `FLAG_CHECK_FINITE` set.
+    /// [`Device::set_check_finite`], `FLAG_CHECK_FINITE` set; a collective
+    /// naming tag 0 gets the tag of [`Device::set_tag`].
     pub(super) fn header_of<'a>(
         &self,
         base: VirtioDmlcReq,
@@ -60,6 +61,13 @@ impl Device {
         table: &'a [u8],
     ) -> Header<'a> {
         let mut base = base;
+        let tag = self.tag();
+        let own_tag = [CommOpcode::Send, CommOpcode::Recv, CommOpcode::CommCreate]
+            .iter()
+            .any(|o| o.raw() == base.opcode.get());
+        if tag != 0 && base.tag.get() == 0 && !own_tag {
+            base.tag = tag.into();
+        }
         if self.check_finite() {
             base.flags = (base.flags.get() | virtio_dmlc::FLAG_CHECK_FINITE).into();
         }

@@ -177,6 +177,10 @@ impl Collective for RabitWorker {
         Ok(rabit::allreduce(buf, Op::Sum)?)
     }
 
+    fn set_tag(&mut self, tag: u64) {
+        rabit::set_tag(tag);
+    }
+
     fn allreduce_max_u64(&mut self, buf: &mut [u64]) -> Result<(), CommError> {
         Ok(rabit::allreduce(buf, Op::Max)?)
     }

@@ -29,6 +29,11 @@ pub trait Collective {
     /// Element-wise sum over all ranks, in place; every rank gets bitwise
     /// the same result.
     fn allreduce_sum_f32(&mut self, buf: &mut [f32]) -> Result<(), CommError>;
+    /// Tags the collectives that follow (the step number); by default
+    /// nothing does.
+    fn set_tag(&mut self, tag: u64) {
+        let _ = tag;
+    }
     /// Element-wise maximum over all ranks, in place.
     fn allreduce_max_u64(&mut self, buf: &mut [u64]) -> Result<(), CommError>;
     /// Copies `root`'s `buf` into every rank's `buf`.
@@ -241,6 +246,9 @@ pub fn train<C: Collective + ?Sized>(
         let compute = t0.elapsed();
 
         let t1 = Instant::now();
+        // The step's allreduce carries the step number as its tag, for
+        // `dmlc-qemu submit --freeze-tag STEP` (docs/debugging.md).
+        comm_.set_tag(u64::from(step));
         comm_
             .allreduce_sum_f32(&mut buf)
             .map_err(|source| TrainError::Step { step, source })?;
@@ -268,6 +276,8 @@ pub fn train<C: Collective + ?Sized>(
         on_step(&stats);
         steps.push(stats);
     }
+    // The checks after training are no step's.
+    comm_.set_tag(0);
     Ok(Trained { model, steps })
 }
 

@@ -327,6 +327,7 @@ def signatures() -> dict[str, tuple[object, list[object]]]:
         "dmlc_reduce_scatter_host": (c_int, [dev, c_void_p, c_void_p, c_uint64, c_int, c_int]),
         "dmlc_last_error_length": (c_uint64, []),
         "dmlc_set_check_finite": (c_int, [dev, c_int]),
+        "dmlc_set_tag": (c_int, [dev, c_uint64]),
         # Communicators, send and receive, all-to-all, gather and scatter.
         "dmlc_comm_features": (c_int, [dev]),
         "dmlc_max_comms": (c_int32, [dev]),

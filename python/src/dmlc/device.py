@@ -455,6 +455,19 @@ class Device:
         device lacks it (a group across hosts, the kernel driver)."""
         self._check(self._lib_.dmlc_set_check_finite(self._dev, 1 if on else 0))
 
+    def set_tag(self, tag: int) -> None:
+        """Tags the later collectives with `tag` (0: none), e.g. the training
+        step, which ``dmlc-ctl freeze --tag`` can name (docs/debugging.md).
+        Every member must set the same tag for a collective (the device
+        compares it: :class:`dmlc.MismatchError` otherwise); sends, receives
+        and :meth:`comm_create` keep their own tag. Under the torch backend:
+        ``dmlc.torch_backend.device().set_tag(step)``."""
+        if not 0 <= tag < 1 << 64:
+            raise ValueError(f"tag must be 0 to 2**64-1, not {tag}")
+        # On the worker thread, in order with the collectives queued before
+        # it (an async collective of the previous step keeps its tag).
+        self._call(lambda: self._check(self._lib_.dmlc_set_tag(self._dev, tag)), False)
+
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Device:
         """Opens the device the job's environment names, and checks the rank.
