@@ -15,7 +15,9 @@
 //!   userland): both ranks print the same model hash and a sane accuracy;
 //! - a job frozen at a collective (`--freeze-at`) has every VM stopped
 //!   and that collective held, stays frozen 30 s past the collective
-//!   timeout, and once thawed ends with the weights of an unfrozen run
+//!   timeout, and once thawed ends with the weights of an unfrozen run; a
+//!   NaN injected on rank 1 at step 7 freezes the job there
+//!   (`--freeze-on-error`) and fails it naming rank 1 and the element
 //!   (system/freeze.rs);
 //! - a failed worker, Ctrl-C, a timeout and a VM whose QEMU fails each
 //!   stop every VM and the backend and leave no process and no temporary

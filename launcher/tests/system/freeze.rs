@@ -137,3 +137,81 @@ fn a_frozen_job_outlives_the_timeout_and_ends_as_an_unfrozen_one() {
     }
     env.assert_nothing_left();
 }
+
+/// A NaN that rank 1 puts in element 5 of its gradient at step 7 (the
+/// trainer's `--inject-nan 1:7:5`), with the device's check on
+/// (`DMLC_CHECK_FINITE=1`) and `--freeze-on-error`: the job freezes at that
+/// step's allreduce (collective 9: two before the first step) before
+/// anything is summed, `inspect` finds the NaN in rank 1's input at element
+/// 5 and none in rank 0's, and once thawed the allreduce fails on both
+/// ranks with an error naming step 7, rank 1 and element 5.
+#[test]
+fn a_nan_freezes_the_job_at_its_step_and_names_rank_and_element() {
+    let Some(env) = setup("freeze-nan") else {
+        return;
+    };
+    let (trainer, files) = digits();
+    let ctl = env.tmp.path().join("ctl.sock");
+    let args = [
+        "submit",
+        "-n",
+        "2",
+        "--timeout",
+        "400",
+        "--env",
+        "DMLC_CHECK_FINITE=1",
+        "--freeze-on-error",
+        "--control-socket",
+        ctl.to_str().unwrap(),
+        "--files",
+        &files,
+        "--",
+        trainer.to_str().unwrap(),
+        "--steps",
+        "20",
+        "--inject-nan",
+        "1:7:5",
+    ];
+    let mut run = Running::start(env.command(&args));
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while !run.stderr.lock().unwrap().contains("frozen (freeze 1)") {
+        assert!(
+            Instant::now() < deadline && run.child.try_wait().unwrap().is_none(),
+            "the job did not freeze:\n{}\n{}",
+            run.stderr.lock().unwrap(),
+            run.stdout.lock().unwrap()
+        );
+        thread::sleep(Duration::from_millis(100));
+    }
+    let ask = |what: &str| {
+        control_request(&ctl, what, Duration::from_secs(30))
+            .unwrap_or_else(|e| panic!("{what}: {e}"))
+    };
+    let j: serde_json::Value = serde_json::from_str(&ask("inspect")).unwrap();
+    assert_eq!(j["seq"].as_u64(), Some(9), "{j:#}");
+    assert!(
+        j["reason"]
+            .as_str()
+            .unwrap()
+            .contains("NONFINITE (rank 1, element 5)"),
+        "{j:#}"
+    );
+    let input = |r: usize| &j["members"][r]["input"];
+    assert_eq!(input(1)["nan"].as_u64(), Some(1), "{j:#}");
+    assert_eq!(input(1)["first_non_finite"].as_u64(), Some(5), "{j:#}");
+    assert_eq!(input(0)["nan"].as_u64(), Some(0), "{j:#}");
+    ask("thaw");
+    let (code, out, _, _) = run.finish(Duration::from_secs(300));
+    assert_eq!(code, Some(2), "the trainer's status for a failed step");
+    for r in 0..2 {
+        let want = format!(
+            "[rank {r}] dmlc-train-digits: training failed: step 7: the gradient allreduce \
+             failed: non-finite input: rank 1's input holds a NaN or an infinity at element 5"
+        );
+        assert!(
+            out.contains(&want),
+            "rank {r} did not name rank 1 and element 5"
+        );
+    }
+    env.assert_nothing_left();
+}
