@@ -49,9 +49,14 @@ trait Num: Copy + Default + 'static {
     fn max_of(self, x: Self) -> Self;
     /// `self / world` (integers truncate toward zero).
     fn div_world(self, world: u32) -> Self;
-    /// Neither NaN nor infinite (integers: always). Branch-free, so that
-    /// the checked kernels' loops vectorise.
+    /// Neither NaN nor infinite (integers: always).
     fn finite(self) -> bool;
+    /// What [`Num::nonfinite_bits`] returns.
+    type Mask: Copy + Default + PartialEq + std::ops::BitOr<Output = Self::Mask>;
+    /// Zero exactly when `self` is finite. The checked kernels OR these
+    /// per source: an integer OR is associative, so their loops vectorise
+    /// (per-element `bool` flags did not).
+    fn nonfinite_bits(self) -> Self::Mask;
 }
 
 /// Bitwise operations of the integer accumulator types.
@@ -62,7 +67,7 @@ trait Bits: Num {
 }
 
 macro_rules! float_num {
-    ($($t:ty: $quiet_bit:expr),*) => {$(
+    ($($t:ty: $bits:ty, $quiet_bit:expr),*) => {$(
         impl Num for $t {
             #[inline(always)]
             fn quiet(self) -> Self {
@@ -97,10 +102,17 @@ macro_rules! float_num {
             fn finite(self) -> bool {
                 self.is_finite()
             }
+            type Mask = $bits;
+            #[inline(always)]
+            fn nonfinite_bits(self) -> $bits {
+                // `x - x` is +0.0 (all bits zero) for every finite `x`,
+                // -0.0 and subnormals included, and NaN for Inf and NaN.
+                (self - self).to_bits()
+            }
         }
     )*};
 }
-float_num!(f32: 1 << 22, f64: 1 << 51);
+float_num!(f32: u32, 1 << 22, f64: u64, 1 << 51);
 
 macro_rules! int_num {
     ($($t:ty: $div:ident),*) => {$(
@@ -132,6 +144,11 @@ macro_rules! int_num {
             #[inline(always)]
             fn finite(self) -> bool {
                 true
+            }
+            type Mask = u8;
+            #[inline(always)]
+            fn nonfinite_bits(self) -> u8 {
+                0
             }
         }
         impl Bits for $t {
@@ -405,9 +422,9 @@ op!(Bxor: Bits, xor);
 // points to room for `n` aligned `E::Raw` of ours.
 //
 // With `CHECK` (the checked kernels of the float dtypes, spec 5.X.6.14) a
-// body also ORs, per source, whether any element it read was non-finite,
-// in the loop that reads it (a widened f16 or bf16 is non-finite exactly
-// when the element is), and only when a source was flagged finds the
+// body also ORs, per source, the `nonfinite_bits` of every element it
+// read, in the loop that reads it (a widened f16 or bf16 is non-finite
+// exactly when the element is), and only when a source was flagged finds the
 // exact element by reading that source's range again (`first_bad`), before
 // anything of that range is written. It returns the lowest flagged source
 // and the lowest non-finite element in it: a [`NonFinite`].
@@ -424,6 +441,25 @@ pub fn lowest(a: Option<NonFinite>, b: Option<NonFinite>) -> Option<NonFinite> {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, None) => a,
         (None, b) => b,
+    }
+}
+
+/// Per source of a checked pass, the OR of its elements' `nonfinite_bits`.
+type Flags<E, const K: usize> = [<<E as Elem>::Acc as Num>::Mask; K];
+
+/// Which sources `flags` flag, for [`first_bad`]: a copy, because flags
+/// passed by reference would live in memory that the sources might alias,
+/// which LLVM checks for in every loop.
+#[inline(always)]
+fn flagged<M: Copy + Default + PartialEq, const K: usize>(flags: &[M; K]) -> [bool; K] {
+    flags.map(|f| f != M::default())
+}
+
+/// ORs `x`'s `nonfinite_bits` into `flag`; nothing unless `CHECK`.
+#[inline(always)]
+fn flag<A: Num, const CHECK: bool>(flag: &mut A::Mask, x: A) {
+    if CHECK {
+        *flag = *flag | x.nonfinite_bits();
     }
 }
 
@@ -476,15 +512,16 @@ unsafe fn load_body<E: Elem, const CHECK: bool>(
     let acc = unsafe { slice::from_raw_parts_mut(acc.cast::<E::Acc>(), n) };
     // SAFETY: one source pointer (contract of `first`).
     let s = unsafe { sources::<E, 1>(srcs) };
-    let mut bad = false;
+    let mut flags: Flags<E, 1> = [Default::default(); 1];
     for (i, a) in acc.iter_mut().enumerate() {
         // SAFETY: `i < n`.
         let x = unsafe { read::<E>(s[0], i) };
-        bad |= CHECK && !x.finite();
+        flag::<_, CHECK>(&mut flags[0], x);
         *a = x.quiet();
     }
+    let bad = flagged(&flags);
     // SAFETY: the source is readable for `n` elements.
-    (CHECK && bad).then(|| unsafe { first_bad::<E>(&s, &[bad], 0, n) })?
+    (CHECK && bad[0]).then(|| unsafe { first_bad::<E>(&s, &bad, 0, n) })?
 }
 
 /// `acc = s0 op s1 op .. op s(K-1)`, left to right.
@@ -498,19 +535,22 @@ unsafe fn first_body<E: Elem, O: Op<E::Acc>, const K: usize, const CHECK: bool>(
     let acc = unsafe { slice::from_raw_parts_mut(acc.cast::<E::Acc>(), n) };
     // SAFETY: `K` source pointers (contract of `first`).
     let s = unsafe { sources::<E, K>(srcs) };
-    let mut bad = [false; K];
+    let mut flags: Flags<E, K> = [Default::default(); K];
     for (i, a) in acc.iter_mut().enumerate() {
         // SAFETY: `i < n` for every source.
         let mut v = unsafe { read::<E>(s[0], i) };
-        bad[0] |= CHECK && !v.finite();
-        for (b, &src) in bad.iter_mut().zip(&s).skip(1) {
+        flag::<_, CHECK>(&mut flags[0], v);
+        // Slices of constant length, not `.skip(1)`: LLVM unrolls these
+        // and then vectorises the element loop.
+        for (f, &src) in flags[1..].iter_mut().zip(&s[1..]) {
             // SAFETY: as above.
             let x = unsafe { read::<E>(src, i) };
-            *b |= CHECK && !x.finite();
+            flag::<_, CHECK>(f, x);
             v = O::apply(v, x);
         }
         *a = v;
     }
+    let bad = flagged(&flags);
     // SAFETY: every source is readable for `n` elements.
     (CHECK && bad.contains(&true)).then(|| unsafe { first_bad::<E>(&s, &bad, 0, n) })?
 }
@@ -526,17 +566,18 @@ unsafe fn fold_body<E: Elem, O: Op<E::Acc>, const K: usize, const CHECK: bool>(
     let acc = unsafe { slice::from_raw_parts_mut(acc.cast::<E::Acc>(), n) };
     // SAFETY: `K` source pointers (contract of `fold`).
     let s = unsafe { sources::<E, K>(srcs) };
-    let mut bad = [false; K];
+    let mut flags: Flags<E, K> = [Default::default(); K];
     for (i, a) in acc.iter_mut().enumerate() {
         let mut v = *a;
-        for (b, &src) in bad.iter_mut().zip(&s) {
+        for (f, &src) in flags.iter_mut().zip(&s) {
             // SAFETY: `i < n` for every source.
             let x = unsafe { read::<E>(src, i) };
-            *b |= CHECK && !x.finite();
+            flag::<_, CHECK>(f, x);
             v = O::apply(v, x);
         }
         *a = v;
     }
+    let bad = flagged(&flags);
     // SAFETY: every source is readable for `n` elements.
     (CHECK && bad.contains(&true)).then(|| unsafe { first_bad::<E>(&s, &bad, 0, n) })?
 }
@@ -672,7 +713,7 @@ unsafe fn through_body<
     let mut i = from;
     while i < n {
         let m = cap.min(n - i);
-        let mut bad = [false; K];
+        let mut flags: Flags<E, K> = [Default::default(); K];
         if streaming {
             // The inputs of the block one page on, never past the range.
             let ahead = PREFETCH_AHEAD / size;
@@ -689,15 +730,18 @@ unsafe fn through_body<
             } else {
                 // SAFETY: every source is readable for `n` elements.
                 let x = unsafe { read::<E>(s[0], i + j) };
-                bad[0] |= CHECK && !x.finite();
+                flag::<_, CHECK>(&mut flags[0], x);
                 x
             };
             // One source needs no op; its NaNs are quieted all the same.
             let mut v = if !FOLD && K == 1 { v.quiet() } else { v };
-            for (b, &src) in bad.iter_mut().zip(&s).skip(usize::from(!FOLD)) {
+            // The rest of the sources: constant-length slices, as in
+            // `first_body`.
+            let rest = usize::from(!FOLD);
+            for (f, &src) in flags[rest..].iter_mut().zip(&s[rest..]) {
                 // SAFETY: as above.
                 let x = unsafe { read::<E>(src, i + j) };
-                *b |= CHECK && !x.finite();
+                flag::<_, CHECK>(f, x);
                 v = O::apply(v, x);
             }
             *a = if O::AVG { v.div_world(t.world) } else { v };
@@ -705,6 +749,7 @@ unsafe fn through_body<
         // Sources below the lowest one found so far only: a higher one
         // cannot win.
         let below = found.map_or(K, |(k, _)| k);
+        let bad = flagged(&flags);
         if CHECK && bad[..below].contains(&true) {
             // SAFETY: every source is readable for `n >= i + m` elements,
             // and nothing of this block is written yet.

@@ -847,3 +847,105 @@ fn checked_kernels_name_the_lowest_rank_and_element() {
         );
     }
 }
+
+/// Finite values next to the non-finite ones, as bits: +0, -0, the least
+/// and the greatest subnormal, the least normal, the greatest finite of
+/// either sign. `x - x` is +0 for all of them, which the checked kernels
+/// rely on.
+fn edge_finite(dtype: Dtype) -> Vec<u64> {
+    match dtype {
+        Dtype::F32 => vec![
+            0,
+            1 << 31,
+            1,
+            0x7f_ffff,
+            0x80_0000,
+            0x7f7f_ffff,
+            0xff7f_ffff,
+        ],
+        Dtype::F64 => vec![
+            0,
+            1 << 63,
+            1,
+            0x000f_ffff_ffff_ffff,
+            0x0010_0000_0000_0000,
+            0x7fef_ffff_ffff_ffff,
+            0xffef_ffff_ffff_ffff,
+        ],
+        Dtype::F16 => vec![0, 1 << 15, 1, 0x03ff, 0x0400, 0x7bff, 0xfbff],
+        Dtype::Bf16 => vec![0, 1 << 15, 1, 0x007f, 0x0080, 0x7f7f, 0xff7f],
+        _ => unreachable!(),
+    }
+}
+
+/// `world` inputs of `n` elements of only [`edge_finite`] values, then
+/// copies of them with one non-finite element first, last, or at the last
+/// or first element of a block (32 elements with ordinary stores, 128
+/// streaming), in the first or the last rank, plus one in the next rank at
+/// element 0; each with the (rank, element) a checked reduction names.
+fn edge_cases(dtype: Dtype, world: usize, n: usize) -> Vec<(Option<NonFinite>, Vec<Vec<u8>>)> {
+    let (edge, bad) = (edge_finite(dtype), non_finite(dtype));
+    let size = dtype.size();
+    let elem = |r: usize, i: usize| raw(dtype, edge[(r + i) % edge.len()]);
+    let inputs: Vec<Vec<u8>> = (0..world)
+        .map(|r| (0..n).flat_map(|i| elem(r, i)).collect())
+        .collect();
+    let mut cases = vec![(None, inputs.clone())];
+    let ats = [0, n - 1, 31, 32, 127, 128]
+        .into_iter()
+        .filter(|&at| at < n);
+    for (c, at) in ats.enumerate() {
+        for r in [0, world - 1] {
+            let mut inputs = inputs.clone();
+            let b = raw(dtype, bad[(c + r) % bad.len()]);
+            inputs[r][at * size..(at + 1) * size].copy_from_slice(&b);
+            // A later rank's lower element does not win.
+            if r + 1 < world {
+                inputs[r + 1][..size].copy_from_slice(&b);
+            }
+            cases.push((Some((r, at)), inputs));
+        }
+    }
+    cases
+}
+
+/// The checked kernels of every float dtype and ISA on [`edge_cases`]:
+/// zeros of either sign, subnormals and the greatest finite values (whose
+/// sums overflow) are not flagged; a non-finite element at the edges of
+/// the vector loops and of the blocks is named; the output is the
+/// unchecked kernels'.
+#[test]
+fn checked_kernels_find_non_finite_elements_at_block_edges_and_nothing_else() {
+    for isa in Isa::available() {
+        for dtype in [Dtype::F32, Dtype::F64, Dtype::F16, Dtype::Bf16] {
+            for op in [ReduceOp::Sum, ReduceOp::Max] {
+                let plain = Kernel::with_isa(dtype, op, isa).unwrap();
+                let k = Kernel::with_check(dtype, op, isa, true).unwrap();
+                for (world, n) in [1usize, 2, 4, 5]
+                    .into_iter()
+                    .flat_map(|w| [1usize, 8, 31, 33, 129, 300].map(|n| (w, n)))
+                {
+                    for (want, inputs) in edge_cases(dtype, world, n) {
+                        for (stores, in_place) in [
+                            (Stores::Cached, false),
+                            (Stores::Cached, true),
+                            (Stores::Streaming, false),
+                            (Stores::Streaming, true),
+                        ] {
+                            let what = format!(
+                                "{isa:?} {dtype} {op} N={world} n={n} {want:?} {stores:?} \
+                                 in place {in_place}"
+                            );
+                            let (out, got) = run_checked(&k, &inputs, stores, in_place);
+                            assert_eq!(got, want, "{what}");
+                            let (plain_out, _) = run_checked(&plain, &inputs, stores, in_place);
+                            if let Err(e) = reference::check(dtype, &out, &plain_out) {
+                                panic!("{what}: output: {e}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
