@@ -567,6 +567,7 @@ pub fn run(a: DemoArgs) -> i32 {
             tracker: None,
             place: None,
             debug: Default::default(),
+            resume: None,
         })
         .collect();
     // Both runs use the same image: build it (if the cache lacks it) before

@@ -2,9 +2,14 @@
 //! it follows the backend's freeze state over the control socket, stops
 //! every VM through QMP once a collective is held, tells the backend, and
 //! when `dmlc-ctl thaw` asks, resumes every VM and tells the backend to
-//! run the held collective.
+//! run the held collective. When `dmlc-ctl snapshot DIR` asks, it saves
+//! every stopped VM into DIR (QMP `migrate` to a file: the device's state
+//! carries its member's part of the group) with what `dmlc-qemu restore`
+//! needs besides ([`Snapshot`], `snapshot.json`).
 
+use std::fs;
 use std::path::{Path, PathBuf};
+use std::thread;
 use std::time::{Duration, Instant};
 
 use dmlc_cli_support::daemon::control_request;
@@ -26,11 +31,89 @@ pub struct DebugOptions {
     pub gdb: Option<u16>,
 }
 
+/// What `dmlc-qemu restore DIR` reads from `DIR/snapshot.json`, besides
+/// each rank's saved VM (`DIR/rankR.vmstate`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Snapshot {
+    /// The job as `submit` ran it ([`crate::job::Job`]).
+    pub job: Value,
+    /// The job's token (its markers in the guests' consoles).
+    pub token: String,
+    /// The VM cluster's token (the guests' nonces).
+    pub vm_token: String,
+    /// The backend's group id, which the new backend takes.
+    pub group_id: String,
+    /// Where it lies (not saved: the directory it is read from).
+    #[serde(skip)]
+    pub dir: PathBuf,
+}
+
+/// The file of a snapshot that names the rest.
+pub const SNAPSHOT_FILE: &str = "snapshot.json";
+
+impl Snapshot {
+    /// Rank `rank`'s saved VM.
+    pub fn vm_state(&self, rank: usize) -> PathBuf {
+        self.dir.join(format!("rank{rank}.vmstate"))
+    }
+
+    /// Reads the snapshot in `dir`.
+    pub fn load(dir: &Path) -> Result<Snapshot, String> {
+        let file = dir.join(SNAPSHOT_FILE);
+        let text = fs::read_to_string(&file).map_err(|e| {
+            format!(
+                "{}: {e} (not a snapshot of dmlc-ctl snapshot?)",
+                file.display()
+            )
+        })?;
+        let mut s: Snapshot =
+            serde_json::from_str(&text).map_err(|e| format!("{}: {e}", file.display()))?;
+        s.dir = dir.to_owned();
+        Ok(s)
+    }
+}
+
 impl DebugOptions {
     /// Whether the job needs a control socket and QMP sockets.
     pub fn wanted(&self) -> bool {
         self.control_socket.is_some() || !self.freeze.is_empty() || self.gdb.is_some()
     }
+}
+
+/// Runs every VM of a restored job once it has loaded its saved state:
+/// a VM saved while stopped comes back stopped.
+pub fn run_restored(qmp: &[PathBuf], first: usize) -> Result<(), String> {
+    for (i, path) in qmp.iter().enumerate() {
+        let rank = first + i;
+        let started = Instant::now();
+        let mut q = Qmp::connect(path, PATIENCE).map_err(|e| format!("rank {rank}: {e}"))?;
+        loop {
+            let status = q.status().map_err(|e| format!("rank {rank}: {e}"))?;
+            match status.as_str() {
+                "inmigrate" if started.elapsed() < Duration::from_secs(600) => {
+                    thread::sleep(Duration::from_millis(50));
+                }
+                "inmigrate" => return Err(format!("rank {rank}: still loading after 10 minutes")),
+                "running" => break,
+                "paused" | "postmigrate" | "prelaunch" | "restore-vm" => {
+                    q.execute("cont", json!({}))
+                        .map_err(|e| format!("rank {rank}: cont: {e}"))?;
+                    break;
+                }
+                other => {
+                    return Err(format!(
+                        "rank {rank}: the VM is {other} after loading its saved state (QEMU's \
+                         log says why)"
+                    ))
+                }
+            }
+        }
+        crate::progress(&format!(
+            "rank {rank}: VM restored in {:.1} s",
+            started.elapsed().as_secs_f64()
+        ));
+    }
+    Ok(())
 }
 
 /// How long a QMP connection or a control request may take.
@@ -51,10 +134,20 @@ pub struct Freezer {
     stopped: Option<(u64, Instant)>,
     /// Time the VMs spent stopped so far (the job's timeout leaves it out).
     pub frozen_total: Duration,
+    /// The job, for a snapshot.
+    saved: Snapshot,
+    /// The freeze whose snapshot this launcher made (or failed).
+    snapshotted: Option<u64>,
 }
 
 impl Freezer {
-    pub fn new(control: &Path, qmp: Vec<PathBuf>, first: usize, gdb: Option<u16>) -> Freezer {
+    pub fn new(
+        control: &Path,
+        qmp: Vec<PathBuf>,
+        first: usize,
+        gdb: Option<u16>,
+        saved: Snapshot,
+    ) -> Freezer {
         Freezer {
             control: control.to_owned(),
             qmp,
@@ -63,6 +156,8 @@ impl Freezer {
             next_look: Instant::now(),
             stopped: None,
             frozen_total: Duration::ZERO,
+            saved,
+            snapshotted: None,
         }
     }
 
@@ -100,6 +195,33 @@ impl Freezer {
         };
         let held = &state["held"];
         let id = held["id"].as_u64();
+        let snapshot = &held["snapshot"];
+        if let (Some("saving"), Some(dir), Some(id)) =
+            (snapshot["state"].as_str(), snapshot["dir"].as_str(), id)
+        {
+            if self.stopped.is_some() && self.snapshotted != Some(id) {
+                self.snapshotted = Some(id);
+                let verdict = match self.save(Path::new(dir)) {
+                    Ok(()) => {
+                        crate::progress(&format!(
+                            "snapshot of freeze {id} saved in {dir} (dmlc-qemu restore {dir})"
+                        ));
+                        "ok".to_owned()
+                    }
+                    Err(e) => {
+                        crate::progress(&format!("snapshot of freeze {id} failed: {e}"));
+                        format!("error {}", e.replace('\n', " "))
+                    }
+                };
+                if let Err(e) = control_request(
+                    &self.control,
+                    &format!("snapshotted {id} {verdict}"),
+                    PATIENCE,
+                ) {
+                    crate::progress(&format!("snapshot of freeze {id}: {e}"));
+                }
+            }
+        }
         match (held["phase"].as_str(), id, self.stopped) {
             (Some("held"), Some(id), None) => self.stop_all(id, held),
             (Some("thawing"), Some(id), Some((sid, _))) if sid == id => self.resume_all(id),
@@ -142,6 +264,57 @@ impl Freezer {
             }
         }
         crate::progress(&msg);
+    }
+
+    /// Saves every VM into `dir`, then `snapshot.json`.
+    fn save(&mut self, dir: &Path) -> Result<(), String> {
+        if !self.saved.job["host_root"].is_null() {
+            return Err("a job with --host-root cannot be saved yet (its virtio-fs \
+                        device does not migrate)"
+                .into());
+        }
+        fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let state: Value = control_request(&self.control, "state", PATIENCE)
+            .and_then(|b| serde_json::from_str(&b).map_err(|e| e.to_string()))?;
+        self.saved.group_id = state["group_id"].as_str().unwrap_or_default().to_owned();
+        self.saved.dir = dir.to_owned();
+        for (i, path) in self.qmp.iter().enumerate() {
+            let rank = self.first + i;
+            let file = self.saved.vm_state(rank);
+            let started = Instant::now();
+            let mut q = Qmp::connect(path, PATIENCE).map_err(|e| format!("rank {rank}: {e}"))?;
+            q.execute(
+                "migrate",
+                json!({ "uri": format!("file:{}", file.display()) }),
+            )
+            .map_err(|e| format!("rank {rank}: {e}"))?;
+            loop {
+                let m = q
+                    .execute("query-migrate", json!({}))
+                    .map_err(|e| format!("rank {rank}: {e}"))?;
+                match m["status"].as_str() {
+                    Some("completed") => break,
+                    Some("failed" | "cancelled") => {
+                        return Err(format!(
+                            "rank {rank}: saving the VM failed: {} (QEMU's log says why)",
+                            m["error-desc"].as_str().unwrap_or("no reason given")
+                        ))
+                    }
+                    _ if started.elapsed() > Duration::from_secs(600) => {
+                        return Err(format!("rank {rank}: saving the VM takes over 10 minutes"))
+                    }
+                    _ => thread::sleep(Duration::from_millis(50)),
+                }
+            }
+            crate::progress(&format!(
+                "rank {rank}: VM saved in {:.1} s ({})",
+                started.elapsed().as_secs_f64(),
+                file.display()
+            ));
+        }
+        let text = serde_json::to_string_pretty(&self.saved).map_err(|e| e.to_string())?;
+        let file = dir.join(SNAPSHOT_FILE);
+        fs::write(&file, text).map_err(|e| format!("{}: {e}", file.display()))
     }
 
     fn resume_all(&mut self, id: u64) {

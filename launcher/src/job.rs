@@ -27,7 +27,7 @@ use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
 use tempfile::TempDir;
 
-use crate::freeze::{DebugOptions, Freezer};
+use crate::freeze::{DebugOptions, Freezer, Snapshot};
 use crate::prepare::{self, PrepareError};
 use crate::signals;
 
@@ -198,6 +198,9 @@ pub struct Job {
     /// Control socket, freeze and gdbstubs (docs/debugging.md).
     #[serde(default)]
     pub debug: DebugOptions,
+    /// Continue from a snapshot instead of booting (`dmlc-qemu restore`).
+    #[serde(skip)]
+    pub resume: Option<Snapshot>,
 }
 
 /// What [`Job::run_reporting`] calls when the monitor has decided the end:
@@ -222,6 +225,8 @@ pub enum JobError {
     Cluster(#[source] vm::Error),
     #[error("the backend refused `freeze {words}`: {why}")]
     Freeze { words: String, why: String },
+    #[error("cannot restore the VMs: {0}")]
+    Restore(String),
 }
 
 /// How a job ended.
@@ -468,6 +473,11 @@ impl Job {
         if self.place.is_some() {
             backend_args.push("--mpi".into());
         }
+        if let Some(s) = &self.resume {
+            // The group the saved members belong to (spec 5.X.6.15).
+            backend_args.push("--group-id".into());
+            backend_args.push(s.group_id.clone().into());
+        }
         let control = self.debug.wanted().then(|| {
             self.debug
                 .control_socket
@@ -502,7 +512,10 @@ impl Job {
                 .join(format!("rank{}.qmp", self.first_rank() + i))
         };
 
-        let token = unique();
+        let token = self
+            .resume
+            .as_ref()
+            .map_or_else(unique, |s| s.token.clone());
         let specs: Vec<vm::VmSpec> = (0..local)
             .map(|i| {
                 let mut spec = vm::VmSpec::new(self.command_line(&token))
@@ -514,7 +527,7 @@ impl Job {
                 if let Some(cpu) = &self.cpu {
                     spec.qemu_args.extend(["-cpu".to_owned(), cpu.clone()]);
                 }
-                if control.is_some() {
+                if control.is_some() || self.resume.is_some() {
                     let path = qmp(i).display().to_string();
                     spec.qemu_args
                         .extend(["-qmp".to_owned(), format!("unix:{path},server=on,wait=off")]);
@@ -550,9 +563,20 @@ impl Job {
                 .unwrap_or(Duration::from_secs(u64::from(u32::MAX))),
             // $TMPDIR, as the launcher's own directory.
             tmp_dir: None,
+            resume: self.resume.as_ref().map(|s| vm::Resume {
+                token: s.vm_token.clone(),
+                incoming: (0..local)
+                    .map(|i| s.vm_state(self.first_rank() + i))
+                    .collect(),
+            }),
         };
         crate::progress(&format!(
-            "booting {} VM{} ({}, {} vCPU, {} MiB each; transport {}{})",
+            "{} {} VM{} ({}, {} vCPU, {} MiB each; transport {}{})",
+            if self.resume.is_some() {
+                "restoring"
+            } else {
+                "booting"
+            },
             local,
             if local == 1 { "" } else { "s" },
             match self.accel {
@@ -571,12 +595,17 @@ impl Job {
             }
         ));
         let cluster = vm::Cluster::start(qemu, &image, &specs, &opts).map_err(JobError::Cluster)?;
+        if self.resume.is_some() {
+            let qmps: Vec<PathBuf> = (0..local).map(qmp).collect();
+            crate::freeze::run_restored(&qmps, self.first_rank()).map_err(JobError::Restore)?;
+        }
         let mut monitor = Monitor::new(
             &cluster,
             local,
             self.first_rank(),
             &token,
             self.log_dir.as_deref(),
+            self.resume.is_some(),
         );
         if let Some(port) = self.debug.gdb {
             crate::progress(&format!(
@@ -585,11 +614,20 @@ impl Job {
             ));
         }
         let mut freezer = control.as_deref().map(|c| {
+            // What `dmlc-qemu restore` needs besides the VMs' states.
+            let saved = Snapshot {
+                job: serde_json::to_value(self).unwrap_or_default(),
+                token: token.clone(),
+                vm_token: cluster.token().to_owned(),
+                group_id: String::new(),
+                dir: PathBuf::new(),
+            };
             Freezer::new(
                 c,
                 (0..local).map(qmp).collect(),
                 self.first_rank(),
                 self.debug.gdb,
+                saved,
             )
         });
         let end = monitor.run(out, &mut backend, self.timeout, freezer.as_mut());
@@ -968,6 +1006,7 @@ impl Monitor {
         first: usize,
         token: &str,
         log_dir: Option<&Path>,
+        resumed: bool,
     ) -> Monitor {
         let dir = cluster.dir().to_owned();
         let consoles = (0..n)
@@ -1002,7 +1041,11 @@ impl Monitor {
                     out_file,
                     guard,
                     started_at: Instant::now(),
-                    outcome: RankOutcome::default(),
+                    outcome: RankOutcome {
+                        // A restored VM booted before it was saved.
+                        boot: resumed.then_some(Duration::ZERO),
+                        ..RankOutcome::default()
+                    },
                 }
             })
             .collect();
@@ -1212,6 +1255,7 @@ mod tests {
             tracker: None,
             place: None,
             debug: Default::default(),
+            resume: None,
         }
     }
 

@@ -80,6 +80,11 @@ enum Cmd {
         override_usage = "dmlc-qemu demo [OPTIONS] [-- TRAINER_ARGS...]"
     )]
     Demo(DemoArgs),
+    /// Continue a job from a snapshot that `dmlc-ctl snapshot DIR` made of
+    /// it while frozen: a new backend (with the job's group id) and new
+    /// VMs, each from its saved state, at the collective that was held.
+    #[command(after_help = RESTORE_AFTER_HELP)]
+    Restore(RestoreArgs),
     /// One host's part of a job across hosts, as mpirun starts it (used by
     /// `submit --hosts`, not by hand).
     #[command(hide = true)]
@@ -311,6 +316,35 @@ struct SubmitArgs {
           trailing_var_arg = true)]
     command: Vec<OsString>,
 }
+
+#[derive(Debug, Args)]
+struct RestoreArgs {
+    /// The snapshot's directory (the DIR of `dmlc-ctl snapshot DIR`).
+    #[arg(value_name = "DIR")]
+    dir: PathBuf,
+
+    /// Stop the job after this many seconds (0: never) [default: the
+    /// job's own].
+    #[arg(long, value_name = "SECS")]
+    timeout: Option<u64>,
+
+    /// Keep the logs in DIR, as `submit --log-dir` [default: the job's].
+    #[arg(long, value_name = "LOGS")]
+    log_dir: Option<PathBuf>,
+
+    /// The vhost-device-dmlc binary [default: $DMLC_BACKEND, else next to
+    /// dmlc-qemu].
+    #[arg(long, value_name = "PATH")]
+    backend: Option<PathBuf>,
+}
+
+const RESTORE_AFTER_HELP: &str = "\
+The snapshot holds each rank's VM (rankR.vmstate, QEMU's saved state, the
+device's part of the group with it) and snapshot.json (the job as submit
+ran it). The same QEMU, guest image, program and --files must be at hand:
+the image is made again from them. The restored job runs unfrozen (its
+--freeze-* options are dropped); the collective that was held runs first.
+See docs/debugging.md.";
 
 #[derive(Debug, Args)]
 struct DemoArgs {
@@ -752,7 +786,36 @@ fn submit_job(a: SubmitArgs) -> Job {
         tracker,
         place: None,
         debug,
+        resume: None,
     }
+}
+
+/// The job of `restore`: the saved job, continued from its snapshot.
+fn restore_job(a: &RestoreArgs) -> Job {
+    let snapshot = freeze::Snapshot::load(&a.dir).unwrap_or_else(|e| usage_error(e));
+    let mut job: Job = serde_json::from_value(snapshot.job.clone())
+        .unwrap_or_else(|e| usage_error(format!("{}: {e}", a.dir.display())));
+    for rank in 0..job.num_workers {
+        let f = snapshot.vm_state(rank);
+        if !f.is_file() {
+            usage_error(format!(
+                "{}: no such file: not a whole snapshot",
+                f.display()
+            ));
+        }
+    }
+    job.backend = backend_path(a.backend.as_deref());
+    if let Some(t) = a.timeout {
+        job.timeout = (t > 0).then(|| Duration::from_secs(t));
+    }
+    if a.log_dir.is_some() {
+        job.log_dir.clone_from(&a.log_dir);
+    }
+    // Restored, the job runs on: the freeze that the snapshot was made in
+    // is not armed again.
+    job.debug = freeze::DebugOptions::default();
+    job.resume = Some(snapshot);
+    job
 }
 
 /// Prints how a job ended and returns the launcher's exit status.
@@ -790,6 +853,7 @@ fn main() -> ExitCode {
     let _ = SUBCOMMAND.set(match cli.command {
         Cmd::Submit(_) => "submit",
         Cmd::Demo(_) => "demo",
+        Cmd::Restore(_) => "restore",
         Cmd::HostPart { .. } => "host-part",
         Cmd::HostRun { .. } => "host-run",
     });
@@ -817,6 +881,14 @@ fn main() -> ExitCode {
             }
         }
         Cmd::Demo(a) => demo::run(a),
+        Cmd::Restore(a) => {
+            let job = restore_job(&a);
+            let mut out = io::stdout();
+            match job.run(&mut out) {
+                Ok(outcome) => report(&outcome),
+                Err(e) => job_error(&e),
+            }
+        }
         Cmd::HostPart { job } => hosts::host_part(&job),
         Cmd::HostRun { job } => hosts::host_run(&job),
     };

@@ -18,7 +18,9 @@
 //!   timeout, and once thawed ends with the weights of an unfrozen run; a
 //!   NaN injected on rank 1 at step 7 freezes the job there
 //!   (`--freeze-on-error`) and fails it naming rank 1 and the element
-//!   (system/freeze.rs);
+//!   (system/freeze.rs); a frozen job saved (`dmlc-ctl snapshot`), every
+//!   process killed, restored (`dmlc-qemu restore`), ends with the weights
+//!   of an uninterrupted run (system/snapshot.rs);
 //! - a failed worker, Ctrl-C, a timeout and a VM whose QEMU fails each
 //!   stop every VM and the backend and leave no process and no temporary
 //!   file behind.
@@ -46,6 +48,8 @@ use tempfile::TempDir;
 
 #[path = "system/freeze.rs"]
 mod freeze;
+#[path = "system/snapshot.rs"]
+mod snapshot;
 
 /// Progress on the real stderr (past the test harness's capture).
 fn progress(line: &str) {

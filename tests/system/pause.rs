@@ -1,8 +1,9 @@
 //! A VM paused through the QEMU monitor in the middle of a loop of
 //! collectives: its requests stay pending (docs/spec.md 5.X.6.12), its peer
 //! waits, and once the VM runs again both finish every collective and the
-//! group goes on, with no loss and no generation change. Migration is
-//! refused with a message that names the device (docs/qemu.md).
+//! group goes on, with no loss and no generation change. Saving the
+//! running VM (QMP `migrate`) is refused with a message that says how to
+//! freeze the job first (docs/debugging.md).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -59,14 +60,17 @@ fn paused_vm_keeps_its_requests_and_the_group_goes_on() {
     let mut qmp =
         Qmp::connect(&qmp_sock, Duration::from_secs(30)).unwrap_or_else(|e| panic!("QMP: {e}"));
 
-    // Migration and snapshots are refused, naming the device.
+    // A running VM is not saved (migration, snapshots): QEMU refuses and
+    // says how to freeze the job first.
     let refused = qmp
         .execute("migrate", json!({ "uri": "exec:cat > /dev/null" }))
-        .expect_err("migration of a VM with the dmlc device must be refused")
+        .expect_err("migration of a running VM with the dmlc device must be refused")
         .to_string();
     assert!(
-        refused.contains("vhost-user-dmlc"),
-        "the refusal does not name the device: {refused}"
+        refused.contains(
+            "vhost-user-dmlc: a VM with vhost-user-dmlc migrates only while its job is frozen"
+        ),
+        "the refusal does not say how to freeze: {refused}"
     );
     progress(&format!("{test}: migrate refused: {refused}"));
 

@@ -32,7 +32,8 @@ use std::time::{Duration, Instant};
 
 use log::{debug, info, warn};
 use vhost::vhost_user::message::{
-    VhostUserProtocolFeatures, VhostUserVirtioFeatures, VHOST_USER_CONFIG_SIZE,
+    VhostTransferStateDirection, VhostTransferStatePhase, VhostUserProtocolFeatures,
+    VhostUserVirtioFeatures, VHOST_USER_CONFIG_SIZE,
 };
 use vhost_user_backend::{
     VhostUserBackend, VringRwLock, VringState, VringStateGuard, VringStateMutGuard, VringT,
@@ -49,6 +50,8 @@ use zerocopy::IntoBytes;
 
 use crate::group::{Completion, Group};
 use crate::GuestMem;
+
+mod state;
 
 /// The guest memory handle vhost-user-backend shares with every vring.
 pub type AtomicMem = GuestMemoryAtomic<GuestMem>;
@@ -79,6 +82,9 @@ pub struct Vring {
     /// this connection (a frontend handing its rings to a restarted
     /// daemon). `None` until the first start.
     earlier: Arc<Mutex<Option<u16>>>,
+    /// A copy of the frontend's kick eventfd: a ring that starts is looked
+    /// at once (chains a restored backend serves again wait for no kick).
+    kick: Arc<Mutex<Option<std::fs::File>>>,
 }
 
 /// Completions waiting for a stopped ring to start again.
@@ -216,6 +222,7 @@ impl VringT<AtomicMem> for Vring {
             deferred: Arc::new(Mutex::new(Deferred::default())),
             mem,
             earlier: Arc::new(Mutex::new(None)),
+            kick: Arc::new(Mutex::new(None)),
         })
     }
 
@@ -251,6 +258,13 @@ impl VringT<AtomicMem> for Vring {
         self.inner.set_enabled(enabled);
         if enabled {
             self.flush_deferred();
+            // One look at the ring now (a spurious wake-up finds nothing).
+            if let Some(k) = &*lock(&self.kick) {
+                use std::io::Write;
+                if let Err(e) = (&*k).write_all(&1u64.to_ne_bytes()) {
+                    debug!("cannot wake the queue's worker: {e}");
+                }
+            }
         }
     }
 
@@ -310,6 +324,7 @@ impl VringT<AtomicMem> for Vring {
     }
 
     fn set_kick(&self, file: Option<std::fs::File>) {
+        *lock(&self.kick) = file.as_ref().and_then(|f| f.try_clone().ok());
         self.inner.set_kick(file);
     }
 
@@ -343,12 +358,14 @@ pub const DEVICE_FEATURES: u64 = bit(virtio_dmlc::VIRTIO_F_VERSION_1)
 
 /// vhost-user protocol features the device offers: CONFIG so that the
 /// frontend reads config space with GET_CONFIG, MQ for several request
-/// queues, REPLY_ACK and RESET_DEVICE because the library implements them.
+/// queues, REPLY_ACK and RESET_DEVICE because the library implements them,
+/// DEVICE_STATE for the snapshot of a frozen job (`backend/state.rs`).
 pub fn protocol_features() -> VhostUserProtocolFeatures {
     VhostUserProtocolFeatures::CONFIG
         | VhostUserProtocolFeatures::MQ
         | VhostUserProtocolFeatures::REPLY_ACK
         | VhostUserProtocolFeatures::RESET_DEVICE
+        | VhostUserProtocolFeatures::DEVICE_STATE
 }
 
 /// Largest GET_CONFIG payload vhost-user allows.
@@ -386,6 +403,10 @@ struct QueueSlot {
     gate: Mutex<Option<Arc<VringCompletion>>>,
     /// A broken ring is reported once at warn, then at debug.
     warned: AtomicBool,
+    /// The queue's ring, once served: a snapshot reads it (`state.rs`).
+    vring: Mutex<Option<Vring>>,
+    /// A restored ring's index to pop from again, before its first pop.
+    rewind: Mutex<Option<u16>>,
 }
 
 /// The vhost-user backend of one member for one frontend connection.
@@ -406,6 +427,8 @@ pub struct MemberBackend {
     /// Counts activations; a completion of an earlier one is dropped.
     epoch: Arc<AtomicU64>,
     queues: Vec<QueueSlot>,
+    /// A saved state being read from QEMU (`state.rs`).
+    loading: Mutex<Option<std::thread::JoinHandle<io::Result<Vec<u8>>>>>,
 }
 
 impl MemberBackend {
@@ -416,6 +439,8 @@ impl MemberBackend {
             .map(|_| QueueSlot {
                 gate: Mutex::new(None),
                 warned: AtomicBool::new(false),
+                vring: Mutex::new(None),
+                rewind: Mutex::new(None),
             })
             .collect();
         MemberBackend {
@@ -427,6 +452,7 @@ impl MemberBackend {
             submitted: AtomicBool::new(false),
             epoch: Arc::new(AtomicU64::new(0)),
             queues,
+            loading: Mutex::new(None),
         }
     }
 
@@ -550,6 +576,7 @@ impl MemberBackend {
             return 0;
         };
         let mut gate = lock(&slot.gate);
+        self.note_ring(queue, vring);
         if !self.is_active() {
             if !self.armed.swap(false, Ordering::AcqRel) {
                 return 0;
@@ -953,6 +980,20 @@ impl VhostUserBackend for MemberBackend {
                 None
             }
         }
+    }
+
+    fn set_device_state_fd(
+        &self,
+        direction: VhostTransferStateDirection,
+        _phase: VhostTransferStatePhase,
+        file: std::fs::File,
+    ) -> io::Result<Option<std::fs::File>> {
+        let save = matches!(direction, VhostTransferStateDirection::SAVE);
+        self.transfer_state(save, file).map(|()| None)
+    }
+
+    fn check_device_state(&self) -> io::Result<()> {
+        self.check_state()
     }
 
     fn stop_vring(&self, queue_index: u32) -> io::Result<()> {

@@ -31,7 +31,10 @@
 //! - `thaw`: resumes a frozen job;
 //! - `inspect`: the held collective, member by member, as JSON;
 //! - `stopped ID`, `resumed ID`: the launcher says it stopped, or resumed,
-//!   every VM of freeze `ID`.
+//!   every VM of freeze `ID`;
+//! - `snapshot DIR`: asks the launcher to save every VM of the frozen job
+//!   into DIR (`frozen` then shows the snapshot's state); `snapshotted ID
+//!   ok` or `snapshotted ID error TEXT`: the launcher's verdict.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -146,10 +149,15 @@ pub fn answer(
         ["inspect"] => group.inspect().map(|j| format!("{j:#}\n")),
         ["stopped", id] => group.frozen_stopped(number(id, "ID")?),
         ["resumed", id] => group.frozen_resumed(number(id, "ID")?),
+        ["snapshot", dir] => group.snapshot(dir),
+        ["snapshotted", id, "ok"] => group.snapshotted(number(id, "ID")?, Ok(())),
+        ["snapshotted", id, "error", why @ ..] => {
+            group.snapshotted(number(id, "ID")?, Err(why.join(" ")))
+        }
         _ => Err(format!(
             "unknown request {request:?}; the requests are state, metrics, trace, dump, \
              summary [WINDOW_MS], delay RANK US, load FILE, freeze (--at SEQ [--queue Q] | \
-             --tag T | --on-error | --off), frozen, thaw, inspect"
+             --tag T | --on-error | --off), frozen, thaw, inspect, snapshot DIR"
         )),
     }
 }

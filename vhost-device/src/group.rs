@@ -72,7 +72,8 @@
 //! - `timers.rs`: the `dmlc-delay` and `dmlc-timer` threads and the `Later`
 //!   heap;
 //! - `freeze.rs`: holding a collective before its data moves (`dmlc-ctl
-//!   freeze`, `thaw`, `inspect`); `inspect.rs`: a member's input summarised;
+//!   freeze`, `thaw`, `inspect`, `snapshot`); `inspect.rs`: a member's input
+//!   summarised; `snapshot.rs`: a member's part of the group in a snapshot;
 //! - [`remote`]: the inter-host stage.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -103,6 +104,7 @@ mod matching;
 mod p2p;
 mod pieces;
 mod shared;
+pub mod snapshot;
 mod state;
 mod submit;
 mod test_fault;

@@ -239,6 +239,8 @@ impl Vm {
 /// A group of VMs started together. Dropping it kills every VM.
 pub struct Cluster {
     vms: Vec<Vm>,
+    /// Names this cluster's VMs in their consoles (`dmlc.nonce`).
+    token: String,
     dir: TempDir,
     timeout: Duration,
     failed: bool,
@@ -279,10 +281,14 @@ impl Cluster {
             .permissions(fs::Permissions::from_mode(0o700))
             .tempdir_in(&base)
             .map_err(io_err(&base))?;
-        let token = unique();
+        let token = opts
+            .resume
+            .as_ref()
+            .map_or_else(unique, |r| r.token.clone());
         let mcast = opts.net.then(|| mcast_addr(&token));
         let mut cluster = Cluster {
             vms: Vec::with_capacity(specs.len()),
+            token: token.clone(),
             dir,
             timeout: opts.timeout,
             failed: false,
@@ -294,8 +300,17 @@ impl Cluster {
                 (true, Some(v)) => Some(cluster.start_virtiofsd(v, i)?),
                 (true, None) => return Err(Error::NoVirtiofsd(Virtiofsd::cache_path())),
             };
-            let args = cluster.vm_args(qemu, image, spec, opts.accel, mcast, i, &nonce)?;
-            let vm = cluster.spawn(qemu, args, i, nonce, fsd)?;
+            let mut args = cluster.vm_args(qemu, image, spec, opts.accel, mcast, i, &nonce)?;
+            if let Some(r) = &opts.resume {
+                let saved = r.incoming.get(i).ok_or(Error::NoSavedState(i))?;
+                args.push("-incoming".into());
+                args.push(format!("file:{}", saved.display()).into());
+            }
+            let mut vm = cluster.spawn(qemu, args, i, nonce, fsd)?;
+            if opts.resume.is_some() {
+                // Booted before it was saved: its start line is behind it.
+                vm.boot = Some(Duration::ZERO);
+            }
             cluster.vms.push(vm);
         }
         Ok(cluster)
@@ -306,6 +321,12 @@ impl Cluster {
     /// `DMLC_KEEP_LOGS=1`.
     pub fn dir(&self) -> &Path {
         self.dir.path()
+    }
+
+    /// The token in every VM's nonce: a [`crate::Resume`] of these VMs
+    /// needs it.
+    pub fn token(&self) -> &str {
+        &self.token
     }
 
     /// QEMU's command line for VM `i`, for logs and docs.

@@ -36,6 +36,8 @@ pub enum Error {
     BadAccel(String),
     #[error("virtio-net needs at most 254 VMs, got {0}")]
     TooManyVms(usize),
+    #[error("no saved state for vm {0} to resume")]
+    NoSavedState(usize),
     #[error("vm {vm} exited ({status}) without printing its exit line")]
     EarlyExit { vm: usize, status: ExitStatus },
     #[error("vms {vms:?} printed no exit line within {after:?}")]

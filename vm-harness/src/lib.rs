@@ -16,4 +16,4 @@ mod spec;
 pub use cluster::{run_ok, Cluster, Outcome, TCG_HOST_ROOT_CPU};
 pub use error::Error;
 pub use setup::{repo_root, Accel, Image, ImageOptions, Qemu, Virtiofsd, VIRTIOFSD_VERSION};
-pub use spec::{vm_ip, Options, VmSpec};
+pub use spec::{vm_ip, Options, Resume, VmSpec};

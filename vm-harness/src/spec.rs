@@ -102,6 +102,19 @@ pub struct Options {
     /// Where the cluster's directory goes; `None`: the temp dir. Tests
     /// pass `CARGO_TARGET_TMPDIR` to keep their logs under target/.
     pub tmp_dir: Option<PathBuf>,
+    /// Start the VMs from saved states instead of booting them.
+    pub resume: Option<Resume>,
+}
+
+/// VMs that continue from saved states (QEMU's `-incoming file:PATH`): the
+/// same specs as when they were saved, and the cluster's token then, which
+/// the guests' consoles still print.
+#[derive(Clone, Debug, Default)]
+pub struct Resume {
+    /// [`crate::Cluster::token`] of the cluster that was saved.
+    pub token: String,
+    /// VM i's saved state.
+    pub incoming: Vec<PathBuf>,
 }
 
 impl Default for Options {
@@ -111,6 +124,7 @@ impl Default for Options {
             net: false,
             timeout: Duration::from_secs(120),
             tmp_dir: None,
+            resume: None,
         }
     }
 }

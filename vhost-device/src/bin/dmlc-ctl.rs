@@ -10,6 +10,7 @@
 //! dmlc-ctl --socket PATH freeze --at 40    # hold collective 40 of queue 0
 //! dmlc-ctl --socket PATH freeze --on-error # hold instead of failing
 //! dmlc-ctl --socket PATH inspect           # the held collective, per rank
+//! dmlc-ctl --socket PATH snapshot /tmp/s   # save every VM of the frozen job
 //! dmlc-ctl --socket PATH thaw              # resume the VMs, run it
 //! ```
 
@@ -30,7 +31,9 @@ use clap::Parser;
 /// holds that collective once every member has arrived and before any of
 /// its data moves; `dmlc-qemu` then stops every VM. `inspect` prints the
 /// held collective rank by rank (`--json`: as the daemon sends it);
-/// `thaw` resumes the VMs and runs it; `freeze --off` disarms.
+/// `thaw` resumes the VMs and runs it; `freeze --off` disarms. `snapshot
+/// DIR` has the launcher save every VM of the frozen job into DIR and waits
+/// until it has; `dmlc-qemu restore DIR` continues the job from there.
 #[derive(Debug, Parser)]
 #[command(name = "dmlc-ctl", version)]
 struct Args {
@@ -44,7 +47,8 @@ struct Args {
 
     /// The request and its arguments: state | metrics | trace | dump |
     /// summary [WINDOW_MS] | delay RANK US | load FILE | freeze (--at SEQ
-    /// [--queue Q] | --tag T | --on-error | --off) | frozen | inspect | thaw.
+    /// [--queue Q] | --tag T | --on-error | --off) | frozen | inspect | thaw
+    /// | snapshot DIR.
     #[arg(value_name = "REQUEST", required = true, num_args = 1.., allow_hyphen_values = true,
           trailing_var_arg = true)]
     request: Vec<String>,
@@ -69,11 +73,58 @@ fn main() -> ExitCode {
 }
 
 fn run(args: &Args) -> Result<String, String> {
-    dmlc_cli_support::daemon::control_request(
-        &args.socket,
-        &args.request.join(" "),
-        Duration::from_secs(30),
-    )
+    let ask = |line: &str| {
+        dmlc_cli_support::daemon::control_request(&args.socket, line, Duration::from_secs(30))
+    };
+    if let [verb, dir] = args.request.as_slice() {
+        if verb == "snapshot" {
+            // The daemon's own working directory is not ours.
+            let dir = std::path::absolute(dir)
+                .map_err(|e| format!("{dir}: {e}"))?
+                .display()
+                .to_string();
+            let asked = ask(&format!("snapshot {dir}"))?;
+            eprint!("{asked}");
+            return wait_for_snapshot(&ask, &dir);
+        }
+    }
+    ask(&args.request.join(" "))
+}
+
+/// Waits until the launcher has saved the snapshot into `dir` (it says so
+/// through the daemon's `frozen`).
+fn wait_for_snapshot(
+    ask: &dyn Fn(&str) -> Result<String, String>,
+    dir: &str,
+) -> Result<String, String> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(900);
+    loop {
+        let state: serde_json::Value =
+            serde_json::from_str(&ask("frozen")?).map_err(|e| e.to_string())?;
+        let s = &state["held"]["snapshot"];
+        match s["state"].as_str() {
+            Some("done") => {
+                return Ok(format!(
+                    "snapshot saved in {dir}\nrestore: dmlc-qemu restore {dir}\n"
+                ))
+            }
+            Some("failed") => {
+                return Err(format!(
+                    "the snapshot failed: {}",
+                    s["error"].as_str().unwrap_or("no reason given")
+                ))
+            }
+            Some(_) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            Some(_) => {
+                return Err("no snapshot after 15 minutes: is a launcher following the \
+                                   freeze (dmlc-qemu submit)?"
+                    .into())
+            }
+            None => return Err("the freeze ended before the snapshot was saved".into()),
+        }
+    }
 }
 
 /// The daemon's `inspect` JSON as a table, one rank per line (the JSON

@@ -87,7 +87,7 @@ impl fmt::Display for Why {
 
 /// Where a hold stands with the launcher.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Phase {
+pub(super) enum Phase {
     /// Held; nobody said the VMs are stopped.
     Held,
     /// The launcher stopped every VM (`stopped ID`).
@@ -111,7 +111,16 @@ pub(super) struct Held {
     key: SlotKey,
     why: Why,
     since: Instant,
-    phase: Phase,
+    pub(super) phase: Phase,
+    /// `snapshot DIR`: the launcher saves every VM into DIR.
+    snapshot: Option<Snapshot>,
+}
+
+/// A snapshot of a frozen job, asked for with `snapshot DIR`.
+struct Snapshot {
+    dir: String,
+    /// `None` while the launcher saves; then its verdict.
+    done: Option<Result<(), String>>,
 }
 
 /// The freeze state, under the state lock.
@@ -151,6 +160,7 @@ impl Freeze {
             why,
             since: Instant::now(),
             phase: Phase::Held,
+            snapshot: None,
         });
     }
 
@@ -286,6 +296,54 @@ impl Group {
         }
     }
 
+    /// `snapshot DIR`: asks the launcher to save every VM of the frozen job
+    /// (each with its member's part of the group, [`Group::member_state`])
+    /// into DIR, an absolute path.
+    pub fn snapshot(&self, dir: &str) -> Result<String, String> {
+        if !dir.starts_with('/') {
+            return Err(format!("DIR must be an absolute path, not {dir:?}"));
+        }
+        let mut st = lock(&self.shared.state);
+        match &mut st.freeze.held {
+            Some(h) if h.phase == Phase::Frozen => {
+                if matches!(&h.snapshot, Some(s) if s.done.is_none()) {
+                    return Err("a snapshot is being saved".into());
+                }
+                h.snapshot = Some(Snapshot {
+                    dir: dir.to_owned(),
+                    done: None,
+                });
+                Ok(format!(
+                    "snapshot of freeze {} requested: the launcher saves every VM into {dir}\n",
+                    h.id
+                ))
+            }
+            Some(_) => Err(
+                "the VMs are not stopped yet (or thawing): snapshot once the job \
+                            is frozen"
+                    .into(),
+            ),
+            None => Err("nothing is frozen: freeze the job first (dmlc-ctl freeze)".into()),
+        }
+    }
+
+    /// `snapshotted ID ok` or `snapshotted ID error TEXT` (from the
+    /// launcher): how the snapshot of freeze `id` ended.
+    pub fn snapshotted(&self, id: u64, verdict: Result<(), String>) -> Result<String, String> {
+        let mut st = lock(&self.shared.state);
+        match &mut st.freeze.held {
+            Some(Held {
+                id: held,
+                snapshot: Some(s),
+                ..
+            }) if *held == id && s.done.is_none() => {
+                s.done = Some(verdict);
+                Ok(format!("freeze {id}: snapshot recorded\n"))
+            }
+            _ => Err(format!("freeze {id} has no snapshot being saved")),
+        }
+    }
+
     /// `resumed ID` (from the launcher): every VM runs again; releases.
     pub fn frozen_resumed(&self, id: u64) -> Result<String, String> {
         let st = lock(&self.shared.state);
@@ -399,7 +457,19 @@ impl Group {
 
 fn held_json(h: &Held) -> serde_json::Value {
     let (queue, seq) = h.key.short();
+    let snapshot = h.snapshot.as_ref().map(|s| {
+        serde_json::json!({
+            "dir": s.dir,
+            "state": match &s.done {
+                None => "saving",
+                Some(Ok(())) => "done",
+                Some(Err(_)) => "failed",
+            },
+            "error": s.done.as_ref().and_then(|d| d.as_ref().err()),
+        })
+    });
     serde_json::json!({
+        "snapshot": snapshot,
         "id": h.id,
         "phase": h.phase.name(),
         "reason": h.why.to_string(),

@@ -252,3 +252,66 @@ fn on_error_holds_a_timeout() {
     w.group.thaw().unwrap();
     assert_eq!(status(&w.wait_comm(&p.p).1), (Status::Timeout, 0));
 }
+
+/// A member's state for a snapshot (spec 5.X.6.15): refused unless the job
+/// is frozen; then the held collective's sequence number and each member's
+/// head; a new group with the same id takes it back (sequence numbers and
+/// generation), and serves the member's request again under it, which
+/// then meets its peer's; a group of another id refuses it.
+#[test]
+fn a_snapshot_state_is_given_only_when_frozen_and_taken_back_by_the_same_group() {
+    let n = 2;
+    let mut w = world(n);
+    let p: Vec<Posted> = (0..n)
+        .map(|r| allreduce(&mut w, r, 8, 0, 1, None))
+        .collect();
+    for x in &p {
+        assert_eq!(status(&w.wait_comm(&x.p).1), (Status::Ok, 0));
+    }
+    assert!(w.group.member_state(0).unwrap_err().contains("not frozen"));
+    w.group
+        .freeze(Some(Trigger::At { queue: 0, seq: 1 }), false)
+        .unwrap();
+    let p: Vec<Posted> = (0..n)
+        .map(|r| allreduce(&mut w, r, 8, 0, 2, None))
+        .collect();
+    let id = held(&w)["id"].as_u64().unwrap();
+    assert!(
+        w.group.member_state(0).unwrap_err().contains("not frozen"),
+        "held, not frozen"
+    );
+    w.group.frozen_stopped(id).unwrap();
+    let states: Vec<_> = (0..n).map(|r| w.group.member_state(r).unwrap()).collect();
+    for (r, s) in states.iter().enumerate() {
+        assert_eq!((s.rank, s.group_id, s.generation), (r as u32, 0x1234, 1));
+        // The config's 4 queues: only queue 0 has a request in flight.
+        assert_eq!(
+            s.seqs,
+            vec![1, 0, 0, 0],
+            "rank {r}: the held collective's number"
+        );
+        assert_eq!(s.in_flight[0], vec![p[r].p.head], "rank {r}");
+        assert!(s.in_flight[1..].iter().all(Vec::is_empty), "rank {r}");
+    }
+
+    // A new group of the same id takes them back: member 0's request,
+    // served again, is collective 1 and meets member 1's.
+    let mut fresh = world(n);
+    for s in &states {
+        fresh.group.adopt_member(s).unwrap();
+    }
+    let again: Vec<Posted> = (0..n)
+        .map(|r| allreduce(&mut fresh, r, 8, 0, 2, None))
+        .collect();
+    for x in &again {
+        assert_eq!(status(&fresh.wait_comm(&x.p).1), (Status::Ok, 0));
+    }
+    let state = fresh.group.state_json();
+    assert_eq!(state["members"][0]["next_seq"][0], 2, "{state:#}");
+
+    let mut cfg = config(n);
+    cfg.group_id = 0x999;
+    let other = World::new(cfg);
+    let refused = other.group.adopt_member(&states[0]).unwrap_err();
+    assert!(refused.contains("--group-id 0x1234"), "{refused}");
+}
