@@ -20,10 +20,29 @@ const TIMEOUT_MS: u64 = 5000;
 /// The collective the job freezes at.
 const AT: u64 = 10;
 
-fn fingerprints(out: &str) -> Vec<String> {
+/// The model fingerprint each of the 2 ranks printed.
+pub(super) fn fingerprints(out: &str) -> Vec<String> {
     (0..2)
         .map(|r| rank_value(out, r, &format!("rank {r} model fingerprint ")).to_owned())
         .collect()
+}
+
+/// Waits until the launcher says the job is frozen (every VM stopped and
+/// the QMP socket of each rank printed); returns its stderr so far.
+pub(super) fn wait_frozen(run: &mut Running) -> String {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let err = run.stderr.lock().unwrap().clone();
+        if err.contains("frozen (freeze 1)") && err.contains("rank 1: QMP ") {
+            return err;
+        }
+        assert!(
+            Instant::now() < deadline && run.child.try_wait().unwrap().is_none(),
+            "the job did not freeze:\n{err}\n{}",
+            run.stdout.lock().unwrap()
+        );
+        thread::sleep(Duration::from_millis(100));
+    }
 }
 
 #[test]
@@ -59,19 +78,7 @@ fn a_frozen_job_outlives_the_timeout_and_ends_as_an_unfrozen_one() {
         &at,
     ]));
     // The launcher says so on stderr once both VMs are stopped.
-    let deadline = Instant::now() + Duration::from_secs(300);
-    let err = loop {
-        let err = run.stderr.lock().unwrap().clone();
-        if err.contains("frozen (freeze 1)") && err.contains("rank 1: QMP ") {
-            break err;
-        }
-        assert!(
-            Instant::now() < deadline && run.child.try_wait().unwrap().is_none(),
-            "the job did not freeze:\n{err}\n{}",
-            run.stdout.lock().unwrap()
-        );
-        thread::sleep(Duration::from_millis(100));
-    };
+    let err = wait_frozen(&mut run);
     let frozen_at = Instant::now();
     let qmp: Vec<PathBuf> = (0..2)
         .map(|r| {
@@ -173,16 +180,7 @@ fn a_nan_freezes_the_job_at_its_step_and_names_rank_and_element() {
         "1:7:5",
     ];
     let mut run = Running::start(env.command(&args));
-    let deadline = Instant::now() + Duration::from_secs(300);
-    while !run.stderr.lock().unwrap().contains("frozen (freeze 1)") {
-        assert!(
-            Instant::now() < deadline && run.child.try_wait().unwrap().is_none(),
-            "the job did not freeze:\n{}\n{}",
-            run.stderr.lock().unwrap(),
-            run.stdout.lock().unwrap()
-        );
-        thread::sleep(Duration::from_millis(100));
-    }
+    wait_frozen(&mut run);
     let ask = |what: &str| {
         control_request(&ctl, what, Duration::from_secs(30))
             .unwrap_or_else(|e| panic!("{what}: {e}"))

@@ -14,13 +14,8 @@ use dmlc_cli_support::daemon::control_request;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
-use super::{digits, progress, rank_value, setup, Running};
-
-fn fingerprints(out: &str) -> Vec<String> {
-    (0..2)
-        .map(|r| rank_value(out, r, &format!("rank {r} model fingerprint ")).to_owned())
-        .collect()
-}
+use super::freeze::{fingerprints, wait_frozen};
+use super::{digits, progress, setup, Running};
 
 #[test]
 fn a_snapshot_restored_after_every_process_died_ends_as_an_uninterrupted_run() {
@@ -57,15 +52,7 @@ fn a_snapshot_restored_after_every_process_died_ends_as_an_uninterrupted_run() {
             "7",
         ],
     ));
-    let deadline = Instant::now() + Duration::from_secs(300);
-    while !run.stderr.lock().unwrap().contains("frozen (freeze 1)") {
-        assert!(
-            Instant::now() < deadline && run.child.try_wait().unwrap().is_none(),
-            "the job did not freeze:\n{}",
-            run.stderr.lock().unwrap()
-        );
-        thread::sleep(Duration::from_millis(100));
-    }
+    wait_frozen(&mut run);
     let ask = |what: &str| control_request(&ctl, what, Duration::from_secs(30));
     ask(&format!("snapshot {}", saved.display())).unwrap();
     let deadline = Instant::now() + Duration::from_secs(300);
