@@ -166,11 +166,23 @@ impl Freezer {
         self.stopped.is_some()
     }
 
-    /// Runs `command` on every VM; the first failure, if any.
+    /// Runs `command` on every VM whose QEMU is still there (one whose
+    /// program ended has powered off); the first failure, if any.
     fn every_vm(&self, command: &str) -> Result<(), String> {
         for (i, path) in self.qmp.iter().enumerate() {
-            Qmp::connect(path, PATIENCE)
-                .and_then(|mut q| q.execute(command, json!({})))
+            let mut q = match Qmp::connect(path, Duration::from_secs(2)) {
+                Ok(q) => q,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+                    ) =>
+                {
+                    continue
+                }
+                Err(e) => return Err(format!("rank {}: QMP: {e}", self.first + i)),
+            };
+            q.execute(command, json!({}))
                 .map_err(|e| format!("rank {}: QMP {command}: {e}", self.first + i))?;
         }
         Ok(())

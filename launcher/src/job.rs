@@ -1142,7 +1142,10 @@ impl Monitor {
                 return End::BackendDied(status.to_string());
             }
             if let Some((rank, status, at)) = failed {
-                if at.elapsed() >= GRACE {
+                // A frozen job waits for its thaw: a freeze on a lost
+                // member keeps the others stopped to be looked at.
+                let frozen = freezer.as_deref().is_some_and(Freezer::frozen);
+                if at.elapsed() >= GRACE && !frozen {
                     return End::Failed { rank, status };
                 }
             }

@@ -301,8 +301,9 @@ struct SubmitArgs {
     #[arg(long, value_name = "T")]
     freeze_tag: Option<u64>,
 
-    /// Freeze instead of failing a collective with MISMATCH, TIMEOUT or
-    /// NONFINITE (a NaN or infinity in a checked input, DMLC_CHECK_FINITE=1).
+    /// Freeze instead of failing a collective with MISMATCH, TIMEOUT,
+    /// NONFINITE (a NaN or infinity in a checked input, DMLC_CHECK_FINITE=1)
+    /// or, for the ranks that remain when one exits or dies, PEER_LOST.
     #[arg(long)]
     freeze_on_error: bool,
 

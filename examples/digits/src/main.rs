@@ -88,6 +88,23 @@ struct Args {
     /// (docs/debugging.md); without it every rank's weights turn NaN.
     #[arg(long, value_name = "R:S[:I]", value_parser = parse_inject)]
     inject_nan: Option<InjectNan>,
+
+    /// Debugging aid: rank R's process exits with status 3 before step S's
+    /// allreduce, as a crash would; the others' allreduce then fails with
+    /// PEER_LOST (or, with `dmlc-qemu submit --freeze-on-error`, the job
+    /// freezes there: docs/debugging.md).
+    #[arg(long, value_name = "R:S", value_parser = parse_crash)]
+    crash: Option<(u32, u32)>,
+}
+
+/// Parses `--crash R:S`.
+fn parse_crash(s: &str) -> Result<(u32, u32), String> {
+    let bad = || format!("{s:?}: expected RANK:STEP, whole numbers");
+    let (r, st) = s.split_once(':').ok_or_else(bad)?;
+    Ok((
+        r.parse().map_err(|_| bad())?,
+        st.parse().map_err(|_| bad())?,
+    ))
 }
 
 /// Parses `--inject-nan R:S[:I]`.
@@ -137,6 +154,7 @@ impl Args {
             batch: self.batch.unwrap_or(batch),
             seed: self.seed,
             inject_nan: self.inject_nan,
+            crash: self.crash,
         }
     }
 }

@@ -115,6 +115,9 @@ pub struct Settings {
     /// A NaN put in one rank's gradient at one step, to debug with
     /// (docs/debugging.md).
     pub inject_nan: Option<InjectNan>,
+    /// `(rank, step)`: that rank's process exits (status 3) before that
+    /// step's allreduce, as a crash would (docs/debugging.md).
+    pub crash: Option<(u32, u32)>,
 }
 
 /// Where `--inject-nan` puts its NaN: element `index` of rank `rank`'s
@@ -136,6 +139,7 @@ impl Default for Settings {
             batch: 0,
             seed: 42,
             inject_nan: None,
+            crash: None,
         }
     }
 }
@@ -154,6 +158,10 @@ impl Settings {
             h.write(&i.rank.to_le_bytes());
             h.write(&i.step.to_le_bytes());
             h.write(&(i.index as u64).to_le_bytes());
+        }
+        if let Some((r, s)) = self.crash {
+            h.write(&r.to_le_bytes());
+            h.write(&s.to_le_bytes());
         }
         h.finish()
     }
@@ -244,6 +252,10 @@ pub fn train<C: Collective + ?Sized>(
             }
         }
         let compute = t0.elapsed();
+        if settings.crash == Some((rank as u32, step)) {
+            eprintln!("rank {rank}: exits at step {step} (--crash)");
+            std::process::exit(3);
+        }
 
         let t1 = Instant::now();
         // The step's allreduce carries the step number as its tag, for
@@ -459,6 +471,7 @@ mod tests {
             batch: 8,
             seed: 5,
             inject_nan: None,
+            crash: None,
         };
         let t = train(&mut Single, &settings, &data, |_| {}).unwrap();
         let first: f64 = t.steps[..10].iter().map(|s| s.loss).sum();

@@ -213,3 +213,68 @@ fn a_nan_freezes_the_job_at_its_step_and_names_rank_and_element() {
     }
     env.assert_nothing_left();
 }
+
+/// Rank 1 crashes before step 7's allreduce (the trainer's `--crash 1:7`)
+/// with `--freeze-on-error`: rank 0 is held in that allreduce instead of
+/// failing, the job waits for the thaw instead of stopping it after its
+/// grace time, `inspect` shows rank 1 lost, and once thawed rank 0 fails
+/// with PEER_LOST naming rank 1; the job's status is rank 1's.
+#[test]
+fn a_crashed_rank_freezes_the_others_until_the_thaw() {
+    let Some(env) = setup("freeze-lost") else {
+        return;
+    };
+    let (trainer, files) = digits();
+    let ctl = env.tmp.path().join("ctl.sock");
+    let args = [
+        "submit",
+        "-n",
+        "2",
+        "--timeout",
+        "400",
+        "--freeze-on-error",
+        "--control-socket",
+        ctl.to_str().unwrap(),
+        "--files",
+        &files,
+        "--",
+        trainer.to_str().unwrap(),
+        "--steps",
+        "20",
+        "--crash",
+        "1:7",
+    ];
+    let mut run = Running::start(env.command(&args));
+    wait_frozen(&mut run);
+    let ask = |what: &str| {
+        control_request(&ctl, what, Duration::from_secs(30))
+            .unwrap_or_else(|e| panic!("{what}: {e}"))
+    };
+    let j: serde_json::Value = serde_json::from_str(&ask("inspect")).unwrap();
+    assert!(
+        j["reason"]
+            .as_str()
+            .unwrap()
+            .contains("PEER_LOST (rank 1 was lost)"),
+        "{j:#}"
+    );
+    assert_eq!(j["members"][0]["arrived"], true, "{j:#}");
+    assert_eq!(j["members"][1]["lost"], true, "{j:#}");
+    // Held past the launcher's 5 s grace after rank 1's exit.
+    thread::sleep(Duration::from_secs(8));
+    assert!(
+        run.child.try_wait().unwrap().is_none(),
+        "the job ended while frozen"
+    );
+    ask("thaw");
+    let (code, out, _, _) = run.finish(Duration::from_secs(300));
+    assert_eq!(code, Some(3), "the job's status is the crashed rank's");
+    assert!(
+        out.contains(
+            "[rank 0] dmlc-train-digits: training failed: step 7: the gradient allreduce \
+             failed: collective failed: rank 1 was lost"
+        ),
+        "rank 0 did not fail at step 7 naming rank 1"
+    );
+    env.assert_nothing_left();
+}

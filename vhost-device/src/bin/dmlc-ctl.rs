@@ -27,7 +27,8 @@ use clap::Parser;
 /// Freezing (docs/debugging.md): `freeze --at SEQ [--queue Q]` (collective
 /// SEQ of queue Q, default 0, of communicator 0), `freeze --tag T` (the
 /// first collective whose requests carry tag T) or `freeze --on-error`
-/// (any collective about to fail with MISMATCH, TIMEOUT or NONFINITE)
+/// (any collective about to fail with MISMATCH, TIMEOUT, NONFINITE or, for
+/// the members that remain, PEER_LOST)
 /// holds that collective once every member has arrived and before any of
 /// its data moves; `dmlc-qemu` then stops every VM. `inspect` prints the
 /// held collective rank by rank (`--json`: as the daemon sends it);
@@ -163,7 +164,12 @@ fn render_inspect(body: &str) -> String {
     let mut last = None;
     for m in j["members"].as_array().into_iter().flatten() {
         if m["arrived"] != serde_json::Value::Bool(true) {
-            out += &format!("{:>4} (not arrived)\n", text(&m["rank"]));
+            let what = if m["lost"] == serde_json::Value::Bool(true) {
+                "lost"
+            } else {
+                "not arrived"
+            };
+            out += &format!("{:>4} ({what})\n", text(&m["rank"]));
             continue;
         }
         if m["last"] == serde_json::Value::Bool(true) {

@@ -24,9 +24,9 @@ use std::time::{Duration, Instant};
 use virtio_dmlc::comm::COMM_WORLD;
 
 use super::inspect::summarise;
-use super::job::wants_check;
+use super::job::{wants_check, Outgoing};
 use super::matching::mismatch_mask;
-use super::state::{lock, Slot, SlotKey, State, Waiting};
+use super::state::{lock, Arrival, Outcome, Slot, SlotKey, State, Waiting};
 use super::Group;
 
 /// What a `freeze` request arms.
@@ -65,6 +65,10 @@ enum Why {
         rank: u32,
         index: u64,
     },
+    /// A member (group rank) was lost while the others waited.
+    PeerLost {
+        rank: u32,
+    },
 }
 
 impl fmt::Display for Why {
@@ -81,6 +85,7 @@ impl fmt::Display for Why {
             Why::NonFinite { rank, index } => {
                 write!(f, "on error: NONFINITE (rank {rank}, element {index})")
             }
+            Why::PeerLost { rank } => write!(f, "on error: PEER_LOST (rank {rank} was lost)"),
         }
     }
 }
@@ -114,6 +119,26 @@ pub(super) struct Held {
     pub(super) phase: Phase,
     /// `snapshot DIR`: the launcher saves every VM into DIR.
     snapshot: Option<Snapshot>,
+    /// Held on a loss: the remaining members' requests, taken out of their
+    /// slot, and the failure they get when thawed.
+    parked: Option<Parked>,
+}
+
+impl Held {
+    /// Held on a loss.
+    pub(super) fn lost(&self) -> bool {
+        self.parked.is_some()
+    }
+}
+
+/// The requests of a collective held on a loss (a new generation began:
+/// their slot is gone), and how they complete once thawed.
+pub(super) struct Parked {
+    arrivals: Vec<Arrival>,
+    out: Outcome,
+    generation: u32,
+    /// Keeps config space at the old generation until they are delivered.
+    batch: Outgoing,
 }
 
 /// A snapshot of a frozen job, asked for with `snapshot DIR`.
@@ -161,7 +186,36 @@ impl Freeze {
             since: Instant::now(),
             phase: Phase::Held,
             snapshot: None,
+            parked: None,
         });
+    }
+
+    /// Whether freeze-on-error is armed and nothing is held.
+    pub(super) fn on_error_armed(&self) -> bool {
+        self.on_timeout()
+    }
+
+    /// Holds collective `key` of the remaining members `arrivals` after
+    /// member `rank` (group rank) was lost: they complete with `out`, in
+    /// `generation`, once thawed.
+    pub(super) fn hold_lost(
+        &mut self,
+        key: SlotKey,
+        rank: u32,
+        arrivals: Vec<Arrival>,
+        out: Outcome,
+        generation: u32,
+        batch: Outgoing,
+    ) {
+        self.hold(key, Why::PeerLost { rank });
+        if let Some(h) = &mut self.held {
+            h.parked = Some(Parked {
+                arrivals,
+                out,
+                generation,
+                batch,
+            });
+        }
     }
 
     /// Holds `key`, whose deadline passed with `missing` (group ranks)
@@ -260,7 +314,7 @@ impl Group {
         f.on_error |= on_error;
         let mut armed: Vec<String> = f.trigger.iter().map(|t| format!("at {t}")).collect();
         if f.on_error {
-            armed.push("on error (MISMATCH, TIMEOUT, NONFINITE)".into());
+            armed.push("on error (MISMATCH, TIMEOUT, NONFINITE, PEER_LOST)".into());
         }
         Ok(format!("armed: freeze {}\n", armed.join(", and ")))
     }
@@ -379,6 +433,15 @@ impl Group {
             held_for.as_secs_f64(),
             h.why
         );
+        if let Some(p) = h.parked {
+            // Held on a loss: the failure the loss would have made.
+            drop(st);
+            for a in &p.arrivals {
+                sh.deliver_in(a, p.out, p.generation);
+            }
+            drop(p.batch);
+            return;
+        }
         match st.slots.remove(&h.key) {
             Some(Slot::Waiting(w)) if w.complete() => self.start_filled(st, h.key, w),
             Some(Slot::Waiting(mut w)) => {
@@ -407,20 +470,38 @@ impl Group {
         let Some(h) = &st.freeze.held else {
             return Err("nothing is frozen: arm a trigger with `freeze` first".into());
         };
-        let Some(Slot::Waiting(w)) = st.slots.get(&h.key) else {
-            return Err(format!(
-                "freeze {}: its collective failed meanwhile (a member was lost)",
-                h.id
-            ));
+        // By group rank: each member's request, if it arrived.
+        let entries: Vec<(u32, Option<&Arrival>)> = match (&h.parked, st.slots.get(&h.key)) {
+            (Some(p), _) => {
+                let mut e: Vec<_> = p.arrivals.iter().map(|a| (a.rank, Some(a))).collect();
+                if let Why::PeerLost { rank } = h.why {
+                    e.push((rank, None));
+                }
+                e.sort_by_key(|x| x.0);
+                e
+            }
+            (None, Some(Slot::Waiting(w))) => w
+                .arrivals
+                .iter()
+                .enumerate()
+                .map(|(r, a)| (w.world_rank(r), a.as_ref()))
+                .collect(),
+            _ => {
+                return Err(format!(
+                    "freeze {}: its collective failed meanwhile (a member was lost)",
+                    h.id
+                ))
+            }
         };
-        let arrived: Vec<_> = w.arrivals.iter().flatten().collect();
-        let counted = |a: &&super::state::Arrival| a.at + a.delay;
+        let arrived: Vec<&Arrival> = entries.iter().filter_map(|e| e.1).collect();
+        let counted = |a: &&Arrival| a.at + a.delay;
         let first = arrived.iter().map(counted).min();
         let last = arrived.iter().map(counted).max();
         let mut members = Vec::new();
-        for (r, a) in w.arrivals.iter().enumerate() {
+        for &(rank, a) in &entries {
             let Some(a) = a else {
-                members.push(serde_json::json!({ "rank": w.world_rank(r), "arrived": false }));
+                let lost = matches!(h.why, Why::PeerLost { rank: r } if r == rank);
+                members.push(serde_json::json!({ "rank": rank, "arrived": false, "lost": lost }));
                 continue;
             };
             let hd = &a.req.header;

@@ -117,7 +117,7 @@ impl Shared {
     }
 
     /// Completes an arrival with `out`; its response carries `generation`.
-    fn deliver_in(&self, a: &Arrival, out: Outcome, generation: u32) -> bool {
+    pub(super) fn deliver_in(&self, a: &Arrival, out: Outcome, generation: u32) -> bool {
         self.finish(
             a.rank,
             a.epoch,
@@ -183,7 +183,11 @@ impl Shared {
             // other than 0; anything else fails everything pending and
             // ends every communicator but 0 (spec 5.X.6.13.3).
             let State {
-                comms, slots, p2p, ..
+                comms,
+                slots,
+                p2p,
+                freeze,
+                ..
             } = &mut *st;
             let affected = |comm: u32| lost.is_none_or(|(rank, _)| comms.contains(comm, rank));
             let keys: Vec<SlotKey> = slots
@@ -199,12 +203,29 @@ impl Shared {
                     failed.push(a);
                 }
             };
+            // Freeze-on-error (spec 5.X.6.15): the first waiting collective
+            // of communicator 0 or another with a remaining member in it is
+            // held, its PEER_LOST made only when it is thawed.
+            let lost_rank = lost.map(|(rank, _)| rank);
+            let park = lost_rank
+                .filter(|_| sh.cfg.remote.is_none() && freeze.on_error_armed())
+                .and_then(|rank| {
+                    keys.iter().copied().find(|k| {
+                        matches!(k, SlotKey::Coll { .. })
+                            && matches!(slots.get(k), Some(Slot::Waiting(w))
+                                if w.arrivals.iter().flatten().any(|a| a.rank != rank))
+                    })
+                });
+            let mut parked = Vec::new();
             for k in keys {
                 if let Some(Slot::Waiting(w)) = slots.remove(&k) {
-                    w.arrivals
-                        .into_iter()
-                        .flatten()
-                        .for_each(&mut dropped_or_failed);
+                    for a in w.arrivals.into_iter().flatten() {
+                        if Some(k) == park && Some(a.rank) != lost_rank {
+                            parked.push(a);
+                        } else {
+                            dropped_or_failed(a);
+                        }
+                    }
                 }
             }
             waits.into_iter().for_each(|w| dropped_or_failed(w.arrival));
@@ -225,6 +246,14 @@ impl Shared {
             let era = st.era - 1;
             let batch = (!failed.is_empty() || !extra.is_empty())
                 .then(|| Outgoing::register(sh, &mut st, era));
+            if let (Some(key), Some(rank)) = (park, lost_rank) {
+                // Counted as undelivered: config space keeps the old
+                // generation until the held failure is delivered.
+                let held_batch = Outgoing::register(sh, &mut st, era);
+                let out = Outcome::fail(Status::PeerLost, 0, sh.global(rank));
+                st.freeze
+                    .hold_lost(key, sh.global(rank), parked, out, generation, held_batch);
+            }
             sh.publish(&mut st);
             (generation, batch)
         };

@@ -36,6 +36,9 @@ impl Group {
         let sh = &self.shared;
         let st = lock(&sh.state);
         match &st.freeze.held {
+            Some(h) if h.lost() => {
+                return Err("a member was lost: a snapshot cannot bring it back".into())
+            }
             Some(h) if h.phase == Phase::Frozen => {}
             _ => {
                 return Err(

@@ -315,3 +315,55 @@ fn a_snapshot_state_is_given_only_when_frozen_and_taken_back_by_the_same_group()
     let refused = other.group.adopt_member(&states[0]).unwrap_err();
     assert!(refused.contains("--group-id 0x1234"), "{refused}");
 }
+
+/// A member lost while the others wait, with freeze-on-error: their
+/// collective is held instead of failed, config space keeps the old
+/// generation, `inspect` shows the remaining members' inputs and the lost
+/// one; thawed, they complete with PEER_LOST naming it, in the new
+/// generation, which config space then shows.
+#[test]
+fn on_error_holds_the_others_when_a_member_is_lost() {
+    let n = 3;
+    let mut w = world(n);
+    w.group.freeze(None, true).unwrap();
+    let p: Vec<Posted> = (0..2)
+        .map(|r| allreduce(&mut w, r, 8, 0, 1, None))
+        .collect();
+    w.group.member_lost(2);
+    let h = held(&w);
+    assert!(
+        h["reason"]
+            .as_str()
+            .unwrap()
+            .contains("PEER_LOST (rank 2 was lost)"),
+        "{h}"
+    );
+    assert!(
+        w.wait_for(&p[0].p, HELD_FOR).is_none(),
+        "a held failure completed"
+    );
+    assert_eq!(w.group.config_space(0).base.generation.get(), 1);
+    let j = w.group.inspect().unwrap();
+    let m = j["members"].as_array().unwrap();
+    assert_eq!(m.len(), 3, "{j:#}");
+    assert_eq!(
+        (m[0]["arrived"].as_bool(), m[1]["arrived"].as_bool()),
+        (Some(true), Some(true))
+    );
+    assert_eq!(
+        (m[2]["arrived"].as_bool(), m[2]["lost"].as_bool()),
+        (Some(false), Some(true))
+    );
+    assert_eq!(m[1]["input"]["elements"], 8);
+    assert!(
+        w.group.member_state(0).is_err(),
+        "no snapshot of a job with a lost member"
+    );
+    w.group.thaw().unwrap();
+    for x in &p {
+        let resp = w.wait_comm(&x.p).1;
+        assert_eq!(status(&resp), (Status::PeerLost, 0));
+        assert_eq!((resp.base.peer.get(), resp.base.generation.get()), (2, 2));
+    }
+    assert_eq!(w.group.config_space(0).base.generation.get(), 2);
+}
