@@ -280,11 +280,6 @@ impl Freezer {
 
     /// Saves every VM into `dir`, then `snapshot.json`.
     fn save(&mut self, dir: &Path) -> Result<(), String> {
-        if !self.saved.job["host_root"].is_null() {
-            return Err("a job with --host-root cannot be saved yet (its virtio-fs \
-                        device does not migrate)"
-                .into());
-        }
         fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let state: Value = control_request(&self.control, "state", PATIENCE)
             .and_then(|b| serde_json::from_str(&b).map_err(|e| e.to_string()))?;

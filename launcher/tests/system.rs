@@ -20,7 +20,8 @@
 //!   (`--freeze-on-error`) and fails it naming rank 1 and the element
 //!   (system/freeze.rs); a frozen job saved (`dmlc-ctl snapshot`), every
 //!   process killed, restored (`dmlc-qemu restore`), ends with the weights
-//!   of an uninterrupted run (system/snapshot.rs);
+//!   of an uninterrupted run: the digits MLP, and DDP on the host's
+//!   userland (system/snapshot.rs);
 //! - a failed worker, Ctrl-C, a timeout and a VM whose QEMU fails each
 //!   stop every VM and the backend and leave no process and no temporary
 //!   file behind.
@@ -563,9 +564,11 @@ fn kernel_module(name: &str) -> Option<String> {
 /// examples/torch/train.py with backend dmlc and `--reference` on 2 VMs,
 /// the backend given `faults` as DMLC_TEST_FAULTS; its output, after
 /// checking that both ranks ended with the same parameters (None: SKIP).
-fn ddp_on_two_vms(env: &Env, name: &str, flags: &[&str], faults: Option<&str>) -> Option<String> {
+/// The DDP program of the tests: examples/torch/train.py, 5 steps, checked
+/// against a single-process replay.
+fn ddp_program() -> Vec<String> {
     let train = vm::repo_root().unwrap().join("examples/torch/train.py");
-    let program = [
+    [
         train.to_str().unwrap(),
         "--backend",
         "dmlc",
@@ -574,7 +577,14 @@ fn ddp_on_two_vms(env: &Env, name: &str, flags: &[&str], faults: Option<&str>) -
         "--steps",
         "5",
         "--reference",
-    ];
+    ]
+    .map(str::to_owned)
+    .to_vec()
+}
+
+fn ddp_on_two_vms(env: &Env, name: &str, flags: &[&str], faults: Option<&str>) -> Option<String> {
+    let program = ddp_program();
+    let program: Vec<&str> = program.iter().map(String::as_str).collect();
     let out = python_on_two_vms(env, name, flags, &program, faults)?;
     let d0 = rank_value(&out, 0, "rank 0: params sha256");
     let d1 = rank_value(&out, 1, "rank 1: params sha256");
@@ -596,6 +606,24 @@ fn python_on_two_vms(
     program: &[&str],
     faults: Option<&str>,
 ) -> Option<String> {
+    let cmd = python_command(env, name, flags, program, faults)?;
+    let (code, out, err, took) = Running::start(cmd).finish(Duration::from_secs(560));
+    assert_eq!(code, Some(0), "{name}: dmlc-qemu failed:\n{out}\n{err}");
+    progress(&format!("{name}: 2 VMs in {took:.0?}"));
+    env.assert_nothing_left();
+    Some(out)
+}
+
+/// `dmlc-qemu submit` of `program` (run by `DMLC_PYTHON`) on 2 VMs with
+/// the host's userland; `None` (a SKIP line) without `DMLC_PYTHON`, except
+/// under CI.
+fn python_command(
+    env: &Env,
+    name: &str,
+    flags: &[&str],
+    program: &[&str],
+    faults: Option<&str>,
+) -> Option<Command> {
     let Some(python) = std::env::var_os("DMLC_PYTHON") else {
         let what = "DMLC_PYTHON is not set (a Python with torch and the dmlc package: \
                     python/venv.sh, then pip install ./python)";
@@ -627,11 +655,7 @@ fn python_on_two_vms(
         Some(f) => cmd.env("DMLC_TEST_FAULTS", f),
         None => cmd.env_remove("DMLC_TEST_FAULTS"),
     };
-    let (code, out, err, took) = Running::start(cmd).finish(Duration::from_secs(560));
-    assert_eq!(code, Some(0), "{name}: dmlc-qemu failed:\n{out}\n{err}");
-    progress(&format!("{name}: 2 VMs in {took:.0?}"));
-    env.assert_nothing_left();
-    Some(out)
+    Some(cmd)
 }
 
 /// The test accuracy of examples/xgboost/train.py's 5-round digits model
