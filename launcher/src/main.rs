@@ -83,7 +83,10 @@ enum Cmd {
     /// Continue a job from a snapshot that `dmlc-ctl snapshot DIR` made of
     /// it while frozen: a new backend (with the job's group id) and new
     /// VMs, each from its saved state, at the collective that was held.
-    #[command(after_help = RESTORE_AFTER_HELP)]
+    #[command(
+        after_help = RESTORE_AFTER_HELP,
+        override_usage = "dmlc-qemu restore [OPTIONS] DIR"
+    )]
     Restore(RestoreArgs),
     /// One host's part of a job across hosts, as mpirun starts it (used by
     /// `submit --hosts`, not by hand).
@@ -329,7 +332,7 @@ struct RestoreArgs {
     #[arg(long, value_name = "SECS")]
     timeout: Option<u64>,
 
-    /// Keep the logs in DIR, as `submit --log-dir` [default: the job's].
+    /// Keep the logs in LOGS, as `submit --log-dir` [default: the job's].
     #[arg(long, value_name = "LOGS")]
     log_dir: Option<PathBuf>,
 
