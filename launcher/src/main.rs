@@ -6,6 +6,7 @@ mod demo;
 mod freeze;
 mod hosts;
 mod job;
+mod monitor;
 mod prepare;
 mod signals;
 
