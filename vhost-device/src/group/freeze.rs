@@ -163,11 +163,6 @@ impl Freeze {
         self.held.is_some()
     }
 
-    /// Whether freeze-on-error is armed and nothing is held.
-    pub(super) fn on_timeout(&self) -> bool {
-        self.on_error && self.held.is_none()
-    }
-
     fn hold(&mut self, key: SlotKey, why: Why) {
         match why {
             Why::Trigger(_) => self.trigger = None,
@@ -192,7 +187,7 @@ impl Freeze {
 
     /// Whether freeze-on-error is armed and nothing is held.
     pub(super) fn on_error_armed(&self) -> bool {
-        self.on_timeout()
+        self.on_error && self.held.is_none()
     }
 
     /// Holds collective `key` of the remaining members `arrivals` after

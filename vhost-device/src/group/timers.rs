@@ -166,7 +166,8 @@ pub(super) fn timer_loop(sh: &Arc<Shared>) {
                 next = Some(d);
             }
         }
-        if let (Some(&key), true, None) = (expired.first(), st.freeze.on_timeout(), &sh.cfg.remote)
+        if let (Some(&key), true, None) =
+            (expired.first(), st.freeze.on_error_armed(), &sh.cfg.remote)
         {
             // Freeze-on-error: the first expired collective is held
             // instead of failed (its absent members stay absent).
