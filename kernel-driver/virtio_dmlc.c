@@ -756,10 +756,14 @@ static void dmlc_config_changed(struct virtio_device *vdev)
 static int dmlc_init_vqs(struct dmlc_dev *d)
 {
 	struct {
-		vq_callback_t *cbs[DMLC_MAX_QUEUES];
 		struct virtqueue *vqs[DMLC_MAX_QUEUES];
-		char names[DMLC_MAX_QUEUES][8];
+		char names[DMLC_MAX_QUEUES][16];
+#ifdef DMLC_HAVE_VIRTQUEUE_INFO
+		struct virtqueue_info info[DMLC_MAX_QUEUES];
+#else
+		vq_callback_t *cbs[DMLC_MAX_QUEUES];
 		const char *np[DMLC_MAX_QUEUES];
+#endif
 	} *t = kzalloc(sizeof(*t), GFP_KERNEL);
 	unsigned int i;
 	int err;
@@ -767,11 +771,20 @@ static int dmlc_init_vqs(struct dmlc_dev *d)
 	if (!t)
 		return -ENOMEM;
 	for (i = 0; i < d->nq; i++) {
-		t->cbs[i] = dmlc_vq_done;
 		snprintf(t->names[i], sizeof(t->names[i]), "req%u", i);
+#ifdef DMLC_HAVE_VIRTQUEUE_INFO
+		t->info[i].name = t->names[i];
+		t->info[i].callback = dmlc_vq_done;
+#else
+		t->cbs[i] = dmlc_vq_done;
 		t->np[i] = t->names[i];
+#endif
 	}
+#ifdef DMLC_HAVE_VIRTQUEUE_INFO
+	err = virtio_find_vqs(d->vdev, d->nq, t->vqs, t->info, NULL);
+#else
 	err = virtio_find_vqs(d->vdev, d->nq, t->vqs, t->cbs, t->np, NULL);
+#endif
 	for (i = 0; !err && i < d->nq; i++) {
 		d->queues[i].vq = t->vqs[i];
 		d->queues[i].in_device = 0;
@@ -1326,7 +1339,10 @@ static const struct file_operations dmlc_fops = {
 	.poll = dmlc_poll,
 	.unlocked_ioctl = dmlc_ioctl,
 	.compat_ioctl = compat_ptr_ioctl,
+#ifdef no_llseek
+	/* Gone in 6.12, where a file without .llseek cannot seek at all. */
 	.llseek = no_llseek,
+#endif
 };
 
 static int dmlc_read_config(struct dmlc_dev *d)

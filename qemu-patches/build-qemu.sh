@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Build QEMU with the vhost-user-dmlc patch series and print the path of
-# qemu-system-x86_64 on the last line of stdout. Progress goes to stderr.
+# Build QEMU with the vhost-user-dmlc patch series for the guest
+# architectures the project runs (x86_64, aarch64, riscv64: one build, three
+# qemu-system-* binaries side by side in one bin/) and print the path of
+# qemu-system-x86_64 on the last line of stdout; the others are found next to
+# it. Progress goes to stderr.
 #
 # Usage: build-qemu.sh [--firmware | --env | --help]
 #
@@ -11,7 +14,8 @@
 #
 # Environment:
 #   DMLC_QEMU        a qemu-system-x86_64 of your own (with the series applied):
-#                    printed as it is, nothing is built
+#                    printed as it is, nothing is built; VMs of another
+#                    architecture use the qemu-system-ARCH beside it
 #   DMLC_CACHE       cache root (default: $HOME/.cache/virtio-dmlc)
 #   DMLC_QEMU_JOBS   parallel compile jobs (default: number of CPUs)
 #   DMLC_QEMU_KEEP_BUILD=1  keep the source and build tree of a successful build
@@ -33,6 +37,9 @@ readonly SOURCE_SUITE=bookworm-backports
 readonly FIRMWARE_PACKAGES=(seabios qemu-system-data ipxe-qemu)
 # Where those packages put what QEMU loads (-L directories, in Debian's order).
 readonly FIRMWARE_SUBDIRS=(usr/share/qemu usr/share/seabios usr/lib/ipxe/qemu)
+# One build for every guest architecture: the targets share most objects,
+# so three cost far less than three builds.
+readonly TARGETS=(x86_64 aarch64 riscv64)
 readonly BUILD_PACKAGES=(gcc make ninja-build pkg-config libglib2.0-dev libfdt-dev
     flex bison python3 python3-venv bzip2 xz-utils patch)
 
@@ -132,6 +139,10 @@ fetch_firmware() {
             die "firmware packages lack usr/share/seabios/bios-256k.bin"
         [[ -e $dir.tmp/root/usr/share/qemu/linuxboot_dma.bin ]] ||
             die "firmware packages lack usr/share/qemu/linuxboot_dma.bin"
+        # The riscv64 virt machine's default -bios (aarch64 virt boots the
+        # kernel directly and needs none).
+        [[ -e $dir.tmp/root/usr/share/qemu/opensbi-riscv64-generic-fw_dynamic.bin ]] ||
+            die "firmware packages lack usr/share/qemu/opensbi-riscv64-generic-fw_dynamic.bin"
         {
             echo "${FIRMWARE_PACKAGES[*]}"
             (cd "$dir.tmp/debs" && ls)
@@ -240,7 +251,7 @@ build_qemu() {
     if ! (cd "$work/build" && ../src/configure \
         --python="$python" \
         --prefix="$out" \
-        --target-list=x86_64-softmmu \
+        --target-list="$(printf '%s-softmmu,' "${TARGETS[@]}" | sed 's/,$//')" \
         --without-default-features \
         --enable-kvm --enable-tcg \
         --enable-vhost-user \
@@ -251,9 +262,11 @@ build_qemu() {
         die "configure failed; see $work/configure.log"
     fi
 
-    log "compiling with $JOBS jobs (7 minutes on 2 idle cores, 13 on busy ones; log: $work/build.log)"
+    local binaries=() t
+    for t in "${TARGETS[@]}"; do binaries+=("qemu-system-$t"); done
+    log "compiling ${binaries[*]} with $JOBS jobs (log: $work/build.log)"
     start=$(date +%s)
-    ninja -C "$work/build" -j "$JOBS" qemu-system-x86_64 >"$work/build.log" 2>&1 &
+    ninja -C "$work/build" -j "$JOBS" "${binaries[@]}" >"$work/build.log" 2>&1 &
     pid=$!
     last=$start
     while kill -0 "$pid" 2>/dev/null; do
@@ -272,12 +285,14 @@ build_qemu() {
     fi
     log "compiled in $(($(date +%s) - start)) s"
 
-    cp "$work/build/qemu-system-x86_64" "$work/bin/"
-    local devices
-    devices=$("$work/bin/qemu-system-x86_64" -device help 2>&1) ||
-        die "the built QEMU does not run: $devices"
-    grep -q '"vhost-user-dmlc-pci"' <<<"$devices" ||
-        die "the built QEMU does not list vhost-user-dmlc-pci"
+    local devices b
+    for b in "${binaries[@]}"; do
+        cp "$work/build/$b" "$work/bin/"
+        devices=$("$work/bin/$b" -device help 2>&1) ||
+            die "the built $b does not run: $devices"
+        grep -q '"vhost-user-dmlc-pci"' <<<"$devices" ||
+            die "the built $b does not list vhost-user-dmlc-pci"
+    done
     link_firmware "$work" "$fw"
     cp "$HERE"/*.patch "$work/"
     {
@@ -318,7 +333,8 @@ if [[ -n ${DMLC_QEMU:-} ]]; then
 else
     out="$CACHE/qemu/$QEMU_VERSION-$(cache_key)"
     qemu="$out/bin/qemu-system-x86_64"
-    if [[ -x $qemu ]] && "$qemu" --version >/dev/null 2>&1; then
+    if [[ -x $qemu ]] && "$qemu" --version >/dev/null 2>&1 &&
+        [[ -x $out/bin/qemu-system-${TARGETS[-1]} ]]; then
         log "using cached $out"
     else
         ensure_packages "${BUILD_PACKAGES[@]}"

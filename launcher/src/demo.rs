@@ -502,6 +502,7 @@ pub fn run(a: DemoArgs) -> i32 {
     let trainer = std::path::absolute(&trainer).unwrap_or(trainer);
     let m = &a.machine;
     crate::check_dma(m);
+    let arch = crate::check_arch(m, usize::from(a.num_workers));
     let backend = backend_path(m.backend.as_deref());
     let accel = accel(m.accel);
     let data = match prepare::digits_data() {
@@ -568,11 +569,12 @@ pub fn run(a: DemoArgs) -> i32 {
             place: None,
             debug: Default::default(),
             resume: None,
+            arch: arch.clone(),
         })
         .collect();
     // Both runs use the same image: build it (if the cache lacks it) before
     // either run's clock starts, so that neither pays for it.
-    if let Err(e) = prepare::image(&jobs[0].image_files()) {
+    if let Err(e) = jobs[0].images() {
         return job_error(&e);
     }
     let mut summaries = Vec::new();

@@ -25,6 +25,7 @@ use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
 use tempfile::TempDir;
 
+use crate::cross::{self, CrossError};
 use crate::freeze::{DebugOptions, Freezer, Snapshot};
 use crate::monitor::Monitor;
 use crate::prepare::{self, PrepareError};
@@ -200,6 +201,10 @@ pub struct Job {
     /// Continue from a snapshot instead of booting (`dmlc-qemu restore`).
     #[serde(skip)]
     pub resume: Option<Snapshot>,
+    /// The guests' architectures (`--arch`): none (the host's), one for
+    /// every rank, or one per rank ([`crate::cross::arch_of`]).
+    #[serde(default, with = "crate::cross::arch_names")]
+    pub arch: Vec<vm::Arch>,
 }
 
 /// What [`Job::run_reporting`] calls when the monitor has decided the end:
@@ -226,6 +231,8 @@ pub enum JobError {
     Freeze { words: String, why: String },
     #[error("cannot restore the VMs: {0}")]
     Restore(String),
+    #[error(transparent)]
+    Cross(#[from] crate::cross::CrossError),
 }
 
 /// How a job ended.
@@ -344,14 +351,36 @@ impl Job {
         }
     }
 
-    /// Host files to put in the image.
-    pub fn image_files(&self) -> Vec<(PathBuf, String)> {
+    /// Host files to put in the image of `arch` guests: the program's build
+    /// for that architecture ([`crate::cross::program_for`]) and `--files`.
+    pub fn image_files(&self, arch: vm::Arch) -> Result<Vec<(PathBuf, String)>, CrossError> {
         let mut files = Vec::new();
         if let (Program::Host(p), None) = (&self.program, &self.host_root) {
-            files.push((p.clone(), self.guest_program()));
+            files.push((cross::program_for(p, arch)?, self.guest_program()));
         }
         files.extend(self.files.iter().cloned());
-        files
+        Ok(files)
+    }
+
+    /// The architecture of this machine's VM `i`.
+    pub fn local_arch(&self, i: usize) -> vm::Arch {
+        cross::arch_of(&self.arch, self.first_rank() + i)
+    }
+
+    /// The distinct architectures of this machine's VMs.
+    pub fn local_arches(&self) -> Vec<vm::Arch> {
+        let first = self.first_rank();
+        cross::distinct(&self.arch, first..first + self.local_workers())
+    }
+
+    /// The image of each architecture this machine's VMs run, built (or
+    /// found in the cache) in turn.
+    pub fn images(&self) -> Result<Vec<vm::Image>, JobError> {
+        let mut images = Vec::new();
+        for arch in self.local_arches() {
+            images.push(prepare::image(&self.image_files(arch)?, arch)?);
+        }
+        Ok(images)
     }
 
     /// The shell command line each VM runs. `token` marks the fetched files
@@ -454,7 +483,7 @@ impl Job {
     ) -> Result<Outcome, JobError> {
         let started = Instant::now();
         let tmp = private_dir()?;
-        let image = prepare::image(&self.image_files())?;
+        let images = self.images()?;
         let image_took = started.elapsed();
         if let Some(sig) = signals::received() {
             return Err(PrepareError::Interrupted(sig).into());
@@ -517,8 +546,12 @@ impl Job {
             .map_or_else(unique, |s| s.token.clone());
         let specs: Vec<vm::VmSpec> = (0..local)
             .map(|i| {
+                let arch = self.local_arch(i);
                 let mut spec = vm::VmSpec::new(self.command_line(&token))
                     .dmlc_socket(socket_path(&sock, i as u32));
+                if let Some(image) = images.iter().find(|im| im.arch == arch) {
+                    spec = spec.image(image.clone());
+                }
                 spec.mem_mib = self.memory_mib;
                 spec.hugepages = (self.dma_mib + DMA_SLACK_MIB) / 2;
                 spec.cpus = self.vcpus;
@@ -593,7 +626,9 @@ impl Job {
                 None => String::new(),
             }
         ));
-        let cluster = vm::Cluster::start(qemu, &image, &specs, &opts).map_err(JobError::Cluster)?;
+        // Every spec names its own image; the cluster's is the first VM's.
+        let cluster =
+            vm::Cluster::start(qemu, &images[0], &specs, &opts).map_err(JobError::Cluster)?;
         if self.resume.is_some() {
             let qmps: Vec<PathBuf> = (0..local).map(qmp).collect();
             crate::freeze::run_restored(&qmps, self.first_rank()).map_err(JobError::Restore)?;
@@ -844,6 +879,7 @@ mod tests {
             place: None,
             debug: Default::default(),
             resume: None,
+            arch: Vec::new(),
         }
     }
 
@@ -860,7 +896,8 @@ mod tests {
             kernel_driver: None,
         });
         // Not copied into the image: the guest sees the host's file.
-        assert!(j.image_files().iter().all(|(p, _)| !p.ends_with("python3")));
+        let files = j.image_files(vm::Arch::host()).unwrap();
+        assert!(files.iter().all(|(p, _)| !p.ends_with("python3")));
         assert!(j
             .command_line("t")
             .starts_with("exec /opt/venv/bin/python3"));
@@ -953,26 +990,32 @@ mod tests {
 
     #[test]
     fn command_runs_the_copied_program() {
-        let j = job();
+        let dir = tempfile::tempdir().unwrap();
+        let train = dir.path().join("train");
+        fs::write(&train, "#!/bin/sh\n").unwrap();
+        let mut j = job();
+        j.program = Program::Host(train.clone());
         assert_eq!(
             j.command_line("t"),
             "exec /usr/local/bin/train --data \"it's here\""
         );
-        assert_eq!(
-            j.image_files(),
-            vec![
-                (
-                    PathBuf::from("/opt/build/train"),
-                    "/usr/local/bin/train".to_owned()
-                ),
-                (PathBuf::from("/d/x.csv"), "/data/x.csv".to_owned()),
-            ]
-        );
+        // A script is the same file for every architecture.
+        for arch in vm::Arch::ALL {
+            assert_eq!(
+                j.image_files(arch).unwrap(),
+                vec![
+                    (train.clone(), "/usr/local/bin/train".to_owned()),
+                    (PathBuf::from("/d/x.csv"), "/data/x.csv".to_owned()),
+                ]
+            );
+        }
+        // A missing program is an error, not an image without it.
+        assert!(job().image_files(vm::Arch::host()).is_err());
         let mut g = job();
         g.program = Program::Guest("sh".to_owned());
         g.args = vec!["-c".to_owned(), "echo $DMLC_TASK_ID".to_owned()];
         assert_eq!(g.command_line("t"), "exec sh -c 'echo $DMLC_TASK_ID'");
-        assert_eq!(g.image_files().len(), 1);
+        assert_eq!(g.image_files(vm::Arch::Riscv64).unwrap().len(), 1);
     }
 
     #[test]

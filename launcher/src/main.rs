@@ -2,6 +2,7 @@
 //! virtio-dmlc allreduce device (or TCP over virtio-net) between them, the
 //! way dmlc-submit runs one with its local, ssh or mpi backends.
 
+mod cross;
 mod demo;
 mod freeze;
 mod hosts;
@@ -142,6 +143,9 @@ Needs target/*/dmlc-train-digits next to dmlc-qemu:
 Arguments after '--' go to dmlc-train-digits and override the demo's
 (e.g. -- --lr 0.5 --batch 8 --hidden 512).";
 
+/// `--arch`'s list (one clap value).
+type Arches = Vec<vm::Arch>;
+
 /// VM and job settings shared by `submit` and `demo`.
 #[derive(Debug, Args)]
 struct MachineArgs {
@@ -163,6 +167,16 @@ struct MachineArgs {
     /// CPU emulation: tcg (works everywhere) or kvm (needs /dev/kvm).
     #[arg(long, value_enum, default_value_t = AccelArg::Tcg)]
     accel: AccelArg,
+
+    /// The guests' instruction set: x86_64, aarch64 or riscv64, for every
+    /// VM, or one per rank, comma-separated (x86_64,aarch64,riscv64: a
+    /// group across instruction sets). Each gets its QEMU (q35, or the virt
+    /// board), Debian kernel and image, and its build of a host program:
+    /// target/TRIPLE/PROFILE/NAME for target/PROFILE/NAME
+    /// (tests/image/cross-build.sh ARCH builds them); a script runs as it
+    /// is. Under TCG only [default: x86_64].
+    #[arg(long, value_name = "ARCH[,ARCH...]", value_parser = cross::parse_arches)]
+    arch: Option<Arches>,
 
     /// QEMU's CPU model for every VM (its -cpu), e.g. `max` to give TCG
     /// guests AVX2 [default: `host` under kvm; under tcg QEMU's own
@@ -499,6 +513,34 @@ fn check_executable(path: &Path, what: &str) {
     }
 }
 
+/// `--arch` against the rest: one architecture or one per rank, TCG for
+/// another architecture than the host's, one `--cpu` only for one
+/// architecture. Returns the list for [`Job::arch`].
+fn check_arch(m: &MachineArgs, workers: usize) -> Vec<vm::Arch> {
+    let list = m.arch.clone().unwrap_or_default();
+    if list.len() > 1 && list.len() != workers {
+        usage_error(format!(
+            "--arch names {} architectures for {workers} workers: give one for all, or one per rank",
+            list.len()
+        ));
+    }
+    let host = vm::Arch::host();
+    if matches!(m.accel, AccelArg::Kvm) {
+        if let Some(a) = list.iter().find(|a| **a != host) {
+            usage_error(format!(
+                "--accel kvm runs only {host} guests on this machine, not {a}: use --accel tcg"
+            ));
+        }
+    }
+    let mut distinct = list.clone();
+    distinct.sort();
+    distinct.dedup();
+    if m.cpu.is_some() && distinct.len() > 1 {
+        usage_error("--cpu gives every VM one CPU model: it cannot serve several --arch values");
+    }
+    list
+}
+
 /// The hugepages for --dma must leave the guest at least 256 MiB.
 fn check_dma(m: &MachineArgs) {
     if u64::from(m.dma) + u64::from(job::DMA_SLACK_MIB) + 256 > u64::from(m.memory) {
@@ -694,6 +736,15 @@ fn across_hosts(a: &SubmitArgs) -> Option<Across> {
 /// The job of `submit`, after checking what clap cannot.
 fn submit_job(a: SubmitArgs) -> Job {
     check_dma(&a.machine);
+    let arch = check_arch(&a.machine, usize::from(a.num_workers));
+    if a.host_root {
+        if let Some(other) = arch.iter().find(|x| **x != vm::Arch::host()) {
+            usage_error(format!(
+                "--host-root shares this machine's {} userland, which {other} guests cannot run",
+                vm::Arch::host()
+            ));
+        }
+    }
     let mut freeze = Vec::new();
     if let Some(seq) = a.freeze_at {
         freeze.extend(["--at".to_owned(), seq.to_string()]);
@@ -756,6 +807,8 @@ fn submit_job(a: SubmitArgs) -> Job {
         let abs = std::path::absolute(path)
             .unwrap_or_else(|e| usage_error(format!("{}: {e}", path.display())));
         Program::Host(abs)
+    } else if let Some(own) = own_guest_program(&program_str, a.host_root) {
+        Program::Host(own)
     } else {
         Program::Guest(program_str)
     };
@@ -766,7 +819,7 @@ fn submit_job(a: SubmitArgs) -> Job {
         })
         .collect();
     let m = a.machine;
-    Job {
+    let job = Job {
         num_workers: usize::from(a.num_workers),
         vcpus: m.vcpus,
         memory_mib: m.memory,
@@ -792,7 +845,28 @@ fn submit_job(a: SubmitArgs) -> Job {
         place: None,
         debug,
         resume: None,
+        arch,
+    };
+    // A program built for the wrong architecture fails here, not in a VM.
+    for arch in cross::distinct(&job.arch, 0..job.num_workers) {
+        if let Err(e) = job.image_files(arch) {
+            usage_error(e.to_string());
+        }
     }
+    job
+}
+
+/// The project's own guest programs, named bare (`dmlc-guest selftest`):
+/// the build next to dmlc-qemu, copied into the image (its cross-builds
+/// for other architectures). `None` for any other name, which runs as the
+/// guest finds it, and with --host-root, where the guest's PATH is this
+/// machine's.
+fn own_guest_program(name: &str, host_root: bool) -> Option<PathBuf> {
+    const OWN: [&str; 2] = ["dmlc-guest", "dmlc-train-digits"];
+    if host_root || !OWN.contains(&name) {
+        return None;
+    }
+    sibling(name)
 }
 
 /// The job of `restore`: the saved job, continued from its snapshot.

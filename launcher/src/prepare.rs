@@ -103,18 +103,21 @@ pub fn qemu() -> Result<vm::Qemu, PrepareError> {
     Ok(qemu)
 }
 
-/// The guest image with `extra` files (host path, absolute guest path),
-/// debug info stripped from ELF files.
-pub fn image(extra: &[(PathBuf, String)]) -> Result<vm::Image, PrepareError> {
+/// The guest image of `arch` with `extra` files (host path, absolute guest
+/// path), debug info stripped from ELF files.
+pub fn image(extra: &[(PathBuf, String)], arch: vm::Arch) -> Result<vm::Image, PrepareError> {
     let script = vm::Image::script()?;
     let files: Vec<(&Path, &str)> = extra
         .iter()
         .map(|(host, guest)| (host.as_path(), guest.as_str()))
         .collect();
-    let args = vm::Image::script_args(&files, &vm::ImageOptions { strip: true });
-    crate::progress("preparing the guest image (tests/image/build-image.sh)");
+    let opts = vm::ImageOptions { strip: true, arch };
+    let args = vm::Image::script_args(&files, &opts);
+    crate::progress(&format!(
+        "preparing the {arch} guest image (tests/image/build-image.sh)"
+    ));
     let out = run_script(&script, &args)?;
-    Ok(vm::Image::from_script_output(&script, &out)?)
+    Ok(vm::Image::from_script_output(&script, &out, arch)?)
 }
 
 /// The digits data (examples/digits/fetch-data.sh prints its path).

@@ -47,6 +47,8 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tempfile::TempDir;
 
+#[path = "system/arch.rs"]
+mod arch;
 #[path = "system/freeze.rs"]
 mod freeze;
 #[path = "system/snapshot.rs"]

@@ -1,13 +1,23 @@
 #!/bin/bash
-# Build the virtio-dmlc guest image: Debian bookworm's cloud kernel and an
-# initramfs (cpio.gz) holding busybox-static, the kernel modules the guest
+# Build the virtio-dmlc guest image of one architecture: a Debian kernel and
+# an initramfs (cpio.gz) holding busybox-static, the kernel modules the guest
 # needs, tests/image/init as /init, and extra files.
 #
-# Usage: build-image.sh [--module NAME]... [--strip] [--headers] [--checkpatch]
-#                       [HOST:GUEST]...
+# Usage: build-image.sh [--arch ARCH] [--module NAME]... [--strip] [--headers]
+#                       [--checkpatch] [HOST:GUEST]...
+#   --arch ARCH  the guest's architecture (default x86_64):
+#                  x86_64   bookworm, linux-image-cloud-amd64 (6.1)
+#                  aarch64  bookworm, linux-image-cloud-arm64 (6.1)
+#                  riscv64  trixie, linux-image-riscv64 (6.12; bookworm has
+#                           no riscv64 port)
+#                and that suite's busybox-static of the architecture.
 #   HOST:GUEST   copy file or directory HOST to GUEST in the image (GUEST
-#                ending in / means "into that directory"). Dynamically linked
-#                ELF files get the libraries `ldd` lists, at the same paths.
+#                ending in / means "into that directory"). On x86_64,
+#                dynamically linked ELF files get the libraries `ldd` lists,
+#                at the same paths. The other architectures' images hold
+#                Debian's libc6 and libgcc-s1 of that architecture (for
+#                programs cross-built against glibc), and an ELF file built
+#                for another architecture is refused.
 #   --module N   also load kernel module N (and what it depends on).
 #   --strip      strip debug info from the extra ELF files (a debug build of
 #                dmlc-guest is ~40 MB; stripped, a few MB: faster boots).
@@ -28,7 +38,7 @@
 #   DMLC_CACHE           cache root (default ~/.cache/virtio-dmlc); this
 #                        script uses $DMLC_CACHE/image
 #   DMLC_IMAGE_MODULES   more modules, space separated (like --module)
-#   DMLC_KERNEL_PKG      kernel package (default linux-image-cloud-amd64, a
+#   DMLC_KERNEL_PKG      kernel package (default: the architecture's above, a
 #                        metapackage resolved to the versioned one)
 #   DMLC_DEBIAN_MIRROR   Debian mirror URI (default: the machine's, else
 #                        http://deb.debian.org/debian)
@@ -43,8 +53,6 @@
 shopt -s inherit_errexit
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-cache=$CACHE/image
-kernel_pkg=${DMLC_KERNEL_PKG:-linux-image-cloud-amd64}
 default_modules="virtio_pci virtio_net uio_pci_generic qemu_fw_cfg virtiofs overlay"
 
 usage() {
@@ -56,6 +64,7 @@ modules=$default_modules
 strip=0
 headers=0
 checkpatch=0
+arch=x86_64
 for m in ${DMLC_IMAGE_MODULES:-}; do modules="$modules $m"; done
 extras=()
 while [ $# -gt 0 ]; do
@@ -63,6 +72,15 @@ while [ $# -gt 0 ]; do
     -h | --help) usage 0 ;;
     --strip)
         strip=1
+        shift
+        ;;
+    --arch)
+        [ $# -ge 2 ] || usage 2
+        arch=$2
+        shift 2
+        ;;
+    --arch=*)
+        arch=${1#--arch=}
         shift
         ;;
     --headers)
@@ -93,6 +111,19 @@ while [ $# -gt 0 ]; do
     esac
 done
 
+# Per architecture: Debian's name for it, the suite, the kernel and the ELF
+# e_machine of its programs.
+case "$arch" in
+x86_64) debarch=amd64 suite=bookworm kpkg=linux-image-cloud-amd64 emachine=62 ;;
+aarch64) debarch=arm64 suite=bookworm kpkg=linux-image-cloud-arm64 emachine=183 ;;
+riscv64) debarch=riscv64 suite=trixie kpkg=linux-image-riscv64 emachine=243 ;;
+*) die "unknown architecture '$arch' (known: x86_64, aarch64, riscv64)" ;;
+esac
+kernel_pkg=${DMLC_KERNEL_PKG:-$kpkg}
+hostarch=$(dpkg --print-architecture)
+# x86_64 keeps the cache directory it always had.
+if [ "$arch" = x86_64 ]; then cache=$CACHE/image; else cache=$CACHE/image-$arch; fi
+
 # Host tools. busybox (from the package we unpack) provides cpio, so the
 # host needs only apt, dpkg and coreutils-level tools.
 need() {
@@ -108,6 +139,7 @@ need sha256sum coreutils
 need flock util-linux
 need ldd libc-bin
 [ "$strip" = 0 ] || need objcopy binutils
+[ "$arch" = x86_64 ] || need "qemu-$arch-static" qemu-user-static
 
 mkdir -p "$cache/debs" "$cache/apt/lists/partial" "$cache/apt/cache/archives/partial" "$cache/tmp"
 exec 9>"$cache/.lock"
@@ -122,17 +154,22 @@ if [ ! -f "$keyring" ]; then
 fi
 
 # A private apt configuration, so the machine's sources and state stay as
-# they are and the packages always come from Debian bookworm.
+# they are and the packages always come from the architecture's suite.
 # shellcheck source=/dev/null
 . "$(dirname "${BASH_SOURCE[0]}")/../lib/debian-mirror.sh"
 mirror=$(debian_mirror)
 security=${mirror%/debian}/debian-security
 cat >"$cache/apt/sources.list" <<EOF
-deb [signed-by=$keyring] $mirror bookworm main
-deb [signed-by=$keyring] $mirror bookworm-updates main
-deb [signed-by=$keyring] $security bookworm-security main
+deb [signed-by=$keyring] $mirror $suite main
+deb [signed-by=$keyring] $mirror $suite-updates main
+deb [signed-by=$keyring] $security $suite-security main
 EOF
 apt_opts=(
+    -o "APT::Architecture=$debarch"
+    -o "APT::Architectures::=$debarch"
+    # The host's too: another architecture's headers build with the host's
+    # kbuild tools (--headers).
+    -o "APT::Architectures::=$hostarch"
     -o "Dir::Etc::SourceList=$cache/apt/sources.list"
     -o Dir::Etc::SourceParts=/dev/null
     -o "Dir::State::Lists=$cache/apt/lists"
@@ -160,10 +197,11 @@ download() {
         out=$(cd "$cache/debs" && apt-get "${apt_opts[@]}" download "$pkg" 2>&1) ||
             die "cannot download $pkg: $out"
     fi
-    # apt-get download names no file: take the newest of this package.
+    # apt-get download names no file: take the newest of this package (a
+    # PKG:ARCH's file is PKG_VERSION_ARCH.deb).
     local deb
     # shellcheck disable=SC2012 # Debian file names are plain.
-    deb=$(ls -t "$cache/debs/${pkg}_"*.deb 2>/dev/null | head -n 1)
+    deb=$(ls -t "$cache/debs/${pkg%%:*}_"*.deb 2>/dev/null | head -n 1)
     [ -n "$deb" ] || die "downloaded $pkg but cannot find its .deb"
     echo "$deb"
 }
@@ -192,6 +230,12 @@ kernel_deb=$(fetch kernel "$kernel_pkg")
 busybox_deb=$(fetch busybox busybox-static)
 kernel_sha=$(sha256sum "$kernel_deb" | cut -d' ' -f1)
 busybox_sha=$(sha256sum "$busybox_deb" | cut -d' ' -f1)
+# A foreign architecture's C runtime: the host's ldd cannot resolve its
+# programs' libraries, so the image holds the whole of it.
+runtime_debs=()
+if [ "$arch" != x86_64 ]; then
+    runtime_debs=("$(fetch libc6 libc6)" "$(fetch libgcc-s1 libgcc-s1)")
+fi
 
 # Unpack once per package version.
 unpack() {
@@ -207,14 +251,30 @@ bbdir="$cache/busybox-${busybox_sha:0:16}"
 unpack "$kernel_deb" "$kdir"
 unpack "$busybox_deb" "$bbdir"
 busybox="$bbdir/bin/busybox"
-vmlinuz=$(find "$kdir/boot" -name 'vmlinuz-*' | head -n 1)
-[ -n "$vmlinuz" ] || die "no vmlinuz in $kernel_deb"
-kver=${vmlinuz##*/vmlinuz-}
+[ -f "$busybox" ] || busybox="$bbdir/usr/bin/busybox" # trixie: merged /usr
+[ -f "$busybox" ] || die "no busybox in $busybox_deb"
+# The image's busybox also packs the image; another architecture's runs
+# under qemu-user.
+bb() {
+    if [ "$arch" = x86_64 ]; then "$busybox" "$@"; else "qemu-$arch-static" "$busybox" "$@"; fi
+}
+# riscv64's package names its (uncompressed Image) kernel vmlinux-VERSION.
+vmlinuz=$(find "$kdir/boot" -name 'vmlinuz-*' -o -name 'vmlinux-*' | head -n 1)
+[ -n "$vmlinuz" ] || die "no vmlinuz or vmlinux in $kernel_deb"
+kver=${vmlinuz##*/vmlinu[xz]-}
 moddir="$kdir/lib/modules/$kver"
+# trixie's kernels keep their modules under /usr (merged /usr).
+[ -d "$moddir" ] || moddir="$kdir/usr/lib/modules/$kver"
 
 # Module closure in dependency order (dependencies first). Module names use
-# '_' where file names may use '-'.
-declare -A modpath=() modstate=()
+# '_' where file names may use '-'. A module built into this kernel (the
+# other architectures' kernels build in some that amd64's loads) is skipped.
+declare -A modpath=() modstate=() builtin=()
+while IFS= read -r f; do
+    n=${f##*/}
+    n=${n%.ko}
+    builtin[${n//-/_}]=1
+done <"$moddir/modules.builtin"
 while IFS= read -r f; do
     n=${f##*/}
     n=${n%%.ko*}
@@ -227,6 +287,7 @@ visit() {
     "done") return ;;
     "active") die "module dependency cycle at $n" ;;
     esac
+    [ -z "${modpath[$n]:-}" ] && [ -n "${builtin[$n]:-}" ] && return
     f=${modpath[$n]:-}
     [ -n "$f" ] || die "kernel $kver has no module $n"
     modstate[$n]="active"
@@ -237,7 +298,7 @@ visit() {
 }
 modinfo_depends() {
     case "$1" in
-    *.xz) "$busybox" xzcat "$1" ;;
+    *.xz) bb xzcat "$1" ;;
     *.zst) zstd -dc "$1" ;;
     *) cat "$1" ;;
     esac | tr '\0' '\n' | sed -n 's/^depends=//p' | head -n 1
@@ -247,9 +308,16 @@ for m in $modules; do visit "$m"; done
 # Extra files, and the shared libraries of the ELF ones.
 declare -A libs=()
 is_elf() { [ "$(head -c 4 "$1" 2>/dev/null | od -An -c | tr -d ' ')" = '177ELF' ]; }
+# e_machine of an ELF file (little-endian u16 at offset 18).
+elf_machine() { od -An -t u2 -j 18 -N 2 "$1" | tr -d ' '; }
 scan_libs() {
-    local f=$1 line p
+    local f=$1 line p m
     is_elf "$f" || return 0
+    m=$(elf_machine "$f")
+    [ "$m" = "$emachine" ] ||
+        die "$f is built for another architecture (ELF machine $m), not $arch ($emachine)"
+    # The image holds the architecture's whole C runtime instead.
+    [ "$arch" = x86_64 ] || return 0
     local out
     out=$(ldd "$f" 2>&1) || return 0 # static, or not an executable
     while IFS= read -r line; do
@@ -265,8 +333,11 @@ scan_libs() {
 manifest() {
     echo "script $(sha256sum "$here/$(basename "${BASH_SOURCE[0]}")" | cut -d' ' -f1)"
     echo "init $(sha256sum "$here/init" | cut -d' ' -f1)"
+    echo "arch $arch"
     echo "kernel $kernel_sha"
     echo "busybox $busybox_sha"
+    local d
+    for d in "${runtime_debs[@]}"; do echo "runtime $(sha256sum "$d" | cut -d' ' -f1)"; done
     echo "modules ${ordered[*]}"
     echo "strip $strip"
     local e host guest f
@@ -290,7 +361,7 @@ for e in "${extras[@]}"; do
 done
 key=$(manifest | sha256sum | cut -c1-16)
 initrd="$cache/initrd-$key.cpio.gz"
-kernel_out="$cache/vmlinuz-$kver"
+kernel_out="$cache/${vmlinuz##*/}"
 if ! cmp -s "$vmlinuz" "$kernel_out" 2>/dev/null; then
     cp "$vmlinuz" "$kernel_out"
 fi
@@ -311,7 +382,7 @@ else
         [ "$a" = bin/busybox ] && continue
         mkdir -p "$(dirname "$a")"
         ln -sf /bin/busybox "$a"
-    done < <("$busybox" --list-full)
+    done < <(bb --list-full)
     install -m 755 "$here/init" init
     printf 'root:x:0:0:root:/root:/bin/sh\n' >etc/passwd
     printf 'root:x:0:\n' >etc/group
@@ -319,7 +390,7 @@ else
     for f in "${ordered[@]}"; do
         mkdir -p "lib/modules/$kver/$(dirname "$f")"
         case "$f" in
-        *.xz) "$busybox" xzcat "$moddir/$f" >"lib/modules/$kver/${f%.xz}" ;;
+        *.xz) bb xzcat "$moddir/$f" >"lib/modules/$kver/${f%.xz}" ;;
         *.zst) zstd -qdc "$moddir/$f" >"lib/modules/$kver/${f%.zst}" ;;
         *) cp "$moddir/$f" "lib/modules/$kver/$f" ;;
         esac
@@ -329,6 +400,23 @@ else
     for p in "${!libs[@]}"; do
         mkdir -p ".$(dirname "$p")"
         cp -L "$p" ".$p"
+    done
+    # Only the shared objects and the dynamic loader of the runtime packages
+    # (not their docs or locales).
+    for d in "${runtime_debs[@]}"; do
+        rt=$(mktemp -d "$cache/tmp/runtime.XXXXXX")
+        dpkg-deb -x "$d" "$rt"
+        while IFS= read -r f; do
+            mkdir -p "$(dirname "$f")"
+            cp -a "$rt/$f" "$f"
+        done < <(cd "$rt" && find . \( -path './usr/share' -o -name gconv \) -prune -o \( -type f -o -type l \) \
+            \( -name '*.so*' -o -name 'ld-linux*' \) -print)
+        rm -rf "$rt"
+    done
+    # Programs name their loader as /lib/ld-linux-*; trixie's libc6 ships it
+    # in /usr/lib (/lib is a link to usr/lib on a Debian system).
+    for f in usr/lib/ld-linux*; do
+        if [ -e "$f" ] && [ ! -e "lib/${f##*/}" ]; then ln -s "/$f" "lib/${f##*/}"; fi
     done
     for e in "${extras[@]}"; do
         host=${e%%:*} guest=${e#*:}
@@ -348,7 +436,7 @@ else
     done
     manifest >etc/dmlc/manifest
     log "packing $(du -sh . | cut -f1) into $initrd"
-    find . -mindepth 1 | sed 's|^\./||' | sort | "$busybox" cpio -o -H newc -R 0:0 2>/dev/null |
+    find . -mindepth 1 | sed 's|^\./||' | sort | bb cpio -o -H newc -R 0:0 2>/dev/null |
         gzip -6 >"$initrd.tmp"
     mv "$initrd.tmp" "$initrd"
     cd /
@@ -367,7 +455,9 @@ if [ "$headers" = 1 ]; then
     kbuild_pkg=$(grep -oE 'linux-kbuild-[0-9][^ ,(]*' <<<"$deps" | head -n 1)
     [ -n "$common_pkg" ] && [ -n "$kbuild_pkg" ] || die "linux-headers-$kver: unexpected Depends: $deps"
     common_deb=$(fetch "headers-common-$kver" "$common_pkg")
-    kbuild_deb=$(fetch "kbuild-$kver" "$kbuild_pkg")
+    # Kbuild's programs (fixdep, modpost) run on the host: its
+    # architecture's package, for a cross-build of another's modules.
+    kbuild_deb=$(fetch "kbuild-$kver-$hostarch" "$kbuild_pkg:$hostarch")
     hkey=$(cat "$hdr_deb" "$common_deb" "$kbuild_deb" | sha256sum | cut -c1-16)
     hroot="$cache/headers-$hkey"
     if [ ! -f "$hroot/.done" ]; then
@@ -376,6 +466,27 @@ if [ "$headers" = 1 ]; then
         mkdir -p "$hroot"
         for d in "$hdr_deb" "$common_deb" "$kbuild_deb"; do dpkg-deb -x "$d" "$hroot"; done
         sed -i "s|^include /usr/src/|include $hroot/usr/src/|" "$hroot/usr/src/linux-headers-$kver/Makefile"
+        # A newer suite's kbuild programs (trixie's modpost needs glibc
+        # 2.38) run with that suite's C library of the host's architecture,
+        # through its own loader; the host's is left alone.
+        needs_libc=()
+        while IFS= read -r f; do
+            ran=$("$f" </dev/null 2>&1 || true)
+            if grep -q "GLIBC_[0-9.]*' not found" <<<"$ran"; then needs_libc+=("$f"); fi
+        done < <(find "$hroot/usr/lib" -path '*linux-kbuild*' -type f -perm -u+x)
+        if [ ${#needs_libc[@]} -gt 0 ]; then
+            libc_deb=$(fetch "libc6-$hostarch" "libc6:$hostarch")
+            dpkg-deb -x "$libc_deb" "$hroot/hostlibc"
+            loader=$(find "$hroot/hostlibc" -name 'ld-linux*.so*' | head -n 1)
+            libdir=$(dirname "$(find "$hroot/hostlibc" -name 'libc.so.6' | head -n 1)")
+            [ -n "$loader" ] && [ -d "$libdir" ] || die "no loader in $(basename "$libc_deb")"
+            for f in "${needs_libc[@]}"; do
+                log "running ${f#"$hroot"/} with $(basename "$libc_deb")"
+                mv "$f" "$f.elf"
+                printf '#!/bin/sh\nexec %q --library-path %q "$0.elf" "$@"\n' "$loader" "$libdir" >"$f"
+                chmod 755 "$f"
+            done
+        fi
         touch "$hroot/.done"
     fi
     echo "DMLC_KERNEL_HEADERS=$hroot/usr/src/linux-headers-$kver"

@@ -55,7 +55,10 @@ fn image() -> Image {
                 "dmlc-driver",
                 Built::Example("pci_probe"),
             );
-            let opts = ImageOptions { strip: true };
+            let opts = ImageOptions {
+                strip: true,
+                ..ImageOptions::default()
+            };
             let t = Instant::now();
             let files = [
                 (guest.as_path(), "/usr/bin/dmlc-guest"),

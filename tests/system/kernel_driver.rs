@@ -56,8 +56,14 @@ fn kernel_image(kmod: &Path, ktest: &Path) -> Image {
             if let Some(g) = guest.as_deref() {
                 files.push((g, "/usr/bin/dmlc-guest"));
             }
-            Image::build(&files, &ImageOptions { strip: true })
-                .unwrap_or_else(|e| panic!("cannot build the kernel driver's image: {e}"))
+            Image::build(
+                &files,
+                &ImageOptions {
+                    strip: true,
+                    ..ImageOptions::default()
+                },
+            )
+            .unwrap_or_else(|e| panic!("cannot build the kernel driver's image: {e}"))
         })
         .clone()
 }

@@ -28,7 +28,10 @@ fn options() -> Options {
 fn setup() -> (Qemu, Image) {
     let qemu = Qemu::from_env().unwrap_or_else(|e| panic!("qemu: {e}"));
     let exe = std::env::current_exe().expect("current_exe");
-    let opts = ImageOptions { strip: true };
+    let opts = ImageOptions {
+        strip: true,
+        ..ImageOptions::default()
+    };
     let image = Image::build(&[(exe.as_path(), "/usr/bin/vm-smoke")], &opts)
         .unwrap_or_else(|e| panic!("image: {e}"));
     (qemu, image)

@@ -23,7 +23,7 @@ use tempfile::TempDir;
 
 use crate::console::{job_output, scan_console};
 use crate::error::io_err;
-use crate::{vm_ip, Accel, Error, Image, Options, Qemu, Virtiofsd, VmSpec};
+use crate::{vm_ip, Accel, Arch, Error, Image, Options, Qemu, Virtiofsd, VmSpec};
 
 /// The `-cpu` of a TCG guest that runs the host's userland (see `vm_args`).
 pub const TCG_HOST_ROOT_CPU: &str = "max,avx=off,avx2=off,fma=off,f16c=off";
@@ -40,10 +40,6 @@ pub struct Outcome {
     /// From QEMU start to the job's exit line.
     pub total: Duration,
 }
-
-/// The kernel command line takes 2048 bytes on x86; longer jobs go through
-/// fw_cfg files instead.
-const CMDLINE_LIMIT: usize = 1900;
 
 /// Shell wrapper around QEMU: when the harness's end of the stdin pipe
 /// closes (the harness is done, or died), QEMU is killed, so no VM outlives
@@ -441,9 +437,11 @@ impl Cluster {
         i: usize,
         nonce: &str,
     ) -> Result<Vec<OsString>, Error> {
+        let image = spec.image.as_ref().unwrap_or(image);
+        let arch = image.arch;
         let mut a: Vec<OsString> = Vec::new();
         let mut push = |s: &str| a.push(OsString::from(s));
-        push(&qemu.binary.to_string_lossy());
+        push(&qemu.binary_for(arch)?.to_string_lossy());
         for dir in &qemu.firmware {
             push("-L");
             push(&dir.to_string_lossy());
@@ -454,7 +452,7 @@ impl Cluster {
         push("none");
         push("-no-reboot");
         push("-machine");
-        push("q35,memory-backend=mem");
+        push(arch.machine());
         push("-object");
         push(&format!("memory-backend-memfd,id=mem,size={mem}M,share=on"));
         push("-m");
@@ -465,7 +463,10 @@ impl Cluster {
             Accel::Tcg => {
                 push("-accel");
                 push("tcg");
-                if spec.host_root {
+                if let Some(cpu) = arch.tcg_cpu() {
+                    push("-cpu");
+                    push(cpu);
+                } else if spec.host_root && arch == Arch::X86_64 {
                     // The host's programs are built for the host's CPU:
                     // numpy 2.4, say, needs x86-64-v2 (SSE4.2, POPCNT) and
                     // dies with SIGILL on QEMU's default qemu64 model.
@@ -480,6 +481,13 @@ impl Cluster {
                 }
             }
             Accel::Kvm => {
+                if arch != Arch::host() {
+                    return Err(Error::KvmForeign {
+                        vm: i,
+                        arch,
+                        host: Arch::host(),
+                    });
+                }
                 push("-accel");
                 push("kvm");
                 push("-cpu");
@@ -530,7 +538,7 @@ impl Cluster {
             ));
         }
         let mut append = vec![
-            "console=ttyS0".to_owned(),
+            format!("console={}", arch.console()),
             "quiet".to_owned(),
             "panic=-1".to_owned(),
             // Under TCG on a loaded host the kernel's IO-APIC timer check can
@@ -562,7 +570,7 @@ impl Cluster {
             BASE64.encode(&spec.command),
             BASE64.encode(&env)
         );
-        if append.join(" ").len() + job.len() < CMDLINE_LIMIT {
+        if append.join(" ").len() + job.len() < arch.cmdline_limit() {
             append.push(job);
         } else {
             for (name, text) in [("cmd", &spec.command), ("env", &env)] {
@@ -791,6 +799,7 @@ mod tests {
         Image {
             kernel: PathBuf::from("/k"),
             initrd: PathBuf::from("/i"),
+            arch: Arch::X86_64,
         }
     }
 
@@ -1034,7 +1043,7 @@ exec sleep 1000
         let append = &line[line.iter().position(|a| a == "-append").unwrap() + 1];
         assert!(append.contains("dmlc.nonce=n dmlc.cmd=ZWNobyBoaQ== dmlc.env=QT1iIGMK"));
         // Long jobs go through fw_cfg files in the cluster's directory.
-        let long = VmSpec::new("x".repeat(CMDLINE_LIMIT));
+        let long = VmSpec::new("x".repeat(Arch::X86_64.cmdline_limit()));
         let args = c
             .vm_args(&qemu, &image(), &long, Accel::Tcg, None, 1, "n")
             .unwrap();
@@ -1047,6 +1056,65 @@ exec sleep 1000
         drop(c);
         if std::env::var_os("DMLC_KEEP_LOGS").is_none() {
             assert!(!dir.exists(), "a good run's directory is removed");
+        }
+    }
+
+    #[test]
+    fn a_vm_of_another_architecture_gets_its_qemu_board_cpu_and_console() {
+        let bin = tempfile::tempdir().unwrap();
+        let x86 = bin.path().join("qemu-system-x86_64");
+        fs::write(&x86, "").unwrap();
+        let qemu = Qemu {
+            binary: x86.clone(),
+            firmware: Vec::new(),
+        };
+        let opts = Options::default();
+        let c = empty(&opts);
+        let arm = Image {
+            arch: Arch::Aarch64,
+            ..image()
+        };
+        let spec = VmSpec::new("true").image(arm.clone());
+        // No qemu-system-aarch64 beside the x86 one: a clear error.
+        let err = c
+            .vm_args(&qemu, &image(), &spec, Accel::Tcg, None, 0, "n")
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::NoQemuFor { arch: Arch::Aarch64, path } if path.ends_with("qemu-system-aarch64")),
+            "{err}"
+        );
+        fs::write(bin.path().join("qemu-system-aarch64"), "").unwrap();
+        let line: Vec<String> = c
+            .vm_args(&qemu, &image(), &spec, Accel::Tcg, None, 0, "n")
+            .unwrap()
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        assert!(line[0].ends_with("/qemu-system-aarch64"), "{line:?}");
+        let after = |flag: &str| &line[line.iter().position(|a| a == flag).unwrap() + 1];
+        assert_eq!(after("-machine"), "virt,memory-backend=mem");
+        assert_eq!(after("-cpu"), "neoverse-n1");
+        assert!(after("-append").starts_with("console=ttyAMA0 "));
+        // The cluster's own image (x86_64) still boots on q35 with its binary.
+        let x86_line = c
+            .vm_args(
+                &qemu,
+                &image(),
+                &VmSpec::new("true"),
+                Accel::Tcg,
+                None,
+                1,
+                "n",
+            )
+            .unwrap();
+        assert_eq!(x86_line[0], x86.as_os_str());
+        assert!(x86_line.iter().any(|a| a == "q35,memory-backend=mem"));
+        // KVM runs only the host's architecture.
+        if Arch::host() == Arch::X86_64 {
+            let err = c
+                .vm_args(&qemu, &image(), &spec, Accel::Kvm, None, 2, "n")
+                .unwrap_err();
+            assert!(matches!(err, Error::KvmForeign { vm: 2, .. }), "{err}");
         }
     }
 }

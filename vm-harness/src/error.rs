@@ -30,6 +30,17 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+    #[error(
+        "no QEMU for {arch} guests at {path} (qemu-patches/build-qemu.sh builds \
+         x86_64, aarch64 and riscv64; with DMLC_QEMU, put qemu-system-{arch} beside it)"
+    )]
+    NoQemuFor { arch: crate::Arch, path: PathBuf },
+    #[error("KVM runs only {host} guests here; vm {vm} is {arch} (use TCG: unset DMLC_ACCEL)")]
+    KvmForeign {
+        vm: usize,
+        arch: crate::Arch,
+        host: crate::Arch,
+    },
     #[error("KVM was asked for but /dev/kvm cannot be opened")]
     NoKvm(#[source] io::Error),
     #[error("unknown DMLC_ACCEL value {0:?} (tcg or kvm)")]

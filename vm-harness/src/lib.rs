@@ -6,6 +6,7 @@
 //! through it. See README.md for the environment variables, an example and
 //! the QEMU command line.
 
+mod arch;
 mod cluster;
 mod console;
 mod error;
@@ -13,6 +14,7 @@ pub mod qmp;
 mod setup;
 mod spec;
 
+pub use arch::{Arch, UnknownArch};
 pub use cluster::{run_ok, Cluster, Outcome, TCG_HOST_ROOT_CPU};
 pub use error::Error;
 pub use setup::{repo_root, Accel, Image, ImageOptions, Qemu, Virtiofsd, VIRTIOFSD_VERSION};

@@ -6,7 +6,7 @@ use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use crate::Error;
+use crate::{Arch, Error};
 
 /// The repository root: `DMLC_REPO`, else the first directory above this
 /// crate that holds tests/image/build-image.sh.
@@ -63,6 +63,8 @@ fn script_value(script: &Path, stdout: &str, key: &'static str) -> Result<String
 pub struct Image {
     pub kernel: PathBuf,
     pub initrd: PathBuf,
+    /// What the kernel and the image's programs run on.
+    pub arch: Arch,
 }
 
 /// How to build an [`Image`].
@@ -70,6 +72,8 @@ pub struct Image {
 pub struct ImageOptions {
     /// Strip debug info from the extra ELF files (smaller, faster to boot).
     pub strip: bool,
+    /// The guest's architecture (default: the host's).
+    pub arch: Arch,
 }
 
 impl Image {
@@ -82,7 +86,7 @@ impl Image {
     /// absolute guest path; a guest path ending in '/' is a directory to
     /// copy into).
     pub fn script_args(extra: &[(&Path, &str)], opts: &ImageOptions) -> Vec<OsString> {
-        let mut args = Vec::new();
+        let mut args = vec![OsString::from("--arch"), OsString::from(opts.arch.name())];
         if opts.strip {
             args.push(OsString::from("--strip"));
         }
@@ -95,11 +99,12 @@ impl Image {
         args
     }
 
-    /// The image that the script's stdout names.
-    pub fn from_script_output(script: &Path, stdout: &str) -> Result<Image, Error> {
+    /// The image of `arch` that the script's stdout names.
+    pub fn from_script_output(script: &Path, stdout: &str, arch: Arch) -> Result<Image, Error> {
         Ok(Image {
             initrd: PathBuf::from(script_value(script, stdout, "DMLC_INITRD")?),
             kernel: PathBuf::from(script_value(script, stdout, "DMLC_KERNEL")?),
+            arch,
         })
     }
 
@@ -108,18 +113,38 @@ impl Image {
     pub fn build(extra: &[(&Path, &str)], opts: &ImageOptions) -> Result<Image, Error> {
         let script = Image::script()?;
         let out = run_script(&script, &Image::script_args(extra, opts))?;
-        Image::from_script_output(&script, &out)
+        Image::from_script_output(&script, &out, opts.arch)
     }
 }
 
 /// The QEMU binary and the directories it takes firmware from (`-L`).
 #[derive(Debug, Clone)]
 pub struct Qemu {
+    /// `qemu-system-x86_64` (the host's architecture); the other
+    /// architectures' binaries are beside it.
     pub binary: PathBuf,
     pub firmware: Vec<PathBuf>,
 }
 
 impl Qemu {
+    /// The binary that runs `arch` guests: [`Qemu::binary`] for the host's
+    /// architecture, else `qemu-system-ARCH` in the same directory (the
+    /// patched build makes all three).
+    pub fn binary_for(&self, arch: Arch) -> Result<PathBuf, Error> {
+        if arch == Arch::host() {
+            return Ok(self.binary.clone());
+        }
+        let sibling = self.binary.with_file_name(arch.qemu_binary());
+        if sibling.is_file() {
+            Ok(sibling)
+        } else {
+            Err(Error::NoQemuFor {
+                arch,
+                path: sibling,
+            })
+        }
+    }
+
     /// `DMLC_QEMU` (binary) and `DMLC_QEMU_FIRMWARE` (':'-separated `-L`
     /// directories; none if unset). Without `DMLC_QEMU`, runs
     /// `qemu-patches/build-qemu.sh --env` (the patched build, cached after
@@ -260,17 +285,24 @@ mod tests {
     #[test]
     fn image_script_protocol() {
         let files = [(Path::new("/h/a"), "/usr/bin/"), (Path::new("/h/b"), "/b")];
-        let args = Image::script_args(&files, &ImageOptions { strip: true });
-        assert_eq!(args, ["--strip", "/h/a:/usr/bin/", "/h/b:/b"]);
+        let opts = ImageOptions {
+            strip: true,
+            arch: Arch::Riscv64,
+        };
+        let args = Image::script_args(&files, &opts);
+        assert_eq!(
+            args,
+            ["--arch", "riscv64", "--strip", "/h/a:/usr/bin/", "/h/b:/b"]
+        );
         let s = Path::new("s.sh");
         let out = "DMLC_KERNEL=/old\nnoise\nDMLC_INITRD=/i\nDMLC_KERNEL=/k\n";
-        let image = Image::from_script_output(s, out).unwrap();
+        let image = Image::from_script_output(s, out, Arch::Aarch64).unwrap();
         assert_eq!(
-            (image.initrd.to_str(), image.kernel.to_str()),
-            (Some("/i"), Some("/k"))
+            (image.initrd.to_str(), image.kernel.to_str(), image.arch),
+            (Some("/i"), Some("/k"), Arch::Aarch64)
         );
         assert!(matches!(
-            Image::from_script_output(s, "DMLC_KERNEL=/k\n"),
+            Image::from_script_output(s, "DMLC_KERNEL=/k\n", Arch::X86_64),
             Err(Error::ScriptOutput {
                 key: "DMLC_INITRD",
                 ..

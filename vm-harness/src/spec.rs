@@ -4,7 +4,7 @@ use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::Accel;
+use crate::{Accel, Image};
 
 /// What one VM runs and how it is built.
 #[derive(Debug, Clone)]
@@ -41,6 +41,11 @@ pub struct VmSpec {
     pub append: Vec<String>,
     /// Extra QEMU arguments.
     pub qemu_args: Vec<String>,
+    /// This VM's own image, which may be of another architecture than the
+    /// cluster's (a group across instruction sets); `None`: the cluster's.
+    /// The image's architecture picks the QEMU binary, machine, CPU and
+    /// console.
+    pub image: Option<Image>,
 }
 
 impl VmSpec {
@@ -57,6 +62,7 @@ impl VmSpec {
             host_root: false,
             append: Vec::new(),
             qemu_args: Vec::new(),
+            image: None,
         }
     }
 
@@ -80,6 +86,12 @@ impl VmSpec {
     /// The job's working directory in the guest.
     pub fn cwd(mut self, dir: impl Into<String>) -> VmSpec {
         self.cwd = Some(dir.into());
+        self
+    }
+
+    /// Boots this VM from `image` instead of the cluster's.
+    pub fn image(mut self, image: Image) -> VmSpec {
+        self.image = Some(image);
         self
     }
 

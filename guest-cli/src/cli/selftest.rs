@@ -181,7 +181,8 @@ pub fn run(dev: &Device, args: &SelftestArgs) -> Result<bool, CliError> {
     };
 
     println!(
-        "# selftest: rank {rank} of {world}, {queues} queue(s), seed {}, counts {:?}{}",
+        "# selftest: rank {rank} of {world} on {}, {queues} queue(s), seed {}, counts {:?}{}",
+        std::env::consts::ARCH,
         args.seed,
         counts,
         if args.caller_memory {
