@@ -25,11 +25,13 @@ use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
 use tempfile::TempDir;
 
-use crate::cross::{self, CrossError};
+use crate::cross;
 use crate::freeze::{DebugOptions, Freezer, Snapshot};
 use crate::monitor::Monitor;
 use crate::prepare::{self, PrepareError};
+use crate::rootfs::{self, Rootfs};
 use crate::signals;
+use dmlc_vm::{program_for, CrossError};
 
 /// Port every rank listens on with `--transport tcp`.
 pub const TCP_PORT: u16 = 9091;
@@ -105,6 +107,10 @@ pub struct HostRoot {
     /// the kernel driver (`DMLC_DEVICE=kernel`) instead of the userspace one.
     #[serde(default)]
     pub kernel_driver: Option<String>,
+    /// The VMs' root instead of this machine's `/` (`--rootfs`), with the
+    /// job's directories bound in from this machine.
+    #[serde(default)]
+    pub rootfs: Option<Rootfs>,
 }
 
 impl HostRoot {
@@ -119,6 +125,7 @@ impl HostRoot {
             cwd,
             env,
             kernel_driver: None,
+            rootfs: None,
         })
     }
 
@@ -232,7 +239,7 @@ pub enum JobError {
     #[error("cannot restore the VMs: {0}")]
     Restore(String),
     #[error(transparent)]
-    Cross(#[from] crate::cross::CrossError),
+    Cross(#[from] CrossError),
 }
 
 /// How a job ended.
@@ -338,11 +345,29 @@ impl Job {
         self.place.map_or(0, |p| p.host * self.local_workers())
     }
 
-    /// Path of the program in the guest, as the command line names it.
-    fn guest_program(&self) -> String {
-        match &self.program {
+    /// Path of the program in an `arch` guest, as the command line names it.
+    fn guest_program(&self, arch: vm::Arch) -> String {
+        match (&self.program, &self.host_root) {
+            // Another root: this machine's build for the guest's
+            // architecture, bound in at its own path.
+            (
+                Program::Host(p),
+                Some(HostRoot {
+                    rootfs: Some(_), ..
+                }),
+            ) => program_for(p, arch)
+                .unwrap_or_else(|_| p.clone())
+                .to_string_lossy()
+                .into_owned(),
             // The host's own file, seen at the same path in the guest.
-            Program::Host(p) if self.host_root.is_some() => p.to_string_lossy().into_owned(),
+            (Program::Host(p), Some(_)) => p.to_string_lossy().into_owned(),
+            _ => self.image_program(),
+        }
+    }
+
+    /// Path of a program in the image (or one the guest has).
+    fn image_program(&self) -> String {
+        match &self.program {
             Program::Host(p) => {
                 let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
                 format!("{GUEST_BIN}/{}", name.unwrap_or_default())
@@ -352,14 +377,30 @@ impl Job {
     }
 
     /// Host files to put in the image of `arch` guests: the program's build
-    /// for that architecture ([`crate::cross::program_for`]) and `--files`.
+    /// for that architecture ([`program_for`]) and `--files`.
     pub fn image_files(&self, arch: vm::Arch) -> Result<Vec<(PathBuf, String)>, CrossError> {
         let mut files = Vec::new();
         if let (Program::Host(p), None) = (&self.program, &self.host_root) {
-            files.push((cross::program_for(p, arch)?, self.guest_program()));
+            files.push((program_for(p, arch)?, self.image_program()));
         }
         files.extend(self.files.iter().cloned());
         Ok(files)
+    }
+
+    /// Whether `arch` guests have a build of the program: the image's copy,
+    /// or with another root the file bound in (this machine's own root runs
+    /// the host's files as they are).
+    pub fn check_program(&self, arch: vm::Arch) -> Result<(), CrossError> {
+        match (&self.program, &self.host_root) {
+            (
+                Program::Host(p),
+                Some(HostRoot {
+                    rootfs: Some(_), ..
+                }),
+            ) => program_for(p, arch).map(drop),
+            (_, Some(_)) => Ok(()),
+            (_, None) => self.image_files(arch).map(drop),
+        }
     }
 
     /// The architecture of this machine's VM `i`.
@@ -373,6 +414,27 @@ impl Job {
         cross::distinct(&self.arch, first..first + self.local_workers())
     }
 
+    /// With `--rootfs`, each local architecture's root directory (built
+    /// or found in the cache).
+    pub fn rootfs_dirs(&self) -> Result<Vec<(vm::Arch, PathBuf)>, JobError> {
+        let Some(HostRoot {
+            rootfs: Some(rootfs),
+            ..
+        }) = &self.host_root
+        else {
+            return Ok(Vec::new());
+        };
+        let mut dirs = Vec::new();
+        for arch in self.local_arches() {
+            let dir = match rootfs {
+                Rootfs::Debian => prepare::rootfs(arch)?,
+                Rootfs::Dir(d) => d.clone(),
+            };
+            dirs.push((arch, dir));
+        }
+        Ok(dirs)
+    }
+
     /// The image of each architecture this machine's VMs run, built (or
     /// found in the cache) in turn.
     pub fn images(&self) -> Result<Vec<vm::Image>, JobError> {
@@ -383,10 +445,10 @@ impl Job {
         Ok(images)
     }
 
-    /// The shell command line each VM runs. `token` marks the fetched files
-    /// on the console.
-    pub fn command_line(&self, token: &str) -> String {
-        let program = self.guest_program();
+    /// The shell command line each `arch` VM runs. `token` marks the
+    /// fetched files on the console.
+    pub fn command_line(&self, token: &str, arch: vm::Arch) -> String {
+        let program = self.guest_program(arch);
         let mut words = Vec::new();
         if let Some(t) = &self.tracker {
             words.extend([
@@ -437,7 +499,12 @@ impl Job {
             env.push(("DMLC_TRACKER_PORT".to_owned(), TRACKER_PORT.to_string()));
         }
         if let Some(root) = &self.host_root {
-            for (k, v) in &root.env {
+            let arch = cross::arch_of(&self.arch, rank);
+            let passed = match root.rootfs {
+                Some(_) => rootfs::environment(&root.env, arch),
+                None => root.env.clone(),
+            };
+            for (k, v) in &passed {
                 let v = if k == "PATH" {
                     format!("{v}:{GUEST_BIN}")
                 } else {
@@ -484,6 +551,7 @@ impl Job {
         let started = Instant::now();
         let tmp = private_dir()?;
         let images = self.images()?;
+        let rootfs_dirs = self.rootfs_dirs()?;
         let image_took = started.elapsed();
         if let Some(sig) = signals::received() {
             return Err(PrepareError::Interrupted(sig).into());
@@ -547,7 +615,7 @@ impl Job {
         let specs: Vec<vm::VmSpec> = (0..local)
             .map(|i| {
                 let arch = self.local_arch(i);
-                let mut spec = vm::VmSpec::new(self.command_line(&token))
+                let mut spec = vm::VmSpec::new(self.command_line(&token, arch))
                     .dmlc_socket(socket_path(&sock, i as u32));
                 if let Some(image) = images.iter().find(|im| im.arch == arch) {
                     spec = spec.image(image.clone());
@@ -571,6 +639,17 @@ impl Job {
                 }
                 if let Some(root) = &self.host_root {
                     spec = spec.host_root().cwd(root.cwd.clone());
+                    if root.rootfs.is_some() {
+                        spec.root_dir = rootfs_dirs
+                            .iter()
+                            .find(|(a, _)| *a == arch)
+                            .map(|(_, d)| d.clone());
+                        let program = match &self.program {
+                            Program::Host(p) => Some(p.as_path()),
+                            Program::Guest(_) => None,
+                        };
+                        spec.host_dirs = rootfs::host_dirs(&root.cwd, &root.env, program, arch);
+                    }
                     if root.under_tmp() {
                         spec.append.push("dmlc.tmpfs=/run,/var/tmp".to_owned());
                     }
@@ -894,12 +973,13 @@ mod tests {
                 ("DMLC_LIBRARY".to_owned(), "/w/libdmlc_guest.so".to_owned()),
             ],
             kernel_driver: None,
+            rootfs: None,
         });
         // Not copied into the image: the guest sees the host's file.
         let files = j.image_files(vm::Arch::host()).unwrap();
         assert!(files.iter().all(|(p, _)| !p.ends_with("python3")));
         assert!(j
-            .command_line("t")
+            .command_line("t", vm::Arch::host())
             .starts_with("exec /opt/venv/bin/python3"));
         let env = j.environment(1);
         let get = |k: &str| {
@@ -941,11 +1021,12 @@ mod tests {
             cwd: "/w".to_owned(),
             env: Vec::new(),
             kernel_driver: None,
+            rootfs: None,
         });
         j.tracker = Some(Tracker {
             python: "/venv/bin/python3".to_owned(),
         });
-        let words = shlex::split(&j.command_line("t")).unwrap();
+        let words = shlex::split(&j.command_line("t", vm::Arch::host())).unwrap();
         assert_eq!(
             words,
             [
@@ -974,7 +1055,9 @@ mod tests {
             .environment(0)
             .iter()
             .all(|(k, _)| k != "DMLC_TRACKER_URI"));
-        assert!(!j.command_line("t").contains("RabitTracker"));
+        assert!(!j
+            .command_line("t", vm::Arch::host())
+            .contains("RabitTracker"));
     }
 
     #[test]
@@ -996,7 +1079,7 @@ mod tests {
         let mut j = job();
         j.program = Program::Host(train.clone());
         assert_eq!(
-            j.command_line("t"),
+            j.command_line("t", vm::Arch::host()),
             "exec /usr/local/bin/train --data \"it's here\""
         );
         // A script is the same file for every architecture.
@@ -1014,7 +1097,10 @@ mod tests {
         let mut g = job();
         g.program = Program::Guest("sh".to_owned());
         g.args = vec!["-c".to_owned(), "echo $DMLC_TASK_ID".to_owned()];
-        assert_eq!(g.command_line("t"), "exec sh -c 'echo $DMLC_TASK_ID'");
+        assert_eq!(
+            g.command_line("t", vm::Arch::host()),
+            "exec sh -c 'echo $DMLC_TASK_ID'"
+        );
         assert_eq!(g.image_files(vm::Arch::Riscv64).unwrap().len(), 1);
     }
 
@@ -1023,7 +1109,7 @@ mod tests {
         let mut j = job();
         j.args.clear();
         j.fetch = vec!["/root/r.json".to_owned()];
-        let cmd = j.command_line("tok");
+        let cmd = j.command_line("tok", vm::Arch::host());
         assert!(cmd.starts_with("/usr/local/bin/train\ns=$?\nfor f in /root/r.json; do"));
         assert!(cmd.contains("echo \"DMLC-FETCH tok BEGIN $f\"; base64 \"$f\""));
         assert!(cmd.ends_with("\nexit $s"));

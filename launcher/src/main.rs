@@ -9,6 +9,7 @@ mod hosts;
 mod job;
 mod monitor;
 mod prepare;
+mod rootfs;
 mod signals;
 
 use std::ffi::OsString;
@@ -73,7 +74,7 @@ enum Cmd {
         after_help = SUBMIT_AFTER_HELP,
         override_usage = "dmlc-qemu submit --num-workers N [OPTIONS] [--] PROGRAM [ARGS]..."
     )]
-    Submit(SubmitArgs),
+    Submit(Box<SubmitArgs>),
     /// Train the digits example (an MLP of 1.1M parameters, or softmax
     /// regression) across VMs through the device, then over TCP, and
     /// compare the two.
@@ -268,8 +269,24 @@ struct SubmitArgs {
     /// job, and the job reaches the device through it (DMLC_DEVICE=kernel):
     /// collectives on the program's own memory, a PyTorch tensor included,
     /// without a staging copy (docs/kernel-driver.md).
-    #[arg(long, value_name = "KO", requires = "host_root")]
+    #[arg(
+        long,
+        value_name = "KO",
+        requires = "host_root",
+        conflicts_with = "rootfs"
+    )]
     kernel_driver: Option<PathBuf>,
+
+    /// With --host-root: the VMs' root is not this machine's / but
+    /// `debian`, Debian trixie of each VM's --arch with Python, numpy,
+    /// PyTorch, scikit-learn and XGBoost (tests/image/build-rootfs.sh:
+    /// built once, cached; one PyTorch version on every rank), or DIR (one
+    /// architecture). The current directory, PYTHONPATH's directories and
+    /// DMLC_LIBRARY's (that architecture's build: target/TRIPLE/... for
+    /// target/...) are bound in from this machine at their own paths; PATH,
+    /// HOME and VIRTUAL_ENV are the root's own (docs/architectures.md).
+    #[arg(long, value_name = "debian|DIR", requires = "host_root", value_parser = rootfs::parse)]
+    rootfs: Option<rootfs::Rootfs>,
 
     /// Place the workers on these hosts (comma-separated), N/H each, through
     /// mpirun: one backend (--mpi) per host, MPI between them (see below).
@@ -737,11 +754,21 @@ fn across_hosts(a: &SubmitArgs) -> Option<Across> {
 fn submit_job(a: SubmitArgs) -> Job {
     check_dma(&a.machine);
     let arch = check_arch(&a.machine, usize::from(a.num_workers));
-    if a.host_root {
+    if a.host_root && a.rootfs.is_none() {
         if let Some(other) = arch.iter().find(|x| **x != vm::Arch::host()) {
             usage_error(format!(
-                "--host-root shares this machine's {} userland, which {other} guests cannot run",
+                "--host-root shares this machine's {} userland, which {other} guests cannot \
+                 run: add --rootfs debian (Debian's root of each architecture)",
                 vm::Arch::host()
+            ));
+        }
+    }
+    if let Some(rootfs::Rootfs::Dir(d)) = &a.rootfs {
+        if cross::distinct(&arch, 0..usize::from(a.num_workers)).len() > 1 {
+            usage_error(format!(
+                "--rootfs {} is one root for every VM: it cannot serve several --arch values \
+                 (--rootfs debian gives each its own)",
+                d.display()
             ));
         }
     }
@@ -838,6 +865,7 @@ fn submit_job(a: SubmitArgs) -> Job {
         fetch: Vec::new(),
         host_root: a.host_root.then(|| job::HostRoot {
             kernel_driver,
+            rootfs: a.rootfs.clone(),
             ..job::HostRoot::here()
                 .unwrap_or_else(|e| usage_error(format!("cannot read the current directory: {e}")))
         }),
@@ -849,7 +877,7 @@ fn submit_job(a: SubmitArgs) -> Job {
     };
     // A program built for the wrong architecture fails here, not in a VM.
     for arch in cross::distinct(&job.arch, 0..job.num_workers) {
-        if let Err(e) = job.image_files(arch) {
+        if let Err(e) = job.check_program(arch) {
             usage_error(e.to_string());
         }
     }
@@ -939,7 +967,7 @@ fn main() -> ExitCode {
     let code = match cli.command {
         Cmd::Submit(a) => {
             let across = across_hosts(&a);
-            let job = submit_job(a);
+            let job = submit_job(*a);
             match across {
                 None => {
                     let mut out = io::stdout();

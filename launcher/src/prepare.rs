@@ -120,6 +120,24 @@ pub fn image(extra: &[(PathBuf, String)], arch: vm::Arch) -> Result<vm::Image, P
     Ok(vm::Image::from_script_output(&script, &out, arch)?)
 }
 
+/// Debian's root for `arch` guests (tests/image/build-rootfs.sh, minutes
+/// the first time, then cached).
+pub fn rootfs(arch: vm::Arch) -> Result<PathBuf, PrepareError> {
+    let script = vm::repo_root()?.join("tests/image/build-rootfs.sh");
+    crate::progress(&format!(
+        "preparing the {arch} Debian root (tests/image/build-rootfs.sh; minutes the first time)"
+    ));
+    let out = run_script(&script, &["--arch".into(), arch.name().into()])?;
+    out.lines()
+        .rev()
+        .find_map(|l| l.strip_prefix("DMLC_ROOTFS="))
+        .map(PathBuf::from)
+        .ok_or(PrepareError::Output {
+            script,
+            key: "DMLC_ROOTFS",
+        })
+}
+
 /// The digits data (examples/digits/fetch-data.sh prints its path).
 pub fn digits_data() -> Result<PathBuf, PrepareError> {
     let script = vm::repo_root()?.join("examples/digits/fetch-data.sh");

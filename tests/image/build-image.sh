@@ -138,7 +138,12 @@ need gzip gzip
 need sha256sum coreutils
 need flock util-linux
 need ldd libc-bin
-[ "$strip" = 0 ] || need objcopy binutils
+# Another architecture's files are stripped by its cross binutils.
+case "$arch" in
+x86_64) objcopy=objcopy binutils=binutils ;;
+*) objcopy=$arch-linux-gnu-objcopy binutils=binutils-$arch-linux-gnu ;;
+esac
+[ "$strip" = 0 ] || need "$objcopy" "$binutils"
 [ "$arch" = x86_64 ] || need "qemu-$arch-static" qemu-user-static
 
 mkdir -p "$cache/debs" "$cache/apt/lists/partial" "$cache/apt/cache/archives/partial" "$cache/tmp"
@@ -430,7 +435,7 @@ else
         cp -RL --preserve=mode "$host" ".$guest"
         if [ "$strip" = 1 ]; then
             while IFS= read -r f; do
-                is_elf "$f" && objcopy --strip-debug "$f"
+                is_elf "$f" && "$objcopy" --strip-debug "$f"
             done < <(find ".$guest" -type f)
         fi
     done

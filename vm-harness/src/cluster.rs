@@ -53,8 +53,42 @@ wait "$q"; s=$?
 kill "$w" 2>/dev/null
 exit "$s""#;
 
-/// The virtio-fs tag of the host's root (`dmlc.root=virtiofs:TAG`).
-const HOST_ROOT_TAG: &str = "hostroot";
+/// A virtio-fs share of a VM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Share {
+    /// The job's root (`dmlc.root=virtiofs:TAG`): the host's `/`, or
+    /// [`VmSpec::root_dir`].
+    Root,
+    /// The host's `/`, for [`VmSpec::host_dirs`] in another root
+    /// (`dmlc.hostfs=TAG`).
+    HostDirs,
+}
+
+impl Share {
+    /// The guest's name for it (the virtio-fs tag).
+    fn tag(self) -> &'static str {
+        match self {
+            Share::Root => "hostroot",
+            Share::HostDirs => "hostdirs",
+        }
+    }
+
+    /// Its socket's and log's name in the cluster's directory.
+    fn file(self) -> &'static str {
+        match self {
+            Share::Root => "fs",
+            Share::HostDirs => "hostdirs",
+        }
+    }
+
+    /// QEMU's id of its chardev.
+    fn chardev(self) -> &'static str {
+        match self {
+            Share::Root => "hostfs",
+            Share::HostDirs => "hostdirs",
+        }
+    }
+}
 
 /// What virtiofsd logs (level info, its default) once it is in its sandbox
 /// and listening: from then on QEMU can connect.
@@ -166,8 +200,9 @@ struct Vm {
     child: Child,
     /// Holding it keeps QEMU alive (see [`GUARD`]).
     guard: Option<ChildStdin>,
-    /// virtiofsd, for a VM with the host's root.
-    fsd: Option<Daemon>,
+    /// virtiofsd, for a VM with the host's root (two with
+    /// [`VmSpec::root_dir`] and host directories).
+    fsd: Vec<Daemon>,
     started_at: Instant,
     console: Vec<u8>,
     read_pos: u64,
@@ -226,7 +261,7 @@ impl Vm {
             let _ = self.child.kill();
             let _ = self.child.wait();
         }
-        if let Some(fsd) = &mut self.fsd {
+        for fsd in &mut self.fsd {
             fsd.stop();
         }
     }
@@ -291,11 +326,18 @@ impl Cluster {
         };
         for (i, spec) in specs.iter().enumerate() {
             let nonce = format!("{token}-{i}");
-            let fsd = match (spec.host_root, virtiofsd) {
-                (false, _) => None,
-                (true, Some(v)) => Some(cluster.start_virtiofsd(v, i)?),
+            let mut fsd = Vec::new();
+            match (spec.host_root, virtiofsd) {
+                (false, _) => {}
+                (true, Some(v)) => {
+                    let root = spec.root_dir.as_deref().unwrap_or(Path::new("/"));
+                    fsd.push(cluster.start_virtiofsd(v, i, Share::Root, root)?);
+                    if spec.shares_host_dirs() {
+                        fsd.push(cluster.start_virtiofsd(v, i, Share::HostDirs, Path::new("/"))?);
+                    }
+                }
                 (true, None) => return Err(Error::NoVirtiofsd(Virtiofsd::cache_path())),
-            };
+            }
             let mut args = cluster.vm_args(qemu, image, spec, opts.accel, mcast, i, &nonce)?;
             if let Some(r) = &opts.resume {
                 let saved = r.incoming.get(i).ok_or(Error::NoSavedState(i))?;
@@ -341,17 +383,24 @@ impl Cluster {
         self.vms[i].child.id()
     }
 
-    /// The vhost-user socket between VM `i`'s QEMU and its virtiofsd.
-    fn fs_socket(&self, i: usize) -> PathBuf {
-        self.dir().join(format!("vm{i}.fs.sock"))
+    /// The vhost-user socket between VM `i`'s QEMU and its virtiofsd of
+    /// `share`.
+    fn fs_socket(&self, i: usize, share: Share) -> PathBuf {
+        self.dir().join(format!("vm{i}.{}.sock", share.file()))
     }
 
-    /// Starts virtiofsd for VM `i`, sharing the host's `/` read-only, and
-    /// waits until it listens. Tries the sandboxes in [`SANDBOXES`] order
-    /// (from the one that worked last with this binary).
-    fn start_virtiofsd(&self, virtiofsd: &Virtiofsd, i: usize) -> Result<Daemon, Error> {
-        let sock = self.fs_socket(i);
-        let log = self.dir().join(format!("vm{i}.fs.err"));
+    /// Starts virtiofsd for VM `i`, sharing `dir` read-only, and waits
+    /// until it listens. Tries the sandboxes in [`SANDBOXES`] order (from
+    /// the one that worked last with this binary).
+    fn start_virtiofsd(
+        &self,
+        virtiofsd: &Virtiofsd,
+        i: usize,
+        share: Share,
+        dir: &Path,
+    ) -> Result<Daemon, Error> {
+        let sock = self.fs_socket(i, share);
+        let log = self.dir().join(format!("vm{i}.{}.err", share.file()));
         let first = sandbox_memo()
             .lock()
             .map(|m| m.get(&virtiofsd.binary).copied().unwrap_or(0))
@@ -363,7 +412,7 @@ impl Cluster {
                 "--socket-path".into(),
                 sock.clone().into(),
                 "--shared-dir".into(),
-                "/".into(),
+                dir.into(),
                 "--readonly".into(),
                 "--sandbox".into(),
                 (*sandbox).into(),
@@ -527,15 +576,24 @@ impl Cluster {
         }
         if spec.host_root {
             // After the dmlc device and the NIC, so their PCI addresses stay.
-            push("-chardev");
-            push(&format!(
-                "socket,id=hostfs,path={}",
-                self.fs_socket(i).display()
-            ));
-            push("-device");
-            push(&format!(
-                "vhost-user-fs-pci,chardev=hostfs,tag={HOST_ROOT_TAG}"
-            ));
+            let mut shares = vec![Share::Root];
+            if spec.shares_host_dirs() {
+                shares.push(Share::HostDirs);
+            }
+            for share in shares {
+                push("-chardev");
+                push(&format!(
+                    "socket,id={},path={}",
+                    share.chardev(),
+                    self.fs_socket(i, share).display()
+                ));
+                push("-device");
+                push(&format!(
+                    "vhost-user-fs-pci,chardev={},tag={}",
+                    share.chardev(),
+                    share.tag()
+                ));
+            }
         }
         let mut append = vec![
             format!("console={}", arch.console()),
@@ -554,7 +612,12 @@ impl Cluster {
             append.push(format!("dmlc.bind={bind}"));
         }
         if spec.host_root {
-            append.push(format!("dmlc.root=virtiofs:{HOST_ROOT_TAG}"));
+            append.push(format!("dmlc.root=virtiofs:{}", Share::Root.tag()));
+        }
+        if spec.shares_host_dirs() {
+            append.push(format!("dmlc.hostfs={}", Share::HostDirs.tag()));
+            let dirs = spec.host_dirs.join("\n");
+            append.push(format!("dmlc.hostdirs={}", BASE64.encode(dirs)));
         }
         if let Some(cwd) = &spec.cwd {
             append.push(format!("dmlc.cwd={}", BASE64.encode(cwd)));
@@ -594,7 +657,7 @@ impl Cluster {
         args: Vec<OsString>,
         i: usize,
         nonce: String,
-        fsd: Option<Daemon>,
+        fsd: Vec<Daemon>,
     ) -> Result<Vm, Error> {
         let log = self.dir().join(format!("vm{i}.log"));
         let stderr = self.dir().join(format!("vm{i}.err"));
@@ -668,7 +731,11 @@ impl Cluster {
                     }
                     continue;
                 }
-                if let Some(Ok(Some(status))) = vm.fsd.as_mut().map(|d| d.child.try_wait()) {
+                let fsd_exit = vm
+                    .fsd
+                    .iter_mut()
+                    .find_map(|d| d.child.try_wait().ok().flatten());
+                if let Some(status) = fsd_exit {
                     vm.poll_console();
                     if vm.exit.is_none() {
                         return Err(Error::VirtiofsdExit { vm: i, status });
@@ -718,7 +785,7 @@ impl Cluster {
         // Close every guard first so the VMs die in parallel.
         for vm in &mut self.vms {
             vm.guard = None;
-            if let Some(fsd) = &mut vm.fsd {
+            for fsd in &mut vm.fsd {
                 fsd.guard = None;
             }
         }
@@ -737,7 +804,7 @@ impl Cluster {
             eprintln!("===== vm {i}: {}", cmds[i]);
             eprintln!("----- vm {i} qemu output ({})", vm.stderr.display());
             eprint!("{qemu_out}");
-            if let Some(fsd) = &vm.fsd {
+            for fsd in &vm.fsd {
                 let out = fs::read_to_string(&fsd.log).unwrap_or_default();
                 eprintln!("----- vm {i} virtiofsd ({})", fsd.log.display());
                 eprint!("{out}");

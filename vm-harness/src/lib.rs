@@ -7,6 +7,7 @@
 //! the QEMU command line.
 
 mod arch;
+mod builds;
 mod cluster;
 mod console;
 mod error;
@@ -15,6 +16,7 @@ mod setup;
 mod spec;
 
 pub use arch::{Arch, UnknownArch};
+pub use builds::{program_for, CrossError};
 pub use cluster::{run_ok, Cluster, Outcome, TCG_HOST_ROOT_CPU};
 pub use error::Error;
 pub use setup::{repo_root, Accel, Image, ImageOptions, Qemu, Virtiofsd, VIRTIOFSD_VERSION};

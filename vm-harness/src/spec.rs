@@ -36,6 +36,14 @@ pub struct VmSpec {
     /// [`crate::Virtiofsd`]). `append` can override the writable
     /// directories (`dmlc.tmpfs=DIR,...`, `dmlc.overlay=DIR,...`).
     pub host_root: bool,
+    /// With `host_root`: share this directory as the job's root instead of
+    /// the host's `/` (a Debian root of the guest's architecture).
+    pub root_dir: Option<PathBuf>,
+    /// With `root_dir`: the host's directories (absolute) bound into that
+    /// root at the same paths (the job's working directory, say), through a
+    /// second virtio-fs share of the host's `/`. The root is then a RAM
+    /// overlay over its share.
+    pub host_dirs: Vec<String>,
     /// Extra kernel command line words (after the harness's own: a
     /// `dmlc.*` word here overrides the harness's).
     pub append: Vec<String>,
@@ -60,6 +68,8 @@ impl VmSpec {
             bind: None,
             cwd: None,
             host_root: false,
+            root_dir: None,
+            host_dirs: Vec::new(),
             append: Vec::new(),
             qemu_args: Vec::new(),
             image: None,
@@ -93,6 +103,11 @@ impl VmSpec {
     pub fn image(mut self, image: Image) -> VmSpec {
         self.image = Some(image);
         self
+    }
+
+    /// Whether the VM gets the second share ([`VmSpec::host_dirs`]).
+    pub(crate) fn shares_host_dirs(&self) -> bool {
+        self.host_root && self.root_dir.is_some() && !self.host_dirs.is_empty()
     }
 
     /// Guest RAM in MiB.
