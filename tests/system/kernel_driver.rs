@@ -10,17 +10,19 @@
 //! the self-test unchanged, and again on buffers of its own heap handed to
 //! the device without a copy (`--caller-memory`), and the library's
 //! communicators, send and receive, all-to-all, gather and scatter through
-//! the module on 3 VMs.
+//! the module on 3 VMs; and the module cross-built for aarch64 and riscv64
+//! guests, its collectives and the self-test through it on 2 VMs of each.
 //!
 //! `DMLC_KMOD` and `DMLC_KTEST` name the module and the tool
 //! (`eval "$(kernel-driver/build.sh | tail -n 2)"`); without them these
 //! tests fail under `CI=true` and print a SKIP line otherwise.
 
 use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use dmlc_vm::{Image, ImageOptions, Options, VmSpec};
+use dmlc_vm::{program_for, Arch, Image, ImageOptions, Options, VmSpec};
 
 use crate::common::{
     console, metric, metric_sum, progress, setup, vm, wait_console, Backend, Env, Vms,
@@ -484,4 +486,75 @@ fn kernel_transport_runs_communicators_send_recv_and_block_collectives() {
         0.0,
         "errors other than the truncations the self-test makes:\n{m}"
     );
+}
+
+/// The module and dmlc-ktest of `arch`, cross-built by
+/// `kernel-driver/build.sh --arch ARCH` (cached after the first run).
+fn cross_kernel_files(arch: Arch) -> (PathBuf, PathBuf) {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../kernel-driver/build.sh");
+    let out = Command::new("bash")
+        .arg(&script)
+        .args(["--arch", arch.name()])
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "kernel-driver/build.sh --arch {arch} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let value = |key: &str| {
+        stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .map(PathBuf::from)
+            .unwrap_or_else(|| panic!("kernel-driver/build.sh printed no {key}:\n{stdout}"))
+    };
+    (value("DMLC_KMOD="), value("DMLC_KTEST="))
+}
+
+/// The module cross-built for aarch64 and riscv64 guests (6.1 and 6.12
+/// kernels) in 2 VMs of each: dmlc-ktest's collectives on malloc buffers
+/// and `dmlc-guest selftest --quick --kernel` (every opcode, dtype and op
+/// through the module), each rank checking its own results.
+#[test]
+fn kernel_driver_on_aarch64_and_riscv64_guests() {
+    let test = "kernel_driver_on_aarch64_and_riscv64_guests";
+    for arch in [Arch::Aarch64, Arch::Riscv64] {
+        let Some(mut env) = setup(test) else {
+            return;
+        };
+        let (kmod, ktest) = cross_kernel_files(arch);
+        let host_guest = std::env::var_os("DMLC_GUEST_BIN")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| panic!("{test}: DMLC_GUEST_BIN names no host dmlc-guest"));
+        let guest = program_for(&host_guest, arch).unwrap_or_else(|e| panic!("{test}: {e}"));
+        let load =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../kernel-driver/tools/guest-load.sh");
+        let files = [
+            (kmod.as_path(), "/lib/dmlc/virtio_dmlc.ko"),
+            (ktest.as_path(), "/usr/bin/dmlc-ktest"),
+            (load.as_path(), "/usr/bin/guest-load.sh"),
+            (guest.as_path(), "/usr/bin/dmlc-guest"),
+        ];
+        let opts = ImageOptions { strip: true, arch };
+        env.image = Image::build(&files, &opts)
+            .unwrap_or_else(|e| panic!("cannot build the {arch} kernel driver image: {e}"));
+        let backend = Backend::start(&env, &format!("kdrv-{arch}"), 2, &[]);
+        let cmd = "dmlc-ktest selftest && dmlc-guest selftest --quick --kernel".to_owned();
+        let out = run_group(
+            &env,
+            &backend,
+            &[cmd.clone(), cmd],
+            &format!("kernel driver on 2 {arch} VMs"),
+        );
+        for (r, o) in out.iter().enumerate() {
+            assert_passed(o, r, arch.name());
+            assert!(
+                o.contains(&format!("# selftest: rank {r} of 2 on {arch},"))
+                    && o.contains("selftest PASS: "),
+                "rank {r}: dmlc-guest --kernel on {arch} did not pass:\n{o}"
+            );
+        }
+    }
 }
