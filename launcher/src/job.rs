@@ -111,6 +111,9 @@ pub struct HostRoot {
     /// job's directories bound in from this machine.
     #[serde(default)]
     pub rootfs: Option<Rootfs>,
+    /// With `rootfs`: more of this machine's directories bound in.
+    #[serde(default)]
+    pub bind: Vec<String>,
 }
 
 impl HostRoot {
@@ -126,6 +129,7 @@ impl HostRoot {
             env,
             kernel_driver: None,
             rootfs: None,
+            bind: Vec::new(),
         })
     }
 
@@ -648,7 +652,7 @@ impl Job {
                             Program::Host(p) => Some(p.as_path()),
                             Program::Guest(_) => None,
                         };
-                        spec.host_dirs = rootfs::host_dirs(&root.cwd, &root.env, program, arch);
+                        spec.host_dirs = rootfs::host_dirs(root, program, arch);
                     }
                     if root.under_tmp() {
                         spec.append.push("dmlc.tmpfs=/run,/var/tmp".to_owned());
@@ -974,6 +978,7 @@ mod tests {
             ],
             kernel_driver: None,
             rootfs: None,
+            bind: Vec::new(),
         });
         // Not copied into the image: the guest sees the host's file.
         let files = j.image_files(vm::Arch::host()).unwrap();
@@ -1022,6 +1027,7 @@ mod tests {
             env: Vec::new(),
             kernel_driver: None,
             rootfs: None,
+            bind: Vec::new(),
         });
         j.tracker = Some(Tracker {
             python: "/venv/bin/python3".to_owned(),

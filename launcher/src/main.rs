@@ -288,6 +288,11 @@ struct SubmitArgs {
     #[arg(long, value_name = "debian|DIR", requires = "host_root", value_parser = rootfs::parse)]
     rootfs: Option<rootfs::Rootfs>,
 
+    /// With --rootfs: one more of this machine's directories bound in at
+    /// its own path (repeatable), e.g. a data set's.
+    #[arg(long, value_name = "DIR", requires = "rootfs")]
+    bind: Vec<PathBuf>,
+
     /// Place the workers on these hosts (comma-separated), N/H each, through
     /// mpirun: one backend (--mpi) per host, MPI between them (see below).
     #[arg(
@@ -866,6 +871,19 @@ fn submit_job(a: SubmitArgs) -> Job {
         host_root: a.host_root.then(|| job::HostRoot {
             kernel_driver,
             rootfs: a.rootfs.clone(),
+            bind: a
+                .bind
+                .iter()
+                .map(|d| {
+                    if !d.is_dir() {
+                        usage_error(format!("--bind {}: not a directory", d.display()));
+                    }
+                    std::path::absolute(d)
+                        .ok()
+                        .and_then(|p| p.to_str().map(str::to_owned))
+                        .unwrap_or_else(|| usage_error("--bind: the path must be valid UTF-8"))
+                })
+                .collect(),
             ..job::HostRoot::here()
                 .unwrap_or_else(|e| usage_error(format!("cannot read the current directory: {e}")))
         }),

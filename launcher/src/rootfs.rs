@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 use dmlc_vm::Arch;
 use serde::{Deserialize, Serialize};
 
+use crate::job::HostRoot;
+
 /// The root of a `--host-root` job's VMs besides this machine's `/`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Rootfs {
@@ -58,21 +60,18 @@ pub fn environment(env: &[(String, String)], arch: Arch) -> Vec<(String, String)
 }
 
 /// The directories of this machine that an `arch` guest on another root
-/// needs at their own paths: the working directory, the program's, each
-/// `PYTHONPATH` entry's and `DMLC_LIBRARY`'s (for that architecture); a
-/// directory inside another is left out, being bound with it.
-pub fn host_dirs(
-    cwd: &str,
-    env: &[(String, String)],
-    program: Option<&Path>,
-    arch: Arch,
-) -> Vec<String> {
-    let mut dirs: Vec<PathBuf> = vec![PathBuf::from(cwd)];
+/// needs at their own paths: the working directory, `--bind`'s, the
+/// program's, each `PYTHONPATH` entry's and `DMLC_LIBRARY`'s (for that
+/// architecture); a directory inside another is left out, being bound with
+/// it.
+pub fn host_dirs(root: &HostRoot, program: Option<&Path>, arch: Arch) -> Vec<String> {
+    let mut dirs: Vec<PathBuf> = vec![PathBuf::from(&root.cwd)];
+    dirs.extend(root.bind.iter().map(PathBuf::from));
     if let Some(p) = program {
         let p = dmlc_vm::program_for(p, arch).unwrap_or_else(|_| p.to_owned());
         dirs.extend(p.parent().map(Path::to_path_buf));
     }
-    for (k, v) in environment(env, arch) {
+    for (k, v) in environment(&root.env, arch) {
         match k.as_str() {
             "PYTHONPATH" => dirs.extend(std::env::split_paths(&v)),
             "DMLC_LIBRARY" => dirs.extend(Path::new(&v).parent().map(Path::to_path_buf)),
@@ -130,10 +129,19 @@ mod tests {
         let e = environment(&env, Arch::Aarch64);
         assert_eq!(e.len(), 1, "{e:?}");
         assert_eq!(e[0].0, "PYTHONPATH");
-        let dirs = host_dirs(base.to_str().unwrap(), &env, None, Arch::Aarch64);
+        let data = tempfile::tempdir().unwrap();
+        let root = HostRoot {
+            cwd: base.to_string_lossy().into_owned(),
+            env: env.to_vec(),
+            kernel_driver: None,
+            rootfs: Some(Rootfs::Debian),
+            bind: vec![data.path().to_string_lossy().into_owned()],
+        };
+        let dirs = host_dirs(&root, None, Arch::Aarch64);
         let mut want = vec![
             base.to_string_lossy().into_owned(),
             other.path().to_string_lossy().into_owned(),
+            data.path().to_string_lossy().into_owned(),
         ];
         want.sort();
         assert_eq!(dirs, want);
