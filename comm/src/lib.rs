@@ -34,7 +34,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-use dmlc_driver::{Dtype, Element, ReduceOp};
+use dmlc_driver::{le_in_place, Dtype, Element, ReduceOp};
 
 mod device_comm;
 pub mod error;
@@ -187,7 +187,12 @@ impl<C: Communicator + ?Sized> Communicator for Box<C> {
 pub trait CommunicatorExt: Communicator {
     /// Allreduce of `data` in place.
     fn allreduce<T: Element>(&mut self, op: ReduceOp, data: &mut [T]) -> Result<()> {
-        self.allreduce_raw(T::DTYPE, op, bytes_of_mut(data))
+        // The raw collectives reduce little-endian elements (spec
+        // 5.X.6.5.1); `le_in_place` is a no-op on a little-endian CPU.
+        le_in_place(data);
+        let r = self.allreduce_raw(T::DTYPE, op, bytes_of_mut(data));
+        le_in_place(data);
+        r
     }
 
     /// Every member's `data` gets the root's.
@@ -220,7 +225,11 @@ pub trait CommunicatorExt: Communicator {
 
     /// The root's `data` gets the reduction; the others' stays as it was.
     fn reduce<T: Element>(&mut self, op: ReduceOp, root: u32, data: &mut [T]) -> Result<()> {
-        self.reduce_raw(T::DTYPE, op, root, bytes_of_mut(data))
+        // As in `allreduce`.
+        le_in_place(data);
+        let r = self.reduce_raw(T::DTYPE, op, root, bytes_of_mut(data));
+        le_in_place(data);
+        r
     }
 
     /// `output` gets block `rank` of the reduction of every member's
@@ -231,6 +240,14 @@ pub trait CommunicatorExt: Communicator {
         input: &[T],
         output: &mut [T],
     ) -> Result<()> {
+        if cfg!(target_endian = "big") {
+            // As in `allreduce`, on a copy of the input.
+            let mut le = input.to_vec();
+            le_in_place(&mut le);
+            let r = self.reduce_scatter_raw(T::DTYPE, op, bytes_of(&le), bytes_of_mut(output));
+            le_in_place(output);
+            return r;
+        }
         self.reduce_scatter_raw(T::DTYPE, op, bytes_of(input), bytes_of_mut(output))
     }
 }
@@ -375,6 +392,22 @@ pub fn reduce_rank_order(
 
 /// [`reduce_rank_order`] on typed slices.
 pub fn reduce_slices<T: Element>(op: ReduceOp, inputs: &[&[T]], out: &mut [T]) -> Result<()> {
+    if cfg!(target_endian = "big") {
+        // The reduction is of little-endian elements (spec 5.X.6.5.1): on
+        // copies of the inputs, and the result swapped back.
+        let le: Vec<Vec<T>> = inputs
+            .iter()
+            .map(|i| {
+                let mut v = i.to_vec();
+                le_in_place(&mut v);
+                v
+            })
+            .collect();
+        let inputs: Vec<&[u8]> = le.iter().map(|i| bytes_of(i)).collect();
+        let r = reduce_rank_order(T::DTYPE, op, &inputs, bytes_of_mut(out));
+        le_in_place(out);
+        return r;
+    }
     let inputs: Vec<&[u8]> = inputs.iter().map(|i| bytes_of(i)).collect();
     reduce_rank_order(T::DTYPE, op, &inputs, bytes_of_mut(out))
 }

@@ -34,8 +34,8 @@ pub mod hugepage;
 pub mod pci;
 
 pub use device::{
-    counts_table, BufSlice, CommInfo, CommRequest, Device, DmaBuf, Done, Element, Handle,
-    OpenOptions, RawDesc, Received, Reply, Request,
+    counts_table, le_in_place, BufSlice, CommInfo, CommRequest, Device, DmaBuf, Done, Element,
+    Handle, OpenOptions, RawDesc, Received, Reply, Request,
 };
 pub use error::{Error, Result};
 pub use virtio_dmlc::{Dtype, Opcode, ReduceOp};

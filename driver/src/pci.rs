@@ -235,8 +235,43 @@ fn protocol(during: &'static str) -> impl FnOnce(PciError) -> TransportError {
     }
 }
 
+/// Orders this thread's earlier stores to ordinary memory (the rings, the
+/// request headers) before its next store to device memory, as Linux's
+/// `writel` does. Why: a notify (virtio 1.2 2.7.13.4) must reach the device
+/// after the `avail.idx` it announces (2.7.13.3), and `DRIVER_OK` after the
+/// rings it enables (3.1.1). The `SeqCst` fence of
+/// [`crate::virtqueue::SplitQueue::needs_notify`] does not cover it
+/// everywhere: on RISC-V `fence rw,rw` leaves device output (`o`)
+/// unordered; on AArch64 `dmb ish` covers only the inner-shareable domain,
+/// where `writel` uses `dmb oshst`. On x86-64 stores stay in order, uncached
+/// device stores included: only the compiler must not move them.
+#[inline(always)]
+fn io_wmb() {
+    // SAFETY: a barrier instruction only: it touches no register or memory
+    // of the program (it may not be moved across memory accesses, hence no
+    // `nomem`).
+    #[cfg(target_arch = "aarch64")]
+    unsafe {
+        std::arch::asm!("dmb oshst", options(nostack, preserves_flags))
+    };
+    // SAFETY: as above.
+    #[cfg(target_arch = "riscv64")]
+    unsafe {
+        std::arch::asm!("fence w,o", options(nostack, preserves_flags))
+    };
+    #[cfg(target_arch = "x86_64")]
+    std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
+    #[cfg(not(any(
+        target_arch = "aarch64",
+        target_arch = "riscv64",
+        target_arch = "x86_64"
+    )))]
+    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+}
+
 /// A window of device memory inside a mapped BAR. Accessors are volatile,
-/// little-endian, naturally aligned, and bounds-checked.
+/// little-endian, naturally aligned, and bounds-checked; every store is
+/// ordered after the thread's earlier stores to memory ([`io_wmb`]).
 #[derive(Clone, Copy, Debug)]
 struct Mmio {
     base: NonNull<u8>,
@@ -279,16 +314,19 @@ impl Mmio {
     }
 
     fn w8(&self, offset: usize, v: u8) {
+        io_wmb();
         // SAFETY: as in `r8`.
         unsafe { self.at::<u8>(offset).write_volatile(v) }
     }
 
     fn w16(&self, offset: usize, v: u16) {
+        io_wmb();
         // SAFETY: as in `r8`.
         unsafe { self.at::<u16>(offset).write_volatile(v.to_le()) }
     }
 
     fn w32(&self, offset: usize, v: u32) {
+        io_wmb();
         // SAFETY: as in `r8`.
         unsafe { self.at::<u32>(offset).write_volatile(v.to_le()) }
     }

@@ -379,10 +379,10 @@ mod tests {
         // Signalling NaNs with payloads, of either sign.
         let nan = |dtype| -> Vec<u8> {
             match dtype {
-                Dtype::F32 => 0x7f80_0001u32.to_ne_bytes().to_vec(),
-                Dtype::F64 => 0xfff4_0000_0000_0abcu64.to_ne_bytes().to_vec(),
-                Dtype::F16 => 0x7c01u16.to_ne_bytes().to_vec(),
-                _ => 0xffa3u16.to_ne_bytes().to_vec(),
+                Dtype::F32 => 0x7f80_0001u32.to_le_bytes().to_vec(),
+                Dtype::F64 => 0xfff4_0000_0000_0abcu64.to_le_bytes().to_vec(),
+                Dtype::F16 => 0x7c01u16.to_le_bytes().to_vec(),
+                _ => 0xffa3u16.to_le_bytes().to_vec(),
             }
         };
         for (dtype, op) in reference::pairs() {
@@ -515,14 +515,14 @@ mod tests {
     #[test]
     fn a_world_of_one_quiets_nans_and_avg_divides_by_world() {
         // A lone signalling NaN comes out quiet, as on the device.
-        let mut own = 0x7f80_0001u32.to_ne_bytes();
+        let mut own = 0x7f80_0001u32.to_le_bytes();
         reduce_in_place(Dtype::F32, ReduceOp::Sum, 1, 0, &mut own, &[]).unwrap();
-        assert_eq!(u32::from_ne_bytes(own), 0x7fc0_0001);
+        assert_eq!(u32::from_le_bytes(own), 0x7fc0_0001);
         // avg divides by `world`, not by the number of inputs.
         let mut out = [0u8; 4];
-        let two = 2i32.to_ne_bytes();
+        let two = 2i32.to_le_bytes();
         reduce_into(Dtype::I32, ReduceOp::Avg, 4, &[&two, &two], &mut out).unwrap();
-        assert_eq!(i32::from_ne_bytes(out), 1);
+        assert_eq!(i32::from_le_bytes(out), 1);
     }
 
     /// Counts the calling thread's allocations, for

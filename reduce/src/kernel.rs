@@ -188,10 +188,50 @@ macro_rules! div_int {
 
 int_num!(i8: div_via_f64, u8: div_via_f64, i32: div_via_f64, u32: div_via_f64, i64: div_int, u64: div_int);
 
+/// The CPU stores numbers big-endian: elements, little-endian in memory
+/// (docs/spec.md 5.X.6.5.1), are byte-swapped as they are read and written.
+/// False on every CPU the project runs on, where the swaps compile to
+/// nothing; tests/cross-endian.sh runs the tests on s390x to check them.
+const BIG_ENDIAN: bool = cfg!(target_endian = "big");
+
+/// A stored element: its conversion between little-endian memory order and
+/// the CPU's (the identity on a little-endian CPU).
+trait Le: Copy {
+    /// A little-endian element read from memory in the CPU's order, or a
+    /// number in the CPU's order as it is stored: a byte swap on a
+    /// big-endian CPU (its own inverse), the identity otherwise.
+    fn swap_le(self) -> Self;
+}
+
+macro_rules! le_int {
+    ($($t:ty),*) => {$(
+        impl Le for $t {
+            #[inline(always)]
+            fn swap_le(self) -> Self {
+                <$t>::from_le(self)
+            }
+        }
+    )*};
+}
+le_int!(i8, u8, u16, i32, u32, i64, u64);
+
+macro_rules! le_float {
+    ($($t:ty: $bits:ty),*) => {$(
+        impl Le for $t {
+            #[inline(always)]
+            fn swap_le(self) -> Self {
+                <$t>::from_bits(<$bits>::from_le(self.to_bits()))
+            }
+        }
+    )*};
+}
+le_float!(f32: u32, f64: u64);
+
 /// A dtype: how an element is stored and what it accumulates in.
 trait Elem: 'static {
-    /// The stored element (f16 and bf16 as their bits).
-    type Raw: Copy + Default + 'static;
+    /// The stored element (f16 and bf16 as their bits), little-endian in
+    /// memory ([`Le`]).
+    type Raw: Copy + Default + Le + 'static;
     /// The accumulator.
     type Acc: Num;
     /// `Raw` and `Acc` are one type and `widen`/`narrow` are the identity.
@@ -211,7 +251,7 @@ trait Elem: 'static {
 /// A dtype that accumulates in itself.
 struct Plain<T>(PhantomData<T>);
 
-impl<T: Num> Elem for Plain<T> {
+impl<T: Num + Le> Elem for Plain<T> {
     type Raw = T;
     type Acc = T;
     const SAME: bool = true;
@@ -497,7 +537,7 @@ unsafe fn read<E: Elem>(src: *const E::Raw, i: usize) -> E::Acc {
     // SAFETY: the source is readable for `n > i` elements (contract
     // above); guest memory is only read through this unaligned raw read,
     // never through a reference, and every bit pattern is a valid element.
-    E::widen(unsafe { src.add(i).read_unaligned() })
+    E::widen(unsafe { src.add(i).read_unaligned() }.swap_le())
 }
 
 /// `acc = src` (one source needs no op; NaNs are quieted all the same).
@@ -590,7 +630,9 @@ unsafe fn finish_body<E: Elem, O: Op<E::Acc>>(
     n: usize,
     world: u32,
 ) -> bool {
-    if E::SAME && !O::AVG {
+    // The accumulator is the result as it is, unless a big-endian CPU has
+    // to swap it into memory order in `stage`.
+    if E::SAME && !O::AVG && !BIG_ENDIAN {
         return false;
     }
     // SAFETY: as in `load_body`.
@@ -600,14 +642,26 @@ unsafe fn finish_body<E: Elem, O: Op<E::Acc>>(
             *a = a.div_world(world);
         }
     }
-    if E::SAME {
+    if E::SAME && !BIG_ENDIAN {
         return false;
     }
     // SAFETY: `stage` is our scratch with room for `n` aligned `E::Raw`,
     // disjoint from `acc` (contract above).
     let stage = unsafe { slice::from_raw_parts_mut(stage.cast::<E::Raw>(), n) };
     E::narrow_all(acc, stage);
+    to_le_all::<E>(stage);
     true
+}
+
+/// Turns results in the CPU's byte order into memory order (little-endian,
+/// spec 5.X.6.5.1): nothing on a little-endian CPU.
+#[inline(always)]
+fn to_le_all<E: Elem>(raws: &mut [E::Raw]) {
+    if BIG_ENDIAN {
+        for r in raws {
+            *r = r.swap_le();
+        }
+    }
 }
 
 /// Elements of one block of [`Kernel::through`] with ordinary stores: the
@@ -757,10 +811,11 @@ unsafe fn through_body<
                 first_bad::<E>(&s, &bad[..below], i, i + m)
             });
         }
-        let block = if E::SAME {
+        let block = if E::SAME && !BIG_ENDIAN {
             accs.0.as_ptr().cast::<u8>()
         } else {
             E::narrow_all(&accs.0[..m], &mut raws.0[..m]);
+            to_le_all::<E>(&mut raws.0[..m]);
             raws.0.as_ptr().cast::<u8>()
         };
         for &dst in dsts {
@@ -964,12 +1019,13 @@ pub enum Isa {
 impl Isa {
     /// Every instruction set this CPU can run, baseline first.
     pub fn available() -> Vec<Isa> {
-        let mut isas = vec![Isa::Baseline];
+        // (No `mut` vector: on other CPUs nothing would be pushed, and the
+        // `mut` would warn.)
         #[cfg(target_arch = "x86_64")]
         if has_avx2() {
-            isas.push(Isa::Avx2);
+            return vec![Isa::Baseline, Isa::Avx2];
         }
-        isas
+        vec![Isa::Baseline]
     }
 
     /// The fastest instruction set this CPU can run.
@@ -1241,7 +1297,7 @@ impl Kernel {
         // can stream at all.
         let size = self.elem_size();
         let head = match dsts.first() {
-            Some(first) if stores == Stores::Streaming && n * size >= store::STREAM_MIN => {
+            Some(first) if stores == Stores::Streaming && store::can_stream(n * size) => {
                 let offset = first.addr() % 64;
                 let head = (64 - offset) % 64;
                 let same = dsts.iter().all(|d| d.addr() % 64 == offset);

@@ -92,7 +92,8 @@ pub fn pairs() -> impl Iterator<Item = (Dtype, ReduceOp)> {
 }
 
 /// Reduces `inputs` (one per rank, in rank order; same length, whole
-/// elements of `dtype`) as docs/spec.md says, avg dividing by `world`.
+/// elements of `dtype`, little-endian as spec 5.X.6.5.1 stores them) as
+/// docs/spec.md says, avg dividing by `world`.
 ///
 /// # Panics
 /// If `inputs` is empty or a bitwise op is asked of a float dtype.
@@ -105,44 +106,44 @@ pub fn reduce(dtype: Dtype, op: ReduceOp, world: u32, inputs: &[&[u8]]) -> Vec<u
             ($t:ty, $w:literal) => {{
                 let xs: Vec<i128> = column::<$w>(inputs, i)
                     .into_iter()
-                    .map(|b| i128::from(<$t>::from_ne_bytes(b)))
+                    .map(|b| i128::from(<$t>::from_le_bytes(b)))
                     .collect();
                 let v = fold_int(op, &xs, world, |v| i128::from(v as $t));
-                out.extend_from_slice(&(v as $t).to_ne_bytes());
+                out.extend_from_slice(&(v as $t).to_le_bytes());
             }};
         }
         match dtype {
             Dtype::F32 => {
                 let xs: Vec<f32> = column::<4>(inputs, i)
                     .into_iter()
-                    .map(f32::from_ne_bytes)
+                    .map(f32::from_le_bytes)
                     .collect();
                 let v = fold_float(op, &xs, world, quiet32, |s, w| s / w as f32);
-                out.extend_from_slice(&v.to_ne_bytes());
+                out.extend_from_slice(&v.to_le_bytes());
             }
             Dtype::F64 => {
                 let xs: Vec<f64> = column::<8>(inputs, i)
                     .into_iter()
-                    .map(f64::from_ne_bytes)
+                    .map(f64::from_le_bytes)
                     .collect();
                 let v = fold_float(op, &xs, world, quiet64, |s, w| s / f64::from(w));
-                out.extend_from_slice(&v.to_ne_bytes());
+                out.extend_from_slice(&v.to_le_bytes());
             }
             Dtype::F16 => {
                 let xs: Vec<f32> = column::<2>(inputs, i)
                     .into_iter()
-                    .map(|b| f16::from_ne_bytes(b).to_f32())
+                    .map(|b| f16::from_le_bytes(b).to_f32())
                     .collect();
                 let v = fold_float(op, &xs, world, quiet32, |s, w| s / w as f32);
-                out.extend_from_slice(&f16::from_f32(v).to_ne_bytes());
+                out.extend_from_slice(&f16::from_f32(v).to_le_bytes());
             }
             Dtype::Bf16 => {
                 let xs: Vec<f32> = column::<2>(inputs, i)
                     .into_iter()
-                    .map(|b| bf16::from_ne_bytes(b).to_f32())
+                    .map(|b| bf16::from_le_bytes(b).to_f32())
                     .collect();
                 let v = fold_float(op, &xs, world, quiet32, |s, w| s / w as f32);
-                out.extend_from_slice(&bf16::from_f32(v).to_ne_bytes());
+                out.extend_from_slice(&bf16::from_f32(v).to_le_bytes());
             }
             Dtype::I8 => int!(i8, 1),
             Dtype::U8 => int!(u8, 1),
@@ -165,10 +166,10 @@ pub fn check(dtype: Dtype, got: &[u8], want: &[u8]) -> Result<(), String> {
     let size = dtype.size();
     for (i, (g, w)) in got.chunks(size).zip(want.chunks(size)).enumerate() {
         let nan = |b: &[u8]| match dtype {
-            Dtype::F32 => f32::from_ne_bytes(b.try_into().unwrap()).is_nan(),
-            Dtype::F64 => f64::from_ne_bytes(b.try_into().unwrap()).is_nan(),
-            Dtype::F16 => f16::from_ne_bytes(b.try_into().unwrap()).is_nan(),
-            Dtype::Bf16 => bf16::from_ne_bytes(b.try_into().unwrap()).is_nan(),
+            Dtype::F32 => f32::from_le_bytes(b.try_into().unwrap()).is_nan(),
+            Dtype::F64 => f64::from_le_bytes(b.try_into().unwrap()).is_nan(),
+            Dtype::F16 => f16::from_le_bytes(b.try_into().unwrap()).is_nan(),
+            Dtype::Bf16 => bf16::from_le_bytes(b.try_into().unwrap()).is_nan(),
             _ => false,
         };
         let same = if nan(w) { nan(g) } else { g == w };
@@ -216,32 +217,32 @@ impl Rng {
                     if small || !v.is_finite() {
                         v = signed_small as f32 * 0.375;
                     }
-                    out.extend_from_slice(&v.to_ne_bytes());
+                    out.extend_from_slice(&v.to_le_bytes());
                 }
                 Dtype::F64 => {
                     let mut v = f64::from_bits(bits);
                     if small || !v.is_finite() {
                         v = signed_small as f64 * 0.375;
                     }
-                    out.extend_from_slice(&v.to_ne_bytes());
+                    out.extend_from_slice(&v.to_le_bytes());
                 }
                 Dtype::F16 => {
                     let mut v = f16::from_bits(bits as u16);
                     if small || !v.is_finite() {
                         v = f16::from_f32(signed_small as f32 * 0.375);
                     }
-                    out.extend_from_slice(&v.to_ne_bytes());
+                    out.extend_from_slice(&v.to_le_bytes());
                 }
                 Dtype::Bf16 => {
                     let mut v = bf16::from_bits(bits as u16);
                     if small || !v.is_finite() {
                         v = bf16::from_f32(signed_small as f32 * 0.375);
                     }
-                    out.extend_from_slice(&v.to_ne_bytes());
+                    out.extend_from_slice(&v.to_le_bytes());
                 }
                 _ => {
                     let v = if small { signed_small as u64 } else { bits };
-                    out.extend_from_slice(&v.to_ne_bytes()[..dtype.size()]);
+                    out.extend_from_slice(&v.to_le_bytes()[..dtype.size()]);
                 }
             }
         }

@@ -112,12 +112,24 @@ pub(crate) fn stream_fn(isa: Isa) -> CopyFn {
 }
 
 /// Below this many bytes a copy has at most one whole line: ordinary
-/// stores only.
-#[cfg(target_arch = "x86_64")]
+/// stores only. (Without streaming stores, not x86-64, only the tests'
+/// lengths use it.)
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) const STREAM_MIN: usize = 128;
-/// Without streaming stores, there is nothing to align.
+
+/// True if a copy of `n` bytes may use streaming stores: at least
+/// [`STREAM_MIN`], on a CPU that has them.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn can_stream(n: usize) -> bool {
+    n >= STREAM_MIN
+}
+/// Without streaming stores: never.
 #[cfg(not(target_arch = "x86_64"))]
-pub(crate) const STREAM_MIN: usize = usize::MAX;
+#[inline(always)]
+pub(crate) fn can_stream(_n: usize) -> bool {
+    false
+}
 
 /// A streaming copy of at least `WAYS` pages' worth of lines writes `WAYS`
 /// stretches of it in turn, a line of each, as glibc's large copy and the

@@ -34,6 +34,20 @@ elements! {
     i32 => I32, u32 => U32, i64 => I64, u64 => U64,
 }
 
+/// Converts `data` in place between the CPU's byte order and the
+/// little-endian order in which the device stores elements (spec
+/// 5.X.6.5.1): nothing on a little-endian CPU (every one the project runs
+/// on); on a big-endian one, a byte swap of every element, which is its own
+/// inverse, so a second call converts back. The typed collectives that
+/// reduce call it around the raw ones.
+pub fn le_in_place<T: Element>(data: &mut [T]) {
+    if cfg!(target_endian = "big") {
+        for e in bytes_of_mut(data).chunks_exact_mut(std::mem::size_of::<T>()) {
+            e.reverse();
+        }
+    }
+}
+
 pub(super) fn bytes_of<T: Element>(data: &[T]) -> &[u8] {
     // SAFETY: every `Element` is a plain number type without padding, so its
     // bytes may be read as `u8`; the length is the slice's size in bytes.

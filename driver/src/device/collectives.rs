@@ -8,7 +8,7 @@ use virtio_dmlc::bad;
 use crate::bounce::Bounce;
 use crate::error::{Error, Result};
 
-use super::buffer::{bytes_of, bytes_of_mut};
+use super::buffer::{bytes_of, bytes_of_mut, le_in_place};
 use super::{BufSlice, Device, DmaBuf, Done, Dtype, Element, Opcode, RawDesc, ReduceOp, Request};
 
 impl Device {
@@ -209,7 +209,12 @@ impl Device {
 
     /// Allreduce of `data` in place.
     pub fn allreduce_slice<T: Element>(&self, op: ReduceOp, data: &mut [T]) -> Result<()> {
-        self.with_bounce(|b| b.allreduce_in_place(self, T::DTYPE, op, bytes_of_mut(data)))
+        // The device reduces little-endian elements (spec 5.X.6.5.1); a
+        // no-op on a little-endian CPU.
+        le_in_place(data);
+        let r = self.with_bounce(|b| b.allreduce_in_place(self, T::DTYPE, op, bytes_of_mut(data)));
+        le_in_place(data);
+        r
     }
 
     /// Broadcast of the root's `data` into every member's `data`.

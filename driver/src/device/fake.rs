@@ -141,8 +141,9 @@ fn header_tag(ring: &FakeRing, chain: &[(u64, u32, u16)]) -> u64 {
     if first.1 != 32 {
         return 0;
     }
-    // SAFETY: the driver published a 32-byte header there.
-    unsafe { std::ptr::read_unaligned(ring.host(first.0 + 16).cast::<u64>()) }
+    // SAFETY: the driver published a 32-byte header there; its `tag` is
+    // the le64 at offset 16.
+    u64::from_le(unsafe { std::ptr::read_unaligned(ring.host(first.0 + 16).cast::<u64>()) })
 }
 
 fn device_loop(mut rings: Vec<FakeRing>, calls: Vec<Arc<EventFd>>, shared: Arc<Shared>) {

@@ -45,7 +45,7 @@ mod tests;
 pub use virtio_dmlc::{Dtype, Opcode, ReduceOp};
 
 pub(crate) use buffer::Lease;
-pub use buffer::{BufSlice, DmaBuf, Element};
+pub use buffer::{le_in_place, BufSlice, DmaBuf, Element};
 pub use comms::{counts_table, CommInfo, CommRequest, Received};
 pub use open::Device;
 pub use options::{

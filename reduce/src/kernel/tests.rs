@@ -342,10 +342,10 @@ fn through_in_place_overwrites_every_input_with_the_result() {
 fn floats(dtype: Dtype, vals: &[f64]) -> Vec<u8> {
     vals.iter()
         .flat_map(|&v| match dtype {
-            Dtype::F32 => (v as f32).to_ne_bytes().to_vec(),
-            Dtype::F64 => v.to_ne_bytes().to_vec(),
-            Dtype::F16 => f16::from_f64(v).to_ne_bytes().to_vec(),
-            Dtype::Bf16 => bf16::from_f64(v).to_ne_bytes().to_vec(),
+            Dtype::F32 => (v as f32).to_le_bytes().to_vec(),
+            Dtype::F64 => v.to_le_bytes().to_vec(),
+            Dtype::F16 => f16::from_f64(v).to_le_bytes().to_vec(),
+            Dtype::Bf16 => bf16::from_f64(v).to_le_bytes().to_vec(),
             _ => unreachable!(),
         })
         .collect()
@@ -528,12 +528,12 @@ fn min_and_max_keep_the_lower_rank_on_ties() {
     for isa in Isa::available() {
         let k = Kernel::with_isa(Dtype::F32, ReduceOp::Min, isa).unwrap();
         let inputs = [floats(Dtype::F32, &[0.0]), floats(Dtype::F32, &[-0.0])];
-        assert_eq!(run_kernels(&k, &inputs, 2), 0.0f32.to_ne_bytes(), "{isa:?}");
+        assert_eq!(run_kernels(&k, &inputs, 2), 0.0f32.to_le_bytes(), "{isa:?}");
         let k = Kernel::with_isa(Dtype::F32, ReduceOp::Max, isa).unwrap();
         let inputs = [floats(Dtype::F32, &[-0.0]), floats(Dtype::F32, &[0.0])];
         assert_eq!(
             run_kernels(&k, &inputs, 2),
-            (-0.0f32).to_ne_bytes(),
+            (-0.0f32).to_le_bytes(),
             "{isa:?}"
         );
     }
@@ -553,7 +553,7 @@ fn half_types_round_once_at_the_end() {
         let out = run_kernels(&k, &inputs, 3);
         assert_eq!(
             out,
-            f16::from_f64(1.0 + 2.0 * tiny).to_ne_bytes(),
+            f16::from_f64(1.0 + 2.0 * tiny).to_le_bytes(),
             "{isa:?}"
         );
         // bf16 has 8 significant bits: the same with 2^-8 steps.
@@ -566,7 +566,7 @@ fn half_types_round_once_at_the_end() {
         let out = run_kernels(&k, &inputs, 3);
         assert_eq!(
             out,
-            bf16::from_f64(1.0 + 2.0 * tiny).to_ne_bytes(),
+            bf16::from_f64(1.0 + 2.0 * tiny).to_le_bytes(),
             "{isa:?}"
         );
         // avg divides in f32 before the one rounding: (1 + 2 + 2^-11*3) / 3.
@@ -577,7 +577,7 @@ fn half_types_round_once_at_the_end() {
             .collect();
         let out = run_kernels(&k, &inputs, 3);
         let want = f16::from_f32((1.0 + 2.0 + 3.0 * 2f32.powi(-11)) / 3.0);
-        assert_eq!(out, want.to_ne_bytes(), "{isa:?}");
+        assert_eq!(out, want.to_le_bytes(), "{isa:?}");
     }
 }
 
@@ -585,7 +585,7 @@ fn half_types_round_once_at_the_end() {
 fn integer_avg_truncates_toward_zero() {
     for isa in Isa::available() {
         let k = Kernel::with_isa(Dtype::I32, ReduceOp::Avg, isa).unwrap();
-        let input = |v: &[i32]| v.iter().flat_map(|x| x.to_ne_bytes()).collect::<Vec<u8>>();
+        let input = |v: &[i32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
         let inputs = vec![input(&[-7, 7, -1, i32::MAX]), input(&[0, 0, 0, 1])];
         let out = run_kernels(&k, &inputs, 2);
         // -7/2 = -3, 7/2 = 3, -1/2 = 0, and MAX + 1 wraps to MIN: MIN/2.
