@@ -3,17 +3,20 @@
 #
 # Installs what it needs, then runs, in order: rustfmt and clippy checks, the
 # unit and integration tests of every crate (backend, driver, C ABI, hostile
-# frontends, faults) over real vhost-user sockets, the Python package and
-# its torch backend (pytest, with torch in a cached venv), the multi-host
+# frontends, faults) over real vhost-user sockets, the unit tests of the
+# ABI, driver and reductions on big-endian s390x under qemu-user, the
+# Python package and its torch backend (pytest, with torch in a cached
+# venv), the multi-host
 # tests (two network namespaces, MPI between the daemons), a short soak, a short
 # fuzzing run, the Debian packages installed and used in a clean Debian 12
 # root with the service unit (packaging/test-debs.sh), two libvirt domains
 # with the device (packaging/test-libvirt.sh), the kernel driver's
-# build (kernel-driver/build.sh --check), the patched XGBoost's cached build
-# and its C++ test (xgboost-patches/), and last the system tests, which boot
-# QEMU VMs with the virtio-dmlc device (tests/system/), the kernel driver's
-# among them, and the launcher's multi-host tests (TCG VMs in two network
-# namespaces).
+# build for the x86_64, aarch64 and riscv64 guest kernels
+# (kernel-driver/build.sh --check), the patched XGBoost's cached build and
+# its C++ test (xgboost-patches/), and last the system tests, which boot
+# QEMU VMs with the virtio-dmlc device (tests/system/, launcher/tests/), the
+# kernel driver's and the other architectures' among them, and the
+# launcher's multi-host tests (TCG VMs in two network namespaces).
 #
 # Every stage prints its duration when it ends, and a summary of all of them
 # comes last (also when a stage fails).
@@ -122,7 +125,7 @@ venv=$(python/venv.sh)
 py_cargo_target=${DMLC_CACHE:-$HOME/.cache/virtio-dmlc}/python/cargo-target
 CARGO_TARGET_DIR=$py_cargo_target \
   "$venv/bin/pip" install --disable-pip-version-check -q --no-deps --force-reinstall ./python
-py_files=(python bench/torch-ddp.py bench/torch-parallel.py bench/torchjobs.py bench/tcg-cpu.py bench/guest-allreduce.py bench/guest-p2p.py bench/p2p-vms.py
+py_files=(python bench/arch-tcg.py bench/torch-ddp.py bench/torch-parallel.py bench/torchjobs.py bench/tcg-cpu.py bench/guest-allreduce.py bench/guest-p2p.py bench/p2p-vms.py
   examples/torch examples/xgboost
   launcher/src/rabit_tracker.py launcher/tests/test_rabit_tracker.py)
 "$venv/bin/ruff" check --config python/pyproject.toml "${py_files[@]}"
@@ -278,7 +281,14 @@ xgboost-patches/build-xgboost.sh --test
 step "system tests: VMs (${DMLC_ACCEL:-tcg}), one test at a time"
 cargo test --locked -p dmlc-system-tests --test system -- --test-threads=1
 
-step "system tests: dmlc-qemu submit with the digits example, DDP (userspace and kernel driver) and XGBoost (TCP, and the device with the patched build) on 2 VMs"
+step "Debian trixie roots of x86_64, aarch64 and riscv64 (tests/image/build-rootfs.sh: cached; cold, tens of minutes each for aarch64 and riscv64)"
+# The launcher's DDP across three instruction sets (next stage) boots each
+# VM on its architecture's root; built here so that its cost shows apart.
+for arch in x86_64 aarch64 riscv64; do
+  tests/image/build-rootfs.sh --arch "$arch" >/dev/null
+done
+
+step "system tests: dmlc-qemu submit with the digits example, DDP (userspace and kernel driver) and XGBoost (TCP, and the device with the patched build) on 2 VMs; the self-test on aarch64, riscv64 and mixed groups, DDP across the three"
 cargo test --locked -p dmlc-qemu --test system -- --test-threads=1
 
 step "multi-host with the launcher: dmlc-qemu submit --hosts, 2 namespaces of TCG VMs"

@@ -1,7 +1,8 @@
 //! Guests of other instruction sets (`submit --arch`): the device's
 //! self-test (every opcode, dtype and op, each rank checking every result
 //! against its own scalar reference) on 2 aarch64 VMs, on 2 riscv64 VMs,
-//! and on one group of an x86_64, an aarch64 and a riscv64 VM; and the
+//! and on one group of an x86_64, an aarch64 and a riscv64 VM; DDP across
+//! that group, each VM on Debian's root of its architecture; and the
 //! launcher's refusals (an unknown architecture, a program without a build
 //! for the architecture asked, KVM for another architecture).
 //!
@@ -15,7 +16,7 @@ use std::time::Duration;
 use dmlc_test_support::{env_or_workspace_file, Built};
 use dmlc_vm::Arch;
 
-use super::{progress, setup, Running};
+use super::{progress, rank_value, setup, Running};
 
 /// The host's dmlc-guest; the launcher finds each architecture's build
 /// from it.
@@ -119,3 +120,80 @@ fn wrong_architectures_are_refused_before_anything_boots() {
     assert!(err.contains("tests/image/cross-build.sh riscv64"), "{err}");
     env.assert_nothing_left();
 }
+
+/// DDP, unmodified (examples/torch/train.py), on one group of an x86_64, an
+/// aarch64 and a riscv64 VM, each on Debian trixie's root of its own
+/// architecture (`--rootfs debian`: one PyTorch version, 2.6, on every
+/// rank) with the dmlc package and that architecture's libdmlc_guest.so
+/// bound in: every rank ends with the parameters of its own single-process
+/// replay of the same steps (`--reference`: 0 when the ranks' gradients
+/// were averaged exactly), and the three ranks' parameters are identical.
+#[test]
+fn ddp_trains_across_three_instruction_sets() {
+    let Some(env) = setup("arch-ddp") else {
+        return;
+    };
+    let repo = dmlc_vm::repo_root().unwrap();
+    let library =
+        env_or_workspace_file("DMLC_LIBRARY", "dmlc-capi", Built::Lib("libdmlc_guest.so"));
+    let (_, data) = super::digits();
+    let data_dir = PathBuf::from(data.split(':').next().unwrap())
+        .parent()
+        .unwrap()
+        .to_owned();
+    let n = ARCHES.len().to_string();
+    let list = ARCHES.map(Arch::name).join(",");
+    let args = [
+        "submit",
+        "-n",
+        &n,
+        "--arch",
+        &list,
+        "--host-root",
+        "--rootfs",
+        "debian",
+        "--memory",
+        "2G",
+        "--bind",
+        data_dir.to_str().unwrap(),
+        "--timeout",
+        "1500",
+        "--",
+        "python3",
+        "examples/torch/train.py",
+        "--backend",
+        "dmlc",
+        "--hidden",
+        "64",
+        "--steps",
+        "5",
+        "--eval-samples",
+        "100",
+        "--data",
+        data.split(':').next().unwrap(),
+        "--reference",
+    ];
+    let mut cmd = env.command(&args);
+    cmd.env("DMLC_LIBRARY", &library)
+        .env("PYTHONPATH", repo.join("python/src"))
+        .current_dir(&repo);
+    let (code, out, err, took) = Running::start(cmd).finish(Duration::from_secs(1600));
+    progress(&format!("arch-ddp: 3 VMs in {took:.0?}"));
+    assert_eq!(code, Some(0), "DDP across {list} failed:\n{out}\n{err}");
+    let digests: Vec<&str> = (0..ARCHES.len() as u32)
+        .map(|r| rank_value(&out, r, &format!("rank {r}: params sha256")))
+        .collect();
+    for r in 0..ARCHES.len() as u32 {
+        let e = rank_value(&out, r, &format!("rank {r}: max |params - single process|"));
+        assert_eq!(e.parse::<f64>().unwrap(), 0.0, "rank {r}:\n{out}");
+    }
+    assert!(
+        digests.iter().all(|d| *d == digests[0]),
+        "the ranks of {list} ended with different parameters {digests:?}:\n{out}"
+    );
+    assert!(out.contains("[rank 0] dmlc: 3 ranks"), "{out}");
+    env.assert_nothing_left();
+}
+
+/// One VM of each instruction set.
+const ARCHES: [Arch; 3] = [Arch::X86_64, Arch::Aarch64, Arch::Riscv64];

@@ -222,7 +222,20 @@ class DeviceWork(dist.Work):
             return self._future
 
 
-class BackendDmlc(dist._Backend):
+def _backend_base() -> type:
+    """The class a Python backend derives from: torch's ``_Backend`` where
+    torch lets Python construct one, else ``ProcessGroup``. torch 2.6 (the
+    one Debian trixie packages for every architecture, docs/architectures.md)
+    binds no constructor for ``_Backend``; it takes a ProcessGroup that the
+    creator returns as the group itself, with the same collective methods."""
+    try:
+        dist._Backend(0, 1)
+    except TypeError:
+        return dist.ProcessGroup
+    return dist._Backend
+
+
+class BackendDmlc(_backend_base()):  # type: ignore[misc]
     """The CPU backend of a process group whose ops run on one virtio-dmlc
     device, on communicator `comm` (the device's group by default; its
     rank and size are the group's)."""
@@ -1000,7 +1013,8 @@ def recv_anysource(tensor: torch.Tensor, group: Any = None, tag: int = 0) -> int
     pg = dist.group.WORLD if group is None else group
     if pg is None:
         raise RuntimeError("dmlc: recv_anysource before init_process_group")
-    backend = pg._get_backend(torch.device("cpu"))
+    # On torch 2.6 the group is the backend itself (_backend_base).
+    backend = pg if isinstance(pg, BackendDmlc) else pg._get_backend(torch.device("cpu"))
     if not isinstance(backend, BackendDmlc):
         raise TypeError(
             f"dmlc: recv_anysource needs a group of backend dmlc, not {type(backend).__name__}"
