@@ -7,7 +7,7 @@ over virtio-net between the same mixed VMs. Rounds alternate the
 architectures, so load on the machine falls on all of them alike; medians
 over the rounds, and each architecture's ratio to x86_64.
 
-    python3 bench/arch-tcg.py [--rounds 3] [--torch]
+    python3 bench/arch-tcg.py [--rounds 3] [--torch [--torch-rounds 1]]
 
 Needs target/debug/dmlc-qemu (or --launcher), the release dmlc-guest and
 its cross-builds (tests/image/cross-build.sh aarch64 riscv64), and with
@@ -78,6 +78,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--torch", action="store_true", help="also import torch and DDP (minutes)")
+    p.add_argument(
+        "--torch-rounds",
+        type=int,
+        default=1,
+        help="rounds that run the torch jobs (the first ones)",
+    )
     p.add_argument("--launcher", default=str(REPO / "target/debug/dmlc-qemu"))
     p.add_argument("--steps", type=int, default=10, help="DDP steps per job")
     a = p.parse_args()
@@ -101,7 +107,7 @@ def main() -> None:
             keep(arch, "boot_s", booted_s(out))
             keep(arch, "ar_4B_us", bench_us(out, 4))
             keep(arch, "ar_1MiB_us", bench_us(out, 1 << 20))
-            if not a.torch:
+            if not a.torch or r >= a.torch_rounds:
                 continue
             root = ["--host-root", "--rootfs", "debian", "--memory", "2G", "--bind", str(DATA)]
             job = f"{IMPORT_TORCH} && {ddp} --backend dmlc --json -"
@@ -112,7 +118,7 @@ def main() -> None:
             res = ddp_json(out)
             keep(arch, "ddp_step_ms", res["step_ms"])
             keep(arch, "ddp_exchange_ms", res["exchange_ms"])
-        if a.torch:
+        if a.torch and r < a.torch_rounds:
             root = ["--host-root", "--rootfs", "debian", "--memory", "2G", "--bind", str(DATA)]
             for backend, transport in (("dmlc", "device"), ("gloo", "tcp")):
                 cmd = [launcher, "submit", "-n", "3", "--arch", ",".join(ARCHES), *root]

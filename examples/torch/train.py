@@ -77,8 +77,20 @@ def main() -> None:
         help="replay the steps in one process, with no collective, and print the largest "
         "difference from DDP's parameters (a check that does not trust the backend)",
     )
+    p.add_argument(
+        "--resync-every",
+        type=int,
+        default=0,
+        metavar="K",
+        help="every K steps (at least 10), print how far this rank's parameters drifted from "
+        "rank 0's, then copy rank 0's; and print the drift after the last step. Ranks of "
+        "different CPU architectures may round the same update differently "
+        "(docs/architectures.md). 0: never",
+    )
     p.add_argument("--json", type=Path, help="also write the results here ('-': print them)")
     a = p.parse_args()
+    if a.resync_every and (a.resync_every < 10 or a.backend == "nocomm"):
+        p.error("--resync-every needs K >= 10 and a backend that communicates")
 
     rank, world = rank_and_world()
     torch.set_num_threads(1)
@@ -118,6 +130,20 @@ def main() -> None:
         compute.append(time.perf_counter() - t)
         opt.zero_grad()
 
+    def drift_from_rank0(step: int, resync: bool) -> None:
+        """Prints the largest |parameter - rank 0's| on this rank; with
+        `resync`, then takes rank 0's parameters."""
+        worst = 0.0
+        with torch.no_grad():
+            for q in net.parameters():
+                first = q.detach().clone()
+                dist.broadcast(first, src=0)
+                worst = max(worst, (q - first).abs().max().item())
+                if resync:
+                    q.copy_(first)
+        done = "; took rank 0's" if resync else ""
+        print(f"rank {rank}: step {step}: drift from rank 0 {worst:.3e}{done}", flush=True)
+
     for s in range(5):
         compute_alone(s)
     if a.interleave:
@@ -135,6 +161,10 @@ def main() -> None:
         opt.step()
         steps.append(time.perf_counter() - t)
         updates.append(time.perf_counter() - u)
+        if a.resync_every and (s + 1) % a.resync_every == 0 and s + 1 < a.steps:
+            drift_from_rank0(s + 1, resync=True)
+    if a.resync_every:
+        drift_from_rank0(a.steps, resync=False)
     ex, ey = (x[: a.eval_samples], y[: a.eval_samples]) if a.eval_samples else (x, y)
     with torch.no_grad():
         acc = (net(ex).argmax(1) == ey).float().mean().item()

@@ -16,7 +16,7 @@ use std::time::Duration;
 use dmlc_test_support::{env_or_workspace_file, Built};
 use dmlc_vm::Arch;
 
-use super::{progress, rank_value, setup, Running};
+use super::{progress, rank_value, setup, Running, MAX_REFERENCE_ERROR};
 
 /// The host's dmlc-guest; the launcher finds each architecture's build
 /// from it.
@@ -121,13 +121,19 @@ fn wrong_architectures_are_refused_before_anything_boots() {
     env.assert_nothing_left();
 }
 
-/// DDP, unmodified (examples/torch/train.py), on one group of an x86_64, an
-/// aarch64 and a riscv64 VM, each on Debian trixie's root of its own
-/// architecture (`--rootfs debian`: one PyTorch version, 2.6, on every
-/// rank) with the dmlc package and that architecture's libdmlc_guest.so
-/// bound in: every rank ends with the parameters of its own single-process
-/// replay of the same steps (`--reference`: 0 when the ranks' gradients
-/// were averaged exactly), and the three ranks' parameters are identical.
+/// DDP (examples/torch/train.py) on one group of an x86_64, an aarch64 and a
+/// riscv64 VM, each on Debian trixie's root of its own architecture
+/// (`--rootfs debian`: one PyTorch version, 2.6, on every rank) with the
+/// dmlc package and that architecture's libdmlc_guest.so bound in. Every
+/// rank gets the same averaged gradient from the device, but each computes
+/// its own forward, backward and update, and the CPUs may round them
+/// differently: the ranks print their drift from rank 0 at step 10
+/// (then take rank 0's parameters) and after the last step, and each rank's
+/// parameters are compared with its own single-process replay of the same
+/// steps (`--reference`; rank 0's is an x86_64 run). All of these must stay
+/// within the bound of the x86_64 DDP tests ([`MAX_REFERENCE_ERROR`]: a
+/// device that drops one rank's gradient moves them by 4e-3); the measured
+/// values go to the docs.
 #[test]
 fn ddp_trains_across_three_instruction_sets() {
     let Some(env) = setup("arch-ddp") else {
@@ -166,7 +172,9 @@ fn ddp_trains_across_three_instruction_sets() {
         "--hidden",
         "64",
         "--steps",
-        "5",
+        "12",
+        "--resync-every",
+        "10",
         "--eval-samples",
         "100",
         "--data",
@@ -180,17 +188,24 @@ fn ddp_trains_across_three_instruction_sets() {
     let (code, out, err, took) = Running::start(cmd).finish(Duration::from_secs(1600));
     progress(&format!("arch-ddp: 3 VMs in {took:.0?}"));
     assert_eq!(code, Some(0), "DDP across {list} failed:\n{out}\n{err}");
-    let digests: Vec<&str> = (0..ARCHES.len() as u32)
-        .map(|r| rank_value(&out, r, &format!("rank {r}: params sha256")))
-        .collect();
-    for r in 0..ARCHES.len() as u32 {
-        let e = rank_value(&out, r, &format!("rank {r}: max |params - single process|"));
-        assert_eq!(e.parse::<f64>().unwrap(), 0.0, "rank {r}:\n{out}");
+    for (r, arch) in ARCHES.iter().enumerate() {
+        let r = r as u32;
+        let number = |prefix: &str| -> f64 {
+            let v = rank_value(&out, r, &format!("rank {r}: {prefix}"));
+            v.trim_end_matches(';').parse().unwrap()
+        };
+        for (what, v) in [
+            ("drift at step 10", number("step 10: drift from rank 0")),
+            ("drift at step 12", number("step 12: drift from rank 0")),
+            ("replay error", number("max |params - single process|")),
+        ] {
+            assert!(
+                v <= MAX_REFERENCE_ERROR,
+                "rank {r} ({arch}): {what} {v:e} > {MAX_REFERENCE_ERROR:e}:\n{out}"
+            );
+            progress(&format!("arch-ddp: rank {r} ({arch}): {what} {v:.3e}"));
+        }
     }
-    assert!(
-        digests.iter().all(|d| *d == digests[0]),
-        "the ranks of {list} ended with different parameters {digests:?}:\n{out}"
-    );
     assert!(out.contains("[rank 0] dmlc: 3 ranks"), "{out}");
     env.assert_nothing_left();
 }
