@@ -150,7 +150,10 @@ def init(backend: str, rank: int, world: int) -> None:
         if peers[0] and "GLOO_SOCKET_IFNAME" not in os.environ:
             if Path("/sys/class/net/eth0").exists():
                 os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
-        store = dist.TCPStore(addr, port, world, rank == 0)
+        # A torch built without libuv (Debian's) refuses the default
+        # use_libuv=True; USE_LIBUV=0 (which Debian's roots here set) says so.
+        libuv = os.environ.get("USE_LIBUV", "1") != "0"
+        store = dist.TCPStore(addr, port, world, rank == 0, use_libuv=libuv)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world)
 
 
