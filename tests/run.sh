@@ -108,8 +108,9 @@ cargo test --workspace --locked --no-fail-fast
 
 step "big-endian: the ABI's, driver's, reductions' and communicators' unit tests on s390x under qemu-user (tests/cross-endian.sh)"
 # Every guest here is little-endian, as the device's rings and elements are;
-# on a big-endian CPU each of those is a byte swap the code must make (about
-# 7 minutes cold, 40 s warm; six tests that start the daemon are skipped by
+# on a big-endian CPU each of those is a byte swap the code must make (its
+# cargo target folder is kept in the cache: about 7 minutes when empty,
+# under a minute after; six tests that start the daemon are skipped by
 # name).
 tests/cross-endian.sh
 
@@ -230,10 +231,11 @@ step "system tests: release builds of the guest program and the backend"
 cargo build --release --locked -p dmlc-guest -p vhost-device-dmlc -p dmlc-example-digits --bins
 cargo build --release --locked -p dmlc-driver --example pci_probe
 cargo build --release --locked -p dmlc-capi
-# The same programs for aarch64 and riscv64 guests, into target/TRIPLE/release
-# (Debian's cross linkers, installed when missing; about 4 minutes cold per
-# architecture on 2 cores, seconds warm): the launcher's --arch tests and
-# the cross-built kernel module's find them beside the host's.
+# The same programs for aarch64 and riscv64 guests, copied into
+# target/TRIPLE/release (Debian's cross linkers, installed when missing;
+# cargo builds in a target folder kept in the cache: 2 to 4 minutes per
+# architecture when it is empty, seconds after): the launcher's --arch tests
+# and the cross-built kernel module's find them beside the host's.
 tests/image/cross-build.sh aarch64 riscv64
 export DMLC_GUEST_BIN=$PWD/target/release/dmlc-guest
 export DMLC_TRAINER_BIN=$PWD/target/release/dmlc-train-digits
