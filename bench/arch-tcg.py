@@ -30,6 +30,10 @@ from pathlib import Path
 ARCHES = ("x86_64", "aarch64", "riscv64")
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path.home() / ".cache/virtio-dmlc/data"
+# Debian's root of each VM's architecture; a backend timeout of 15 minutes
+# for members that have not arrived: under TCG `import torch` ends minutes
+# apart on different architectures, past the default 30 s.
+ROOT = ["--host-root", "--rootfs", "debian", "--memory", "2G", "--backend-arg=--timeout-ms=900000"]
 IMPORT_TORCH = (
     "python3 -c 'import time; t = time.perf_counter(); import torch; "
     'print("import-torch-s", round(time.perf_counter() - t, 3))\''
@@ -109,7 +113,7 @@ def main() -> None:
             keep(arch, "ar_1MiB_us", bench_us(out, 1 << 20))
             if not a.torch or r >= a.torch_rounds:
                 continue
-            root = ["--host-root", "--rootfs", "debian", "--memory", "2G", "--bind", str(DATA)]
+            root = [*ROOT, "--bind", str(DATA)]
             job = f"{IMPORT_TORCH} && {ddp} --backend dmlc --json -"
             cmd = [launcher, "submit", "-n", "2", "--arch", arch, *root, "--", "sh", "-c", job]
             out = run(cmd, env)
@@ -119,7 +123,7 @@ def main() -> None:
             keep(arch, "ddp_step_ms", res["step_ms"])
             keep(arch, "ddp_exchange_ms", res["exchange_ms"])
         if a.torch and r < a.torch_rounds:
-            root = ["--host-root", "--rootfs", "debian", "--memory", "2G", "--bind", str(DATA)]
+            root = [*ROOT, "--bind", str(DATA)]
             for backend, transport in (("dmlc", "device"), ("gloo", "tcp")):
                 cmd = [launcher, "submit", "-n", "3", "--arch", ",".join(ARCHES), *root]
                 job = f"{ddp} --backend {backend} --json -"

@@ -164,6 +164,10 @@ fn ddp_trains_across_three_instruction_sets() {
         data_dir.to_str().unwrap(),
         "--timeout",
         "1500",
+        // Under TCG the ranks finish `import torch` minutes apart (aarch64
+        // last): the first collective waits for them past the backend's
+        // default 30 s.
+        "--backend-arg=--timeout-ms=900000",
         "--",
         "python3",
         "examples/torch/train.py",
