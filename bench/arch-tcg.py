@@ -132,6 +132,7 @@ def main() -> None:
                 keep("mixed", f"{backend}_step_ms", res["step_ms"])
                 keep("mixed", f"{backend}_exchange_ms", res["exchange_ms"])
 
+    print("raw:", json.dumps(rows), flush=True)
     print("\n# medians over the rounds (ratio to x86_64)")
     keys = ["boot_s", "ar_4B_us", "ar_1MiB_us"]
     if a.torch:
@@ -143,7 +144,8 @@ def main() -> None:
         cells = []
         for arch in ARCHES:
             v = median(rows[arch][k])
-            cells.append(f"{v:.2f}" if arch == "x86_64" else f"{v:.2f} ({v / base:.1f}x)")
+            ratio = f" ({v / base:.1f}x)" if base > 0 else ""
+            cells.append(f"{v:.2f}" if arch == "x86_64" else f"{v:.2f}{ratio}")
         print(f"| {k} | " + " | ".join(cells) + " |")
     if a.torch:
         mixed = rows["mixed"]
@@ -156,7 +158,6 @@ def main() -> None:
         ratio = median(mixed["gloo_step_ms"]) / median(mixed["dmlc_step_ms"])
         xr = median(mixed["gloo_exchange_ms"]) / max(median(mixed["dmlc_exchange_ms"]), 1e-9)
         print(f"# gloo over dmlc: step {ratio:.2f}x, exchange {xr:.2f}x")
-    print("raw:", json.dumps(rows))
     print(f"# done at {time.strftime('%Y-%m-%d %H:%M:%S')}")
 
 
