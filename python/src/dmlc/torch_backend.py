@@ -65,6 +65,7 @@ Limits torch or the device set:
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import hashlib
 import threading
@@ -154,6 +155,8 @@ class DeviceWork(dist.Work):
 
     def __init__(self, name: str, result: Any, timeout: timedelta) -> None:
         super().__init__()
+        if _KEEP_WORKS is not None:
+            _KEEP_WORKS.append(self)
         self._name = name
         self._result = result
         self._timeout = timeout
@@ -233,6 +236,16 @@ def _backend_base() -> type:
     except TypeError:
         return dist.ProcessGroup
     return dist._Backend
+
+
+# torch 2.6 keeps only the C++ part of a Work a Python backend returns: once
+# the Python object is gone (a collective that completed before DDP's
+# reducer asked for its future), getFuture() falls back to the base class
+# and raises "Work::getFuture not implemented". The newest Works are kept
+# alive there; later torch holds them itself (PyWorkHolder).
+_KEEP_WORKS: collections.deque[Any] | None = (
+    collections.deque(maxlen=64) if _backend_base() is dist.ProcessGroup else None
+)
 
 
 class BackendDmlc(_backend_base()):  # type: ignore[misc]
