@@ -243,12 +243,13 @@ def _backend_base() -> type:
 # reducer asked for its future), getFuture() falls back to the base class
 # and raises "Work::getFuture not implemented". The newest Works are kept
 # alive there; later torch holds them itself (PyWorkHolder).
+_BASE = _backend_base()
 _KEEP_WORKS: collections.deque[Any] | None = (
-    collections.deque(maxlen=64) if _backend_base() is dist.ProcessGroup else None
+    collections.deque(maxlen=64) if _BASE is dist.ProcessGroup else None
 )
 
 
-class BackendDmlc(_backend_base()):  # type: ignore[misc]
+class BackendDmlc(_BASE):  # type: ignore[misc,valid-type]
     """The CPU backend of a process group whose ops run on one virtio-dmlc
     device, on communicator `comm` (the device's group by default; its
     rank and size are the group's)."""
