@@ -173,8 +173,11 @@ fn allreduce_all(devs: &[&Device], count: usize) -> u32 {
 /// Waits until the daemon serving metrics at `addr` has taken `n`
 /// allreduce requests in all (instead of sleeping and hoping that they
 /// arrived, which a loaded machine does not promise).
+/// The metric of the allreduce requests the daemon has taken.
+const ALLREDUCES_TAKEN: &str = "dmlc_requests_total{opcode=\"allreduce\"}";
+
 fn wait_taken(addr: &str, n: f64) {
-    wait_metric_at_least(addr, "dmlc_requests_total{opcode=\"allreduce\"}", n, WAIT);
+    wait_metric_at_least(addr, ALLREDUCES_TAKEN, n, WAIT);
 }
 
 fn ms(d: Duration) -> f64 {
@@ -445,10 +448,13 @@ fn backend_killed_or_stopped_mid_collective() {
         let d0 = open(&backend, 0, true, 16 << 20);
         let d1 = open(&backend, 1, false, 16 << 20);
         let group_id = d0.config().group_id.get();
+        // The restarted daemon of the previous round has counted that
+        // round's requests: these two come on top.
+        let before = metric(&addr, ALLREDUCES_TAKEN);
         let (a0, a1) = (Allreduce::new(&d0, 1024, 0), Allreduce::new(&d1, 1024, 0));
         let hs = [(&d0, a0.submit(&d0)), (&d1, a1.submit(&d1))];
         // Mid-collective: the daemon holds both requests.
-        wait_taken(&addr, 2.0);
+        wait_taken(&addr, before + 2.0);
         let stopped = Instant::now();
         let results = thread::scope(|s| {
             let waits = s.spawn(|| wait_all(&hs));
