@@ -52,9 +52,9 @@ def job_env() -> dict[str, str]:
 
 
 @contextmanager
-def daemon(tmp: str, ranks: int) -> Iterator[None]:
-    """The backend daemon with `ranks` sockets tmp/d.sock0.., for the
-    duration of the block."""
+def daemon(tmp: str, ranks: int, args: Sequence[str] = ()) -> Iterator[None]:
+    """The backend daemon with `ranks` sockets tmp/d.sock0.. (and `args`,
+    e.g. a timing model), for the duration of the block."""
     proc = subprocess.Popen(
         [
             str(TARGET / "vhost-device-dmlc"),
@@ -64,6 +64,7 @@ def daemon(tmp: str, ranks: int) -> Iterator[None]:
             str(ranks),
             "--log-level",
             "warn",
+            *args,
         ]
     )
     try:
@@ -87,11 +88,12 @@ def run_host(
     *,
     capture: bool = True,
     timeout: float = 600,
+    backend_args: Sequence[str] = (),
 ) -> tuple[list[int], list[str]]:
     """`python3 argv` in `ranks` local processes (RANK, WORLD_SIZE,
     DMLC_SOCKET=tmp/d.sockR, MASTER_PORT=port for gloo), over a daemon of
-    its own for backend "dmlc"; each rank's exit status and, with
-    `capture`, its output (stdout and stderr)."""
+    its own (with `backend_args`) for backend "dmlc"; each rank's exit
+    status and, with `capture`, its output (stdout and stderr)."""
     env = dict(job_env(), MASTER_PORT=str(port))
     out = subprocess.PIPE if capture else subprocess.DEVNULL
     err = subprocess.STDOUT if capture else None
@@ -118,7 +120,7 @@ def run_host(
 
     if backend != "dmlc":
         return start()
-    with daemon(tmp, ranks):
+    with daemon(tmp, ranks, backend_args):
         return start()
 
 
@@ -130,15 +132,17 @@ def submit(
     timeout: int,
     log_dir: Path | None = None,
     flags: Sequence[str] = (),
+    python: bool = True,
 ) -> tuple[subprocess.CompletedProcess[str], float]:
     """One job of `ranks` TCG VMs (1 vCPU, 2 GiB each) on the host's
-    userland: `python3 argv` in each, through the device or over TCP
-    (`transport`); the launcher's result and how long the job took."""
+    userland: `python3 argv` in each (with `python` false, `argv` itself),
+    through the device or over TCP (`transport`); the launcher's result and
+    how long the job took."""
     cmd = [str(TARGET / "dmlc-qemu"), "submit", "-n", str(ranks), "--host-root"]
     cmd += ["--memory", "2G", "--timeout", str(timeout)]
     if log_dir:
         cmd += ["--log-dir", str(log_dir)]
-    cmd += [*flags, "--transport", transport, "--", sys.executable, *argv]
+    cmd += [*flags, "--transport", transport, "--", *([sys.executable] * python), *argv]
     with tempfile.TemporaryDirectory(prefix="dmlc-torch-") as tmp:
         t = time.monotonic()
         p = subprocess.run(cmd, env=job_env(), cwd=tmp, capture_output=True, text=True, check=False)

@@ -126,7 +126,7 @@ venv=$(python/venv.sh)
 py_cargo_target=${DMLC_CACHE:-$HOME/.cache/virtio-dmlc}/python/cargo-target
 CARGO_TARGET_DIR=$py_cargo_target \
   "$venv/bin/pip" install --disable-pip-version-check -q --no-deps --force-reinstall ./python
-py_files=(python bench/arch-tcg.py bench/torch-ddp.py bench/torch-parallel.py bench/torchjobs.py bench/tcg-cpu.py bench/guest-allreduce.py bench/guest-p2p.py bench/p2p-vms.py
+py_files=(python bench/study bench/arch-tcg.py bench/torch-ddp.py bench/torch-parallel.py bench/torchjobs.py bench/tcg-cpu.py bench/guest-allreduce.py bench/guest-p2p.py bench/p2p-vms.py
   examples/torch examples/xgboost
   launcher/src/rabit_tracker.py launcher/tests/test_rabit_tracker.py)
 "$venv/bin/ruff" check --config python/pyproject.toml "${py_files[@]}"
@@ -279,6 +279,27 @@ step "XGBoost with the virtio-dmlc collective: patched build (cached) and its C+
 # device path (next stages but one) puts DMLC_XGBOOST_PYTHONPATH on PYTHONPATH.
 import_env DMLC_XGBOOST_PYTHONPATH DMLC_XGBOOST_GTEST -- xgboost-patches/build-xgboost.sh --env
 xgboost-patches/build-xgboost.sh --test
+
+step "study: the report from its committed JSON, in headless Chromium; dmlc-qemu study on host processes end to end"
+# bench/study (docs/study.md): its Python environment is the torch one plus
+# matplotlib (bench/study/venv.sh, cached; about 20 s the first time), and
+# the page test needs Debian's chromium (installed when missing, about a
+# minute). The study proper, in VMs, takes 10 minutes: CI runs its host
+# cells only (about a minute), measured afresh into a temporary folder.
+if ! command -v chromium >/dev/null; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null ||
+    { apt-get -qq update && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; }
+fi
+study_venv=$(bench/study/venv.sh)
+PYTHONPATH=bench "$study_venv/bin/python" -m pytest -q -p no:cacheprovider bench/study/tests
+study_out=$(mktemp -d)
+cargo build --release --locked -p dmlc-qemu
+target/release/dmlc-qemu study --quick --only 'ddp-mlp/host/*' 'projection/*' --places host \
+  --fresh --out "$study_out"
+for f in index.html report.md study.json log.txt; do
+  [ -s "$study_out/$f" ] || { echo "error: dmlc-qemu study wrote no $f" >&2; exit 1; }
+done
+rm -rf "$study_out"
 
 step "system tests: VMs (${DMLC_ACCEL:-tcg}), one test at a time"
 cargo test --locked -p dmlc-system-tests --test system -- --test-threads=1

@@ -87,8 +87,20 @@ def main() -> None:
         "different CPU architectures may round the same update differently "
         "(docs/architectures.md). 0: never",
     )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        metavar="K",
+        help="hold out the last --holdout samples from training and, every K steps, measure "
+        "the accuracy on them; the JSON's 'curve' lists (step, training seconds so far, "
+        "accuracy), from which a time to a given accuracy follows (bench/study). 0: never",
+    )
+    p.add_argument("--holdout", type=int, default=297, help="samples held out with --eval-every")
     p.add_argument("--json", type=Path, help="also write the results here ('-': print them)")
     a = p.parse_args()
+    if a.eval_every < 0 or (a.eval_every and a.holdout < 1):
+        p.error("--eval-every needs K >= 0 and --holdout >= 1")
     if a.resync_every and (a.resync_every < 10 or a.backend == "nocomm"):
         p.error("--resync-every needs K >= 10 and a backend that communicates")
 
@@ -97,6 +109,11 @@ def main() -> None:
     t0 = time.perf_counter()
     init(a.backend, rank, world)
     x, y = load(a.data)
+    if a.eval_every:
+        if a.holdout >= len(x) - a.batch:
+            raise SystemExit(f"--holdout {a.holdout} leaves too few of {len(x)} samples to train")
+        tx, ty = x[-a.holdout :], y[-a.holdout :]
+        x, y = x[: -a.holdout], y[: -a.holdout]
     net = DistributedDataParallel(model(a.hidden), gradient_as_bucket_view=a.bucket_view)
     params = sum(q.numel() for q in net.parameters())
     opt = torch.optim.SGD(net.parameters(), lr=a.lr)
@@ -149,6 +166,17 @@ def main() -> None:
     if a.interleave:
         compute.clear()  # those were the warm-up
     steps, updates = [], []
+    # (step, seconds of training so far, held-out accuracy): the evaluation
+    # itself is not counted as training time.
+    curve: list[tuple[int, float, float]] = []
+
+    def evaluate(step: int) -> None:
+        with torch.no_grad():
+            held = (net(tx).argmax(1) == ty).float().mean().item()
+        curve.append((step, round(sum(steps), 6), round(held, 4)))
+
+    if a.eval_every:
+        evaluate(0)
     for s in range(a.steps):
         if a.interleave:
             compute_alone(s)
@@ -161,6 +189,8 @@ def main() -> None:
         opt.step()
         steps.append(time.perf_counter() - t)
         updates.append(time.perf_counter() - u)
+        if a.eval_every and ((s + 1) % a.eval_every == 0 or s + 1 == a.steps):
+            evaluate(s + 1)
         if a.resync_every and (s + 1) % a.resync_every == 0 and s + 1 < a.steps:
             drift_from_rank0(s + 1, resync=True)
     if a.resync_every:
@@ -198,6 +228,13 @@ def main() -> None:
         "reference_error": reference_error,
         "staged_bytes": staged,
     }
+    if a.eval_every:
+        result["curve"] = curve
+    # DDP's buckets as they ended (after its rebuild in the first step): one
+    # allreduce each per step, which a projection of the step needs.
+    buckets = net._get_ddp_logging_data().get("bucket_sizes")
+    if isinstance(buckets, str) and buckets:
+        result["bucket_bytes"] = [int(b) for b in buckets.split(",")]
     print(f"rank {rank}: params sha256 {digest}")
     if reference_error is not None:
         print(f"rank {rank}: max |params - single process| {reference_error:.3e}")

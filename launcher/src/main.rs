@@ -11,6 +11,7 @@ mod monitor;
 mod prepare;
 mod rootfs;
 mod signals;
+mod study;
 
 use std::ffi::OsString;
 use std::fs::OpenOptions;
@@ -91,6 +92,16 @@ enum Cmd {
         override_usage = "dmlc-qemu restore [OPTIONS] DIR"
     )]
     Restore(RestoreArgs),
+    /// Measure what emulation costs a training job and what the device
+    /// buys over TCP on this machine, and write the report (HTML page,
+    /// Markdown, raw JSON). `dmlc-qemu study --help` for its options.
+    #[command(disable_help_flag = true)]
+    Study {
+        /// The study's arguments (bench/study: --quick, --full, --out DIR,
+        /// --only PATTERN..., --list, ...).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, num_args = 0..)]
+        args: Vec<OsString>,
+    },
     /// One host's part of a job across hosts, as mpirun starts it (used by
     /// `submit --hosts`, not by hand).
     #[command(hide = true)]
@@ -979,6 +990,7 @@ fn main() -> ExitCode {
         Cmd::Submit(_) => "submit",
         Cmd::Demo(_) => "demo",
         Cmd::Restore(_) => "restore",
+        Cmd::Study { .. } => "study",
         Cmd::HostPart { .. } => "host-part",
         Cmd::HostRun { .. } => "host-run",
     });
@@ -1014,6 +1026,7 @@ fn main() -> ExitCode {
                 Err(e) => job_error(&e),
             }
         }
+        Cmd::Study { args } => study::run(&args),
         Cmd::HostPart { job } => hosts::host_part(&job),
         Cmd::HostRun { job } => hosts::host_run(&job),
     };

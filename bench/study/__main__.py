@@ -1,0 +1,453 @@
+"""dmlc-qemu study: what emulation costs a distributed training job, and
+what the device buys over the network path, measured on this machine and
+written as one report (study/index.html, study/report.md, study/study.json).
+
+The matrix: PyTorch DDP (train.py's MLP; --full adds a 4.3M-parameter one)
+as host processes and in TCG VMs (KVM VMs too where /dev/kvm works), over
+the device and over TCP (gloo: loopback on the host, virtio-net between
+VMs), at N = 2 (--full: 2 and 4); an allreduce sweep over message sizes
+in the VMs (device, gloo, the project's TCP communicator); and a projection
+of the step to a target cluster, checked against one configuration
+measured with the backend's timing model.
+
+Each cell is cached by its inputs (the settings and the programs it runs)
+under $DMLC_CACHE/study/cells, so a study that was interrupted resumes
+where it stopped, and a rerun measures only what changed (--fresh: all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from . import cells as cl
+from . import report, runners
+from .runners import log
+
+CACHE = Path(os.environ.get("DMLC_CACHE", Path.home() / ".cache" / "virtio-dmlc")) / "study"
+DEFAULT_CLUSTER = cl.ROOT / "bench" / "study" / "cluster.toml"
+# Rough seconds per repetition, for the first estimate of the time left
+# (replaced by what the study measures as it goes).
+GUESS_S = {"host": 15.0, "vm": 120.0, "sweep": 150.0}
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="dmlc-qemu study",
+        description=__doc__.split("\n\n")[0],
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--quick",
+        action="store_true",
+        help="host and TCG VMs, N = 2, one DDP model, fewer repetitions "
+        "(about 10 minutes on 2 cores once built) [the default]",
+    )
+    mode.add_argument(
+        "--full",
+        action="store_true",
+        help="also KVM where it works, N = 2 and 4, both DDP models, more repetitions and "
+        "steps, sweeps up to 64 MiB",
+    )
+    p.add_argument(
+        "--out", type=Path, default=Path("study"), help="where the report goes [default: ./study]"
+    )
+    p.add_argument(
+        "--only",
+        nargs="+",
+        default=[],
+        metavar="PATTERN",
+        help="only the cells whose id matches a shell pattern, e.g. 'ddp-mlp/host/*' (see --list)",
+    )
+    p.add_argument(
+        "--list", action="store_true", help="print the cells and whether each is cached, then exit"
+    )
+    p.add_argument("--fresh", action="store_true", help="measure every cell again")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="rewrite the report from OUT/study.json, measuring nothing",
+    )
+    p.add_argument(
+        "--benchmarks-md",
+        type=Path,
+        metavar="FILE",
+        help="also rewrite the study's block (the answers) in this Markdown file, e.g. "
+        "docs/benchmarks.md",
+    )
+    p.add_argument(
+        "--target-accuracy",
+        type=float,
+        default=0.8,
+        help="the held-out accuracy "
+        "whose time to reach is reported [default: 0.8, which train.py's MLP reaches "
+        "in about 50 steps at N = 2]",
+    )
+    p.add_argument(
+        "--cluster",
+        type=Path,
+        default=DEFAULT_CLUSTER,
+        help="the target cluster, "
+        "a timing-model file (docs/latency-experiments.md) with a ring model "
+        f"[default: {DEFAULT_CLUSTER.relative_to(cl.ROOT)}]",
+    )
+    p.add_argument(
+        "--speed",
+        type=float,
+        default=1.0,
+        help="the target's compute speed relative to this host's (2: twice as fast) [default: 1]",
+    )
+    p.add_argument(
+        "--places",
+        default="auto",
+        help="comma-separated: host, tcg-x86_64, "
+        "kvm-x86_64 [default: host and TCG, plus KVM where /dev/kvm works]",
+    )
+    a = p.parse_args()
+    if not 0 < a.target_accuracy <= 1:
+        p.error("--target-accuracy must be in (0, 1]")
+    if a.speed <= 0:
+        p.error("--speed must be positive")
+    return a
+
+
+def kvm_usable() -> tuple[bool, str]:
+    """Whether KVM guests start here, probed with a time limit: nested KVM
+    hangs on some hosts."""
+    if not os.path.exists("/dev/kvm"):
+        return False, "KVM: this machine has no /dev/kvm (no hardware virtualisation offered)"
+    try:
+        fd = os.open("/dev/kvm", os.O_RDWR)
+        os.close(fd)
+    except OSError as e:
+        return False, f"KVM: /dev/kvm cannot be opened ({e.strerror})"
+    log("probing KVM: one VM that runs `true`, 45 s at most")
+    cmd = [
+        str(cl.TARGET / "dmlc-qemu"),
+        "submit",
+        "-n",
+        "1",
+        "--accel",
+        "kvm",
+        "--timeout",
+        "45",
+        "--",
+        "true",
+    ]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=75, check=False)
+    except subprocess.TimeoutExpired:
+        r = None
+    if r is None or r.returncode == 124:
+        return False, (
+            "KVM: /dev/kvm opens, but a 1-VM probe job that runs `true` did not end "
+            "in 45 s (nested KVM hangs on some hosts)"
+        )
+    if r.returncode:
+        last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"status {r.returncode}"
+        return False, f"KVM: a 1-VM probe job failed: {last}"
+    return True, ""
+
+
+def describe() -> str:
+    r = subprocess.run(
+        ["git", "describe", "--always", "--dirty", "--abbrev=12"],
+        cwd=cl.ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return r.stdout.strip() or "unknown"
+
+
+def machine() -> dict[str, Any]:
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.machine(),
+    )
+    mem = next(
+        int(line.split()[1])
+        for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.startswith("MemTotal")
+    )
+    return {"cpus": os.cpu_count(), "cpu": cpu, "memory_gib": round(mem / 1048576)}
+
+
+def loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def qemu_version() -> str:
+    binary = os.environ.get("DMLC_QEMU")
+    if not binary:
+        r = subprocess.run(
+            [str(cl.ROOT / "qemu-patches" / "build-qemu.sh"), "--env"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        env = dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
+        binary = env.get("DMLC_QEMU")
+    if not binary:
+        return "QEMU: not built"
+    r = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False)
+    return r.stdout.splitlines()[0] if r.stdout else "QEMU: unknown version"
+
+
+def build_mpi_bench() -> str | None:
+    """bench/mpi_allreduce.c with mpicc, for the sweep's MPI path; None, or
+    why it is absent."""
+    mpicc = shutil.which("mpicc")
+    if not mpicc:
+        return (
+            "Open MPI: mpicc is not installed (apt-get install openmpi-bin "
+            "libopenmpi-dev), so the sweeps have no MPI path."
+        )
+    runners.MPI_BENCH.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [
+            mpicc,
+            "-O2",
+            "-Wall",
+            "-o",
+            str(runners.MPI_BENCH),
+            str(cl.ROOT / "bench" / "mpi_allreduce.c"),
+        ],
+        check=True,
+    )
+    return None
+
+
+def build() -> float:
+    """The release binaries, the C library and the digits data; seconds."""
+    t = time.monotonic()
+    log("building the release binaries (cargo build --release) and fetching the digits data")
+    crates = ["dmlc-capi", "vhost-device-dmlc", "dmlc-qemu", "dmlc-guest", "dmlc-example-digits"]
+    subprocess.run(
+        ["cargo", "build", "--release", "-q", *(x for c in crates for x in ("-p", c))],
+        cwd=cl.ROOT,
+        check=True,
+    )
+    subprocess.run(
+        [str(cl.ROOT / "examples" / "digits" / "fetch-data.sh")],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    return time.monotonic() - t
+
+
+class Progress:
+    """Cells done and the time left, estimated from what ran so far."""
+
+    def __init__(self, todo: list[tuple[cl.Cell, int]]) -> None:
+        self.todo = todo
+        self.spent: dict[str, list[float]] = {}
+        self.start = time.monotonic()
+
+    @staticmethod
+    def kind(cell: cl.Cell) -> str:
+        return "sweep" if cell.workload == "sweep" else ("vm" if cell.in_vms else "host")
+
+    def per_rep(self, cell: cl.Cell) -> float:
+        seen = self.spent.get(self.kind(cell))
+        return sum(seen) / len(seen) if seen else GUESS_S[self.kind(cell)]
+
+    def left(self, done: int) -> float:
+        return sum(self.per_rep(c) * reps for c, reps in self.todo[done:])
+
+    def record(self, cell: cl.Cell, seconds: float) -> None:
+        self.spent.setdefault(self.kind(cell), []).append(seconds)
+
+
+def main() -> None:
+    a = parse()
+    out: Path = a.out.resolve()
+    command = "dmlc-qemu study " + shlex.join(sys.argv[1:])
+    doc_path = out / "study.json"
+    if a.report_only:
+        doc = json.loads(doc_path.read_text())
+        for f in report.write(doc, out):
+            log(f"wrote {f}")
+        if a.benchmarks_md:
+            report.update_block(a.benchmarks_md, doc)
+            log(f"updated {a.benchmarks_md}")
+        return
+    quick = not a.full
+    settings = cl.QUICK if quick else cl.FULL
+    out.mkdir(parents=True, exist_ok=True)
+    raw_log = out / "log.txt"
+    raw_file = (
+        os.path.relpath(raw_log, cl.ROOT) if raw_log.is_relative_to(cl.ROOT) else str(raw_log)
+    )
+    started = time.monotonic()
+    load_before = loadavg()
+    commit = describe()
+    with raw_log.open("w") as f:
+        # bench/record.sh's header: docs/check-figures.sh traces the
+        # report's tables to this file.
+        f.write(f"# raw output of: {command}\n# commit: {commit}\n")
+        f.write(f"# date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n")
+        m = machine()
+        f.write(f"# machine: {m['cpus']} CPUs, {m['cpu']}, {m['memory_gib']} GiB\n")
+        f.write(f"# load average before: {load_before}\n\n")
+
+    def note(msg: str) -> None:
+        log(msg)
+        with raw_log.open("a") as f:
+            f.write(msg + "\n")
+
+    build_s = build()
+    note(f"setup: build and data took {build_s:.0f} s (not counted in the study's time)")
+    absent = [
+        "DDP over MPI (torch's wheels have no MPI backend: MPI appears in the allreduce "
+        "sweeps), LightGBM, XGBoost, the digits trainer and guests of other architectures "
+        "are not yet part of the study (docs/study.md says what is next).",
+    ]
+    mpi_missing = build_mpi_bench()
+    if mpi_missing:
+        absent.append(mpi_missing)
+    if a.places == "auto":
+        places = ["host", "tcg-x86_64"]
+        if quick:
+            absent.append("KVM: a --quick study runs TCG VMs only (--full probes KVM).")
+        else:
+            ok, why = kvm_usable()
+            if ok:
+                places.append("kvm-x86_64")
+            else:
+                absent.append(why + "; the KVM column is empty.")
+    else:
+        places = [x for x in a.places.split(",") if x]
+        unknown = [x for x in places if x not in ("host", "tcg-x86_64", "kvm-x86_64")]
+        if unknown:
+            raise SystemExit(
+                f"--places: unknown place(s) {unknown}; known: host, tcg-x86_64, kvm-x86_64"
+            )
+    try:
+        model = tomllib.loads(a.cluster.read_text())["model"]
+    except (OSError, KeyError, tomllib.TOMLDecodeError) as e:
+        raise SystemExit(
+            f"--cluster {a.cluster}: not a timing-model file with a [model]: {e}"
+        ) from None
+    if model.get("kind") != "ring":
+        raise SystemExit(
+            f"--cluster {a.cluster}: the projection knows the ring model only, "
+            f"not {model.get('kind')!r}"
+        )
+    chosen = cl.select(cl.matrix(quick, places), a.only)
+    todo = [(c, runners.repetitions(c, settings)) for c in chosen]
+    if a.list:
+        for c, reps in todo:
+            hit = cl.cache_path(CACHE, c, settings).exists()
+            print(f"{c.id:40} {reps} rep(s)  {'cached' if hit else 'to measure'}")
+        return
+    progress = Progress(todo)
+    measured_s = 0.0
+    results = []
+    for i, (cell, reps) in enumerate(todo):
+        path = cl.cache_path(CACHE, cell, settings)
+        if path.exists() and not a.fresh:
+            rec = json.loads(path.read_text())
+            rec["cached"] = True
+            note(f"[{i + 1}/{len(todo)}] {cell.id}: cached ({path.name})")
+            results.append(rec)
+            continue
+        runs = []
+        t_cell = time.monotonic()
+        for r in range(reps):
+            left = progress.left(i) - progress.per_rep(cell) * r
+            note(
+                f"[{i + 1}/{len(todo)}] {cell.id}: repetition {r + 1}/{reps} "
+                f"(about {left / 60:.1f} min left)"
+            )
+            t = time.monotonic()
+            try:
+                run = runners.run_once(cell, settings, runners.free_port(), a.cluster)
+            except runners.CellFailedError as e:
+                note(f"FAILED: {e}")
+                raise SystemExit(
+                    f"study: cell {cell.id} failed; the cells before it are "
+                    "cached, so a rerun resumes here"
+                ) from None
+            progress.record(cell, time.monotonic() - t)
+            runs.append(run)
+            with raw_log.open("a") as f:
+                f.write("raw: " + json.dumps({"cell": cell.id, "run": run}) + "\n")
+        rec = {
+            "id": cell.id,
+            "spec": asdict(cell),
+            "key": cl.key(cell, settings),
+            "seconds": round(time.monotonic() - t_cell, 1),
+            "runs": runs,
+        }
+        measured_s += rec["seconds"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(rec))
+        results.append(dict(rec, cached=False))
+    wall = time.monotonic() - started - build_s
+    import torch  # noqa: PLC0415 (only for its version)
+
+    doc = {
+        "meta": {
+            "command": command,
+            "commit": commit,
+            "raw_file": raw_file,
+            "quick": quick,
+            "machine": machine(),
+            "load_before": load_before,
+            "load_after": loadavg(),
+            "qemu": qemu_version(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "settings": asdict(settings),
+            "target_accuracy": a.target_accuracy,
+            "projection": {
+                "file": os.path.relpath(a.cluster, cl.ROOT),
+                "model": model,
+                "speed": a.speed,
+            },
+            "places": places,
+            "absent": absent,
+            "wall_s": round(wall, 1),
+            "measured_s": round(measured_s, 1),
+            "build_s": round(build_s, 1),
+        },
+        "cells": results,
+    }
+    doc_path.write_text(json.dumps(doc, indent=1) + "\n")
+    for f in report.write(doc, out):
+        log(f"wrote {f}")
+    if a.benchmarks_md:
+        report.update_block(a.benchmarks_md, doc)
+        log(f"updated {a.benchmarks_md}")
+    note(
+        f"study: {len(todo)} cells in {wall / 60:.1f} min ({measured_s / 60:.1f} min measuring, "
+        f"the rest cached); report: {out / 'index.html'}"
+    )
+    with raw_log.open("a") as f:
+        f.write(
+            f"\n# exit status: 0; wall time: {wall + build_s:.0f} s; "
+            f"load average after: {loadavg()}\n"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""The study's matrix: what a cell is, which cells a study runs, and where
+a finished cell is kept so that an interrupted study resumes.
+
+A cell is one workload, in one place (host processes, or VMs of one
+accelerator and guest architecture), over one transport, at one N. Its
+result is cached under OUT/cells/ by a key of its spec and of the inputs
+that can change its numbers (the programs it runs), so a rerun skips it
+until one of them changes.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TARGET = ROOT / "target" / "release"
+
+# What each workload runs, for the cache key: a change to any of these
+# files makes the cells of that workload run again.
+INPUTS = {
+    "ddp": [
+        "examples/torch/train.py",
+        "examples/torch/common.py",
+        "python/src/dmlc/torch_backend.py",
+        "python/src/dmlc/device.py",
+        "target/release/libdmlc_guest.so",
+        "target/release/vhost-device-dmlc",
+        "target/release/dmlc-qemu",
+    ],
+    "digits": [
+        "target/release/dmlc-train-digits",
+        "target/release/vhost-device-dmlc",
+        "target/release/dmlc-qemu",
+    ],
+    "sweep": [
+        "bench/guest-p2p.py",
+        "bench/rsh-agent.py",
+        "target/study/mpi_allreduce",
+        "target/release/dmlc-guest",
+        "target/release/vhost-device-dmlc",
+        "target/release/dmlc-qemu",
+    ],
+}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One measurement of the study.
+
+    workload:  "ddp-mlp" (train.py's 1.1M-parameter MLP), "ddp-wide" (the
+               same MLP 2048 wide: 4.3M parameters, a 17 MB gradient),
+               "digits" (the digits trainer's MLP of 1.1M parameters over
+               the rabit-style API, examples/digits),
+               "sweep" (allreduce over message sizes, every path in one job:
+               the device, gloo, our TCP communicator, Open MPI)
+               or "projection" (ddp-mlp on the host with the backend's
+               timing model, checked against the study's own projection)
+    place:     "host" (processes, no emulation) or ACCEL-ARCH, e.g.
+               "tcg-x86_64" (one VM per rank)
+    transport: "dmlc" (the device), or TCP (loopback on the host,
+               virtio-net between VMs): "gloo" for DDP, "tcp" (the
+               project's TCP communicator) for digits; "all" for a sweep
+    n:         ranks
+    """
+
+    workload: str
+    place: str
+    transport: str
+    n: int
+
+    @property
+    def id(self) -> str:
+        return f"{self.workload}/{self.place}/{self.transport}/n{self.n}"
+
+    @property
+    def family(self) -> str:
+        return self.workload if self.workload in ("sweep", "digits") else "ddp"
+
+    @property
+    def in_vms(self) -> bool:
+        return self.place != "host"
+
+    @property
+    def accel(self) -> str:
+        return self.place.partition("-")[0] if self.in_vms else "none"
+
+    @property
+    def arch(self) -> str:
+        return self.place.partition("-")[2] if self.in_vms else "x86_64"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the whole study shares: repetitions and sizes. Part of every
+    cell's key, so a --quick cell is never taken for a full one."""
+
+    reps_host: int
+    reps_vm: int
+    steps: int
+    batch: int
+    eval_every: int
+    # Samples held out for the accuracy: an evaluation costs a forward pass
+    # of them, under TCG as much as holdout / (3 x batch) training steps.
+    holdout: int
+    sweep_max: int
+
+
+QUICK = Settings(
+    reps_host=3, reps_vm=1, steps=60, batch=8, eval_every=10, holdout=150, sweep_max=4 << 20
+)
+FULL = Settings(
+    reps_host=5, reps_vm=3, steps=150, batch=8, eval_every=10, holdout=150, sweep_max=64 << 20
+)
+
+
+def tcp_of(workload: str) -> str:
+    """The TCP transport a workload is compared with."""
+    return "tcp" if workload == "digits" else "gloo"
+
+
+def matrix(quick: bool, places: list[str]) -> list[Cell]:
+    """The cells of a study over `places` ("host" first, then VM places)."""
+    sizes = [2] if quick else [2, 4]
+    workloads = ["ddp-mlp"] if quick else ["ddp-mlp", "ddp-wide"]
+    cells = []
+    for n in sizes:
+        for place in places:
+            for w in [*workloads, "digits"]:
+                cells += [Cell(w, place, t, n) for t in ("dmlc", tcp_of(w))]
+            if place != "host":
+                cells.append(Cell("sweep", place, "all", n))
+    cells.append(Cell("projection", "host", "dmlc", 2))
+    return cells
+
+
+def select(cells: list[Cell], only: list[str]) -> list[Cell]:
+    """The cells whose id matches one of the shell patterns in `only`
+    (all of them when it is empty)."""
+    if not only:
+        return cells
+    picked = [c for c in cells if any(fnmatch.fnmatchcase(c.id, p) for p in only)]
+    if not picked:
+        known = "\n  ".join(c.id for c in cells)
+        raise SystemExit(f"--only {' '.join(only)} matches no cell; the cells are:\n  {known}")
+    return picked
+
+
+def _file_digest(rel: str) -> str:
+    path = ROOT / rel
+    if not path.exists():
+        return "missing"
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def key(cell: Cell, settings: Settings) -> str:
+    """A digest of the cell, the study's settings and the files it runs."""
+    doc = {
+        "cell": asdict(cell),
+        "settings": asdict(settings),
+        "inputs": {f: _file_digest(f) for f in INPUTS[cell.family]},
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cache_path(out: Path, cell: Cell, settings: Settings) -> Path:
+    name = cell.id.replace("/", "_")
+    return out / "cells" / f"{name}-{key(cell, settings)}.json"

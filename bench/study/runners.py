@@ -1,0 +1,294 @@
+"""How each kind of cell runs: the programs it starts, the checks on what
+they print, and the raw record it keeps (one dict per repetition).
+
+Every DDP run must end with the same parameters on every rank (each rank
+prints its own sha256); on the host, every run is also replayed in one
+process without any collective (train.py --reference), which the device's
+result must match: a check not computed by the thing it checks. The sweep
+checks every value it receives (bench/guest-p2p.py and dmlc-guest bench).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torchjobs
+
+from .cells import ROOT, TARGET, Cell, Settings
+
+TRAIN = ROOT / "examples" / "torch" / "train.py"
+P2P = ROOT / "bench" / "guest-p2p.py"
+# bench/mpi_allreduce.c built with mpicc (study's build step), run in the
+# VMs by mpirun through bench/rsh-agent.py.
+MPI_BENCH = ROOT / "target" / "study" / "mpi_allreduce"
+# Largest |DDP parameters - one-process replay| accepted on the host: both
+# sum the same float32 gradients, in orders that may differ.
+MAX_REFERENCE_ERROR = 1e-5
+
+
+class CellFailedError(Exception):
+    """A run of a cell failed; the message says which and why."""
+
+
+def hidden_of(cell: Cell) -> int:
+    return 2048 if cell.workload == "ddp-wide" else 1024
+
+
+def train_argv(cell: Cell, s: Settings) -> list[str]:
+    argv = [str(TRAIN), "--backend", cell.transport, "--steps", str(s.steps)]
+    argv += ["--hidden", str(hidden_of(cell)), "--batch", str(s.batch)]
+    argv += ["--eval-every", str(s.eval_every), "--holdout", str(s.holdout), "--json", "-"]
+    return argv
+
+
+def _json_lines(outputs: list[str]) -> list[dict[str, Any]]:
+    return [
+        json.loads(line.removeprefix("json: "))
+        for out in outputs
+        for line in out.splitlines()
+        if line.startswith("json: ")
+    ]
+
+
+def _same_model(cell: Cell, results: list[dict[str, Any]]) -> None:
+    if len(results) != cell.n:
+        raise CellFailedError(f"{cell.id}: {len(results)} of {cell.n} ranks printed results")
+    digests = {r["params_sha256"] for r in results}
+    if len(digests) != 1:
+        raise CellFailedError(
+            f"{cell.id}: the ranks ended with different models: {sorted(digests)}"
+        )
+
+
+def ddp_host(cell: Cell, s: Settings, port: int, backend_args: list[str]) -> dict[str, Any]:
+    """One run of train.py as local processes; rank 0's results."""
+    argv = [*train_argv(cell, s), "--reference"]
+    with tempfile.TemporaryDirectory(prefix="dmlc-study-") as tmp:
+        t = time.monotonic()
+        codes, outputs = torchjobs.run_host(
+            argv, cell.transport, cell.n, port, tmp, backend_args=backend_args
+        )
+        took = time.monotonic() - t
+    if any(codes):
+        tail = "".join(o[-1500:] for o in outputs)
+        raise CellFailedError(f"{cell.id}: exit statuses {codes}\n{tail}")
+    results = _json_lines(outputs)
+    _same_model(cell, results)
+    worst = max(r["reference_error"] for r in results)
+    if worst > MAX_REFERENCE_ERROR:
+        raise CellFailedError(
+            f"{cell.id}: parameters {worst:.3e} from the one-process replay "
+            f"(at most {MAX_REFERENCE_ERROR} allowed)"
+        )
+    rank0 = next(r for r in results if r["rank"] == 0)
+    return dict(rank0, job_s=round(took, 3))
+
+
+def vm_flags(cell: Cell) -> list[str]:
+    return ["--accel", cell.accel]
+
+
+def ddp_vms(cell: Cell, s: Settings, timeout: int) -> dict[str, Any]:
+    """One job of train.py in cell.n VMs; rank 0's results."""
+    transport = "device" if cell.transport == "dmlc" else "tcp"
+    p, took = torchjobs.submit(
+        cell.n, train_argv(cell, s), transport=transport, timeout=timeout, flags=vm_flags(cell)
+    )
+    results = [
+        json.loads(line.removeprefix("json: "))
+        for lines in torchjobs.rank_lines(p.stdout).values()
+        for line in lines
+        if line.startswith("json: ")
+    ]
+    if p.returncode:
+        raise CellFailedError(
+            f"{cell.id}: the launcher's exit status {p.returncode}\n"
+            f"{p.stdout[-2000:]}{p.stderr[-2000:]}"
+        )
+    _same_model(cell, results)
+    boot = _boot_seconds(p.stderr)
+    rank0 = next(r for r in results if r["rank"] == 0)
+    return dict(rank0, job_s=round(took, 3), boot_s=boot)
+
+
+def _boot_seconds(stderr: str) -> float | None:
+    """The launcher's "booted in X s" (or "X to Y s": the last)."""
+    for line in stderr.splitlines():
+        if "booted in " in line:
+            words = line.split("booted in ", 1)[1].replace(")", " ").split()
+            numbers = [float(w) for w in words if w.replace(".", "", 1).isdigit()]
+            if numbers:
+                return numbers[-1]
+    return None
+
+
+def sweep_vms(cell: Cell, s: Settings, timeout: int) -> dict[str, Any]:
+    """Allreduce over sizes in cell.n VMs, the device, gloo, the project's
+    TCP communicator and (where it was built) Open MPI, in one boot
+    (bench/guest-p2p.py)."""
+    # dmlc-guest bench holds two pools of the largest message and its
+    # rotation span (2 x LLC / N, tens of MiB): the DMA window must fit them.
+    dma_mib = (2 * max(s.sweep_max, 64 << 20) + (16 << 20)) >> 20
+    dma_mib += dma_mib % 2
+    flags = [*vm_flags(cell), "--dma", f"{dma_mib}M"]
+    flags += ["--env", f"DMLC_GUEST_BIN={TARGET / 'dmlc-guest'}"]
+    paths = "device,gloo,tcp"
+    if MPI_BENCH.exists():
+        flags += ["--env", f"DMLC_MPI_BENCH={MPI_BENCH}"]
+        paths += ",mpi"
+    argv = [str(P2P), "--opcode", "allreduce", "--maxbytes", str(s.sweep_max), "--paths", paths]
+    argv += ["--repeat", str(s.reps_vm), "--iters", "10", "--warmup", "2"]
+    p, took = torchjobs.submit(cell.n, argv, transport="tcp", timeout=timeout, flags=flags)
+    lines = torchjobs.rank_lines(p.stdout).get(0, [])
+    docs = [json.loads(x.removeprefix("p2p-json: ")) for x in lines if x.startswith("p2p-json: ")]
+    if p.returncode or not docs:
+        raise CellFailedError(
+            f"{cell.id}: the launcher's exit status {p.returncode}\n"
+            f"{p.stdout[-2000:]}{p.stderr[-2000:]}"
+        )
+    wrong = sum(r["wrong"] for runs in docs[0]["runs"].values() for rows in runs for r in rows)
+    if wrong:
+        raise CellFailedError(f"{cell.id}: {wrong} wrong values")
+    return dict(docs[0], job_s=round(took, 3))
+
+
+DIGITS = TARGET / "dmlc-train-digits"
+# The trainer's closing lines (examples/digits/src/main.rs).
+DIGITS_TIMES = re.compile(
+    r"median_step_compute_ms ([\d.]+) median_step_exchange_ms ([\d.]+) "
+    r"median_step_update_ms ([\d.]+)"
+)
+DIGITS_ACCURACY = re.compile(r"^test accuracy ([\d.]+)", re.M)
+DIGITS_TRAIN = re.compile(r"^time total_ms ([\d.]+)", re.M)
+
+
+def digits_argv(s: Settings, ranks: int) -> list[str]:
+    """The digits trainer's MLP (the same 1.1M parameters as train.py's),
+    through the rabit-style API; it checks every rank's weights against
+    each other and against a one-process run itself."""
+    data = Path.home() / ".cache" / "virtio-dmlc" / "data" / "digits.csv.gz"
+    # --batch counts the samples of all ranks together.
+    return [
+        str(DIGITS),
+        "--data",
+        str(data),
+        "--model",
+        "mlp",
+        "--steps",
+        str(s.steps),
+        "--batch",
+        str(s.batch * ranks),
+    ]
+
+
+def digits_result(what: str, out: str, ranks: int) -> dict[str, Any]:
+    """The first rank's times and accuracy in `out`; fails unless `ranks`
+    ranks printed both PASS lines there."""
+    passes = out.count("PASS identical weights") + out.count("PASS matches single-process")
+    times, acc, total = DIGITS_TIMES.search(out), DIGITS_ACCURACY.search(out), None
+    if passes < 2 * ranks or not times or not acc:
+        raise CellFailedError(f"{what}: the trainer did not pass its checks\n{out[-2500:]}")
+    total = DIGITS_TRAIN.search(out)
+    compute, exchange, update = (float(x) for x in times.groups())
+    return {
+        "step_ms": round(compute + exchange + update, 3),
+        "compute_ms": compute,
+        "exchange_ms": exchange,
+        "update_ms": update,
+        "accuracy": float(acc.group(1)),
+        "train_s": float(total.group(1)) / 1e3 if total else None,
+    }
+
+
+def digits_host(cell: Cell, s: Settings) -> dict[str, Any]:
+    """The trainer as cell.n local processes: over a daemon of its own
+    (device), or over loopback TCP (`DMLC_TRANSPORT=tcp`)."""
+    with tempfile.TemporaryDirectory(prefix="dmlc-study-") as tmp:
+
+        def start(env: dict[str, str]) -> list[subprocess.Popen[str]]:
+            return [
+                subprocess.Popen(
+                    digits_argv(s, cell.n),
+                    env=dict(os.environ, DMLC_TASK_ID=str(r), DMLC_NUM_WORKER=str(cell.n), **env)
+                    | {"DMLC_SOCKET": f"{tmp}/d.sock{r}"},
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+                for r in range(cell.n)
+            ]
+
+        t = time.monotonic()
+        if cell.transport == "dmlc":
+            with torchjobs.daemon(tmp, cell.n):
+                procs = start({})
+                outs = [p.communicate(timeout=600)[0] for p in procs]
+        else:
+            peers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(cell.n))
+            procs = start({"DMLC_TRANSPORT": "tcp", "DMLC_TCP_PEERS": peers})
+            outs = [p.communicate(timeout=600)[0] for p in procs]
+        took = time.monotonic() - t
+    if any(p.returncode for p in procs):
+        raise CellFailedError(f"{cell.id}: exit statuses {[p.returncode for p in procs]}")
+    digits_result(cell.id, "".join(outs), cell.n)
+    return dict(digits_result(cell.id, outs[0], 1), job_s=round(took, 3))
+
+
+def digits_vms(cell: Cell, s: Settings, timeout: int) -> dict[str, Any]:
+    """The trainer in cell.n VMs on the host's userland."""
+    transport = "device" if cell.transport == "dmlc" else "tcp"
+    p, took = torchjobs.submit(
+        cell.n,
+        digits_argv(s, cell.n),
+        transport=transport,
+        timeout=timeout,
+        flags=vm_flags(cell),
+        python=False,
+    )
+    if p.returncode:
+        raise CellFailedError(
+            f"{cell.id}: the launcher's exit status {p.returncode}\n"
+            f"{p.stdout[-2000:]}{p.stderr[-2000:]}"
+        )
+    lines = torchjobs.rank_lines(p.stdout)
+    digits_result(cell.id, "\n".join(x for r in sorted(lines) for x in lines[r]), cell.n)
+    result = digits_result(cell.id, "\n".join(lines.get(0, [])), 1)
+    return dict(result, job_s=round(took, 3), boot_s=_boot_seconds(p.stderr))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_once(cell: Cell, s: Settings, port: int, cluster: Path) -> dict[str, Any]:
+    """One repetition of `cell`."""
+    if cell.workload == "projection":
+        return ddp_host(cell, s, port, [f"--timing={cluster}"])
+    if cell.workload == "sweep":
+        return sweep_vms(cell, s, timeout=1800)
+    if cell.workload == "digits":
+        return digits_vms(cell, s, 1800) if cell.in_vms else digits_host(cell, s)
+    if cell.in_vms:
+        return ddp_vms(cell, s, timeout=1800)
+    return ddp_host(cell, s, port, [])
+
+
+def repetitions(cell: Cell, s: Settings) -> int:
+    if cell.workload == "sweep":
+        return 1  # the script repeats inside one boot
+    return s.reps_vm if cell.in_vms else s.reps_host
+
+
+def log(msg: str) -> None:
+    print(f"study: {msg}", file=sys.stderr, flush=True)

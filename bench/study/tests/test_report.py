@@ -1,0 +1,116 @@
+"""The study's report: every number from the raw JSON (the committed report
+is regenerated from its JSON and compared), the formulas against values
+worked out by hand, the cache keys, and the page in headless Chromium."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from study import analysis, browser, cells, report
+
+ROOT = Path(__file__).resolve().parents[3]
+COMMITTED = ROOT / "docs" / "study"
+
+
+def committed_doc() -> dict:
+    return json.loads((COMMITTED / "study.json").read_text())
+
+
+def test_the_committed_report_is_what_its_json_gives() -> None:
+    doc = committed_doc()
+    marker = f"<!-- raw: {doc['meta']['raw_file']} cmd: {doc['meta']['command']} -->"
+    again = report.markdown(report.sections(doc), marker)
+    assert again == (COMMITTED / "report.md").read_text(), (
+        "docs/study/report.md differs from what docs/study/study.json gives: rewrite it with "
+        "`dmlc-qemu study --out docs/study --report-only`"
+    )
+
+
+def test_the_benchmarks_page_shows_the_committed_answers() -> None:
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    start, end = text.find(report.BEGIN), text.find(report.END)
+    assert 0 <= start < end, "docs/benchmarks.md has no study block"
+    assert text[start : end + len(report.END)] == report.headline(committed_doc()), (
+        "docs/benchmarks.md's study block differs from what docs/study/study.json gives: "
+        "`dmlc-qemu study --out docs/study --report-only --benchmarks-md docs/benchmarks.md`"
+    )
+
+
+def test_a_ring_allreduce_is_the_documented_alpha_beta_time() -> None:
+    # docs/latency-experiments.md: 2(p-1)a + 2fNb. p = 8, a = 25 us,
+    # 1.25 GB/s, N = 4505640 B: 350 us + 2 * 7/8 * 4505640 / 1250 us.
+    model = {"kind": "ring", "world": 8, "alpha_us": 25, "bandwidth_gbs": 1.25}
+    assert analysis.ring_allreduce_us(model, 4505640) == pytest.approx(350 + 6307.9, abs=0.1)
+    assert analysis.ring_allreduce_us(dict(model, world=1), 4505640) == 0.0
+    # A reduction at 2.5 GB/s adds fN/2500 us.
+    slow = dict(model, reduce_gbs=2.5)
+    extra = analysis.ring_allreduce_us(slow, 1000) - analysis.ring_allreduce_us(model, 1000)
+    assert extra == pytest.approx(7 / 8 * 1000 / 2500)
+
+
+def test_time_to_accuracy_is_the_first_evaluation_that_reaches_it() -> None:
+    run = {"curve": [[0, 0.0, 0.1], [10, 1.5, 0.79], [20, 3.0, 0.81], [30, 4.5, 0.78]]}
+    assert analysis.time_to_accuracy(run, 0.8) == 3.0
+    assert analysis.time_to_accuracy(run, 0.9) is None
+    cell = {"runs": [run, dict(run, curve=[[0, 0.0, 0.1], [10, 2.0, 0.85]])]}
+    spread = analysis.tta(cell, 0.8)
+    assert spread is not None
+    assert (spread.median, spread.low, spread.high) == (2.5, 2.0, 3.0)
+    # One repetition that never got there: no time for the cell.
+    assert analysis.tta({"runs": [run, {"curve": [[0, 0.0, 0.1]]}]}, 0.8) is None
+
+
+def test_factors_come_from_the_medians_of_both_sides() -> None:
+    def cell(place: str, transport: str, step: float, compute: float) -> dict:
+        run = {"step_ms": step, "compute_ms": compute, "exchange_ms": step - compute - 1}
+        spec = {"workload": "ddp-mlp", "place": place, "transport": transport, "n": 2}
+        return {"spec": spec, "runs": [dict(run, update_ms=1.0)]}
+
+    doc = {
+        "cells": [
+            cell("host", "dmlc", 7.0, 2.0),
+            cell("host", "gloo", 9.0, 2.0),
+            cell("tcg-x86_64", "dmlc", 150.0, 100.0),
+            cell("tcg-x86_64", "gloo", 300.0, 80.0),
+        ]
+    }
+    # VM compute (median of 100 and 80) over host compute (2).
+    assert analysis.emulation_factor(doc, "ddp-mlp", "tcg-x86_64", 2) == pytest.approx(45.0)
+    assert analysis.speedup(doc, "ddp-mlp", "tcg-x86_64", 2, "step_ms") == pytest.approx(2.0)
+    assert analysis.speedup(doc, "ddp-mlp", "host", 4, "step_ms") is None
+
+
+def test_a_cell_key_changes_with_the_programs_it_runs(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(cells, "ROOT", tmp_path)
+    (tmp_path / "examples" / "torch").mkdir(parents=True)
+    train = tmp_path / "examples" / "torch" / "train.py"
+    train.write_text("one")
+    cell = cells.Cell("ddp-mlp", "host", "dmlc", 2)
+    first = cells.key(cell, cells.QUICK)
+    assert cells.key(cell, cells.QUICK) == first
+    assert cells.key(cell, cells.FULL) != first
+    assert cells.key(cells.Cell("ddp-mlp", "host", "gloo", 2), cells.QUICK) != first
+    train.write_text("two")
+    assert cells.key(cell, cells.QUICK) != first
+
+
+def test_only_selects_by_pattern_and_names_the_cells_when_none_match() -> None:
+    matrix = cells.matrix(quick=True, places=["host", "tcg-x86_64"])
+    ids = {c.id for c in cells.select(matrix, ["ddp-mlp/host/*"])}
+    assert ids == {"ddp-mlp/host/dmlc/n2", "ddp-mlp/host/gloo/n2"}
+    with pytest.raises(SystemExit, match="sweep/tcg-x86_64/all/n2"):
+        cells.select(matrix, ["no-such-cell"])
+
+
+def test_the_page_draws_every_plot_in_headless_chromium(tmp_path: Path) -> None:
+    if not shutil.which("chromium"):
+        pytest.fail("chromium is not installed: tests/run.sh installs Debian's chromium")
+    written = report.write(committed_doc(), tmp_path)
+    svgs = [p for p in written if p.suffix == ".svg"]
+    assert len(svgs) >= 3
+    plots, drawn = browser.plots_drawn(tmp_path / "index.html")
+    assert plots == len(svgs), "the page holds another number of plots than were drawn"
+    assert drawn == plots, f"only {drawn} of {plots} plots were laid out and drawn"
