@@ -133,11 +133,12 @@ def submit(
     log_dir: Path | None = None,
     flags: Sequence[str] = (),
     python: bool = True,
+    env: dict[str, str] | None = None,
 ) -> tuple[subprocess.CompletedProcess[str], float]:
     """One job of `ranks` TCG VMs (1 vCPU, 2 GiB each) on the host's
     userland: `python3 argv` in each (with `python` false, `argv` itself),
-    through the device or over TCP (`transport`); the launcher's result and
-    how long the job took."""
+    through the device or over TCP (`transport`), in `env` (default:
+    job_env()); the launcher's result and how long the job took."""
     cmd = [str(TARGET / "dmlc-qemu"), "submit", "-n", str(ranks), "--host-root"]
     cmd += ["--memory", "2G", "--timeout", str(timeout)]
     if log_dir:
@@ -145,7 +146,9 @@ def submit(
     cmd += [*flags, "--transport", transport, "--", *([sys.executable] * python), *argv]
     with tempfile.TemporaryDirectory(prefix="dmlc-torch-") as tmp:
         t = time.monotonic()
-        p = subprocess.run(cmd, env=job_env(), cwd=tmp, capture_output=True, text=True, check=False)
+        p = subprocess.run(
+            cmd, env=env or job_env(), cwd=tmp, capture_output=True, text=True, check=False
+        )
         return p, time.monotonic() - t
 
 

@@ -36,6 +36,14 @@ INPUTS = {
         "target/release/vhost-device-dmlc",
         "target/release/dmlc-qemu",
     ],
+    "xgboost": [
+        "examples/xgboost/train.py",
+        "target/release/libdmlc_guest.so",
+        "target/release/vhost-device-dmlc",
+        "target/release/dmlc-qemu",
+        "xgboost-patches/build-xgboost.sh",
+        "xgboost-patches/0001-coll-Collectives-through-a-virtio-dmlc-device-dmlc_c.patch",
+    ],
     "sweep": [
         "bench/guest-p2p.py",
         "bench/rsh-agent.py",
@@ -55,6 +63,8 @@ class Cell:
                same MLP 2048 wide: 4.3M parameters, a 17 MB gradient),
                "digits" (the digits trainer's MLP of 1.1M parameters over
                the rabit-style API, examples/digits),
+               "xgboost" (examples/xgboost/train.py, hist, in VMs: the
+               patched build through the device, stock over TCP),
                "sweep" (allreduce over message sizes, every path in one job:
                the device, gloo, our TCP communicator, Open MPI)
                or "projection" (ddp-mlp on the host with the backend's
@@ -78,7 +88,7 @@ class Cell:
 
     @property
     def family(self) -> str:
-        return self.workload if self.workload in ("sweep", "digits") else "ddp"
+        return self.workload if self.workload in ("sweep", "digits", "xgboost") else "ddp"
 
     @property
     def in_vms(self) -> bool:
@@ -107,19 +117,35 @@ class Settings:
     # of them, under TCG as much as holdout / (3 x batch) training steps.
     holdout: int
     sweep_max: int
+    # XGBoost's boosting rounds.
+    rounds: int
 
 
 QUICK = Settings(
-    reps_host=3, reps_vm=1, steps=60, batch=8, eval_every=10, holdout=150, sweep_max=4 << 20
+    reps_host=3,
+    reps_vm=1,
+    steps=60,
+    batch=8,
+    eval_every=10,
+    holdout=150,
+    sweep_max=4 << 20,
+    rounds=10,
 )
 FULL = Settings(
-    reps_host=5, reps_vm=3, steps=150, batch=8, eval_every=10, holdout=150, sweep_max=64 << 20
+    reps_host=5,
+    reps_vm=3,
+    steps=150,
+    batch=8,
+    eval_every=10,
+    holdout=150,
+    sweep_max=64 << 20,
+    rounds=20,
 )
 
 
 def tcp_of(workload: str) -> str:
     """The TCP transport a workload is compared with."""
-    return "tcp" if workload == "digits" else "gloo"
+    return "gloo" if workload.startswith("ddp") or workload == "projection" else "tcp"
 
 
 def matrix(quick: bool, places: list[str]) -> list[Cell]:
@@ -132,6 +158,8 @@ def matrix(quick: bool, places: list[str]) -> list[Cell]:
             for w in [*workloads, "digits"]:
                 cells += [Cell(w, place, t, n) for t in ("dmlc", tcp_of(w))]
             if place != "host":
+                # XGBoost's jobs meet at the launcher's tracker: VMs only.
+                cells += [Cell("xgboost", place, t, n) for t in ("dmlc", "tcp")]
                 cells.append(Cell("sweep", place, "all", n))
     cells.append(Cell("projection", "host", "dmlc", 2))
     return cells

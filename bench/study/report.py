@@ -178,6 +178,45 @@ def ddp_sections(doc: Doc) -> list[Section]:
     return out
 
 
+def xgboost_sections(doc: Doc) -> list[Section]:
+    out = []
+    for n in an.sizes_n(doc, "xgboost"):
+        sec = Section(f"XGBoost (hist, the digits data), N = {n}")
+        sec.add(
+            "`examples/xgboost/train.py` at the launcher's RabitTracker: the patched build "
+            "(xgboost-patches/) with its collectives through the device, and stock XGBoost "
+            "over TCP (virtio-net). Round: the median boosting round; exchange: XGBoost's own "
+            "monitor's estimate of the histogram allreduces' share of the tree updates (an "
+            "upper bound, docs/xgboost.md). Every rank must end with the same model."
+        )
+        rows = []
+        for place in an.places(doc):
+            for t in ("dmlc", "tcp"):
+                c = an.find(doc, "xgboost", place, t, n)
+                if not c:
+                    continue
+                run = c["runs"][0]
+                share = run.get("exchange_share_estimate")
+                rows.append(
+                    [
+                        where(place),
+                        "device (patched)" if t == "dmlc" else "TCP (stock)",
+                        ms(an.spread(c, "round_ms")),
+                        "-" if share is None else f"{100 * share:.1f}%",
+                        f"{an.spread(c, 'accuracy').median:.4f}",
+                        run["model_sha256"][:16],
+                    ]
+                )
+        sec.add(
+            Table(
+                ["where", "collectives", "round ms", "exchange (estimate)", "accuracy", "model"],
+                rows,
+            )
+        )
+        out.append(sec)
+    return out
+
+
 def _breakdown(title: str, bars: list[tuple[str, dict[str, float]]]) -> str:
     from . import plots  # noqa: PLC0415 (matplotlib only where plots are drawn)
 
@@ -195,8 +234,9 @@ def summary_section(doc: Doc) -> Section:
     sec = Section("The answers")
     sec.add(
         "Per workload, place and N. Emulation factor: a VM's compute over the host's "
-        "(same workload and N). Speedup: TCP's (gloo's) median over the device's, for "
-        "the whole step and for its exchange, in the same place. Exchange share: the "
+        "(same workload and N). Speedup: TCP's median over the device's (gloo for DDP, the "
+        "project's TCP communicator for digits, stock XGBoost for XGBoost), for the whole "
+        "step (an XGBoost round) and for its exchange, in the same place. Exchange share: the "
         f"device's exchange over its step. Time to {target:.0%}: seconds of training until "
         "the held-out accuracy reached it (device / TCP)."
     )
@@ -220,6 +260,23 @@ def summary_section(doc: Doc) -> Section:
                         ratio(an.speedup(doc, w, place, n, "exchange_ms")),
                         f"{100 * an.exchange_share(dev):.1f}%" if dev else "-",
                         " / ".join(times),
+                    ]
+                )
+    for n in an.sizes_n(doc, "xgboost"):
+        for place in an.places(doc):
+            dev = an.find(doc, "xgboost", place, "dmlc", n)
+            if dev:
+                share = dev["runs"][0].get("exchange_share_estimate")
+                rows.append(
+                    [
+                        "xgboost",
+                        str(n),
+                        where(place),
+                        "-",
+                        ratio(an.speedup(doc, "xgboost", place, n, "round_ms")),
+                        "-",
+                        "-" if share is None else f"{100 * share:.1f}% (estimate)",
+                        "-",
                     ]
                 )
     sec.add(
@@ -393,7 +450,8 @@ def projection_section(doc: Doc) -> Section | None:
 
 
 def sections(doc: Doc) -> list[Section]:
-    out = [summary_section(doc), setup_section(doc), *ddp_sections(doc), *sweep_sections(doc)]
+    out = [summary_section(doc), setup_section(doc), *ddp_sections(doc), *xgboost_sections(doc)]
+    out += sweep_sections(doc)
     out += [s for s in (scaling_section(doc), projection_section(doc)) if s]
     return out
 

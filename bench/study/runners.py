@@ -265,18 +265,70 @@ def digits_vms(cell: Cell, s: Settings, timeout: int) -> dict[str, Any]:
     return dict(result, job_s=round(took, 3), boot_s=_boot_seconds(p.stderr))
 
 
+XGBOOST = ROOT / "examples" / "xgboost" / "train.py"
+
+
+def xgboost_vms(cell: Cell, s: Settings, timeout: int, patched: str | None) -> dict[str, Any]:
+    """examples/xgboost/train.py (hist, the digits data set) in cell.n VMs
+    at the launcher's RabitTracker: stock XGBoost over TCP ("tcp"), or the
+    patched build through the device ("dmlc", `patched` its PYTHONPATH)."""
+    comm = "dmlc" if cell.transport == "dmlc" else "rabit"
+    argv = [str(XGBOOST), "--communicator", comm, "--rounds", str(s.rounds)]
+    argv += ["--monitor", "--json", "-"]
+    flags = [*vm_flags(cell), "--tracker", "rabit"]
+    transport = "device" if cell.transport == "dmlc" else "tcp"
+    env = None
+    if cell.transport == "dmlc":
+        if not patched:
+            raise CellFailedError(f"{cell.id}: the patched XGBoost is not built")
+        env = dict(torchjobs.job_env())
+        env["PYTHONPATH"] = f"{patched}:{env['PYTHONPATH']}"
+    p, took = torchjobs.submit(
+        cell.n, argv, transport=transport, timeout=timeout, flags=flags, env=env
+    )
+    if p.returncode:
+        raise CellFailedError(
+            f"{cell.id}: the launcher's exit status {p.returncode}\n"
+            f"{p.stdout[-2000:]}{p.stderr[-2000:]}"
+        )
+    lines = torchjobs.rank_lines(p.stdout)
+    models = {
+        x.split("model sha256 ", 1)[1] for r in lines.values() for x in r if "model sha256 " in x
+    }
+    docs = [
+        json.loads(x.removeprefix("json: ")) for x in lines.get(0, []) if x.startswith("json: ")
+    ]
+    if len(models) != 1 or sum("model sha256 " in x for r in lines.values() for x in r) != cell.n:
+        raise CellFailedError(f"{cell.id}: the ranks did not all end with one model: {models}")
+    if not docs:
+        raise CellFailedError(f"{cell.id}: rank 0 printed no results")
+    d = docs[0]
+    return {
+        "round_ms": d["round_median_ms"],
+        "exchange_share_estimate": d.get("exchange_share_estimate"),
+        "accuracy": d["accuracy"],
+        "model_sha256": models.pop(),
+        "job_s": round(took, 3),
+        "boot_s": _boot_seconds(p.stderr),
+    }
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
 
-def run_once(cell: Cell, s: Settings, port: int, cluster: Path) -> dict[str, Any]:
+def run_once(
+    cell: Cell, s: Settings, port: int, cluster: Path, xgboost_path: str | None
+) -> dict[str, Any]:
     """One repetition of `cell`."""
     if cell.workload == "projection":
         return ddp_host(cell, s, port, [f"--timing={cluster}"])
     if cell.workload == "sweep":
         return sweep_vms(cell, s, timeout=1800)
+    if cell.workload == "xgboost":
+        return xgboost_vms(cell, s, 1800, xgboost_path)
     if cell.workload == "digits":
         return digits_vms(cell, s, 1800) if cell.in_vms else digits_host(cell, s)
     if cell.in_vms:
