@@ -60,6 +60,7 @@ def accuracy_curves(
         ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=label)
     ax.axhline(target, color="grey", linestyle="--", linewidth=0.8)
     ax.set_xscale("symlog", linthresh=0.1)
+    ax.set_xlim(left=0)
     ax.set_xlabel("seconds of training (log scale)")
     ax.set_ylabel("held-out accuracy")
     ax.set_title(title)

@@ -316,8 +316,8 @@ def summary_section(doc: Doc) -> Section:
             )
     if sweep_rows:
         sec.add(
-            "One allreduce inside the VMs, smallest and largest size of the sweeps (below): the "
-            "device's time and how many times longer each other path takes."
+            "One allreduce inside the VMs, at the smallest and largest size of the report's "
+            "sweeps: the device's time and how many times longer each other path takes."
         )
         sec.add(
             Table(
@@ -329,7 +329,7 @@ def summary_section(doc: Doc) -> Section:
     err = an.projection_error(doc)
     if err:
         sec.add(
-            f"The projection to a target cluster (below) missed the step it could check by "
+            f"The report's projection to a target cluster missed the step it could check by "
             f"{100 * err[2]:.1f}% (measured {err[1].median:.2f} ms, projected "
             f"{err[0].step_ms:.2f} ms)."
         )
