@@ -462,8 +462,8 @@ def main() -> None:
         report.update_block(a.benchmarks_md, doc)
         log(f"updated {a.benchmarks_md}")
     note(
-        f"study: {len(todo)} cells in {wall / 60:.1f} min ({measured_s / 60:.1f} min measuring, "
-        f"the rest cached); report: {out / 'index.html'}"
+        f"{len(todo)} cells in {wall / 60:.1f} min ({measured_s / 60:.1f} min measuring; "
+        f"{sum(1 for r in results if r['cached'])} from the cache); report: {out / 'index.html'}"
     )
     with raw_log.open("a") as f:
         f.write(
