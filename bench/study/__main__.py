@@ -3,12 +3,15 @@ what the device buys over the network path, measured on this machine and
 written as one report (study/index.html, study/report.md, study/study.json).
 
 The matrix: PyTorch DDP (train.py's MLP; --full adds a 4.3M-parameter one)
-as host processes and in TCG VMs (KVM VMs too where /dev/kvm works), over
-the device and over TCP (gloo: loopback on the host, virtio-net between
-VMs), at N = 2 (--full: 2 and 4); an allreduce sweep over message sizes
-in the VMs (device, gloo, the project's TCP communicator); and a projection
-of the step to a target cluster, checked against one configuration
-measured with the backend's timing model.
+and the digits trainer (rabit-style API) as host processes and in x86_64
+TCG VMs (--full: also aarch64 and riscv64 TCG VMs on Debian's roots, and
+KVM VMs where a probe shows /dev/kvm works), over the device and over TCP
+(loopback on the host, virtio-net between VMs); XGBoost in the x86_64 VMs
+(the patched build through the device, stock over TCP); N = 2 (--full: 2
+and 4); an allreduce sweep over message sizes in the VMs (the device,
+gloo, the project's TCP communicator, Open MPI); and a projection of the
+step to a target cluster, checked against one configuration measured
+with the backend's timing model.
 
 Each cell is cached by its inputs (the settings and the programs it runs)
 under $DMLC_CACHE/study/cells, so a study that was interrupted resumes
@@ -38,6 +41,7 @@ from .runners import log
 
 CACHE = Path(os.environ.get("DMLC_CACHE", Path.home() / ".cache" / "virtio-dmlc")) / "study"
 DEFAULT_CLUSTER = cl.ROOT / "bench" / "study" / "cluster.toml"
+KNOWN_PLACES = ("host", "tcg-x86_64", "kvm-x86_64", "tcg-aarch64", "tcg-riscv64")
 # Rough seconds per repetition, for the first estimate of the time left
 # (replaced by what the study measures as it goes).
 GUESS_S = {"host": 15.0, "vm": 120.0, "sweep": 150.0}
@@ -60,8 +64,9 @@ def parse() -> argparse.Namespace:
     mode.add_argument(
         "--full",
         action="store_true",
-        help="also KVM where it works, N = 2 and 4, both DDP models, more repetitions and "
-        "steps, sweeps up to 64 MiB",
+        help="also aarch64 and riscv64 TCG VMs and KVM where it works, N = 2 and 4, both "
+        "DDP models, more repetitions and steps, sweeps up to 16 MiB (not yet run end to "
+        "end: several hours on 2 cores by docs/study.md's estimate)",
     )
     p.add_argument(
         "--out", type=Path, default=Path("study"), help="where the report goes [default: ./study]"
@@ -114,8 +119,9 @@ def parse() -> argparse.Namespace:
     p.add_argument(
         "--places",
         default="auto",
-        help="comma-separated: host, tcg-x86_64, "
-        "kvm-x86_64 [default: host and TCG, plus KVM where /dev/kvm works]",
+        help="comma-separated: host, tcg-x86_64, kvm-x86_64, tcg-aarch64, tcg-riscv64 "
+        "[default: host and tcg-x86_64; --full adds tcg-aarch64, tcg-riscv64 and, where "
+        "/dev/kvm works, kvm-x86_64]",
     )
     a = p.parse_args()
     if not 0 < a.target_accuracy <= 1:
@@ -253,6 +259,20 @@ def build_xgboost() -> tuple[str | None, str | None]:
     return path, None
 
 
+def build_foreign(arches: list[str]) -> None:
+    """The guest programs and Debian's root of each architecture (both
+    cached; a root's first build takes tens of minutes, its package scripts
+    running under qemu-user)."""
+    log(f"guest programs and Debian roots for {', '.join(arches)} (cached after the first build)")
+    subprocess.run([str(cl.ROOT / "tests" / "image" / "cross-build.sh"), *arches], check=True)
+    for arch in arches:
+        subprocess.run(
+            [str(cl.ROOT / "tests" / "image" / "build-rootfs.sh"), "--arch", arch],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+
+
 def build() -> None:
     """The release binaries, the C library and the digits data."""
     log("building the release binaries (cargo build --release) and fetching the digits data")
@@ -307,6 +327,14 @@ def main() -> None:
         return
     quick = not a.full
     settings = cl.QUICK if quick else cl.FULL
+    if a.places == "auto":
+        places = ["host", "tcg-x86_64"] + ([] if quick else ["tcg-aarch64", "tcg-riscv64"])
+    else:
+        places = [x for x in a.places.split(",") if x]
+        unknown = [x for x in places if x not in KNOWN_PLACES]
+        if unknown:
+            raise SystemExit(f"--places: unknown {unknown}; known: {', '.join(KNOWN_PLACES)}")
+    foreign = sorted({p.partition("-")[2] for p in places if p.startswith("tcg-")} - {"x86_64"})
     out.mkdir(parents=True, exist_ok=True)
     raw_log = out / "log.txt"
     raw_file = (
@@ -332,9 +360,9 @@ def main() -> None:
     build()
     absent = [
         "DDP over MPI (torch's wheels have no MPI backend: MPI appears in the allreduce "
-        "sweeps), LightGBM and guests of other architectures are not yet part of the "
-        "study; XGBoost runs in VMs only (its jobs meet at the launcher's tracker), so it "
-        "has no emulation factor (docs/study.md says what is next).",
+        "sweeps), and LightGBM, are not yet part of the study; XGBoost runs in x86_64 VMs "
+        "only (its jobs meet at the launcher's tracker; the patched build is this host's), "
+        "so it has no emulation factor (docs/study.md says what is next).",
     ]
     mpi_missing = build_mpi_bench()
     if mpi_missing:
@@ -342,25 +370,21 @@ def main() -> None:
     xgboost_path, xgboost_missing = build_xgboost()
     if xgboost_missing:
         absent.append(xgboost_missing)
+    if foreign:
+        build_foreign(foreign)
     build_s = time.monotonic() - started
     note(f"setup: builds and data took {build_s:.0f} s (not counted in the study's time)")
-    if a.places == "auto":
-        places = ["host", "tcg-x86_64"]
-        if quick:
-            absent.append("KVM: a --quick study runs TCG VMs only (--full probes KVM).")
+    if a.places == "auto" and not quick:
+        ok, why = kvm_usable()
+        if ok:
+            places.insert(2, "kvm-x86_64")
         else:
-            ok, why = kvm_usable()
-            if ok:
-                places.append("kvm-x86_64")
-            else:
-                absent.append(why + "; the KVM column is empty.")
-    else:
-        places = [x for x in a.places.split(",") if x]
-        unknown = [x for x in places if x not in ("host", "tcg-x86_64", "kvm-x86_64")]
-        if unknown:
-            raise SystemExit(
-                f"--places: unknown place(s) {unknown}; known: host, tcg-x86_64, kvm-x86_64"
-            )
+            absent.append(why + "; the KVM column is empty.")
+    elif a.places == "auto":
+        absent.append(
+            "KVM and guests of other architectures: a --quick study runs x86_64 TCG VMs only "
+            "(--full adds them)."
+        )
     try:
         model = tomllib.loads(a.cluster.read_text())["model"]
     except (OSError, KeyError, tomllib.TOMLDecodeError) as e:

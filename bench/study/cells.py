@@ -70,7 +70,8 @@ class Cell:
                or "projection" (ddp-mlp on the host with the backend's
                timing model, checked against the study's own projection)
     place:     "host" (processes, no emulation) or ACCEL-ARCH, e.g.
-               "tcg-x86_64" (one VM per rank)
+               "tcg-x86_64" (one VM per rank on this host's userland) or
+               "tcg-aarch64" (on Debian's root of that architecture)
     transport: "dmlc" (the device), or TCP (loopback on the host,
                virtio-net between VMs): "gloo" for DDP, "tcp" (the
                project's TCP communicator) for digits; "all" for a sweep
@@ -131,14 +132,15 @@ QUICK = Settings(
     sweep_max=4 << 20,
     rounds=10,
 )
+# Not yet run end to end: its cost is estimated in docs/study.md.
 FULL = Settings(
     reps_host=5,
-    reps_vm=3,
-    steps=150,
+    reps_vm=2,
+    steps=80,
     batch=8,
     eval_every=10,
     holdout=150,
-    sweep_max=64 << 20,
+    sweep_max=16 << 20,
     rounds=20,
 )
 
@@ -158,8 +160,10 @@ def matrix(quick: bool, places: list[str]) -> list[Cell]:
             for w in [*workloads, "digits"]:
                 cells += [Cell(w, place, t, n) for t in ("dmlc", tcp_of(w))]
             if place != "host":
-                # XGBoost's jobs meet at the launcher's tracker: VMs only.
-                cells += [Cell("xgboost", place, t, n) for t in ("dmlc", "tcp")]
+                # XGBoost's jobs meet at the launcher's tracker: VMs only;
+                # the patched build is this host's: x86_64 only.
+                if place.endswith("x86_64"):
+                    cells += [Cell("xgboost", place, t, n) for t in ("dmlc", "tcp")]
                 cells.append(Cell("sweep", place, "all", n))
     cells.append(Cell("projection", "host", "dmlc", 2))
     return cells

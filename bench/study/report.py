@@ -60,6 +60,9 @@ def where(place: str) -> str:
     if place == "host":
         return "host processes"
     accel, _, arch = place.partition("-")
+    if arch != "x86_64":
+        # Their own Debian root, whose torch is not this host's.
+        return f"{arch} VMs ({accel.upper()}, Debian's torch)"
     return f"{arch} VMs ({accel.upper()})"
 
 

@@ -93,15 +93,42 @@ def ddp_host(cell: Cell, s: Settings, port: int, backend_args: list[str]) -> dic
     return dict(rank0, job_s=round(took, 3))
 
 
+DATA = Path.home() / ".cache" / "virtio-dmlc" / "data" / "digits.csv.gz"
+# Where tests/image/cross-build.sh puts the guest programs of each
+# architecture (the launcher maps target/release/X there by itself).
+TRIPLES = {"aarch64": "aarch64-unknown-linux-gnu", "riscv64": "riscv64gc-unknown-linux-gnu"}
+
+
+def foreign(cell: Cell) -> bool:
+    """VMs of another instruction set than this host's."""
+    return cell.in_vms and cell.arch != "x86_64"
+
+
 def vm_flags(cell: Cell) -> list[str]:
-    return ["--accel", cell.accel]
+    flags = ["--accel", cell.accel]
+    if foreign(cell):
+        # Debian's root of that architecture (its python3 and torch 2.6),
+        # the repository and the data at their own paths. Under TCG the
+        # ranks finish `import torch` minutes apart: the backend waits for
+        # the first collective longer than its default 30 s.
+        flags += ["--arch", cell.arch, "--rootfs", "debian", "--bind", str(ROOT)]
+        flags += ["--bind", str(DATA.parent), "--backend-arg=--timeout-ms=900000"]
+    return flags
+
+
+def python_job(cell: Cell, argv: list[str]) -> tuple[list[str], bool]:
+    """A Python script's command in the VMs: this host's interpreter (the
+    VMs share its userland), or the foreign root's own python3; and
+    whether torchjobs.submit is to put this host's interpreter first."""
+    return (["python3", *argv], False) if foreign(cell) else (argv, True)
 
 
 def ddp_vms(cell: Cell, s: Settings, timeout: int) -> dict[str, Any]:
     """One job of train.py in cell.n VMs; rank 0's results."""
     transport = "device" if cell.transport == "dmlc" else "tcp"
+    argv, python = python_job(cell, train_argv(cell, s))
     p, took = torchjobs.submit(
-        cell.n, train_argv(cell, s), transport=transport, timeout=timeout, flags=vm_flags(cell)
+        cell.n, argv, transport=transport, timeout=timeout, flags=vm_flags(cell), python=python
     )
     results = [
         json.loads(line.removeprefix("json: "))
@@ -140,14 +167,21 @@ def sweep_vms(cell: Cell, s: Settings, timeout: int) -> dict[str, Any]:
     dma_mib = (2 * max(s.sweep_max, 64 << 20) + (16 << 20)) >> 20
     dma_mib += dma_mib % 2
     flags = [*vm_flags(cell), "--dma", f"{dma_mib}M"]
-    flags += ["--env", f"DMLC_GUEST_BIN={TARGET / 'dmlc-guest'}"]
+    guest = TARGET / "dmlc-guest"
+    if foreign(cell):
+        guest = ROOT / "target" / TRIPLES[cell.arch] / "release" / "dmlc-guest"
+    flags += ["--env", f"DMLC_GUEST_BIN={guest}"]
     paths = "device,gloo,tcp"
-    if MPI_BENCH.exists():
+    # Open MPI is this host's: VMs on its userland only.
+    if MPI_BENCH.exists() and not foreign(cell):
         flags += ["--env", f"DMLC_MPI_BENCH={MPI_BENCH}"]
         paths += ",mpi"
     argv = [str(P2P), "--opcode", "allreduce", "--maxbytes", str(s.sweep_max), "--paths", paths]
     argv += ["--repeat", str(s.reps_vm), "--iters", "10", "--warmup", "2"]
-    p, took = torchjobs.submit(cell.n, argv, transport="tcp", timeout=timeout, flags=flags)
+    argv, python = python_job(cell, argv)
+    p, took = torchjobs.submit(
+        cell.n, argv, transport="tcp", timeout=timeout, flags=flags, python=python
+    )
     lines = torchjobs.rank_lines(p.stdout).get(0, [])
     docs = [json.loads(x.removeprefix("p2p-json: ")) for x in lines if x.startswith("p2p-json: ")]
     if p.returncode or not docs:
@@ -175,12 +209,11 @@ def digits_argv(s: Settings, ranks: int) -> list[str]:
     """The digits trainer's MLP (the same 1.1M parameters as train.py's),
     through the rabit-style API; it checks every rank's weights against
     each other and against a one-process run itself."""
-    data = Path.home() / ".cache" / "virtio-dmlc" / "data" / "digits.csv.gz"
     # --batch counts the samples of all ranks together.
     return [
         str(DIGITS),
         "--data",
-        str(data),
+        str(DATA),
         "--model",
         "mlp",
         "--steps",
