@@ -25,18 +25,15 @@ import json
 import os
 import platform
 import shlex
-import shutil
-import subprocess
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import tomllib
 
 from . import cells as cl
-from . import report, runners
+from . import prepare, report, runners
 from .runners import log
 
 CACHE = Path(os.environ.get("DMLC_CACHE", Path.home() / ".cache" / "virtio-dmlc")) / "study"
@@ -131,164 +128,6 @@ def parse() -> argparse.Namespace:
     return a
 
 
-def kvm_usable() -> tuple[bool, str]:
-    """Whether KVM guests start here, probed with a time limit: nested KVM
-    hangs on some hosts."""
-    if not os.path.exists("/dev/kvm"):
-        return False, "KVM: this machine has no /dev/kvm (no hardware virtualisation offered)"
-    try:
-        fd = os.open("/dev/kvm", os.O_RDWR)
-        os.close(fd)
-    except OSError as e:
-        return False, f"KVM: /dev/kvm cannot be opened ({e.strerror})"
-    log("probing KVM: one VM that runs `true`, 45 s at most")
-    cmd = [
-        str(cl.TARGET / "dmlc-qemu"),
-        "submit",
-        "-n",
-        "1",
-        "--accel",
-        "kvm",
-        "--timeout",
-        "45",
-        "--",
-        "true",
-    ]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=75, check=False)
-    except subprocess.TimeoutExpired:
-        r = None
-    if r is None or r.returncode == 124:
-        return False, (
-            "KVM: /dev/kvm opens, but a 1-VM probe job that runs `true` did not end "
-            "in 45 s (nested KVM hangs on some hosts)"
-        )
-    if r.returncode:
-        last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"status {r.returncode}"
-        return False, f"KVM: a 1-VM probe job failed: {last}"
-    return True, ""
-
-
-def describe() -> str:
-    r = subprocess.run(
-        ["git", "describe", "--always", "--dirty", "--abbrev=12"],
-        cwd=cl.ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return r.stdout.strip() or "unknown"
-
-
-def machine() -> dict[str, Any]:
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.machine(),
-    )
-    mem = next(
-        int(line.split()[1])
-        for line in Path("/proc/meminfo").read_text().splitlines()
-        if line.startswith("MemTotal")
-    )
-    return {"cpus": os.cpu_count(), "cpu": cpu, "memory_gib": round(mem / 1048576)}
-
-
-def loadavg() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-
-
-def qemu_version() -> str:
-    binary = os.environ.get("DMLC_QEMU")
-    if not binary:
-        r = subprocess.run(
-            [str(cl.ROOT / "qemu-patches" / "build-qemu.sh"), "--env"],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        env = dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
-        binary = env.get("DMLC_QEMU")
-    if not binary:
-        return "QEMU: not built"
-    r = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False)
-    return r.stdout.splitlines()[0] if r.stdout else "QEMU: unknown version"
-
-
-def build_mpi_bench() -> str | None:
-    """bench/mpi_allreduce.c with mpicc, for the sweep's MPI path; None, or
-    why it is absent."""
-    mpicc = shutil.which("mpicc")
-    if not mpicc:
-        return (
-            "Open MPI: mpicc is not installed (apt-get install openmpi-bin "
-            "libopenmpi-dev), so the sweeps have no MPI path."
-        )
-    runners.MPI_BENCH.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        [
-            mpicc,
-            "-O2",
-            "-Wall",
-            "-o",
-            str(runners.MPI_BENCH),
-            str(cl.ROOT / "bench" / "mpi_allreduce.c"),
-        ],
-        check=True,
-    )
-    return None
-
-
-def build_xgboost() -> tuple[str | None, str | None]:
-    """The patched XGBoost (xgboost-patches/build-xgboost.sh: cached; about
-    10 minutes the first time): its PYTHONPATH, or None and why not."""
-    log("the patched XGBoost (xgboost-patches/build-xgboost.sh; cached after the first build)")
-    r = subprocess.run(
-        [str(cl.ROOT / "xgboost-patches" / "build-xgboost.sh"), "--env"],
-        stdout=subprocess.PIPE,
-        text=True,
-        check=False,
-    )
-    env = dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
-    path = env.get("DMLC_XGBOOST_PYTHONPATH")
-    if r.returncode or not path:
-        return None, "XGBoost: the patched build failed (xgboost-patches/build-xgboost.sh)."
-    return path, None
-
-
-def build_foreign(arches: list[str]) -> None:
-    """The guest programs and Debian's root of each architecture (both
-    cached; a root's first build takes tens of minutes, its package scripts
-    running under qemu-user)."""
-    log(f"guest programs and Debian roots for {', '.join(arches)} (cached after the first build)")
-    subprocess.run([str(cl.ROOT / "tests" / "image" / "cross-build.sh"), *arches], check=True)
-    for arch in arches:
-        subprocess.run(
-            [str(cl.ROOT / "tests" / "image" / "build-rootfs.sh"), "--arch", arch],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
-
-
-def build() -> None:
-    """The release binaries, the C library and the digits data."""
-    log("building the release binaries (cargo build --release) and fetching the digits data")
-    crates = ["dmlc-capi", "vhost-device-dmlc", "dmlc-qemu", "dmlc-guest", "dmlc-example-digits"]
-    subprocess.run(
-        ["cargo", "build", "--release", "-q", *(x for c in crates for x in ("-p", c))],
-        cwd=cl.ROOT,
-        check=True,
-    )
-    subprocess.run(
-        [str(cl.ROOT / "examples" / "digits" / "fetch-data.sh")],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-
-
 class Progress:
     """Cells done and the time left, estimated from what ran so far."""
 
@@ -341,14 +180,14 @@ def main() -> None:
         os.path.relpath(raw_log, cl.ROOT) if raw_log.is_relative_to(cl.ROOT) else str(raw_log)
     )
     started = time.monotonic()
-    load_before = loadavg()
-    commit = describe()
+    load_before = prepare.loadavg()
+    commit = prepare.describe()
     with raw_log.open("w") as f:
         # bench/record.sh's header: docs/check-figures.sh traces the
         # report's tables to this file.
         f.write(f"# raw output of: {command}\n# commit: {commit}\n")
         f.write(f"# date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n")
-        m = machine()
+        m = prepare.machine()
         f.write(f"# machine: {m['cpus']} CPUs, {m['cpu']}, {m['memory_gib']} GiB\n")
         f.write(f"# load average before: {load_before}\n\n")
 
@@ -357,25 +196,25 @@ def main() -> None:
         with raw_log.open("a") as f:
             f.write(msg + "\n")
 
-    build()
+    prepare.build()
     absent = [
         "DDP over MPI (torch's wheels have no MPI backend: MPI appears in the allreduce "
         "sweeps), and LightGBM, are not yet part of the study; XGBoost runs in x86_64 VMs "
         "only (its jobs meet at the launcher's tracker; the patched build is this host's), "
         "so it has no emulation factor (docs/study.md says what is next).",
     ]
-    mpi_missing = build_mpi_bench()
+    mpi_missing = prepare.build_mpi_bench()
     if mpi_missing:
         absent.append(mpi_missing)
-    xgboost_path, xgboost_missing = build_xgboost()
+    xgboost_path, xgboost_missing = prepare.build_xgboost()
     if xgboost_missing:
         absent.append(xgboost_missing)
     if foreign:
-        build_foreign(foreign)
+        prepare.build_foreign(foreign)
     build_s = time.monotonic() - started
     note(f"setup: builds and data took {build_s:.0f} s (not counted in the study's time)")
     if a.places == "auto" and not quick:
-        ok, why = kvm_usable()
+        ok, why = prepare.kvm_usable()
         if ok:
             places.insert(2, "kvm-x86_64")
         else:
@@ -458,10 +297,10 @@ def main() -> None:
             "commit": commit,
             "raw_file": raw_file,
             "quick": quick,
-            "machine": machine(),
+            "machine": prepare.machine(),
             "load_before": load_before,
-            "load_after": loadavg(),
-            "qemu": qemu_version(),
+            "load_after": prepare.loadavg(),
+            "qemu": prepare.qemu_version(),
             "python": platform.python_version(),
             "torch": torch.__version__,
             "settings": asdict(settings),
@@ -492,7 +331,7 @@ def main() -> None:
     with raw_log.open("a") as f:
         f.write(
             f"\n# exit status: 0; wall time: {wall + build_s:.0f} s; "
-            f"load average after: {loadavg()}\n"
+            f"load average after: {prepare.loadavg()}\n"
         )
 
 

@@ -1,0 +1,175 @@
+"""What a study needs before its cells run, and what it records about the
+machine: the builds (release binaries, the MPI benchmark, the patched
+XGBoost, other architectures' guest programs and roots), the KVM probe,
+the commit, the CPU, the load and the QEMU version."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from . import cells as cl
+from . import runners
+from .runners import log
+
+
+def kvm_usable() -> tuple[bool, str]:
+    """Whether KVM guests start here, probed with a time limit: nested KVM
+    hangs on some hosts."""
+    if not os.path.exists("/dev/kvm"):
+        return False, "KVM: this machine has no /dev/kvm (no hardware virtualisation offered)"
+    try:
+        fd = os.open("/dev/kvm", os.O_RDWR)
+        os.close(fd)
+    except OSError as e:
+        return False, f"KVM: /dev/kvm cannot be opened ({e.strerror})"
+    log("probing KVM: one VM that runs `true`, 45 s at most")
+    cmd = [
+        str(cl.TARGET / "dmlc-qemu"),
+        "submit",
+        "-n",
+        "1",
+        "--accel",
+        "kvm",
+        "--timeout",
+        "45",
+        "--",
+        "true",
+    ]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=75, check=False)
+    except subprocess.TimeoutExpired:
+        r = None
+    if r is None or r.returncode == 124:
+        return False, (
+            "KVM: /dev/kvm opens, but a 1-VM probe job that runs `true` did not end "
+            "in 45 s (nested KVM hangs on some hosts)"
+        )
+    if r.returncode:
+        last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"status {r.returncode}"
+        return False, f"KVM: a 1-VM probe job failed: {last}"
+    return True, ""
+
+
+def describe() -> str:
+    r = subprocess.run(
+        ["git", "describe", "--always", "--dirty", "--abbrev=12"],
+        cwd=cl.ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return r.stdout.strip() or "unknown"
+
+
+def machine() -> dict[str, Any]:
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.machine(),
+    )
+    mem = next(
+        int(line.split()[1])
+        for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.startswith("MemTotal")
+    )
+    return {"cpus": os.cpu_count(), "cpu": cpu, "memory_gib": round(mem / 1048576)}
+
+
+def loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def qemu_version() -> str:
+    binary = os.environ.get("DMLC_QEMU")
+    if not binary:
+        r = subprocess.run(
+            [str(cl.ROOT / "qemu-patches" / "build-qemu.sh"), "--env"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        env = dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
+        binary = env.get("DMLC_QEMU")
+    if not binary:
+        return "QEMU: not built"
+    r = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False)
+    return r.stdout.splitlines()[0] if r.stdout else "QEMU: unknown version"
+
+
+def build_mpi_bench() -> str | None:
+    """bench/mpi_allreduce.c with mpicc, for the sweep's MPI path; None, or
+    why it is absent."""
+    mpicc = shutil.which("mpicc")
+    if not mpicc:
+        return (
+            "Open MPI: mpicc is not installed (apt-get install openmpi-bin "
+            "libopenmpi-dev), so the sweeps have no MPI path."
+        )
+    runners.MPI_BENCH.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [
+            mpicc,
+            "-O2",
+            "-Wall",
+            "-o",
+            str(runners.MPI_BENCH),
+            str(cl.ROOT / "bench" / "mpi_allreduce.c"),
+        ],
+        check=True,
+    )
+    return None
+
+
+def build_xgboost() -> tuple[str | None, str | None]:
+    """The patched XGBoost (xgboost-patches/build-xgboost.sh: cached; about
+    10 minutes the first time): its PYTHONPATH, or None and why not."""
+    log("the patched XGBoost (xgboost-patches/build-xgboost.sh; cached after the first build)")
+    r = subprocess.run(
+        [str(cl.ROOT / "xgboost-patches" / "build-xgboost.sh"), "--env"],
+        stdout=subprocess.PIPE,
+        text=True,
+        check=False,
+    )
+    env = dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
+    path = env.get("DMLC_XGBOOST_PYTHONPATH")
+    if r.returncode or not path:
+        return None, "XGBoost: the patched build failed (xgboost-patches/build-xgboost.sh)."
+    return path, None
+
+
+def build_foreign(arches: list[str]) -> None:
+    """The guest programs and Debian's root of each architecture (both
+    cached; a root's first build takes tens of minutes, its package scripts
+    running under qemu-user)."""
+    log(f"guest programs and Debian roots for {', '.join(arches)} (cached after the first build)")
+    subprocess.run([str(cl.ROOT / "tests" / "image" / "cross-build.sh"), *arches], check=True)
+    for arch in arches:
+        subprocess.run(
+            [str(cl.ROOT / "tests" / "image" / "build-rootfs.sh"), "--arch", arch],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+
+
+def build() -> None:
+    """The release binaries, the C library and the digits data."""
+    log("building the release binaries (cargo build --release) and fetching the digits data")
+    crates = ["dmlc-capi", "vhost-device-dmlc", "dmlc-qemu", "dmlc-guest", "dmlc-example-digits"]
+    subprocess.run(
+        ["cargo", "build", "--release", "-q", *(x for c in crates for x in ("-p", c))],
+        cwd=cl.ROOT,
+        check=True,
+    )
+    subprocess.run(
+        [str(cl.ROOT / "examples" / "digits" / "fetch-data.sh")],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
