@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import analysis as an
+from . import plots
 from .analysis import Doc, Spread
 from .cells import tcp_of
 
@@ -162,14 +163,16 @@ def ddp_sections(doc: Doc) -> list[Section]:
             )
             key = f"{w}-n{n}"
             sec.add(
-                Plot(f"breakdown-{key}", "Where a step's time goes", _breakdown(sec.title, bars))
+                Plot(
+                    f"breakdown-{key}", "Where a step's time goes", plots.breakdown(sec.title, bars)
+                )
             )
             if curves:
                 sec.add(
                     Plot(
                         f"accuracy-{key}",
                         "Held-out accuracy against training time (first repetition)",
-                        _curves(sec.title, curves, target),
+                        plots.accuracy_curves(sec.title, curves, target),
                     )
                 )
             else:
@@ -218,18 +221,6 @@ def xgboost_sections(doc: Doc) -> list[Section]:
         )
         out.append(sec)
     return out
-
-
-def _breakdown(title: str, bars: list[tuple[str, dict[str, float]]]) -> str:
-    from . import plots  # noqa: PLC0415 (matplotlib only where plots are drawn)
-
-    return plots.breakdown(title, bars)
-
-
-def _curves(title: str, curves: list[tuple[str, list[tuple[float, float]]]], target: float) -> str:
-    from . import plots  # noqa: PLC0415
-
-    return plots.accuracy_curves(title, curves, target)
 
 
 def summary_section(doc: Doc) -> Section:
@@ -340,8 +331,6 @@ def summary_section(doc: Doc) -> Section:
 
 
 def sweep_sections(doc: Doc) -> list[Section]:
-    from . import plots  # noqa: PLC0415
-
     out = []
     for c in an.cells(doc, "sweep"):
         spec = c["spec"]
@@ -387,8 +376,6 @@ def sweep_sections(doc: Doc) -> list[Section]:
 
 
 def scaling_section(doc: Doc) -> Section | None:
-    from . import plots  # noqa: PLC0415
-
     lines: dict[str, list[tuple[int, float]]] = {}
     for w in an.ddp_workloads(doc):
         if len(an.sizes_n(doc, w)) < 2:
