@@ -61,9 +61,10 @@ def parse() -> argparse.Namespace:
     mode.add_argument(
         "--full",
         action="store_true",
-        help="also aarch64 and riscv64 TCG VMs and KVM where it works, N = 2 and 4, both "
-        "DDP models, more repetitions and steps, sweeps up to 16 MiB (not yet run end to "
-        "end: several hours on 2 cores by docs/study.md's estimate)",
+        help="also N = 4 (x86_64), the 4.3M-parameter DDP model (N = 2), aarch64 and "
+        "riscv64 TCG VMs (N = 2) and KVM where it works; more host repetitions and steps, "
+        "sweeps up to 16 MiB (about 1.5 hours on 2 cores by docs/study.md's estimate; not "
+        "yet run end to end)",
     )
     p.add_argument(
         "--out", type=Path, default=Path("study"), help="where the report goes [default: ./study]"
