@@ -4,8 +4,11 @@ they print, and the raw record it keeps (one dict per repetition).
 Every DDP run must end with the same parameters on every rank (each rank
 prints its own sha256); on the host, every run is also replayed in one
 process without any collective (train.py --reference), which the device's
-result must match: a check not computed by the thing it checks. The sweep
-checks every value it receives (bench/guest-p2p.py and dmlc-guest bench).
+result must match: a check not computed by the thing it checks. The digits
+trainer checks its ranks against each other and against a one-process run
+itself (its PASS lines are required); XGBoost's ranks must end with one
+model; the sweep checks every value it receives (bench/guest-p2p.py,
+dmlc-guest bench, bench/mpi_allreduce.c).
 """
 
 from __future__ import annotations
