@@ -29,6 +29,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import tomllib
 
@@ -127,6 +128,16 @@ def parse() -> argparse.Namespace:
     if a.speed <= 0:
         p.error("--speed must be positive")
     return a
+
+
+def cached(path: Path) -> dict[str, Any] | None:
+    """A finished cell's record, or None (none, or unreadable: measured
+    again)."""
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) and rec.get("runs") else None
 
 
 class Progress:
@@ -243,7 +254,7 @@ def main() -> None:
     todo = [(c, runners.repetitions(c, settings)) for c in chosen]
     if a.list:
         for c, reps in todo:
-            hit = cl.cache_path(CACHE, c, settings).exists()
+            hit = cached(cl.cache_path(CACHE, c, settings)) is not None
             print(f"{c.id:40} {reps} rep(s)  {'cached' if hit else 'to measure'}")
         return
     progress = Progress(todo)
@@ -251,8 +262,8 @@ def main() -> None:
     results = []
     for i, (cell, reps) in enumerate(todo):
         path = cl.cache_path(CACHE, cell, settings)
-        if path.exists() and not a.fresh:
-            rec = json.loads(path.read_text())
+        rec = None if a.fresh else cached(path)
+        if rec is not None:
             rec["cached"] = True
             note(f"[{i + 1}/{len(todo)}] {cell.id}: cached ({path.name})")
             results.append(rec)
@@ -287,7 +298,11 @@ def main() -> None:
         }
         measured_s += rec["seconds"]
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(rec))
+        # Whole or not at all: a study killed while writing leaves no half
+        # file for the next one to trip on.
+        part = path.with_suffix(".part")
+        part.write_text(json.dumps(rec))
+        part.replace(path)
         results.append(dict(rec, cached=False))
     wall = time.monotonic() - started - build_s
     import torch  # noqa: PLC0415 (only for its version)

@@ -120,3 +120,14 @@ def test_the_page_draws_every_plot_in_headless_chromium(tmp_path: Path) -> None:
     plots, drawn = browser.plots_drawn(tmp_path / "index.html")
     assert plots == len(svgs), "the page holds another number of plots than were drawn"
     assert drawn == plots, f"only {drawn} of {plots} plots were laid out and drawn"
+
+
+def test_a_half_written_cell_is_measured_again(tmp_path: Path) -> None:
+    from study.__main__ import cached
+
+    path = tmp_path / "cell.json"
+    assert cached(path) is None
+    path.write_text('{"id": "ddp-mlp/host/dmlc/n2", "runs": [{"step_ms": 1')
+    assert cached(path) is None
+    path.write_text('{"id": "ddp-mlp/host/dmlc/n2", "runs": [{"step_ms": 1.0}]}')
+    assert cached(path) == {"id": "ddp-mlp/host/dmlc/n2", "runs": [{"step_ms": 1.0}]}
