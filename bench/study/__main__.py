@@ -186,6 +186,14 @@ def main() -> None:
         if unknown:
             raise SystemExit(f"--places: unknown {unknown}; known: {', '.join(KNOWN_PLACES)}")
     foreign = sorted({p.partition("-")[2] for p in places if p.startswith("tcg-")} - {"x86_64"})
+    if a.list:
+        # Before any build or file: the cells as the matrix has them (KVM's
+        # only once its probe passed, XGBoost's even if its build would fail).
+        for c in cl.select(cl.matrix(quick, places), a.only):
+            hit = cached(cl.cache_path(CACHE, c, settings)) is not None
+            reps = runners.repetitions(c, settings)
+            print(f"{c.id:40} {reps} rep(s)  {'cached' if hit else 'to measure'}")
+        return
     out.mkdir(parents=True, exist_ok=True)
     raw_log = out / "log.txt"
     raw_file = (
@@ -252,11 +260,6 @@ def main() -> None:
         matrix = [c for c in matrix if c.workload != "xgboost"]
     chosen = cl.select(matrix, a.only)
     todo = [(c, runners.repetitions(c, settings)) for c in chosen]
-    if a.list:
-        for c, reps in todo:
-            hit = cached(cl.cache_path(CACHE, c, settings)) is not None
-            print(f"{c.id:40} {reps} rep(s)  {'cached' if hit else 'to measure'}")
-        return
     progress = Progress(todo)
     measured_s = 0.0
     results = []
