@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -89,19 +89,22 @@ def run_host(
     capture: bool = True,
     timeout: float = 600,
     backend_args: Sequence[str] = (),
+    python: bool = True,
+    extra_env: Mapping[str, str] | None = None,
 ) -> tuple[list[int], list[str]]:
-    """`python3 argv` in `ranks` local processes (RANK, WORLD_SIZE,
-    DMLC_SOCKET=tmp/d.sockR, MASTER_PORT=port for gloo), over a daemon of
-    its own (with `backend_args`) for backend "dmlc"; each rank's exit
-    status and, with `capture`, its output (stdout and stderr)."""
-    env = dict(job_env(), MASTER_PORT=str(port))
+    """`python3 argv` (with `python` false, `argv` itself) in `ranks` local
+    processes (RANK, WORLD_SIZE, DMLC_SOCKET=tmp/d.sockR, MASTER_PORT=port
+    for gloo, and `extra_env`), over a daemon of its own (with
+    `backend_args`) for backend "dmlc"; each rank's exit status and, with
+    `capture`, its output (stdout and stderr)."""
+    env = dict(job_env(), MASTER_PORT=str(port), **(extra_env or {}))
     out = subprocess.PIPE if capture else subprocess.DEVNULL
     err = subprocess.STDOUT if capture else None
 
     def start() -> tuple[list[int], list[str]]:
         procs = [
             subprocess.Popen(
-                [sys.executable, *argv],
+                [*([sys.executable] * python), *argv],
                 env=dict(env, RANK=str(r), WORLD_SIZE=str(ranks), DMLC_SOCKET=f"{tmp}/d.sock{r}"),
                 stdout=out,
                 stderr=err,

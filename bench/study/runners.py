@@ -14,10 +14,8 @@ dmlc-guest bench, bench/mpi_allreduce.c).
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -245,36 +243,21 @@ def digits_result(what: str, out: str, ranks: int) -> dict[str, Any]:
     }
 
 
-def digits_host(cell: Cell, s: Settings) -> dict[str, Any]:
+def digits_host(cell: Cell, s: Settings, port: int) -> dict[str, Any]:
     """The trainer as cell.n local processes: over a daemon of its own
     (device), or over loopback TCP (`DMLC_TRANSPORT=tcp`)."""
+    env = {}
+    if cell.transport != "dmlc":
+        peers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(cell.n))
+        env = {"DMLC_TRANSPORT": "tcp", "DMLC_TCP_PEERS": peers}
     with tempfile.TemporaryDirectory(prefix="dmlc-study-") as tmp:
-
-        def start(env: dict[str, str]) -> list[subprocess.Popen[str]]:
-            return [
-                subprocess.Popen(
-                    digits_argv(s, cell.n),
-                    env=dict(os.environ, DMLC_TASK_ID=str(r), DMLC_NUM_WORKER=str(cell.n), **env)
-                    | {"DMLC_SOCKET": f"{tmp}/d.sock{r}"},
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                )
-                for r in range(cell.n)
-            ]
-
         t = time.monotonic()
-        if cell.transport == "dmlc":
-            with torchjobs.daemon(tmp, cell.n):
-                procs = start({})
-                outs = [p.communicate(timeout=600)[0] for p in procs]
-        else:
-            peers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(cell.n))
-            procs = start({"DMLC_TRANSPORT": "tcp", "DMLC_TCP_PEERS": peers})
-            outs = [p.communicate(timeout=600)[0] for p in procs]
+        codes, outs = torchjobs.run_host(
+            digits_argv(s, cell.n), cell.transport, cell.n, port, tmp, python=False, extra_env=env
+        )
         took = time.monotonic() - t
-    if any(p.returncode for p in procs):
-        raise CellFailedError(f"{cell.id}: exit statuses {[p.returncode for p in procs]}")
+    if any(codes):
+        raise CellFailedError(f"{cell.id}: exit statuses {codes}")
     digits_result(cell.id, "".join(outs), cell.n)
     return dict(digits_result(cell.id, outs[0], 1), job_s=round(took, 3))
 
@@ -366,7 +349,7 @@ def run_once(
     if cell.workload == "xgboost":
         return xgboost_vms(cell, s, 1800, xgboost_path)
     if cell.workload == "digits":
-        return digits_vms(cell, s, 1800) if cell.in_vms else digits_host(cell, s)
+        return digits_vms(cell, s, 1800) if cell.in_vms else digits_host(cell, s, port)
     if cell.in_vms:
         return ddp_vms(cell, s, timeout=1800)
     return ddp_host(cell, s, port, [])
