@@ -127,7 +127,7 @@ py_cargo_target=${DMLC_CACHE:-$HOME/.cache/virtio-dmlc}/python/cargo-target
 CARGO_TARGET_DIR=$py_cargo_target \
   "$venv/bin/pip" install --disable-pip-version-check -q --no-deps --force-reinstall ./python
 py_files=(python bench/study bench/rsh-agent.py bench/arch-tcg.py bench/torch-ddp.py bench/torch-parallel.py bench/torchjobs.py bench/tcg-cpu.py bench/guest-allreduce.py bench/guest-p2p.py bench/p2p-vms.py
-  examples/torch examples/xgboost
+  examples/torch examples/xgboost examples/lightgbm examples/sklearn_data.py
   launcher/src/rabit_tracker.py launcher/tests/test_rabit_tracker.py)
 "$venv/bin/ruff" check --config python/pyproject.toml "${py_files[@]}"
 "$venv/bin/ruff" format --check --config python/pyproject.toml "${py_files[@]}"

@@ -7,7 +7,9 @@ and the digits trainer (rabit-style API) as host processes and in x86_64
 TCG VMs (--full: also aarch64 and riscv64 TCG VMs on Debian's roots, and
 KVM VMs where a probe shows /dev/kvm works), over the device and over TCP
 (loopback on the host, virtio-net between VMs); XGBoost in the x86_64 VMs
-(the patched build through the device, stock over TCP); N = 2 (--full: 2
+(the patched build through the device, stock over TCP); LightGBM as host
+processes and in the x86_64 VMs (its network hook through the device, its
+own socket network over TCP); N = 2 (--full: 2
 and 4); an allreduce sweep over message sizes in the VMs (the device,
 gloo, the project's TCP communicator, Open MPI); and a projection of the
 step to a target cluster, checked against one configuration measured

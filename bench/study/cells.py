@@ -38,11 +38,21 @@ INPUTS = {
     ],
     "xgboost": [
         "examples/xgboost/train.py",
+        "examples/sklearn_data.py",
         "target/release/libdmlc_guest.so",
         "target/release/vhost-device-dmlc",
         "target/release/dmlc-qemu",
         "xgboost-patches/build-xgboost.sh",
         "xgboost-patches/0001-coll-Collectives-through-a-virtio-dmlc-device-dmlc_c.patch",
+    ],
+    "lightgbm": [
+        "examples/lightgbm/train.py",
+        "examples/sklearn_data.py",
+        "python/src/dmlc/lightgbm.py",
+        "python/src/dmlc/device.py",
+        "target/release/libdmlc_guest.so",
+        "target/release/vhost-device-dmlc",
+        "target/release/dmlc-qemu",
     ],
     "sweep": [
         "bench/guest-p2p.py",
@@ -65,6 +75,9 @@ class Cell:
                the rabit-style API, examples/digits),
                "xgboost" (examples/xgboost/train.py, hist, in VMs: the
                patched build through the device, stock over TCP),
+               "lightgbm" (examples/lightgbm/train.py, data-parallel trees:
+               LightGBM's network hook through the device, its own socket
+               network over TCP),
                "sweep" (allreduce over message sizes, every path in one job:
                the device, gloo, our TCP communicator, Open MPI)
                or "projection" (ddp-mlp on the host with the backend's
@@ -74,7 +87,8 @@ class Cell:
                "tcg-aarch64" (on Debian's root of that architecture)
     transport: "dmlc" (the device), or TCP (loopback on the host,
                virtio-net between VMs): "gloo" for DDP, "tcp" (the
-               project's TCP communicator) for digits; "all" for a sweep
+               project's TCP communicator) for digits, stock XGBoost's
+               rabit and LightGBM's socket network ("tcp"); "all" for a sweep
     n:         ranks
     """
 
@@ -89,7 +103,8 @@ class Cell:
 
     @property
     def family(self) -> str:
-        return self.workload if self.workload in ("sweep", "digits", "xgboost") else "ddp"
+        own = ("sweep", "digits", "xgboost", "lightgbm")
+        return self.workload if self.workload in own else "ddp"
 
     @property
     def in_vms(self) -> bool:
@@ -118,7 +133,7 @@ class Settings:
     # of them, under TCG as much as holdout / (3 x batch) training steps.
     holdout: int
     sweep_max: int
-    # XGBoost's boosting rounds.
+    # XGBoost's and LightGBM's boosting rounds.
     rounds: int
 
 
@@ -168,6 +183,9 @@ def matrix(quick: bool, places: list[str]) -> list[Cell]:
         for place in where:
             for w in ["ddp-mlp", *(["ddp-wide"] * wide), "digits"]:
                 cells += [Cell(w, place, t, n) for t in ("dmlc", tcp_of(w))]
+            if place == "host" or place.endswith("x86_64"):
+                # LightGBM is a wheel of this host's: x86_64 only.
+                cells += [Cell("lightgbm", place, t, n) for t in ("dmlc", "tcp")]
             if place != "host":
                 # XGBoost's jobs meet at the launcher's tracker: VMs only;
                 # the patched build is this host's: x86_64 only.

@@ -223,14 +223,54 @@ def xgboost_sections(doc: Doc) -> list[Section]:
     return out
 
 
+def lightgbm_sections(doc: Doc) -> list[Section]:
+    out = []
+    for n in an.sizes_n(doc, "lightgbm"):
+        sec = Section(f"LightGBM (data-parallel trees, the digits data), N = {n}")
+        sec.add(
+            "`examples/lightgbm/train.py`: LightGBM's network hook "
+            "(`LGBM_NetworkInitWithFunctions`) with its reduce-scatter and allgather through "
+            "the device (`dmlc.lightgbm`, no patch to LightGBM), against LightGBM's own socket "
+            "network over TCP. Round: the median boosting round. Exchange: the time in the "
+            "device's collectives, measured around them (LightGBM keeps no such account of "
+            "its socket network). Every rank must end with the same trees; at N = 2 the two "
+            "networks give the same trees bit for bit (python/tests/test_lightgbm.py)."
+        )
+        rows = []
+        for place in an.places(doc):
+            for t in ("dmlc", "tcp"):
+                c = an.find(doc, "lightgbm", place, t, n)
+                if not c:
+                    continue
+                run = c["runs"][0]
+                exchange = "-"
+                if run.get("exchange_ms") is not None:
+                    share = an.spread(c, "exchange_ms").median / an.spread(c, "round_ms").median
+                    exchange = f"{ms(an.spread(c, 'exchange_ms'))} ({100 * share:.1f}%)"
+                rows.append(
+                    [
+                        where(place),
+                        "device (hook)" if t == "dmlc" else "TCP (LightGBM's sockets)",
+                        ms(an.spread(c, "round_ms")),
+                        exchange,
+                        f"{an.spread(c, 'accuracy').median:.4f}",
+                        run["model_sha256"][:16],
+                    ]
+                )
+        sec.add(Table(["where", "network", "round ms", "exchange ms", "accuracy", "trees"], rows))
+        out.append(sec)
+    return out
+
+
 def summary_section(doc: Doc) -> Section:
     target = float(doc["meta"]["target_accuracy"])
     sec = Section("The answers")
     sec.add(
         "Per workload, place and N. Emulation factor: a VM's compute over the host's "
         "(same workload and N). Speedup: TCP's median over the device's (gloo for DDP, the "
-        "project's TCP communicator for digits, stock XGBoost for XGBoost), for the whole "
-        "step (an XGBoost round) and for its exchange, in the same place. Exchange share: the "
+        "project's TCP communicator for digits, stock XGBoost for XGBoost, LightGBM's own "
+        "socket network for LightGBM), for the whole step (a boosting round) and for its "
+        "exchange, in the same place. Exchange share: the "
         f"device's exchange over its step. Time to {target:.0%}: seconds of training until "
         "the held-out accuracy reached it (device / TCP)."
     )
@@ -270,6 +310,24 @@ def summary_section(doc: Doc) -> Section:
                         ratio(an.speedup(doc, "xgboost", place, n, "round_ms")),
                         "-",
                         "-" if share is None else f"{100 * share:.1f}% (estimate)",
+                        "-",
+                    ]
+                )
+    for n in an.sizes_n(doc, "lightgbm"):
+        for place in an.places(doc):
+            dev = an.find(doc, "lightgbm", place, "dmlc", n)
+            if dev:
+                share = an.spread(dev, "exchange_ms").median / an.spread(dev, "round_ms").median
+                emu = an.emulation_factor(doc, "lightgbm", place, n) if place != "host" else None
+                rows.append(
+                    [
+                        "lightgbm",
+                        str(n),
+                        where(place),
+                        ratio(emu),
+                        ratio(an.speedup(doc, "lightgbm", place, n, "round_ms")),
+                        "-",
+                        f"{100 * share:.1f}%",
                         "-",
                     ]
                 )
@@ -440,7 +498,13 @@ def projection_section(doc: Doc) -> Section | None:
 
 
 def sections(doc: Doc) -> list[Section]:
-    out = [summary_section(doc), setup_section(doc), *ddp_sections(doc), *xgboost_sections(doc)]
+    out = [
+        summary_section(doc),
+        setup_section(doc),
+        *ddp_sections(doc),
+        *xgboost_sections(doc),
+        *lightgbm_sections(doc),
+    ]
     out += sweep_sections(doc)
     out += [s for s in (scaling_section(doc), projection_section(doc)) if s]
     return out

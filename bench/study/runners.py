@@ -6,9 +6,10 @@ prints its own sha256); on the host, every run is also replayed in one
 process without any collective (train.py --reference), which the device's
 result must match: a check not computed by the thing it checks. The digits
 trainer checks its ranks against each other and against a one-process run
-itself (its PASS lines are required); XGBoost's ranks must end with one
-model; the sweep checks every value it receives (bench/guest-p2p.py,
-dmlc-guest bench, bench/mpi_allreduce.c).
+itself (its PASS lines are required); XGBoost's and LightGBM's ranks must
+end with one model (python/tests/test_lightgbm.py checks that the device's
+trees equal LightGBM's own socket network's); the sweep checks every value
+it receives (bench/guest-p2p.py, dmlc-guest bench, bench/mpi_allreduce.c).
 """
 
 from __future__ import annotations
@@ -332,6 +333,73 @@ def xgboost_vms(cell: Cell, s: Settings, timeout: int, patched: str | None) -> d
     }
 
 
+LIGHTGBM = ROOT / "examples" / "lightgbm" / "train.py"
+
+
+def lightgbm_argv(cell: Cell, s: Settings) -> list[str]:
+    network = "dmlc" if cell.transport == "dmlc" else "socket"
+    return [str(LIGHTGBM), "--network", network, "--rounds", str(s.rounds), "--json", "-"]
+
+
+def lightgbm_result(cell: Cell, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0's round times, and what the device's collectives took; fails
+    unless every rank ended with the same trees."""
+    if len(results) != cell.n or len({r["model_sha256"] for r in results}) != 1:
+        raise CellFailedError(f"{cell.id}: the ranks did not all end with one model: {results}")
+    r = next(x for x in results if x["rank"] == 0)
+    out = {
+        "round_ms": r["round_median_ms"],
+        "accuracy": r["accuracy"],
+        "model_sha256": r["model_sha256"],
+        "train_s": r["train_s"],
+    }
+    if r.get("exchange_s") is not None:
+        # Measured around the device's collectives: per round, and the rest.
+        out["exchange_ms"] = round(1e3 * r["exchange_s"] / _rounds(r), 3)
+        out["compute_ms"] = round(1e3 * (r["train_s"] - r["exchange_s"]) / _rounds(r), 3)
+        out["exchange_calls"] = r["exchange_calls"]
+    return out
+
+
+def _rounds(r: dict[str, Any]) -> int:
+    return max(1, len(r["round_ms"]))
+
+
+def lightgbm_host(cell: Cell, s: Settings, port: int) -> dict[str, Any]:
+    """examples/lightgbm/train.py as cell.n local processes: through a
+    daemon of its own, or LightGBM's socket network on loopback."""
+    env = {}
+    if cell.transport != "dmlc":
+        env = {"DMLC_TCP_PEERS": ",".join(f"127.0.0.1:{free_port()}" for _ in range(cell.n))}
+    with tempfile.TemporaryDirectory(prefix="dmlc-study-") as tmp:
+        t = time.monotonic()
+        codes, outs = torchjobs.run_host(
+            lightgbm_argv(cell, s), cell.transport, cell.n, port, tmp, extra_env=env
+        )
+        took = time.monotonic() - t
+    if any(codes):
+        tail = "".join(o[-1500:] for o in outs)
+        raise CellFailedError(f"{cell.id}: exit statuses {codes}\n{tail}")
+    return dict(lightgbm_result(cell, _json_lines(outs)), job_s=round(took, 3))
+
+
+def lightgbm_vms(cell: Cell, s: Settings, timeout: int) -> dict[str, Any]:
+    """examples/lightgbm/train.py in cell.n VMs on the host's userland."""
+    transport = "device" if cell.transport == "dmlc" else "tcp"
+    p, took = torchjobs.submit(
+        cell.n, lightgbm_argv(cell, s), transport=transport, timeout=timeout, flags=vm_flags(cell)
+    )
+    if p.returncode:
+        raise CellFailedError(
+            f"{cell.id}: the launcher's exit status {p.returncode}\n"
+            f"{p.stdout[-2000:]}{p.stderr[-2000:]}"
+        )
+    lines = torchjobs.rank_lines(p.stdout)
+    results = _json_lines(["\n".join(x) for x in lines.values()])
+    result = lightgbm_result(cell, results)
+    return dict(result, job_s=round(took, 3), boot_s=_boot_seconds(p.stderr))
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -342,17 +410,17 @@ def run_once(
     cell: Cell, s: Settings, port: int, cluster: Path, xgboost_path: str | None
 ) -> dict[str, Any]:
     """One repetition of `cell`."""
-    if cell.workload == "projection":
-        return ddp_host(cell, s, port, [f"--timing={cluster}"])
-    if cell.workload == "sweep":
-        return sweep_vms(cell, s, timeout=1800)
-    if cell.workload == "xgboost":
-        return xgboost_vms(cell, s, 1800, xgboost_path)
-    if cell.workload == "digits":
-        return digits_vms(cell, s, 1800) if cell.in_vms else digits_host(cell, s, port)
-    if cell.in_vms:
-        return ddp_vms(cell, s, timeout=1800)
-    return ddp_host(cell, s, port, [])
+    vms = cell.in_vms
+    runs: dict[str, Any] = {
+        "projection": lambda: ddp_host(cell, s, port, [f"--timing={cluster}"]),
+        "sweep": lambda: sweep_vms(cell, s, timeout=1800),
+        "xgboost": lambda: xgboost_vms(cell, s, 1800, xgboost_path),
+        "lightgbm": lambda: lightgbm_vms(cell, s, 1800) if vms else lightgbm_host(cell, s, port),
+        "digits": lambda: digits_vms(cell, s, 1800) if vms else digits_host(cell, s, port),
+    }
+    if cell.workload in runs:
+        return dict(runs[cell.workload]())
+    return ddp_vms(cell, s, timeout=1800) if vms else ddp_host(cell, s, port, [])
 
 
 def repetitions(cell: Cell, s: Settings) -> int:

@@ -34,9 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import gzip
 import hashlib
-import importlib.machinery
 import io
 import json
 import os
@@ -55,33 +53,16 @@ import numpy as np
 # and all) takes minutes. So it is hidden from xgboost, and the data set is
 # read from the file that scikit-learn's wheel ships.
 sys.modules.setdefault("sklearn", None)  # type: ignore[arg-type]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import xgboost as xgb  # noqa: E402
+from sklearn_data import NAMES, load, split  # noqa: E402
 from xgboost import collective  # noqa: E402
 
 
 def env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return default if value is None else int(value)
-
-
-def load(name: str) -> tuple[np.ndarray, np.ndarray, int]:
-    """Features, labels and the number of classes of a data set that
-    scikit-learn's wheel ships (what sklearn.datasets.load_digits and
-    load_breast_cancer read), without importing scikit-learn."""
-    # PathFinder looks on sys.path, past the hidden module.
-    spec = importlib.machinery.PathFinder.find_spec("sklearn")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("scikit-learn is not installed: its wheel ships the data set")
-    data = Path(spec.submodule_search_locations[0]) / "datasets" / "data"
-    if name == "digits":
-        with gzip.open(data / "digits.csv.gz", "rt") as f:
-            rows = np.loadtxt(f, delimiter=",", dtype=np.float32)
-    else:
-        # The first line holds the shape and the class names.
-        rows = np.loadtxt(data / "breast_cancer.csv", delimiter=",", skiprows=1, dtype=np.float32)
-    x, y = rows[:, :-1], rows[:, -1]
-    return x, y, len(np.unique(y))
 
 
 @contextlib.contextmanager
@@ -161,7 +142,7 @@ def main() -> None:
         "virtio-dmlc device, which needs XGBoost built by xgboost-patches/build-xgboost.sh "
         "on PYTHONPATH (the bootstrap still uses the tracker)",
     )
-    p.add_argument("--data", choices=["digits", "breast_cancer"], default="digits")
+    p.add_argument("--data", choices=NAMES, default="digits")
     p.add_argument("--rounds", type=int, default=20, help="boosting rounds")
     p.add_argument("--depth", type=int, default=6, help="max_depth of every tree")
     p.add_argument("--bins", type=int, default=256, help="max_bin of the hist method")
@@ -181,10 +162,7 @@ def main() -> None:
     world = env_int("DMLC_NUM_WORKER", 1)
     t0 = time.perf_counter()
     x, y, classes = load(a.data)
-    order = np.random.default_rng(a.seed).permutation(len(y))
-    n_test = len(y) // 5
-    test, train = order[:n_test], order[n_test:]
-    mine = train[rank::world]
+    test, mine, n_train = split(len(y), a.seed, rank, world)
     dtrain = xgb.DMatrix(x[mine], label=y[mine])
     dtest = xgb.DMatrix(x[test], label=y[test])
     params: dict[str, Any] = {
@@ -243,7 +221,7 @@ def main() -> None:
     if rank == 0:
         print(
             f"xgboost {xgb.__version__} {a.communicator}: {world} ranks, {a.data} "
-            f"({len(train)} training rows, {len(mine)} on rank 0, {x.shape[1]} features, "
+            f"({n_train} training rows, {len(mine)} on rank 0, {x.shape[1]} features, "
             f"{classes} classes), {a.rounds} rounds, round median {round_ms:.1f} ms "
             f"(min {min(timer.times) * 1e3:.1f}, max {max(timer.times) * 1e3:.1f}), "
             f"setup {setup_s:.1f} s, accuracy {accuracy:.4f}"

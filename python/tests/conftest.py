@@ -153,3 +153,19 @@ def checks_passed(results: list[subprocess.CompletedProcess[str]]) -> list[int]:
         assert line, f"rank {r} printed no count:\n{res.stdout}{res.stderr}"
         counts.append(int(line[-1].split(": ")[1]))
     return counts
+
+
+def run_ranks(tmp: Path, ranks: int, argv: list[str], timeout: float = 120) -> list[str]:
+    """`argv` (after the Python interpreter) in `ranks` processes over a
+    fresh backend; each rank's output, after checking its exit status."""
+    b = start_backend(tmp, ranks, "--timeout-ms", "20000")
+    try:
+        results = b.run(" ".join(argv), timeout=timeout, argv=argv)
+    finally:
+        b.proc.terminate()
+        b.proc.wait(10)
+    for r, res in enumerate(results):
+        assert res.returncode == 0, (
+            f"{argv}: rank {r} exited {res.returncode}:\n{res.stdout}{res.stderr}"
+        )
+    return [res.stdout for res in results]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, checks_passed, need, start_backend, under_ci
+from conftest import REPO, checks_passed, need, run_ranks, under_ci
 
 EXAMPLES = REPO / "examples" / "torch"
 ERROR = re.compile(r"^rank (\d+): max \|params - single process\| (\S+) \(tolerance (\S+): ok\)$")
@@ -43,22 +43,6 @@ def digits() -> Path:
             pytest.fail(f"fetch-data.sh failed under CI:\n{got.stderr}")
         pytest.skip(f"the digits data could not be fetched:\n{got.stderr}")
     return Path(got.stdout.strip())
-
-
-def run_ranks(tmp: Path, ranks: int, argv: list[str], timeout: float = 120) -> list[str]:
-    """`argv` (after the Python interpreter) in `ranks` processes over a
-    fresh backend; each rank's output, after checking its exit status."""
-    b = start_backend(tmp, ranks, "--timeout-ms", "20000")
-    try:
-        results = b.run(" ".join(argv), timeout=timeout, argv=argv)
-    finally:
-        b.proc.terminate()
-        b.proc.wait(10)
-    for r, res in enumerate(results):
-        assert res.returncode == 0, (
-            f"{argv}: rank {r} exited {res.returncode}:\n{res.stdout}{res.stderr}"
-        )
-    return [res.stdout for res in results]
 
 
 @pytest.mark.parametrize(
