@@ -221,10 +221,9 @@ def main() -> None:
     prepare.build()
     absent = [
         "DDP over MPI (torch's wheels have no MPI backend: MPI appears in the allreduce "
-        "sweeps) is not part of the study; XGBoost runs in x86_64 VMs only (its jobs meet "
-        "at the launcher's tracker; the patched build is this host's), so it has no emulation "
-        "factor; XGBoost and LightGBM are this host's x86_64 builds, so no other architecture "
-        "runs them (docs/study.md says what is next).",
+        "sweeps) is not part of the study; XGBoost (the patched build too) and LightGBM are "
+        "this host's x86_64 wheels, so the other architectures do not run them "
+        "(docs/study.md says what is next).",
     ]
     mpi_missing = prepare.build_mpi_bench()
     if mpi_missing:

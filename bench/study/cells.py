@@ -73,8 +73,8 @@ class Cell:
                same MLP 2048 wide: 4.3M parameters, a 17 MB gradient),
                "digits" (the digits trainer's MLP of 1.1M parameters over
                the rabit-style API, examples/digits),
-               "xgboost" (examples/xgboost/train.py, hist, in VMs: the
-               patched build through the device, stock over TCP),
+               "xgboost" (examples/xgboost/train.py, hist: the patched
+               build through the device, stock over TCP),
                "lightgbm" (examples/lightgbm/train.py, data-parallel trees:
                LightGBM's network hook through the device, its own socket
                network over TCP),
@@ -184,13 +184,11 @@ def matrix(quick: bool, places: list[str]) -> list[Cell]:
             for w in ["ddp-mlp", *(["ddp-wide"] * wide), "digits"]:
                 cells += [Cell(w, place, t, n) for t in ("dmlc", tcp_of(w))]
             if place == "host" or place.endswith("x86_64"):
-                # LightGBM is a wheel of this host's: x86_64 only.
-                cells += [Cell("lightgbm", place, t, n) for t in ("dmlc", "tcp")]
+                # XGBoost (the patched build too) and LightGBM are this
+                # host's wheels: x86_64 only.
+                for w in ("xgboost", "lightgbm"):
+                    cells += [Cell(w, place, t, n) for t in ("dmlc", "tcp")]
             if place != "host":
-                # XGBoost's jobs meet at the launcher's tracker: VMs only;
-                # the patched build is this host's: x86_64 only.
-                if place.endswith("x86_64"):
-                    cells += [Cell("xgboost", place, t, n) for t in ("dmlc", "tcp")]
                 cells.append(Cell("sweep", place, "all", n))
     cells.append(Cell("projection", "host", "dmlc", 2))
     return cells

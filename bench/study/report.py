@@ -189,7 +189,7 @@ def xgboost_sections(doc: Doc) -> list[Section]:
     for n in an.sizes_n(doc, "xgboost"):
         sec = Section(f"XGBoost (hist, the digits data), N = {n}")
         sec.add(
-            "`examples/xgboost/train.py` at the launcher's RabitTracker: the patched build "
+            "`examples/xgboost/train.py` at a RabitTracker: the patched build "
             "(xgboost-patches/) with its collectives through the device, and stock XGBoost "
             "over TCP (virtio-net). Round: the median boosting round; exchange: XGBoost's own "
             "monitor's estimate of the histogram allreduces' share of the tree updates (an "
@@ -301,12 +301,13 @@ def summary_section(doc: Doc) -> Section:
             dev = an.find(doc, "xgboost", place, "dmlc", n)
             if dev:
                 share = dev["runs"][0].get("exchange_share_estimate")
+                emu = an.emulation_factor(doc, "xgboost", place, n) if place != "host" else None
                 rows.append(
                     [
                         "xgboost",
                         str(n),
                         where(place),
-                        "-",
+                        ratio(emu) + (" (estimate)" if emu else ""),
                         ratio(an.speedup(doc, "xgboost", place, n, "round_ms")),
                         "-",
                         "-" if share is None else f"{100 * share:.1f}% (estimate)",

@@ -288,30 +288,24 @@ def digits_vms(cell: Cell, s: Settings, timeout: int) -> dict[str, Any]:
 XGBOOST = ROOT / "examples" / "xgboost" / "train.py"
 
 
-def xgboost_vms(cell: Cell, s: Settings, timeout: int, patched: str | None) -> dict[str, Any]:
-    """examples/xgboost/train.py (hist, the digits data set) in cell.n VMs
-    at the launcher's RabitTracker: stock XGBoost over TCP ("tcp"), or the
-    patched build through the device ("dmlc", `patched` its PYTHONPATH)."""
+def xgboost_argv(cell: Cell, s: Settings) -> list[str]:
     comm = "dmlc" if cell.transport == "dmlc" else "rabit"
     argv = [str(XGBOOST), "--communicator", comm, "--rounds", str(s.rounds)]
-    argv += ["--monitor", "--json", "-"]
-    flags = [*vm_flags(cell), "--tracker", "rabit"]
-    transport = "device" if cell.transport == "dmlc" else "tcp"
-    env = None
-    if cell.transport == "dmlc":
-        if not patched:
-            raise CellFailedError(f"{cell.id}: the patched XGBoost is not built")
-        env = dict(torchjobs.job_env())
-        env["PYTHONPATH"] = f"{patched}:{env['PYTHONPATH']}"
-    p, took = torchjobs.submit(
-        cell.n, argv, transport=transport, timeout=timeout, flags=flags, env=env
-    )
-    if p.returncode:
-        raise CellFailedError(
-            f"{cell.id}: the launcher's exit status {p.returncode}\n"
-            f"{p.stdout[-2000:]}{p.stderr[-2000:]}"
-        )
-    lines = torchjobs.rank_lines(p.stdout)
+    return [*argv, "--monitor", "--json", "-"]
+
+
+def xgboost_pythonpath(cell: Cell, patched: str | None) -> str:
+    """The ranks' PYTHONPATH: the patched build first for the device."""
+    base = torchjobs.job_env()["PYTHONPATH"]
+    if cell.transport != "dmlc":
+        return base
+    if not patched:
+        raise CellFailedError(f"{cell.id}: the patched XGBoost is not built")
+    return f"{patched}:{base}"
+
+
+def xgboost_result(cell: Cell, lines: dict[int, list[str]]) -> dict[str, Any]:
+    """Rank 0's results; fails unless every rank ended with one model."""
     models = {
         x.split("model sha256 ", 1)[1] for r in lines.values() for x in r if "model sha256 " in x
     }
@@ -323,14 +317,63 @@ def xgboost_vms(cell: Cell, s: Settings, timeout: int, patched: str | None) -> d
     if not docs:
         raise CellFailedError(f"{cell.id}: rank 0 printed no results")
     d = docs[0]
+    share = d.get("exchange_share_estimate")
     return {
         "round_ms": d["round_median_ms"],
-        "exchange_share_estimate": d.get("exchange_share_estimate"),
+        "exchange_share_estimate": share,
+        # XGBoost's monitor's estimate of the rest of a round (the
+        # estimate's exchange is an upper bound, so this a lower one).
+        "compute_ms": None if share is None else round(d["round_median_ms"] * (1 - share), 3),
         "accuracy": d["accuracy"],
         "model_sha256": models.pop(),
-        "job_s": round(took, 3),
-        "boot_s": _boot_seconds(p.stderr),
     }
+
+
+def xgboost_vms(cell: Cell, s: Settings, timeout: int, patched: str | None) -> dict[str, Any]:
+    """examples/xgboost/train.py (hist, the digits data set) in cell.n VMs
+    at the launcher's RabitTracker: stock XGBoost over TCP ("tcp"), or the
+    patched build through the device ("dmlc", `patched` its PYTHONPATH)."""
+    flags = [*vm_flags(cell), "--tracker", "rabit"]
+    transport = "device" if cell.transport == "dmlc" else "tcp"
+    env = dict(torchjobs.job_env(), PYTHONPATH=xgboost_pythonpath(cell, patched))
+    p, took = torchjobs.submit(
+        cell.n, xgboost_argv(cell, s), transport=transport, timeout=timeout, flags=flags, env=env
+    )
+    if p.returncode:
+        raise CellFailedError(
+            f"{cell.id}: the launcher's exit status {p.returncode}\n"
+            f"{p.stdout[-2000:]}{p.stderr[-2000:]}"
+        )
+    result = xgboost_result(cell, torchjobs.rank_lines(p.stdout))
+    return dict(result, job_s=round(took, 3), boot_s=_boot_seconds(p.stderr))
+
+
+def xgboost_host(cell: Cell, s: Settings, port: int, patched: str | None) -> dict[str, Any]:
+    """The same as cell.n local processes at a RabitTracker of this
+    process's (stock XGBoost's own): over a daemon of its own for the
+    patched build, over loopback TCP for stock XGBoost."""
+    from xgboost.tracker import RabitTracker  # noqa: PLC0415 (only these cells need it)
+
+    tracker = RabitTracker(n_workers=cell.n, host_ip="127.0.0.1", sortby="task")
+    tracker.start()
+    args = tracker.worker_args()
+    env = {
+        "PYTHONPATH": xgboost_pythonpath(cell, patched),
+        "DMLC_TRACKER_URI": str(args["dmlc_tracker_uri"]),
+        "DMLC_TRACKER_PORT": str(args["dmlc_tracker_port"]),
+    }
+    with tempfile.TemporaryDirectory(prefix="dmlc-study-") as tmp:
+        t = time.monotonic()
+        codes, outs = torchjobs.run_host(
+            xgboost_argv(cell, s), cell.transport, cell.n, port, tmp, extra_env=env
+        )
+        took = time.monotonic() - t
+    tracker.wait_for(timeout=30)
+    if any(codes):
+        tail = "".join(o[-1500:] for o in outs)
+        raise CellFailedError(f"{cell.id}: exit statuses {codes}\n{tail}")
+    lines = {r: out.splitlines() for r, out in enumerate(outs)}
+    return dict(xgboost_result(cell, lines), job_s=round(took, 3))
 
 
 LIGHTGBM = ROOT / "examples" / "lightgbm" / "train.py"
@@ -414,7 +457,11 @@ def run_once(
     runs: dict[str, Any] = {
         "projection": lambda: ddp_host(cell, s, port, [f"--timing={cluster}"]),
         "sweep": lambda: sweep_vms(cell, s, timeout=1800),
-        "xgboost": lambda: xgboost_vms(cell, s, 1800, xgboost_path),
+        "xgboost": lambda: (
+            xgboost_vms(cell, s, 1800, xgboost_path)
+            if vms
+            else xgboost_host(cell, s, port, xgboost_path)
+        ),
         "lightgbm": lambda: lightgbm_vms(cell, s, 1800) if vms else lightgbm_host(cell, s, port),
         "digits": lambda: digits_vms(cell, s, 1800) if vms else digits_host(cell, s, port),
     }

@@ -10,7 +10,8 @@ DMLC_LIBRARY (docs/xgboost.md): its collectives go through the device.
 
 The ranks meet at a DMLC tracker, the way dmlc-submit starts a job: every
 worker reads DMLC_TASK_ID, DMLC_NUM_WORKER, DMLC_TRACKER_URI and
-DMLC_TRACKER_PORT and hands them to xgboost.collective.CommunicatorContext.
+DMLC_TRACKER_PORT and hands them to xgboost.collective.CommunicatorContext
+(without the first two, RANK and WORLD_SIZE: processes on one host).
 Without DMLC_TRACKER_URI it trains alone. Every rank uses the same seed for
 the train/test split and the booster, trains on its own shard of the
 training rows (rows rank, rank + N, ...), and XGBoost's collectives (the
@@ -66,7 +67,7 @@ def env_int(name: str, default: int) -> int:
 
 
 @contextlib.contextmanager
-def communicator(kind: str, world: int) -> Iterator[None]:
+def communicator(kind: str, rank: int, world: int) -> Iterator[None]:
     """XGBoost's communicator from the DMLC tracker environment."""
     env = os.environ
     if "DMLC_TRACKER_URI" not in env:
@@ -82,7 +83,7 @@ def communicator(kind: str, world: int) -> Iterator[None]:
         "dmlc_tracker_uri": env["DMLC_TRACKER_URI"],
         "dmlc_tracker_port": int(env["DMLC_TRACKER_PORT"]),
         # The tracker sorts by task: rank = DMLC_TASK_ID.
-        "dmlc_task_id": env.get("DMLC_TASK_ID", "0"),
+        "dmlc_task_id": str(rank),
     }
     with collective.CommunicatorContext(**args):
         yield
@@ -158,8 +159,9 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="also write the results here ('-': print them)")
     a = p.parse_args()
 
-    rank = env_int("DMLC_TASK_ID", 0)
-    world = env_int("DMLC_NUM_WORKER", 1)
+    # The launcher's names, or torchrun's.
+    rank = env_int("DMLC_TASK_ID", env_int("RANK", 0))
+    world = env_int("DMLC_NUM_WORKER", env_int("WORLD_SIZE", 1))
     t0 = time.perf_counter()
     x, y, classes = load(a.data)
     test, mine, n_train = split(len(y), a.seed, rank, world)
@@ -178,7 +180,7 @@ def main() -> None:
     else:
         params |= {"objective": "binary:logistic"}
     timer = RoundTimer()
-    with communicator(a.communicator, world):
+    with communicator(a.communicator, rank, world):
         joined = collective.get_world_size() if "DMLC_TRACKER_URI" in os.environ else 1
         if joined != world:
             raise SystemExit(f"rank {rank}: the tracker made a group of {joined}, not {world}")
