@@ -14,7 +14,8 @@
 #
 # Installs, when missing (as root): the rustup target and Debian's cross C
 # compiler of each architecture (gcc-aarch64-linux-gnu, gcc-riscv64-linux-gnu;
-# .cargo/config.toml names them as the linkers). The programs link against the
+# .cargo/config.toml names them as the linkers) and its C library
+# (libc6-dev-arm64-cross, libc6-dev-riscv64-cross). The programs link against the
 # cross toolchain's glibc (bookworm's 2.36), which the guests' runtime (the
 # image's libc6, or the Debian rootfs) matches or outdates.
 #
@@ -52,13 +53,17 @@ out=${CARGO_TARGET_DIR:-$repo/target}
 
 for arch in "${arches[@]}"; do
     case "$arch" in
-    aarch64) triple=aarch64-unknown-linux-gnu gcc_pkg=gcc-aarch64-linux-gnu ;;
-    riscv64) triple=riscv64gc-unknown-linux-gnu gcc_pkg=gcc-riscv64-linux-gnu ;;
+    aarch64) triple=aarch64-unknown-linux-gnu gcc_pkg=gcc-aarch64-linux-gnu libc_pkg=libc6-dev-arm64-cross ;;
+    riscv64) triple=riscv64gc-unknown-linux-gnu gcc_pkg=gcc-riscv64-linux-gnu libc_pkg=libc6-dev-riscv64-cross ;;
     x86_64) die "x86_64 is the host: cargo build --release builds its programs" ;;
     *) die "unknown architecture '$arch' (known: aarch64, riscv64)" ;;
     esac
-    # The cross linker (a missing one is installed, or named in the error).
-    ensure_packages "$gcc_pkg"
+    # The cross linker and the C library it links against (a missing one is
+    # installed, or named in the error). The gcc package only recommends the
+    # library, and ensure_packages installs no recommends: on a machine where
+    # the compiler came first (the kernel module's build needs only it) a link
+    # failed for want of Scrt1.o and crti.o.
+    ensure_packages "$gcc_pkg" "$libc_pkg"
     if ! rustup target list --installed 2>/dev/null | grep -qx "$triple"; then
         log "rustup target add $triple"
         rustup target add "$triple" >&2 || die "rustup target add $triple failed"
