@@ -368,7 +368,12 @@ def xgboost_host(cell: Cell, s: Settings, port: int, patched: str | None) -> dic
             xgboost_argv(cell, s), cell.transport, cell.n, port, tmp, extra_env=env
         )
         took = time.monotonic() - t
-    tracker.wait_for(timeout=30)
+    try:
+        # Done once every worker has said goodbye; failed workers may not.
+        tracker.wait_for(timeout=5 if any(codes) else 60)
+    except Exception as e:  # xgboost raises its own error type
+        if not any(codes):
+            raise CellFailedError(f"{cell.id}: the RabitTracker did not finish: {e}") from e
     if any(codes):
         tail = "".join(o[-1500:] for o in outs)
         raise CellFailedError(f"{cell.id}: exit statuses {codes}\n{tail}")
