@@ -64,6 +64,9 @@ summary() {
   printf '%s\n' "${durations[@]}"
 }
 trap summary EXIT
+# A stopped run is not a passed one (without these the summary said "passed").
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 need_cmd() { command -v "$1" >/dev/null 2>&1; }
 # shellcheck source=tests/lib/import-env.sh
