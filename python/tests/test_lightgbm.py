@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, checks_passed, need, run_ranks, start_backend
+from conftest import REPO, Backend, checks_passed, need, run_ranks
 
 TRAIN = REPO / "examples" / "lightgbm" / "train.py"
 
@@ -106,23 +106,13 @@ def test_lightgbm_through_the_device_matches_its_socket_network(ranks: int, tmp_
         assert device[0]["accuracy"] == socket[0]["accuracy"]
 
 
-def test_reduce_scatter_and_allgather_through_their_c_signatures(tmp_path: Path) -> None:
-    b = start_backend(tmp_path, 3, "--timeout-ms", "20000")
-    try:
-        results = b.run("lightgbm functions", argv=[__file__, "functions"])
-    finally:
-        b.proc.terminate()
-        b.proc.wait(10)
-    assert checks_passed(results) == [2, 2, 2]
+def test_reduce_scatter_and_allgather_through_their_c_signatures(backend: Backend) -> None:
+    results = backend.run("lightgbm functions", argv=[__file__, "functions"])
+    assert checks_passed(results) == [2] * backend.ranks
 
 
-def test_blocks_for_another_group_size_end_the_process_naming_it(tmp_path: Path) -> None:
-    b = start_backend(tmp_path, 2, "--timeout-ms", "5000")
-    try:
-        results = b.run("lightgbm wrong size", argv=[__file__, "wrong-size"])
-    finally:
-        b.proc.terminate()
-        b.proc.wait(10)
+def test_blocks_for_another_group_size_end_the_process_naming_it(backend2: Backend) -> None:
+    results = backend2.run("lightgbm wrong size", argv=[__file__, "wrong-size"])
     for r, res in enumerate(results):
         assert res.returncode == 1, f"rank {r}: {res.returncode}\n{res.stdout}{res.stderr}"
         assert "num_machines must be the group's size" in res.stderr, res.stderr
