@@ -270,7 +270,16 @@ def main() -> None:
         rec = None if a.fresh else cached(path)
         if rec is not None:
             rec["cached"] = True
-            note(f"[{i + 1}/{len(todo)}] {cell.id}: cached ({path.name})")
+            when = rec.get("measured", {})
+            note(
+                f"[{i + 1}/{len(todo)}] {cell.id}: cached ({path.name}, measured at commit "
+                f"{when.get('commit', 'unrecorded')} on {when.get('date', 'an unrecorded date')})"
+            )
+            # The cached runs' raw lines too, so that this log holds every
+            # number of the report.
+            with raw_log.open("a") as f:
+                for run in rec["runs"]:
+                    f.write("raw: " + json.dumps({"cell": cell.id, "run": run}) + "\n")
             results.append(rec)
             continue
         runs = []
@@ -299,6 +308,8 @@ def main() -> None:
             "spec": asdict(cell),
             "key": cl.key(cell, settings),
             "seconds": round(time.monotonic() - t_cell, 1),
+            # Where and when, for a later study that takes it from the cache.
+            "measured": {"commit": commit, "date": time.strftime("%Y-%m-%d", time.gmtime())},
             "runs": runs,
         }
         measured_s += rec["seconds"]

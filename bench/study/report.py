@@ -7,6 +7,7 @@ the same sections, and every number in them from analysis.py.
 from __future__ import annotations
 
 import html
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,6 +85,17 @@ def setup_section(doc: Doc) -> Section:
         f"({ran} measured in this run, the others taken from the cache of an earlier one "
         "with the same inputs)."
     )
+    earlier = Counter(
+        "commit `{commit}` on {date}".format(**c["measured"]) if "measured" in c else "unrecorded"
+        for c in doc["cells"]
+        if c.get("cached")
+    )
+    if earlier:
+        sec.add(
+            "Cells from the cache, by the commit that measured them: "
+            + "; ".join(f"{n} at {where}" for where, n in sorted(earlier.items()))
+            + "."
+        )
     sec.add(
         f"Machine: {m['machine']['cpus']} CPUs ({m['machine']['cpu']}), "
         f"{m['machine']['memory_gib']} GiB; load average {m['load_before']} before and "
