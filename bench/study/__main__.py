@@ -9,9 +9,10 @@ KVM VMs where a probe shows /dev/kvm works), over the device and over TCP
 (loopback on the host, virtio-net between VMs); XGBoost in the x86_64 VMs
 (the patched build through the device, stock over TCP); LightGBM as host
 processes and in the x86_64 VMs (its network hook through the device, its
-own socket network over TCP); N = 2 (--full: 2
-and 4); an allreduce sweep over message sizes in the VMs (the device,
-gloo, the project's TCP communicator, Open MPI); and a projection of the
+own socket network over TCP); N = 2 (--full: 2 and 4); an allreduce
+sweep over message sizes in the VMs (the device, gloo, the project's TCP
+communicator, Open MPI: this host's in x86_64 VMs, Debian's root's in the
+others); and a projection of the
 step to a target cluster, checked against one configuration measured
 with the backend's timing model.
 
@@ -64,10 +65,9 @@ def parse() -> argparse.Namespace:
     mode.add_argument(
         "--full",
         action="store_true",
-        help="also N = 4 (x86_64), the 4.3M-parameter DDP model (N = 2), aarch64 and "
-        "riscv64 TCG VMs (N = 2) and KVM where it works; more host repetitions and steps, "
-        "sweeps up to 16 MiB (about 1.5 hours on 2 cores by docs/study.md's estimate; not "
-        "yet run end to end)",
+        help="also N = 4, the 4.3M-parameter DDP model (N = 2), LightGBM, aarch64 and "
+        "riscv64 TCG VMs and KVM where it works; more host repetitions and steps, "
+        "sweeps up to 16 MiB (about 2 hours on 2 cores, docs/study.md)",
     )
     p.add_argument(
         "--out", type=Path, default=Path("study"), help="where the report goes [default: ./study]"

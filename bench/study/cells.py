@@ -18,6 +18,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET = ROOT / "target" / "release"
+# Where tests/image/cross-build.sh puts the guest programs of each other
+# architecture (the launcher maps target/release/X there by itself).
+TRIPLES = {"aarch64": "aarch64-unknown-linux-gnu", "riscv64": "riscv64gc-unknown-linux-gnu"}
+# The programs a guest runs, built for its architecture.
+GUEST_PROGRAMS = ("libdmlc_guest.so", "dmlc-train-digits", "dmlc-guest")
+
+
+def mpi_bench(arch: str) -> Path:
+    """bench/mpi_allreduce.c built for `arch` by the study's setup: with
+    this host's mpicc, or for another architecture with its cross compiler
+    against Open MPI in Debian's root of that architecture."""
+    study = ROOT / "target" / "study"
+    return study / "mpi_allreduce" if arch == "x86_64" else study / arch / "mpi_allreduce"
+
 
 # What each workload runs, for the cache key: a change to any of these
 # files makes the cells of that workload run again.
@@ -170,7 +184,7 @@ def matrix(quick: bool, places: list[str]) -> list[Cell]:
     """The cells of a study over `places`, in the order they run: N = 2 on
     this host and its x86_64 VMs; with --full then N = 4 there (the wide
     model only at N = 2: under TCG it costs four times the other), then
-    the other architectures at N = 2 (the slowest, last, so that an
+    the other architectures at N = 2 and 4 (the slowest, last, so that an
     interrupted full study has the rest)."""
     x86 = [p for p in places if p == "host" or p.endswith("x86_64")]
     other = [p for p in places if p not in x86]
@@ -178,6 +192,8 @@ def matrix(quick: bool, places: list[str]) -> list[Cell]:
     if not quick:
         plan.append((4, x86, False))
     plan.append((2, other, False))
+    if not quick:
+        plan.append((4, other, False))
     cells = []
     for n, where, wide in plan:
         for place in where:
@@ -214,12 +230,29 @@ def _file_digest(rel: str) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def inputs(cell: Cell) -> list[str]:
+    """The files a cell runs: INPUTS, where a guest of another architecture
+    runs its own builds of the guest programs and of the MPI benchmark, on
+    Debian's root that tests/image/build-rootfs.sh (its key) builds, for
+    a sweep with Open MPI's launcher added by bench/study/mpi-root.sh."""
+    files = INPUTS[cell.family]
+    if cell.arch == "x86_64":
+        return files
+    guest = f"target/{TRIPLES[cell.arch]}/release/"
+    moved = {f"target/release/{p}": guest + p for p in GUEST_PROGRAMS}
+    moved["target/study/mpi_allreduce"] = str(mpi_bench(cell.arch).relative_to(ROOT))
+    roots = ["tests/image/build-rootfs.sh"]
+    if cell.family == "sweep":
+        roots.append("bench/study/mpi-root.sh")
+    return [moved.get(f, f) for f in files] + roots
+
+
 def key(cell: Cell, settings: Settings) -> str:
     """A digest of the cell, the study's settings and the files it runs."""
     doc = {
         "cell": asdict(cell),
         "settings": asdict(settings),
-        "inputs": {f: _file_digest(f) for f in INPUTS[cell.family]},
+        "inputs": {f: _file_digest(f) for f in inputs(cell)},
     }
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -25,13 +26,11 @@ from typing import Any
 
 import torchjobs
 
+from . import cells as cl
 from .cells import ROOT, TARGET, Cell, Settings
 
 TRAIN = ROOT / "examples" / "torch" / "train.py"
 P2P = ROOT / "bench" / "guest-p2p.py"
-# bench/mpi_allreduce.c built with mpicc (study's build step), run in the
-# VMs by mpirun through bench/rsh-agent.py.
-MPI_BENCH = ROOT / "target" / "study" / "mpi_allreduce"
 # Largest |DDP parameters - one-process replay| accepted on the host: both
 # sum the same float32 gradients, in orders that may differ.
 MAX_REFERENCE_ERROR = 1e-5
@@ -96,9 +95,6 @@ def ddp_host(cell: Cell, s: Settings, port: int, backend_args: list[str]) -> dic
 
 
 DATA = Path.home() / ".cache" / "virtio-dmlc" / "data" / "digits.csv.gz"
-# Where tests/image/cross-build.sh puts the guest programs of each
-# architecture (the launcher maps target/release/X there by itself).
-TRIPLES = {"aarch64": "aarch64-unknown-linux-gnu", "riscv64": "riscv64gc-unknown-linux-gnu"}
 
 
 def foreign(cell: Cell) -> bool:
@@ -106,14 +102,14 @@ def foreign(cell: Cell) -> bool:
     return cell.in_vms and cell.arch != "x86_64"
 
 
-def vm_flags(cell: Cell) -> list[str]:
+def vm_flags(cell: Cell, rootfs: str = "debian") -> list[str]:
     flags = ["--accel", cell.accel]
     if foreign(cell):
         # Debian's root of that architecture (its python3 and torch 2.6),
         # the repository and the data at their own paths. Under TCG the
         # ranks finish `import torch` minutes apart: the backend waits for
         # the first collective longer than its default 30 s.
-        flags += ["--arch", cell.arch, "--rootfs", "debian", "--bind", str(ROOT)]
+        flags += ["--arch", cell.arch, "--rootfs", rootfs, "--bind", str(ROOT)]
         flags += ["--bind", str(DATA.parent), "--backend-arg=--timeout-ms=900000"]
     return flags
 
@@ -160,6 +156,18 @@ def _boot_seconds(stderr: str) -> float | None:
     return None
 
 
+def mpi_rootfs(arch: str) -> Path:
+    """Debian's root of `arch` with Open MPI's launcher and headers
+    (bench/study/mpi-root.sh: cached; about a minute the first time)."""
+    r = subprocess.run(
+        [str(ROOT / "bench" / "study" / "mpi-root.sh"), "--arch", arch],
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
+    )
+    return Path(r.stdout.strip().splitlines()[-1].removeprefix("DMLC_MPI_ROOTFS="))
+
+
 def sweep_vms(cell: Cell, s: Settings, timeout: int) -> dict[str, Any]:
     """Allreduce over sizes in cell.n VMs, the device, gloo, the project's
     TCP communicator and (where it was built) Open MPI, in one boot
@@ -168,15 +176,30 @@ def sweep_vms(cell: Cell, s: Settings, timeout: int) -> dict[str, Any]:
     # rotation span (2 x LLC / N, tens of MiB): the DMA window must fit them.
     dma_mib = (2 * max(s.sweep_max, 64 << 20) + (16 << 20)) >> 20
     dma_mib += dma_mib % 2
-    flags = [*vm_flags(cell), "--dma", f"{dma_mib}M"]
     guest = TARGET / "dmlc-guest"
     if foreign(cell):
-        guest = ROOT / "target" / TRIPLES[cell.arch] / "release" / "dmlc-guest"
-    flags += ["--env", f"DMLC_GUEST_BIN={guest}"]
+        guest = ROOT / "target" / cl.TRIPLES[cell.arch] / "release" / "dmlc-guest"
+        flags = vm_flags(cell, rootfs=str(mpi_rootfs(cell.arch)))
+        # Their Open MPI is 5, which launches through PRRTE: its own names
+        # for the remote-shell agent (guest-p2p.py's --mca plm_rsh_agent is
+        # Open MPI 4's), and one rank per VM, unbound. Without OVERSUBSCRIBE,
+        # PRRTE 3 refuses 2 ranks on 2 VMs given one slot each ("not enough
+        # slots"), which Open MPI 4 accepts.
+        for name, value in (
+            ("plm_ssh_agent", ROOT / "bench" / "rsh-agent.py"),
+            ("rmaps_default_mapping_policy", "node:OVERSUBSCRIBE"),
+            ("hwloc_default_binding_policy", "none"),
+        ):
+            flags += ["--env", f"PRTE_MCA_{name}={value}"]
+    else:
+        flags = vm_flags(cell)
+    flags += ["--dma", f"{dma_mib}M", "--env", f"DMLC_GUEST_BIN={guest}"]
     paths = "device,gloo,tcp"
-    # Open MPI is this host's: VMs on its userland only.
-    if MPI_BENCH.exists() and not foreign(cell):
-        flags += ["--env", f"DMLC_MPI_BENCH={MPI_BENCH}"]
+    # Open MPI: this host's in x86_64 VMs (they run its userland), the
+    # root's in the others.
+    bench = cl.mpi_bench(cell.arch)
+    if bench.exists():
+        flags += ["--env", f"DMLC_MPI_BENCH={bench}"]
         paths += ",mpi"
     argv = [str(P2P), "--opcode", "allreduce", "--maxbytes", str(s.sweep_max), "--paths", paths]
     argv += ["--repeat", str(s.reps_vm), "--iters", "10", "--warmup", "2"]

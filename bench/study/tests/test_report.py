@@ -109,6 +109,36 @@ def test_a_cell_key_changes_with_the_programs_it_runs(tmp_path: Path, monkeypatc
     assert cells.key(cell, cells.QUICK) != first
 
 
+def test_a_foreign_cell_key_follows_its_own_architecture_s_programs(
+    tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setattr(cells, "ROOT", tmp_path)
+    files = {
+        "host": "target/release/libdmlc_guest.so",
+        "guest": "target/aarch64-unknown-linux-gnu/release/libdmlc_guest.so",
+        "root": "tests/image/build-rootfs.sh",
+    }
+    for f in files.values():
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).write_text("one")
+    vm = cells.Cell("ddp-mlp", "tcg-aarch64", "dmlc", 2)
+    x86 = cells.Cell("ddp-mlp", "tcg-x86_64", "dmlc", 2)
+    first, first_x86 = cells.key(vm, cells.FULL), cells.key(x86, cells.FULL)
+    (tmp_path / files["host"]).write_text("two")
+    assert cells.key(vm, cells.FULL) == first
+    assert cells.key(x86, cells.FULL) != first_x86
+    for name in ("guest", "root"):
+        (tmp_path / files[name]).write_text("two")
+        assert cells.key(vm, cells.FULL) != first, name
+        first = cells.key(vm, cells.FULL)
+    assert (
+        cells.inputs(cells.Cell("sweep", "tcg-riscv64", "all", 4)).count(
+            "target/study/riscv64/mpi_allreduce"
+        )
+        == 1
+    )
+
+
 def test_only_selects_by_pattern_and_names_the_cells_when_none_match() -> None:
     matrix = cells.matrix(quick=True, places=["host", "tcg-x86_64"])
     ids = {c.id for c in cells.select(matrix, ["ddp-mlp/host/*"])}
