@@ -607,8 +607,11 @@ def headline(doc: Doc) -> str:
     marker = f"<!-- raw: {m['raw_file']} cmd: {m['command']} -->"
     body = markdown([summary_section(doc)], marker).split("\n", 2)[2]  # no page title
     body = body.replace("## The answers\n\n", "", 1)
+    # The report beside the raw log, as docs/benchmarks.md links it.
+    rep = Path(m["raw_file"]).parent / "report.md"
+    link = str(rep.relative_to("docs")) if rep.is_relative_to("docs") else str(rep)
     intro = (
-        f"From the study's latest report ([study/report.md](study/report.md)), made by "
+        f"From the study's latest report ([{link}]({link})), made by "
         f"`{m['command']}` at commit `{m['commit']}`; how it is made: [study.md](study.md)."
     )
     return f"{BEGIN}\n{intro}\n\n{body.rstrip()}\n{END}"
