@@ -86,7 +86,9 @@ def setup_section(doc: Doc) -> Section:
         "with the same inputs)."
     )
     earlier = Counter(
-        "commit `{commit}` on {date}".format(**c["measured"]) if "measured" in c else "unrecorded"
+        "commit `{commit}` on {date}".format(**c["measured"])
+        if "measured" in c
+        else "an unrecorded commit"
         for c in doc["cells"]
         if c.get("cached")
     )
