@@ -30,6 +30,8 @@ def mpi_bench(arch: str) -> Path:
     this host's mpicc, or for another architecture with its cross compiler
     against Open MPI in Debian's root of that architecture."""
     study = ROOT / "target" / "study"
+    # x86_64's keeps the path it had before other architectures had one:
+    # its sweep cells' cache keys name it.
     return study / "mpi_allreduce" if arch == "x86_64" else study / arch / "mpi_allreduce"
 
 
