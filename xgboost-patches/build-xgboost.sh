@@ -4,7 +4,7 @@
 # xgboost Python package (the sdist's own files) with the patched libxgboost.so.
 # Progress goes to stderr.
 #
-# Usage: build-xgboost.sh [--env | --test | --help]
+# Usage: build-xgboost.sh [--arch ARCH] [--env | --test | --help]
 #
 #   (no option)  build (or reuse) XGBoost and print the PYTHONPATH folder
 #   --env        build as above, print shell assignments of DMLC_XGBOOST_PYTHONPATH
@@ -12,6 +12,12 @@
 #   --test       build as above, then run the patch's C++ test over the host
 #                transport: a vhost-device-dmlc daemon ($DMLC_BACKEND_BIN) with 2
 #                sockets, the C library in $DMLC_LIBRARY
+#   --arch ARCH  cross-compile libxgboost alone for guests of ARCH (aarch64 or
+#                riscv64) with Debian's cross g++ (installed when missing): the
+#                folder holds the same Python files with that library, for
+#                Debian's python3 in tests/image/build-rootfs.sh's root of ARCH
+#                (no C++ test: --env prints DMLC_XGBOOST_PYTHONPATH only, and
+#                --test is refused)
 #
 # Environment:
 #   DMLC_CACHE         cache root (default: $HOME/.cache/virtio-dmlc)
@@ -38,23 +44,38 @@ readonly JOBS=${DMLC_XGBOOST_JOBS:-$(nproc)}
 usage() { script_header; }
 
 mode=build
-case "${1:-}" in
-"") ;;
---env) mode="env" ;;
---test) mode="test" ;;
--h | --help)
-    usage
-    exit 0
-    ;;
-*)
-    usage >&2
-    die "unknown option: $1"
-    ;;
+arch=""
+while [[ $# -gt 0 ]]; do
+    case $1 in
+    --env) mode="env" ;;
+    --test) mode="test" ;;
+    --arch)
+        [[ $# -ge 2 ]] || die "--arch needs an architecture (aarch64 or riscv64)"
+        arch=$2
+        shift
+        ;;
+    -h | --help)
+        usage
+        exit 0
+        ;;
+    *)
+        usage >&2
+        die "unknown option: $1"
+        ;;
+    esac
+    shift
+done
+case $arch in
+"" | aarch64 | riscv64) ;;
+*) die "--arch $arch: this script cross-compiles for aarch64 and riscv64 (x86_64 is the native build, without --arch)" ;;
 esac
-[[ $# -le 1 ]] || die "expected at most one option"
+[[ -z $arch || $mode != test ]] ||
+    die "--test runs the C++ test on this host: it needs the native build (no --arch)"
 
 # shellcheck source=SCRIPTDIR/../tests/lib/ensure-packages.sh
 . "$(dirname "${BASH_SOURCE[0]}")/../tests/lib/ensure-packages.sh"
+# shellcheck source=SCRIPTDIR/../tests/lib/fetch-verified.sh
+. "$(dirname "${BASH_SOURCE[0]}")/../tests/lib/fetch-verified.sh"
 
 cache_key() {
     local patches=("$HERE"/*.patch)
@@ -67,22 +88,26 @@ cache_key() {
 }
 
 fetch_source() {
-    local sdist="$CACHE/src/$XGB_SDIST"
-    if [[ -e $sdist ]] && echo "$XGB_SHA256  $sdist" | sha256sum -c --status; then
-        echo "$sdist"
+    fetch_verified "$XGB_URL" "$XGB_SHA256" "$CACHE/src/$XGB_SDIST"
+}
+
+# CMake's settings for a cross build of libxgboost for $arch, or for the
+# native build with the patch's C++ test.
+cmake_target_args() {
+    if [[ -z $arch ]]; then
+        echo "-DXGBOOST_DMLC_TEST=ON"
         return 0
     fi
-    log "fetching $XGB_SDIST from PyPI"
-    mkdir -p "$CACHE/src"
-    curl -fsSL -o "$sdist.tmp" "$XGB_URL" || die "download of $XGB_URL failed"
-    echo "$XGB_SHA256  $sdist.tmp" | sha256sum -c --status ||
-        die "$XGB_SDIST: sha256 mismatch (expected $XGB_SHA256)"
-    mv "$sdist.tmp" "$sdist"
-    echo "$sdist"
+    local gnu="$arch-linux-gnu"
+    echo "-DCMAKE_SYSTEM_NAME=Linux -DCMAKE_SYSTEM_PROCESSOR=$arch"
+    echo "-DCMAKE_C_COMPILER=$gnu-gcc -DCMAKE_CXX_COMPILER=$gnu-g++"
+    echo "-DCMAKE_FIND_ROOT_PATH=/usr/$gnu"
 }
 
 build_xgboost() {
-    local out=$1 work="$1.tmp" sdist start pid rc last now p
+    local out=$1 work="$1.tmp" sdist start pid rc last now p targets=(xgboost) nm=nm
+    [[ -z $arch ]] || nm="$arch-linux-gnu-nm"
+    [[ -n $arch ]] || targets+=(testxgboost_dmlc)
     sdist=$(fetch_source)
     rm -rf "$work"
     mkdir -p "$work"
@@ -95,15 +120,16 @@ build_xgboost() {
             die "$(basename "$p") does not apply to XGBoost $XGB_VERSION"
     done
     log "configuring (log: $work/configure.log)"
+    # shellcheck disable=SC2046 # one CMake argument per word
     if ! cmake -S "$work/src/cpp_src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release \
-        -DKEEP_BUILD_ARTIFACTS_IN_BINARY_DIR=ON -DXGBOOST_DMLC_TEST=ON \
+        -DKEEP_BUILD_ARTIFACTS_IN_BINARY_DIR=ON $(cmake_target_args) \
         >"$work/configure.log" 2>&1; then
         tail -n 30 "$work/configure.log" >&2
         die "cmake failed; see $work/configure.log"
     fi
-    log "compiling libxgboost and testxgboost_dmlc with $JOBS jobs (about 10 minutes on 2 busy cores; log: $work/build.log)"
+    log "compiling ${targets[*]}${arch:+ for $arch} with $JOBS jobs (about 10 minutes on 2 busy cores; log: $work/build.log)"
     start=$(date +%s)
-    make -C "$work/build" -j "$JOBS" xgboost testxgboost_dmlc >"$work/build.log" 2>&1 &
+    make -C "$work/build" -j "$JOBS" "${targets[@]}" >"$work/build.log" 2>&1 &
     pid=$!
     last=$start
     while kill -0 "$pid" 2>/dev/null; do
@@ -125,7 +151,7 @@ build_xgboost() {
     local lib="$work/build/lib/libxgboost.so" syms
     [[ -f $lib ]] || die "the build made no $lib"
     # Captured first: `nm | grep -q` fails under pipefail when grep exits early.
-    syms=$(nm -D --defined-only "$lib")
+    syms=$("$nm" -D --defined-only "$lib")
     grep -q ' XGCommunicatorInit$' <<<"$syms" || die "$lib lacks XGCommunicatorInit"
     syms=$(strings "$lib")
     grep -q 'dmlc_open_env' <<<"$syms" || die "$lib lacks the virtio-dmlc collective"
@@ -134,10 +160,10 @@ build_xgboost() {
     cp -r "$work/src/xgboost" "$work/python/"
     mkdir -p "$work/python/xgboost/lib"
     cp "$lib" "$work/python/xgboost/lib/"
-    cp "$work/build/testxgboost_dmlc" "$work/bin/"
+    [[ -n $arch ]] || cp "$work/build/testxgboost_dmlc" "$work/bin/"
     cp "$HERE"/*.patch "$work/"
     {
-        echo "xgboost $XGB_VERSION"
+        echo "xgboost $XGB_VERSION${arch:+ for $arch}"
         echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) in $(($(date +%s) - start)) s"
         (cd "$HERE" && sha256sum ./*.patch "$(basename "${BASH_SOURCE[0]}")")
     } >"$work/BUILD-INFO"
@@ -175,11 +201,12 @@ run_test() {
 
 cache_lock "$CACHE/.lock-xgboost"
 
-out="$CACHE/xgboost/$XGB_VERSION-$(cache_key)"
-if [[ -f $out/python/xgboost/lib/libxgboost.so && -x $out/bin/testxgboost_dmlc ]]; then
+out="$CACHE/xgboost/${arch:+$arch-}$XGB_VERSION-$(cache_key)"
+if [[ -f $out/python/xgboost/lib/libxgboost.so && (-n $arch || -x $out/bin/testxgboost_dmlc) ]]; then
     log "using cached $out"
 else
     ensure_packages "${BUILD_PACKAGES[@]}"
+    [[ -z $arch ]] || ensure_packages "g++-$arch-linux-gnu"
     build_xgboost "$out"
 fi
 cache_unlock
@@ -187,7 +214,7 @@ cache_unlock
 case $mode in
 env)
     printf 'DMLC_XGBOOST_PYTHONPATH=%q\n' "$out/python"
-    printf 'DMLC_XGBOOST_GTEST=%q\n' "$out/bin/testxgboost_dmlc"
+    [[ -n $arch ]] || printf 'DMLC_XGBOOST_GTEST=%q\n' "$out/bin/testxgboost_dmlc"
     ;;
 test) run_test "$out/bin/testxgboost_dmlc" ;;
 *) echo "$out/python" ;;

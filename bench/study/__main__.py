@@ -142,6 +142,16 @@ def cached(path: Path) -> dict[str, Any] | None:
     return rec if isinstance(rec, dict) and rec.get("runs") else None
 
 
+def failed_build(cell: cl.Cell, built: runners.Builds) -> bool:
+    """Whether `cell` needs a package whose build failed."""
+    try:
+        if cell.workload in ("xgboost", "lightgbm"):
+            runners.package_pythonpath(cell, built)
+    except runners.CellFailedError:
+        return True
+    return False
+
+
 class Progress:
     """Cells done and the time left, estimated from what ran so far."""
 
@@ -221,20 +231,13 @@ def main() -> None:
     prepare.build()
     absent = [
         "DDP over MPI (torch's wheels have no MPI backend: MPI appears in the allreduce "
-        "sweeps) is not part of the study; XGBoost (the patched build too) and LightGBM are "
-        "this host's x86_64 wheels, so the other architectures do not run them "
-        "(docs/study.md says what is next).",
+        "sweeps) is not part of the study.",
     ]
     mpi_missing = prepare.build_mpi_bench()
     if mpi_missing:
         absent.append(mpi_missing)
-    xgboost_path, xgboost_missing = prepare.build_xgboost()
-    if xgboost_missing:
-        absent.append(xgboost_missing)
     if foreign:
         prepare.build_foreign(foreign)
-    build_s = time.monotonic() - started
-    note(f"setup: builds and data took {build_s:.0f} s (not counted in the study's time)")
     if a.places == "auto" and not quick:
         ok, why = prepare.kvm_usable()
         if ok:
@@ -257,10 +260,15 @@ def main() -> None:
             f"--cluster {a.cluster}: the projection knows the ring model only, "
             f"not {model.get('kind')!r}"
         )
-    matrix = cl.matrix(quick, places)
-    if xgboost_missing:
-        matrix = [c for c in matrix if c.workload != "xgboost"]
-    chosen = cl.select(matrix, a.only)
+    chosen = cl.select(cl.matrix(quick, places), a.only)
+    built, build_missing = prepare.build_packages(chosen)
+    absent += build_missing
+    chosen = [c for c in chosen if not failed_build(c, built)]
+    build_s = time.monotonic() - started
+    note(
+        f"setup: builds, data and the KVM probe took {build_s:.0f} s "
+        "(not counted in the study's time)"
+    )
     todo = [(c, runners.repetitions(c, settings)) for c in chosen]
     progress = Progress(todo)
     measured_s = 0.0
@@ -292,7 +300,7 @@ def main() -> None:
             )
             t = time.monotonic()
             try:
-                run = runners.run_once(cell, settings, runners.free_port(), a.cluster, xgboost_path)
+                run = runners.run_once(cell, settings, runners.free_port(), a.cluster, built)
             except runners.CellFailedError as e:
                 note(f"FAILED: {e}")
                 raise SystemExit(

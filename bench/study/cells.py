@@ -201,12 +201,10 @@ def matrix(quick: bool, places: list[str]) -> list[Cell]:
         for place in where:
             for w in ["ddp-mlp", *(["ddp-wide"] * wide), "digits"]:
                 cells += [Cell(w, place, t, n) for t in ("dmlc", tcp_of(w))]
-            if place == "host" or place.endswith("x86_64"):
-                # XGBoost (the patched build too) and LightGBM are this
-                # host's wheels: x86_64 only. --quick keeps to three
-                # workloads (its 10 minutes): LightGBM is --full's.
-                for w in ("xgboost", *(["lightgbm"] * (not quick))):
-                    cells += [Cell(w, place, t, n) for t in ("dmlc", "tcp")]
+            # --quick keeps to three workloads (its 10 minutes): LightGBM
+            # is --full's.
+            for w in ("xgboost", *(["lightgbm"] * (not quick))):
+                cells += [Cell(w, place, t, n) for t in ("dmlc", "tcp")]
             if place != "host":
                 cells.append(Cell("sweep", place, "all", n))
     cells.append(Cell("projection", "host", "dmlc", 2))
@@ -236,7 +234,9 @@ def inputs(cell: Cell) -> list[str]:
     """The files a cell runs: INPUTS, where a guest of another architecture
     runs its own builds of the guest programs and of the MPI benchmark, on
     Debian's root that tests/image/build-rootfs.sh (its key) builds, for
-    a sweep with Open MPI's launcher added by bench/study/mpi-root.sh."""
+    a sweep with Open MPI's launcher added by bench/study/mpi-root.sh, and
+    for LightGBM with the build of bench/study/cross-lightgbm.sh (XGBoost's
+    build script is in INPUTS already)."""
     files = INPUTS[cell.family]
     if cell.arch == "x86_64":
         return files
@@ -246,6 +246,8 @@ def inputs(cell: Cell) -> list[str]:
     roots = ["tests/image/build-rootfs.sh"]
     if cell.family == "sweep":
         roots.append("bench/study/mpi-root.sh")
+    if cell.family == "lightgbm":
+        roots.append("bench/study/cross-lightgbm.sh")
     return [moved.get(f, f) for f in files] + roots
 
 

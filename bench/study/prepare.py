@@ -1,6 +1,7 @@
 """What a study needs before its cells run, and what it records about the
 machine: the builds (release binaries, the MPI benchmark, the patched
-XGBoost, other architectures' guest programs and roots), the KVM probe,
+XGBoost, other architectures' guest programs, roots, XGBoost and
+LightGBM), the KVM probe,
 the commit, the CPU, the load and the QEMU version."""
 
 from __future__ import annotations
@@ -151,21 +152,50 @@ def build_mpi_bench_foreign(arch: str, root: Path) -> None:
     )
 
 
-def build_xgboost() -> tuple[str | None, str | None]:
-    """The patched XGBoost (xgboost-patches/build-xgboost.sh: cached; about
-    10 minutes the first time): its PYTHONPATH, or None and why not."""
-    log("the patched XGBoost (xgboost-patches/build-xgboost.sh; cached after the first build)")
+def _package_build(argv: list[str], what: str) -> tuple[str | None, str | None]:
+    """One of the package builds: the folder for PYTHONPATH that `argv`
+    prints last, or None and why not."""
+    log(f"{what} ({' '.join(argv)}; cached after the first build)")
     r = subprocess.run(
-        [str(cl.ROOT / "xgboost-patches" / "build-xgboost.sh"), "--env"],
-        stdout=subprocess.PIPE,
-        text=True,
-        check=False,
+        [str(cl.ROOT / argv[0]), *argv[1:]], stdout=subprocess.PIPE, text=True, check=False
     )
-    env = dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
-    path = env.get("DMLC_XGBOOST_PYTHONPATH")
-    if r.returncode or not path:
-        return None, "XGBoost: the patched build failed (xgboost-patches/build-xgboost.sh)."
-    return path, None
+    lines = r.stdout.strip().splitlines()
+    if r.returncode or not lines:
+        return None, f"{what}: the build failed ({' '.join(argv)}), so its cells do not run."
+    return lines[-1], None
+
+
+def build_packages(chosen: list[cl.Cell]) -> tuple[runners.Builds, list[str]]:
+    """The Python packages that the chosen XGBoost and LightGBM cells run
+    and this host's wheels do not hold: the patched XGBoost for this host
+    (about 10 minutes the first time), and for each other architecture
+    the same XGBoost and stock LightGBM cross-compiled (about 10 and 4
+    minutes). All cached. Returns them by (workload, architecture), and
+    a line for each build that failed."""
+    needed = {
+        (c.workload, c.arch)
+        for c in chosen
+        if (c.workload == "xgboost" and (c.transport == "dmlc" or runners.foreign(c)))
+        or (c.workload == "lightgbm" and runners.foreign(c))
+    }
+    built: runners.Builds = {}
+    missing = []
+    for workload, arch in sorted(needed):
+        if workload == "xgboost":
+            script = ["xgboost-patches/build-xgboost.sh"]
+            what = "the patched XGBoost"
+        else:
+            script = ["bench/study/cross-lightgbm.sh"]
+            what = "LightGBM"
+        if arch != "x86_64":
+            script += ["--arch", arch]
+            what += f" for {arch}"
+        path, why = _package_build(script, what)
+        if path:
+            built[(workload, arch)] = path
+        else:
+            missing.append(str(why))
+    return built, missing
 
 
 def build_foreign(arches: list[str]) -> None:

@@ -58,13 +58,26 @@ def ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
-def where(place: str) -> str:
+# What VMs of another architecture run a workload with, on their own Debian
+# root: not this host's wheels.
+FOREIGN_STACK = {
+    "ddp": "Debian's torch",
+    "digits": "Debian's root",
+    "sweep": "Debian's root",
+    "xgboost": "XGBoost cross-built",
+    "lightgbm": "LightGBM cross-built",
+}
+
+
+def where(place: str, workload: str) -> str:
+    """The place's name in a table, with what VMs of another architecture
+    run `workload` on instead of this host's wheels."""
     if place == "host":
         return "host processes"
     accel, _, arch = place.partition("-")
     if arch != "x86_64":
-        # Their own Debian root, whose torch is not this host's.
-        return f"{arch} VMs ({accel.upper()}, Debian's torch)"
+        stack = FOREIGN_STACK.get(workload, FOREIGN_STACK["ddp"])
+        return f"{arch} VMs ({accel.upper()}, {stack})"
     return f"{arch} VMs ({accel.upper()})"
 
 
@@ -96,6 +109,16 @@ def setup_section(doc: Doc) -> Section:
         sec.add(
             "Cells from the cache, by the commit that measured them: "
             + "; ".join(f"{n} at {where}" for where, n in sorted(earlier.items()))
+            + "."
+        )
+    carried = Counter(
+        "commit `{at}` ({why})".format(**c["carried"]) for c in doc["cells"] if "carried" in c
+    )
+    if carried:
+        sec.add(
+            "Cells whose cache entry was carried over by hand to a rebuilt program's key, "
+            "keeping the measurement and its commit (each cell's `carried` in study.json): "
+            + "; ".join(f"{n} at {why}" for why, n in sorted(carried.items()))
             + "."
         )
     sec.add(
@@ -132,11 +155,11 @@ def ddp_sections(doc: Doc) -> list[Section]:
                     c = an.find(doc, w, place, t, n)
                     if not c:
                         continue
-                    label = f"{where(place)}, {an.TRANSPORT_NAMES[t]}"
+                    label = f"{where(place, w)}, {an.TRANSPORT_NAMES[t]}"
                     step = an.spread(c, "step_ms")
                     rows.append(
                         [
-                            where(place),
+                            where(place, w),
                             an.TRANSPORT_NAMES[t],
                             ms(step),
                             ms(an.spread(c, "compute_ms")),
@@ -198,6 +221,14 @@ def ddp_sections(doc: Doc) -> list[Section]:
     return out
 
 
+def xgboost_collectives(place: str, transport: str) -> str:
+    """Which XGBoost a row ran: VMs of another architecture have no stock
+    wheel, so they run the patched build's own rabit path over TCP."""
+    if transport == "dmlc":
+        return "device (patched)"
+    return "TCP (stock)" if place == "host" or place.endswith("x86_64") else "TCP (patched, rabit)"
+
+
 def xgboost_sections(doc: Doc) -> list[Section]:
     out = []
     for n in an.sizes_n(doc, "xgboost"):
@@ -205,7 +236,9 @@ def xgboost_sections(doc: Doc) -> list[Section]:
         sec.add(
             "`examples/xgboost/train.py` at a RabitTracker: the patched build "
             "(xgboost-patches/) with its collectives through the device, and stock XGBoost "
-            "over TCP (virtio-net). Round: the median boosting round; exchange: XGBoost's own "
+            "over TCP (virtio-net); VMs of another architecture run the patched build "
+            "cross-compiled (`build-xgboost.sh --arch`) for both, its TCP path being stock "
+            "XGBoost's rabit. Round: the median boosting round; exchange: XGBoost's own "
             "monitor's estimate of the histogram allreduces' share of the tree updates (an "
             "upper bound, docs/xgboost.md). Every rank must end with the same model."
         )
@@ -219,8 +252,8 @@ def xgboost_sections(doc: Doc) -> list[Section]:
                 share = run.get("exchange_share_estimate")
                 rows.append(
                     [
-                        where(place),
-                        "device (patched)" if t == "dmlc" else "TCP (stock)",
+                        where(place, "xgboost"),
+                        xgboost_collectives(place, t),
                         ms(an.spread(c, "round_ms")),
                         "-" if share is None else f"{100 * share:.1f}%",
                         f"{an.spread(c, 'accuracy').median:.4f}",
@@ -248,7 +281,9 @@ def lightgbm_sections(doc: Doc) -> list[Section]:
             "network over TCP. Round: the median boosting round. Exchange: the time in the "
             "device's collectives, measured around them (LightGBM keeps no such account of "
             "its socket network). Every rank must end with the same trees; at N = 2 the two "
-            "networks give the same trees bit for bit (python/tests/test_lightgbm.py)."
+            "networks give the same trees bit for bit (python/tests/test_lightgbm.py). VMs of "
+            "another architecture run the same LightGBM version cross-compiled "
+            "(bench/study/cross-lightgbm.sh; Debian has no LightGBM)."
         )
         rows = []
         for place in an.places(doc):
@@ -263,7 +298,7 @@ def lightgbm_sections(doc: Doc) -> list[Section]:
                     exchange = f"{ms(an.spread(c, 'exchange_ms'))} ({100 * share:.1f}%)"
                 rows.append(
                     [
-                        where(place),
+                        where(place, "lightgbm"),
                         "device (hook)" if t == "dmlc" else "TCP (LightGBM's sockets)",
                         ms(an.spread(c, "round_ms")),
                         exchange,
@@ -282,7 +317,8 @@ def summary_section(doc: Doc) -> Section:
     sec.add(
         "Per workload, place and N. Emulation factor: a VM's compute over the host's "
         "(same workload and N). Speedup: TCP's median over the device's (gloo for DDP, the "
-        "project's TCP communicator for digits, stock XGBoost for XGBoost, LightGBM's own "
+        "project's TCP communicator for digits, stock XGBoost for XGBoost (in VMs of other "
+        "architectures: the patched build's own rabit path), LightGBM's own "
         "socket network for LightGBM), for the whole step (a boosting round) and for its "
         "exchange, in the same place. Exchange share: the "
         f"device's exchange over its step. Time to {target:.0%}: seconds of training until "
@@ -302,7 +338,7 @@ def summary_section(doc: Doc) -> Section:
                     [
                         w,
                         str(n),
-                        where(place),
+                        where(place, w),
                         ratio(emu),
                         ratio(an.speedup(doc, w, place, n, "step_ms")),
                         ratio(an.speedup(doc, w, place, n, "exchange_ms")),
@@ -320,7 +356,7 @@ def summary_section(doc: Doc) -> Section:
                     [
                         "xgboost",
                         str(n),
-                        where(place),
+                        where(place, "xgboost"),
                         ratio(emu) + (" (estimate)" if emu else ""),
                         ratio(an.speedup(doc, "xgboost", place, n, "round_ms")),
                         "-",
@@ -338,7 +374,7 @@ def summary_section(doc: Doc) -> Section:
                     [
                         "lightgbm",
                         str(n),
-                        where(place),
+                        where(place, "lightgbm"),
                         ratio(emu),
                         ratio(an.speedup(doc, "lightgbm", place, n, "round_ms")),
                         "-",
@@ -374,7 +410,7 @@ def summary_section(doc: Doc) -> Section:
             ]
             sweep_rows.append(
                 [
-                    where(c["spec"]["place"]),
+                    where(c["spec"]["place"], "sweep"),
                     str(c["spec"]["n"]),
                     size_name(r.size),
                     ms(dev),
@@ -407,7 +443,9 @@ def sweep_sections(doc: Doc) -> list[Section]:
     out = []
     for c in an.cells(doc, "sweep"):
         spec = c["spec"]
-        sec = Section(f"Allreduce by message size, {where(spec['place'])}, N = {spec['n']}")
+        sec = Section(
+            f"Allreduce by message size, {where(spec['place'], 'sweep')}, N = {spec['n']}"
+        )
         sec.add(
             "f32 sum, each path in the same boot: the device (`dmlc-guest bench`), gloo over "
             "virtio-net, the project's TCP communicator (`dmlc-guest bench --transport tcp`) "
@@ -461,7 +499,7 @@ def scaling_section(doc: Doc) -> Section | None:
                     if (c := an.find(doc, w, place, t, n))
                 ]
                 if len(pts) > 1:
-                    lines[f"{w}, {where(place)}, {an.TRANSPORT_NAMES[t]}"] = pts
+                    lines[f"{w}, {where(place, w)}, {an.TRANSPORT_NAMES[t]}"] = pts
     if not lines:
         return None
     sec = Section("Scaling with N")

@@ -36,6 +36,12 @@ P2P = ROOT / "bench" / "guest-p2p.py"
 MAX_REFERENCE_ERROR = 1e-5
 
 
+# The Python packages built for the study, by (workload, architecture):
+# the patched XGBoost of each architecture, LightGBM of the others
+# (prepare.build_packages). Paths for PYTHONPATH.
+Builds = dict[tuple[str, str], str]
+
+
 class CellFailedError(Exception):
     """A run of a cell failed; the message says which and why."""
 
@@ -317,14 +323,19 @@ def xgboost_argv(cell: Cell, s: Settings) -> list[str]:
     return [*argv, "--monitor", "--json", "-"]
 
 
-def xgboost_pythonpath(cell: Cell, patched: str | None) -> str:
-    """The ranks' PYTHONPATH: the patched build first for the device."""
+def package_pythonpath(cell: Cell, built: Builds) -> str:
+    """The ranks' PYTHONPATH for an XGBoost or LightGBM cell. On this
+    host's userland: the patched XGBoost first for the device, else its
+    own wheels. In VMs of another architecture: that architecture's build
+    of XGBoost (the patched one, for both transports: it is the version of
+    the host's wheel, which Debian's root lacks) or of stock LightGBM."""
     base = torchjobs.job_env()["PYTHONPATH"]
-    if cell.transport != "dmlc":
+    if not foreign(cell) and (cell.workload == "lightgbm" or cell.transport != "dmlc"):
         return base
-    if not patched:
-        raise CellFailedError(f"{cell.id}: the patched XGBoost is not built")
-    return f"{patched}:{base}"
+    path = built.get((cell.workload, cell.arch))
+    if not path:
+        raise CellFailedError(f"{cell.id}: its {cell.workload} build for {cell.arch} is missing")
+    return f"{path}:{base}"
 
 
 def xgboost_result(cell: Cell, lines: dict[int, list[str]]) -> dict[str, Any]:
@@ -352,15 +363,16 @@ def xgboost_result(cell: Cell, lines: dict[int, list[str]]) -> dict[str, Any]:
     }
 
 
-def xgboost_vms(cell: Cell, s: Settings, timeout: int, patched: str | None) -> dict[str, Any]:
+def xgboost_vms(cell: Cell, s: Settings, timeout: int, built: Builds) -> dict[str, Any]:
     """examples/xgboost/train.py (hist, the digits data set) in cell.n VMs
-    at the launcher's RabitTracker: stock XGBoost over TCP ("tcp"), or the
-    patched build through the device ("dmlc", `patched` its PYTHONPATH)."""
+    at the launcher's RabitTracker: over TCP ("tcp"), or the patched build
+    through the device ("dmlc"); package_pythonpath says which XGBoost."""
     flags = [*vm_flags(cell), "--tracker", "rabit"]
     transport = "device" if cell.transport == "dmlc" else "tcp"
-    env = dict(torchjobs.job_env(), PYTHONPATH=xgboost_pythonpath(cell, patched))
+    env = dict(torchjobs.job_env(), PYTHONPATH=package_pythonpath(cell, built))
+    argv, python = python_job(cell, xgboost_argv(cell, s))
     p, took = torchjobs.submit(
-        cell.n, xgboost_argv(cell, s), transport=transport, timeout=timeout, flags=flags, env=env
+        cell.n, argv, transport=transport, timeout=timeout, flags=flags, env=env, python=python
     )
     if p.returncode:
         raise CellFailedError(
@@ -371,7 +383,7 @@ def xgboost_vms(cell: Cell, s: Settings, timeout: int, patched: str | None) -> d
     return dict(result, job_s=round(took, 3), boot_s=_boot_seconds(p.stderr))
 
 
-def xgboost_host(cell: Cell, s: Settings, port: int, patched: str | None) -> dict[str, Any]:
+def xgboost_host(cell: Cell, s: Settings, port: int, built: Builds) -> dict[str, Any]:
     """The same as cell.n local processes at a RabitTracker of this
     process's (stock XGBoost's own): over a daemon of its own for the
     patched build, over loopback TCP for stock XGBoost."""
@@ -381,7 +393,7 @@ def xgboost_host(cell: Cell, s: Settings, port: int, patched: str | None) -> dic
     tracker.start()
     args = tracker.worker_args()
     env = {
-        "PYTHONPATH": xgboost_pythonpath(cell, patched),
+        "PYTHONPATH": package_pythonpath(cell, built),
         "DMLC_TRACKER_URI": str(args["dmlc_tracker_uri"]),
         "DMLC_TRACKER_PORT": str(args["dmlc_tracker_port"]),
     }
@@ -454,11 +466,16 @@ def lightgbm_host(cell: Cell, s: Settings, port: int) -> dict[str, Any]:
     return dict(lightgbm_result(cell, _json_lines(outs)), job_s=round(took, 3))
 
 
-def lightgbm_vms(cell: Cell, s: Settings, timeout: int) -> dict[str, Any]:
-    """examples/lightgbm/train.py in cell.n VMs on the host's userland."""
+def lightgbm_vms(cell: Cell, s: Settings, timeout: int, built: Builds) -> dict[str, Any]:
+    """examples/lightgbm/train.py in cell.n VMs: on the host's userland
+    with its wheel, or on Debian's root of another architecture with
+    LightGBM built for it (package_pythonpath)."""
     transport = "device" if cell.transport == "dmlc" else "tcp"
+    env = dict(torchjobs.job_env(), PYTHONPATH=package_pythonpath(cell, built))
+    argv, python = python_job(cell, lightgbm_argv(cell, s))
+    flags = vm_flags(cell)
     p, took = torchjobs.submit(
-        cell.n, lightgbm_argv(cell, s), transport=transport, timeout=timeout, flags=vm_flags(cell)
+        cell.n, argv, transport=transport, timeout=timeout, flags=flags, env=env, python=python
     )
     if p.returncode:
         raise CellFailedError(
@@ -477,20 +494,19 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_once(
-    cell: Cell, s: Settings, port: int, cluster: Path, xgboost_path: str | None
-) -> dict[str, Any]:
-    """One repetition of `cell`."""
+def run_once(cell: Cell, s: Settings, port: int, cluster: Path, built: Builds) -> dict[str, Any]:
+    """One repetition of `cell`; `built` holds the XGBoost and LightGBM
+    builds that the setup made (prepare.build_packages)."""
     vms = cell.in_vms
     runs: dict[str, Any] = {
         "projection": lambda: ddp_host(cell, s, port, [f"--timing={cluster}"]),
         "sweep": lambda: sweep_vms(cell, s, timeout=1800),
         "xgboost": lambda: (
-            xgboost_vms(cell, s, 1800, xgboost_path)
-            if vms
-            else xgboost_host(cell, s, port, xgboost_path)
+            xgboost_vms(cell, s, 1800, built) if vms else xgboost_host(cell, s, port, built)
         ),
-        "lightgbm": lambda: lightgbm_vms(cell, s, 1800) if vms else lightgbm_host(cell, s, port),
+        "lightgbm": lambda: (
+            lightgbm_vms(cell, s, 1800, built) if vms else lightgbm_host(cell, s, port)
+        ),
         "digits": lambda: digits_vms(cell, s, 1800) if vms else digits_host(cell, s, port),
     }
     if cell.workload in runs:

@@ -91,7 +91,8 @@ pub enum TrackerKind {
 /// started by rank 0's wrapper with this Python.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Tracker {
-    /// A Python with xgboost (seen in the guest at the same path).
+    /// A Python with xgboost: this machine's (the guests see the same
+    /// path), or with `--rootfs` one of that root.
     pub python: String,
 }
 

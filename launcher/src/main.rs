@@ -252,6 +252,8 @@ struct SubmitArgs {
 
     /// The Python that runs the tracker; it must import xgboost [default:
     /// PROGRAM when its name starts with "python", else python3 on PATH].
+    /// With --rootfs it is that root's (python3 on the guest's PATH by
+    /// default), which this machine cannot check beforehand.
     #[arg(long, value_name = "PATH", requires = "tracker")]
     tracker_python: Option<PathBuf>,
 
@@ -613,9 +615,10 @@ fn accel(arg: AccelArg) -> vm::Accel {
     }
 }
 
-/// The Python of `--tracker rabit`, checked on the host (the guests see the
-/// same file) to import xgboost's tracker.
-fn tracker_python(arg: Option<&Path>, program: &str) -> String {
+/// The Python of `--tracker rabit`. On the host's root it is checked here
+/// (the guests see the same file) to import xgboost's tracker; on another
+/// root (`own_root`) it is that root's, run as named.
+fn tracker_python(arg: Option<&Path>, program: &str, own_root: bool) -> String {
     let python = match arg {
         Some(p) => p.to_path_buf(),
         None => {
@@ -630,6 +633,9 @@ fn tracker_python(arg: Option<&Path>, program: &str) -> String {
             }
         }
     };
+    if own_root {
+        return python.to_string_lossy().into_owned();
+    }
     let python = if python.components().count() > 1 {
         std::path::absolute(&python).unwrap_or(python)
     } else {
@@ -842,7 +848,11 @@ fn submit_job(a: SubmitArgs) -> Job {
         .unwrap_or_else(|| usage_error("PROGRAM must be valid UTF-8"))
         .to_owned();
     let tracker = a.tracker.map(|job::TrackerKind::Rabit| job::Tracker {
-        python: tracker_python(a.tracker_python.as_deref(), &program_str),
+        python: tracker_python(
+            a.tracker_python.as_deref(),
+            &program_str,
+            a.rootfs.is_some(),
+        ),
     });
     let program = if program_str.contains('/') {
         let path = Path::new(&program_str);
@@ -1094,6 +1104,19 @@ mod tests {
         assert!(parse_env("A-B=x").is_err());
         assert!(parse_env("novalue").is_err());
         assert!(parse_env("A=a\nb").is_err());
+    }
+
+    #[test]
+    fn the_tracker_python_of_another_root_is_that_root_s() {
+        // Not looked up on this machine's PATH, nor run here: the name the
+        // guests run.
+        assert_eq!(tracker_python(None, "python3", true), "python3");
+        assert_eq!(tracker_python(None, "/usr/bin/env", true), "python3");
+        let given = Path::new("/opt/py/bin/python3");
+        assert_eq!(
+            tracker_python(Some(given), "python3", true),
+            "/opt/py/bin/python3"
+        );
     }
 
     #[test]

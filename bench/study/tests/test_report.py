@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from study import analysis, browser, cells, report
+from study import analysis, browser, cells, report, runners
 
 ROOT = Path(__file__).resolve().parents[3]
 COMMITTED = ROOT / "docs" / "study"
@@ -137,6 +137,36 @@ def test_a_foreign_cell_key_follows_its_own_architecture_s_programs(
         )
         == 1
     )
+
+
+def test_boosted_trees_in_foreign_vms_run_their_architecture_s_builds() -> None:
+    built = {
+        ("xgboost", "x86_64"): "/c/xgboost/patched",
+        ("xgboost", "aarch64"): "/c/xgboost/aarch64",
+        ("lightgbm", "aarch64"): "/c/lightgbm/aarch64",
+    }
+    path = runners.package_pythonpath
+    # This host's userland: the patched XGBoost for the device alone.
+    assert path(cells.Cell("xgboost", "tcg-x86_64", "dmlc", 2), built).startswith("/c/xgboost/p")
+    assert not path(cells.Cell("xgboost", "host", "tcp", 2), built).startswith("/c/")
+    assert not path(cells.Cell("lightgbm", "tcg-x86_64", "dmlc", 2), built).startswith("/c/")
+    # Another architecture: its own build, for both transports.
+    for t in ("dmlc", "tcp"):
+        for w in ("xgboost", "lightgbm"):
+            cell = cells.Cell(w, "tcg-aarch64", t, 2)
+            assert path(cell, built).startswith(f"/c/{w}/aarch64:"), cell.id
+    with pytest.raises(runners.CellFailedError, match="lightgbm build for riscv64"):
+        path(cells.Cell("lightgbm", "tcg-riscv64", "tcp", 2), built)
+    lgb = cells.inputs(cells.Cell("lightgbm", "tcg-riscv64", "dmlc", 4))
+    assert "bench/study/cross-lightgbm.sh" in lgb
+    assert "target/riscv64gc-unknown-linux-gnu/release/libdmlc_guest.so" in lgb
+    full = cells.matrix(quick=False, places=["tcg-riscv64"])
+    assert {c.id for c in full if c.family in ("xgboost", "lightgbm")} == {
+        f"{w}/tcg-riscv64/{t}/n{n}"
+        for w in ("xgboost", "lightgbm")
+        for t in ("dmlc", "tcp")
+        for n in (2, 4)
+    }
 
 
 def test_only_selects_by_pattern_and_names_the_cells_when_none_match() -> None:
