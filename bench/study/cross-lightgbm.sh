@@ -5,7 +5,8 @@
 # ARCH. Debian has no LightGBM package, and PyPI's wheels are for x86_64 (and
 # aarch64 on some versions, riscv64 on none), so the study's LightGBM cells in
 # aarch64 and riscv64 VMs run this build, on Debian's python3, numpy and
-# scipy of tests/image/build-rootfs.sh's root. It is the version of this
+# scipy of tests/image/build-rootfs.sh's root, with PyPI's narwhals (pure
+# Python, which Debian lacks) beside it. It is the version of this
 # host's wheel (python/venv.sh), with no patch: the device is reached through
 # LightGBM's own network hook (python/src/dmlc/lightgbm.py).
 #
@@ -30,6 +31,9 @@ readonly LGB_URL="https://files.pythonhosted.org/packages/63/8e/4db5e29290d7e619
 readonly LGB_SHA256=f8e20f682c9aabd000bcf4a7ed8aa6f473c1adfecccae34ec24e823d156f4af0
 readonly JOBS=${DMLC_LIGHTGBM_JOBS:-$(nproc)}
 readonly CMAKE_VERSION=3.31.6
+# LightGBM's one dependency that Debian's root lacks (pure Python), at the
+# version of this host's environment.
+readonly NARWHALS_VERSION=2.29.0
 
 arch=""
 while [[ $# -gt 0 ]]; do
@@ -124,6 +128,9 @@ build() {
     mkdir -p "$work/python/lightgbm/lib"
     cp -r "$work/src/lightgbm/." "$work/python/lightgbm/"
     cp "$lib" "$work/python/lightgbm/lib/"
+    python3 -m pip install --disable-pip-version-check -q --root-user-action=ignore --no-deps \
+        --only-binary :all: --target "$work/python" "narwhals==$NARWHALS_VERSION" >&2 ||
+        die "pip install narwhals==$NARWHALS_VERSION failed"
     {
         echo "lightgbm $LGB_VERSION for $arch ($LGB_SHA256)"
         echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) in $(($(date +%s) - start)) s"
