@@ -142,16 +142,6 @@ def cached(path: Path) -> dict[str, Any] | None:
     return rec if isinstance(rec, dict) and rec.get("runs") else None
 
 
-def failed_build(cell: cl.Cell, built: runners.Builds) -> bool:
-    """Whether `cell` needs a package whose build failed."""
-    try:
-        if cell.workload in ("xgboost", "lightgbm"):
-            runners.package_pythonpath(cell, built)
-    except runners.CellFailedError:
-        return True
-    return False
-
-
 class Progress:
     """Cells done and the time left, estimated from what ran so far."""
 
@@ -263,7 +253,8 @@ def main() -> None:
     chosen = cl.select(cl.matrix(quick, places), a.only)
     built, build_missing = prepare.build_packages(chosen)
     absent += build_missing
-    chosen = [c for c in chosen if not failed_build(c, built)]
+    # Without the build it runs (the setup said why), a cell is left out.
+    chosen = [c for c in chosen if runners.package_build(c) in (None, *built)]
     build_s = time.monotonic() - started
     note(
         f"setup: builds, data and the KVM probe took {build_s:.0f} s "

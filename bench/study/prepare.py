@@ -169,15 +169,10 @@ def build_packages(chosen: list[cl.Cell]) -> tuple[runners.Builds, list[str]]:
     """The Python packages that the chosen XGBoost and LightGBM cells run
     and this host's wheels do not hold: the patched XGBoost for this host
     (about 10 minutes the first time), and for each other architecture
-    the same XGBoost and stock LightGBM cross-compiled (about 10 and 4
-    minutes). All cached. Returns them by (workload, architecture), and
+    the same XGBoost and stock LightGBM cross-compiled (about 5 and 2 to
+    4 minutes). All cached. Returns them by (workload, architecture), and
     a line for each build that failed."""
-    needed = {
-        (c.workload, c.arch)
-        for c in chosen
-        if (c.workload == "xgboost" and (c.transport == "dmlc" or runners.foreign(c)))
-        or (c.workload == "lightgbm" and runners.foreign(c))
-    }
+    needed = {b for c in chosen if (b := runners.package_build(c))}
     built: runners.Builds = {}
     missing = []
     for workload, arch in sorted(needed):

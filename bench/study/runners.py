@@ -323,19 +323,30 @@ def xgboost_argv(cell: Cell, s: Settings) -> list[str]:
     return [*argv, "--monitor", "--json", "-"]
 
 
-def package_pythonpath(cell: Cell, built: Builds) -> str:
-    """The ranks' PYTHONPATH for an XGBoost or LightGBM cell. On this
-    host's userland: the patched XGBoost first for the device, else its
-    own wheels. In VMs of another architecture: that architecture's build
-    of XGBoost (the patched one, for both transports: it is the version of
-    the host's wheel, which Debian's root lacks) or of stock LightGBM."""
-    base = torchjobs.job_env()["PYTHONPATH"]
+def package_build(cell: Cell) -> tuple[str, str] | None:
+    """The build (workload, architecture) that an XGBoost or LightGBM cell
+    runs, or None where this host's wheels serve. On this host's userland:
+    the patched XGBoost for the device. In VMs of another architecture:
+    that architecture's build of XGBoost (the patched one, for both
+    transports: it is the version of the host's wheel, which Debian's root
+    lacks) or of stock LightGBM."""
+    if cell.workload not in ("xgboost", "lightgbm"):
+        return None
     if not foreign(cell) and (cell.workload == "lightgbm" or cell.transport != "dmlc"):
+        return None
+    return (cell.workload, cell.arch)
+
+
+def package_pythonpath(cell: Cell, built: Builds) -> str:
+    """The ranks' PYTHONPATH for an XGBoost or LightGBM cell: its build
+    (package_build) first, if it has one."""
+    base = torchjobs.job_env()["PYTHONPATH"]
+    need = package_build(cell)
+    if need is None:
         return base
-    path = built.get((cell.workload, cell.arch))
-    if not path:
+    if need not in built:
         raise CellFailedError(f"{cell.id}: its {cell.workload} build for {cell.arch} is missing")
-    return f"{path}:{base}"
+    return f"{built[need]}:{base}"
 
 
 def xgboost_result(cell: Cell, lines: dict[int, list[str]]) -> dict[str, Any]:
