@@ -203,7 +203,7 @@ def main() -> None:
     )
     started = time.monotonic()
     load_before = prepare.loadavg()
-    commit = prepare.describe()
+    commit = prepare.describe(out, *([a.benchmarks_md] if a.benchmarks_md else []))
     with raw_log.open("w") as f:
         # bench/record.sh's header: docs/check-figures.sh traces the
         # report's tables to this file.

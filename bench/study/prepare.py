@@ -56,15 +56,24 @@ def kvm_usable() -> tuple[bool, str]:
     return True, ""
 
 
-def describe() -> str:
-    r = subprocess.run(
-        ["git", "describe", "--always", "--dirty", "--abbrev=12"],
-        cwd=cl.ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return r.stdout.strip() or "unknown"
+def describe(*written: Path) -> str:
+    """The commit, with "-dirty" when a tracked file differs from it;
+    the files and folders a study writes itself do not count (a report
+    committed under docs/ is rewritten by the next study)."""
+
+    def git(*args: str) -> str:
+        r = subprocess.run(["git", *args], cwd=cl.ROOT, capture_output=True, text=True, check=False)
+        return r.stdout.strip()
+
+    commit = git("rev-parse", "--short=12", "HEAD")
+    if not commit:
+        return "unknown"
+    paths = ["."]
+    for path in (w.resolve() for w in written):
+        if path.is_relative_to(cl.ROOT):
+            paths.append(f":(exclude){path.relative_to(cl.ROOT)}")
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", *paths)
+    return commit + ("-dirty" if changed else "")
 
 
 def machine() -> dict[str, Any]:
