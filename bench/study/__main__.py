@@ -67,7 +67,7 @@ def parse() -> argparse.Namespace:
         action="store_true",
         help="also N = 4, the 4.3M-parameter DDP model (N = 2), LightGBM, aarch64 and "
         "riscv64 TCG VMs and KVM where it works; more host repetitions and steps, "
-        "sweeps up to 16 MiB (about 2 hours on 2 cores, docs/study.md)",
+        "sweeps up to 16 MiB (about 2.5 hours on 2 cores, docs/study.md)",
     )
     p.add_argument(
         "--out", type=Path, default=Path("study"), help="where the report goes [default: ./study]"
