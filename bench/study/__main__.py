@@ -36,8 +36,8 @@ from typing import Any
 
 import tomllib
 
+from . import analysis, prepare, report, runners
 from . import cells as cl
-from . import prepare, report, runners
 from .runners import log
 
 CACHE = Path(os.environ.get("DMLC_CACHE", Path.home() / ".cache" / "virtio-dmlc")) / "study"
@@ -142,6 +142,29 @@ def cached(path: Path) -> dict[str, Any] | None:
     return rec if isinstance(rec, dict) and rec.get("runs") else None
 
 
+def cluster_model(path: Path) -> dict[str, Any]:
+    """The [model] table of a timing file (TOML, or JSON by its name), for
+    the report's description of the target."""
+    try:
+        text = path.read_text()
+        doc = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+        return dict(doc["model"])
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        raise SystemExit(f"--cluster {path}: not a timing file with a [model]: {e}") from None
+
+
+def projected_buckets(results: list[dict[str, Any]]) -> dict[int, set[int]]:
+    """The DDP bucket sizes that the report projects, by N: those of the
+    host's DDP cells through the device and of the projection cell."""
+    sizes: dict[int, set[int]] = {}
+    for c in results:
+        s = c["spec"]
+        ddp = s["workload"].startswith("ddp") or s["workload"] == "projection"
+        if ddp and s["place"] == "host" and s["transport"] == "dmlc":
+            sizes.setdefault(s["n"], set()).update(analysis.buckets(c))
+    return sizes
+
+
 class Progress:
     """Cells done and the time left, estimated from what ran so far."""
 
@@ -239,17 +262,9 @@ def main() -> None:
             "KVM and guests of other architectures: a --quick study runs x86_64 TCG VMs only "
             "(--full adds them)."
         )
-    try:
-        model = tomllib.loads(a.cluster.read_text())["model"]
-    except (OSError, KeyError, tomllib.TOMLDecodeError) as e:
-        raise SystemExit(
-            f"--cluster {a.cluster}: not a timing-model file with a [model]: {e}"
-        ) from None
-    if model.get("kind") != "ring":
-        raise SystemExit(
-            f"--cluster {a.cluster}: the projection knows the ring model only, "
-            f"not {model.get('kind')!r}"
-        )
+    model = cluster_model(a.cluster)
+    # Checked now, as the backend checks it, rather than after the cells.
+    prepare.model_times(a.cluster, {2: {0}})
     chosen = cl.select(cl.matrix(quick, places), a.only)
     built, build_missing = prepare.build_packages(chosen)
     absent += build_missing
@@ -340,6 +355,7 @@ def main() -> None:
                 "file": os.path.relpath(a.cluster, cl.ROOT),
                 "model": model,
                 "speed": a.speed,
+                **prepare.model_times(a.cluster, projected_buckets(results)),
             },
             "places": places,
             "absent": absent,

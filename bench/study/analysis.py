@@ -147,17 +147,19 @@ def sweep(cell: Doc) -> list[SweepRow]:
     ]
 
 
-def ring_allreduce_us(model: Doc, nbytes: int) -> float:
-    """docs/latency-experiments.md, section 3: a ring allreduce of N bytes
-    over p ranks is 2(p-1)a + 2fNb (+ fNg), f = (p-1)/p."""
-    p = int(model["world"])
-    if p <= 1:
-        return 0.0
-    f = (p - 1) / p
-    a = float(model["alpha_us"])
-    b = 1e6 / (float(model["bandwidth_gbs"]) * 1e9)  # us per byte
-    g = 1e6 / (float(model["reduce_gbs"]) * 1e9) if model.get("reduce_gbs") else 0.0
-    return 2 * (p - 1) * a + 2 * f * nbytes * b + f * nbytes * g
+def buckets(cell: Doc) -> list[int]:
+    """The bytes of each DDP bucket of a cell's model (one bucket of every
+    parameter where the run did not record them)."""
+    run0 = cell["runs"][0]
+    return run0.get("bucket_bytes") or [4 * int(run0["params"])]
+
+
+def modelled_exchange_ms(doc: Doc, n: int, sizes: list[int]) -> float:
+    """The target model's time for one allreduce of each size among n
+    members, summed: from the table the study recorded with dmlc-timing
+    (the backend's own formulas, docs/latency-experiments.md)."""
+    table = doc["meta"]["projection"]["allreduce_us"][str(n)]
+    return sum(table[str(b)] for b in sizes) / 1e3
 
 
 @dataclass(frozen=True)
@@ -184,9 +186,8 @@ def project(doc: Doc, workload: str, n: int) -> Projection | None:
         return None
     speed = float(target["speed"])
     compute = spread(host, "compute_ms").median + spread(host, "update_ms").median
-    buckets = host["runs"][0].get("bucket_bytes") or [4 * int(host["runs"][0]["params"])]
-    exchange = sum(ring_allreduce_us(target["model"], b) for b in buckets) / 1e3
-    return Projection(workload, n, compute / speed, exchange, buckets)
+    sizes = buckets(host)
+    return Projection(workload, n, compute / speed, modelled_exchange_ms(doc, n, sizes), sizes)
 
 
 def projection_error(doc: Doc) -> tuple[Projection, Spread, float] | None:
@@ -197,10 +198,9 @@ def projection_error(doc: Doc) -> tuple[Projection, Spread, float] | None:
     target = doc["meta"].get("projection")
     if not cell or not target:
         return None
-    run0 = cell["runs"][0]
+    n = cell["spec"]["n"]
     compute = spread(cell, "compute_ms").median + spread(cell, "update_ms").median
-    buckets = run0.get("bucket_bytes") or [4 * int(run0["params"])]
-    exchange = sum(ring_allreduce_us(target["model"], b) for b in buckets) / 1e3
-    projected = Projection("projection", cell["spec"]["n"], compute, exchange, buckets)
+    sizes = buckets(cell)
+    projected = Projection("projection", n, compute, modelled_exchange_ms(doc, n, sizes), sizes)
     measured = spread(cell, "step_ms")
     return projected, measured, (measured.median - projected.step_ms) / measured.median

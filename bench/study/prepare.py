@@ -6,6 +6,7 @@ the commit, the CPU, the load and the QEMU version."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shutil
@@ -112,6 +113,27 @@ def qemu_version() -> str:
         return "QEMU: not built"
     r = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False)
     return r.stdout.splitlines()[0] if r.stdout else "QEMU: unknown version"
+
+
+def model_times(cluster: Path, sizes_by_n: dict[int, set[int]]) -> dict[str, Any]:
+    """What the target cluster's timing model makes one allreduce of each
+    size take among n members, in microseconds by n and size, and its
+    modelled world: dmlc-timing, the backend's own formulas, so the
+    projection and the daemon's `--timing` agree by construction. Exits
+    with dmlc-timing's message when the file is not a valid timing file."""
+    table: dict[str, dict[str, float]] = {}
+    world = None
+    for n, sizes in sorted(sizes_by_n.items()):
+        argv = [str(cl.TARGET / "dmlc-timing"), str(cluster), "--members", str(n)]
+        r = subprocess.run(
+            [*argv, *map(str, sorted(sizes))], capture_output=True, text=True, check=False
+        )
+        if r.returncode:
+            raise SystemExit(f"--cluster {cluster}: {r.stderr.strip()}")
+        answer = json.loads(r.stdout)
+        table[str(n)] = answer["us"]
+        world = answer["world"]
+    return {"world": world, "allreduce_us": table}
 
 
 def build_mpi_bench() -> str | None:

@@ -512,14 +512,16 @@ def projection_section(doc: Doc) -> Section | None:
     if not target:
         return None
     m = target["model"]
+    fields = ", ".join(f"{k} = {v}" for k, v in m.items() if k not in ("kind", "world"))
     sec = Section("Projection to a target cluster")
     sec.add(
-        f"Target: `{target['file']}`, a {m['kind']} model of {m['world']} ranks, alpha "
-        f"{m['alpha_us']} us, {m['bandwidth_gbs']} GB/s; its compute {target['speed']} times "
+        f"Target: `{target['file']}`, a {m.get('kind', 'ideal')} model of {target['world']} "
+        f"ranks ({fields}); its compute {target['speed']} times "
         "this host's (a timing file holds no compute time: the speed is the study's "
         "`--speed`, for example the ratio of the two machines' times for one step of the "
-        "model alone). Projected step = (host compute + update) / speed + the model's ring "
-        "allreduce of each DDP bucket, with no overlap of backward and exchange assumed."
+        "model alone). Projected step = (host compute + update) / speed + the model's "
+        "allreduce of each DDP bucket (`dmlc-timing`: the backend's own formulas), with no "
+        "overlap of backward and exchange assumed."
     )
     rows = []
     for w in an.ddp_workloads(doc):

@@ -51,16 +51,22 @@ def test_the_benchmarks_page_shows_the_committed_answers() -> None:
     )
 
 
-def test_a_ring_allreduce_is_the_documented_alpha_beta_time() -> None:
-    # docs/latency-experiments.md: 2(p-1)a + 2fNb. p = 8, a = 25 us,
-    # 1.25 GB/s, N = 4505640 B: 350 us + 2 * 7/8 * 4505640 / 1250 us.
-    model = {"kind": "ring", "world": 8, "alpha_us": 25, "bandwidth_gbs": 1.25}
-    assert analysis.ring_allreduce_us(model, 4505640) == pytest.approx(350 + 6307.9, abs=0.1)
-    assert analysis.ring_allreduce_us(dict(model, world=1), 4505640) == 0.0
-    # A reduction at 2.5 GB/s adds fN/2500 us.
-    slow = dict(model, reduce_gbs=2.5)
-    extra = analysis.ring_allreduce_us(slow, 1000) - analysis.ring_allreduce_us(model, 1000)
-    assert extra == pytest.approx(7 / 8 * 1000 / 2500)
+def test_the_projection_adds_the_model_s_time_of_each_bucket(tmp_path: Path) -> None:
+    # The recorded table is dmlc-timing's (its formulas are tested in Rust);
+    # here: which entries a projection takes and how it adds them.
+    host = {
+        "spec": {"workload": "ddp-mlp", "place": "host", "transport": "dmlc", "n": 4},
+        "runs": [{"compute_ms": 2.0, "update_ms": 1.0, "bucket_bytes": [100, 300], "params": 1}],
+    }
+    table = {"4": {"100": 500.0, "300": 1500.0}, "2": {"100": 1.0, "300": 1.0}}
+    doc = {
+        "meta": {"projection": {"speed": 2.0, "world": 8, "allreduce_us": table}},
+        "cells": [host],
+    }
+    p = analysis.project(doc, "ddp-mlp", 4)
+    assert (p.compute_ms, p.exchange_ms, p.step_ms) == (1.5, 2.0, 3.5)
+    # A run without bucket sizes is one bucket of every parameter (f32).
+    assert analysis.buckets({"runs": [{"params": 25}]}) == [100]
 
 
 def test_time_to_accuracy_is_the_first_evaluation_that_reaches_it() -> None:
