@@ -142,6 +142,12 @@ def cached(path: Path) -> dict[str, Any] | None:
     return rec if isinstance(rec, dict) and rec.get("runs") else None
 
 
+def shown(path: Path) -> str:
+    """A path as the report names it: from the repository's root when it
+    is inside it, else as it is."""
+    return str(path.relative_to(cl.ROOT)) if path.is_relative_to(cl.ROOT) else str(path)
+
+
 def cluster_model(path: Path) -> dict[str, Any]:
     """The [model] table of a timing file (TOML, or JSON by its name), for
     the report's description of the target."""
@@ -221,9 +227,7 @@ def main() -> None:
         return
     out.mkdir(parents=True, exist_ok=True)
     raw_log = out / "log.txt"
-    raw_file = (
-        os.path.relpath(raw_log, cl.ROOT) if raw_log.is_relative_to(cl.ROOT) else str(raw_log)
-    )
+    raw_file = shown(raw_log)
     started = time.monotonic()
     load_before = prepare.loadavg()
     commit = prepare.describe(out, *([a.benchmarks_md] if a.benchmarks_md else []))
@@ -352,7 +356,7 @@ def main() -> None:
             "settings": asdict(settings),
             "target_accuracy": a.target_accuracy,
             "projection": {
-                "file": os.path.relpath(a.cluster, cl.ROOT),
+                "file": shown(a.cluster.resolve()),
                 "model": model,
                 "speed": a.speed,
                 **prepare.model_times(a.cluster, projected_buckets(results)),
