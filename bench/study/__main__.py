@@ -171,6 +171,25 @@ def projected_buckets(results: list[dict[str, Any]]) -> dict[int, set[int]]:
     return sizes
 
 
+def add_model_times(doc: dict[str, Any], doc_path: Path) -> None:
+    """A study.json written before the study recorded its target model's
+    times (meta.projection.allreduce_us) gets them, from the timing file it
+    names and the bucket sizes of its own cells: a function of committed
+    inputs, not a measurement, so no cell is measured again."""
+    target = doc["meta"].get("projection")
+    if not target or "allreduce_us" in target:
+        return
+    if not (cl.TARGET / "dmlc-timing").exists():
+        raise SystemExit(
+            f"{doc_path} has no model times; build dmlc-timing to add them: "
+            "cargo build --release -p vhost-device-dmlc"
+        )
+    cluster = cl.ROOT / target["file"]
+    target.update(prepare.model_times(cluster, projected_buckets(doc["cells"])))
+    doc_path.write_text(json.dumps(doc, indent=1) + "\n")
+    log(f"added the model times of {target['file']} to {doc_path} (dmlc-timing)")
+
+
 class Progress:
     """Cells done and the time left, estimated from what ran so far."""
 
@@ -201,6 +220,7 @@ def main() -> None:
     doc_path = out / "study.json"
     if a.report_only:
         doc = json.loads(doc_path.read_text())
+        add_model_times(doc, doc_path)
         for f in report.write(doc, out):
             log(f"wrote {f}")
         if a.benchmarks_md:
